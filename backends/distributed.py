@@ -1,0 +1,53 @@
+"""torch.distributed set-up from torchrun's environment, on any backend."""
+from __future__ import annotations
+
+import logging
+import os
+from datetime import timedelta
+
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from .base import Backend
+
+logger = logging.getLogger(__name__)
+
+
+def _env_int(name: str, default: int) -> int:
+    value = os.environ.get(name)
+    if value is None:
+        return default
+    try:
+        return int(value)
+    except ValueError:
+        raise ValueError(f"environment variable {name} must be an integer, got {value!r}") from None
+
+
+def init_distributed(backend: Backend, timeout_s: float = 600.0) -> DeviceMesh:
+    """Initialise the process group from torchrun's variables (or a single-process group
+    when they are absent), bind the device, and return a 1-D ``DeviceMesh`` over all ranks."""
+    rank = _env_int("RANK", 0)
+    world_size = _env_int("WORLD_SIZE", 1)
+    local_rank = _env_int("LOCAL_RANK", 0)
+    if not 0 <= rank < world_size:
+        raise ValueError(f"RANK={rank} must lie in [0, WORLD_SIZE={world_size})")
+    backend.set_device(local_rank)
+    if not dist.is_initialized():
+        if "MASTER_ADDR" not in os.environ:
+            if world_size != 1:
+                raise ValueError(f"WORLD_SIZE={world_size} but MASTER_ADDR is unset: launch with torchrun")
+            # Single process: a private store, so two jobs on one host never collide on a port.
+            store = dist.HashStore()
+            dist.init_process_group(backend.dist_backend, store=store, rank=0, world_size=1,
+                                    timeout=timedelta(seconds=timeout_s))
+        else:
+            dist.init_process_group(backend.dist_backend, rank=rank, world_size=world_size,
+                                    timeout=timedelta(seconds=timeout_s))
+        logger.debug("initialised %s process group: rank %d of %d", backend.dist_backend, rank, world_size)
+    return init_device_mesh(backend.device_type, (dist.get_world_size(),), mesh_dim_names=("fsdp",))
+
+
+def destroy_distributed() -> None:
+    """Tear the process group down if one exists."""
+    if dist.is_initialized():
+        dist.destroy_process_group()

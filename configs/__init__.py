@@ -1,0 +1,1 @@
+"""Hydra configuration files for polyfsdp, found as ``pkg://polyfsdp.configs``."""

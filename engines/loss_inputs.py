@@ -1,0 +1,37 @@
+"""The contract between the engine's training step and a loss function.
+
+Alignment convention (one rule for every per-token field): position ``t`` of a sequence
+holds quantities about predicting token ``t + 1``, exactly like ``log_probs`` (DESIGN.md).
+So ``response_mask[t] == 1`` means "the log-prob at ``t`` belongs to the response", i.e.
+``x[t + 1]`` is a response token; the last position of every sequence is always 0.
+``old_log_probs``, ``ref_log_probs`` and ``advantages`` follow the same alignment.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class LossInputs:
+    """What a loss function receives for one micro-batch.
+
+    Per-token tensors are flat ``(total_tokens,)`` over the micro-batch's sequences in
+    order; ``offsets`` (``(num_seqs + 1,)``) marks where each sequence starts. The global
+    counts cover the whole step (all micro-batches, all ranks), so a loss normalised by
+    them sums to the same value however the batch was split.
+    """
+
+    log_probs: torch.Tensor
+    entropy: torch.Tensor | None
+    fields: dict[str, torch.Tensor]
+    offsets: torch.Tensor
+    global_num_tokens: float
+    global_num_seqs: int
+    extras: dict = field(default_factory=dict)
+
+
+# A loss function: ``loss_fn(inputs: LossInputs) -> (loss: scalar Tensor, metrics: dict[str, float])``.
+# It may set ``requires_entropy = False`` (attribute) so the engine skips entropy work,
+# and ``required_fields = (...)`` naming the batch keys it reads (checked before the step).
