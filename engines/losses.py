@@ -1,0 +1,309 @@
+"""Loss functions for the engine's training step: SFT and PPO/GRPO, with KL and entropy terms.
+
+Every loss follows the contract in :mod:`polyfsdp.engines.loss_inputs`: it receives one
+micro-batch as flat per-token tensors plus ``offsets`` and the step-wide (all micro-batches,
+all ranks) token and sequence counts, and returns ``(loss, metrics)``.
+
+Normalisation is by the GLOBAL counts, so each micro-batch returns its *share* of the
+step's loss: summing the shares over micro-batches and ranks gives exactly the loss of the
+whole batch, however it was split. The engine must therefore SUM gradients over ranks
+(not average them). Metrics are shares in the same sense (token means over the global
+response-token count), so the engine sums them over micro-batches and ranks too.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Sequence
+
+import torch
+
+from .loss_inputs import LossInputs
+
+logger = logging.getLogger(__name__)
+
+AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean")
+KL_TYPES = ("k1", "k3")
+# exp() of a log-ratio beyond this overflows fp32 long before it carries information;
+# the same guard verl applies.
+_LOG_RATIO_CLAMP = 20.0
+
+
+# --------------------------------------------------------------------------- segments
+
+
+def segment_ids(offsets: torch.Tensor, total: int) -> torch.Tensor:
+    """Sequence index of every flat token, from ``offsets`` (no Python loop, no host sync)."""
+    lengths = offsets[1:] - offsets[:-1]
+    ids = torch.arange(lengths.numel(), device=offsets.device)
+    return torch.repeat_interleave(ids, lengths, output_size=total)
+
+
+def segment_sum(values: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """Per-sequence sums ``(num_seqs,)`` of a flat ``(total,)`` tensor."""
+    num_seqs = offsets.numel() - 1
+    seg = segment_ids(offsets.to(values.device), values.numel())
+    return torch.zeros(num_seqs, dtype=values.dtype, device=values.device).index_add_(0, seg, values)
+
+
+def aggregate(values: torch.Tensor, mask: torch.Tensor, inputs: LossInputs, agg_mode: str) -> torch.Tensor:
+    """Reduce per-token ``values`` over ``mask`` into this micro-batch's share of the step loss.
+
+    token-mean: sum / global_num_tokens. seq-mean-token-sum: sum of per-sequence sums /
+    global_num_seqs. seq-mean-token-mean: sum of per-sequence means / global_num_seqs
+    (a sequence without masked tokens contributes 0 but still counts in global_num_seqs).
+    """
+    masked = values * mask
+    if agg_mode == "token-mean":
+        return masked.sum() / inputs.global_num_tokens
+    per_seq = segment_sum(masked, inputs.offsets)
+    if agg_mode == "seq-mean-token-sum":
+        return per_seq.sum() / inputs.global_num_seqs
+    if agg_mode == "seq-mean-token-mean":
+        counts = segment_sum(mask, inputs.offsets)
+        return (per_seq / counts.clamp_min(1.0)).sum() / inputs.global_num_seqs
+    raise ValueError(f"unknown agg_mode {agg_mode!r}; choose one of {', '.join(AGG_MODES)}")
+
+
+def _token_share(values: torch.Tensor, mask: torch.Tensor, inputs: LossInputs) -> float:
+    """Token-mean share of a metric over the global response-token count, as a float."""
+    return float((values.detach() * mask).sum() / inputs.global_num_tokens)
+
+
+# --------------------------------------------------------------------------- validation
+
+
+def _check_agg_mode(agg_mode: str) -> str:
+    if agg_mode not in AGG_MODES:
+        raise ValueError(f"unknown agg_mode {agg_mode!r}; choose one of {', '.join(AGG_MODES)}")
+    return agg_mode
+
+
+def _describe_index(flat_index: int, offsets: torch.Tensor) -> str:
+    seq = int(torch.searchsorted(offsets.cpu(), torch.tensor(flat_index), right=True)) - 1
+    pos = flat_index - int(offsets[seq])
+    return f"flat index {flat_index} (sequence {seq}, position {pos})"
+
+
+def _check_inputs(inputs: LossInputs, required: Sequence[str], mask_field: str, need_entropy: bool) -> None:
+    """Raise ValueError for any input the loss cannot use, naming the field and the problem."""
+    if not isinstance(inputs, LossInputs):
+        raise TypeError(f"loss functions take a LossInputs, got {type(inputs).__name__}")
+    lp = inputs.log_probs
+    if not torch.is_tensor(lp) or lp.dim() != 1 or not lp.is_floating_point():
+        raise ValueError(
+            f"log_probs must be a flat (total_tokens,) float tensor, got "
+            f"{type(lp).__name__} {tuple(lp.shape) if torch.is_tensor(lp) else ''} "
+            f"{lp.dtype if torch.is_tensor(lp) else ''}".rstrip()
+        )
+    offsets = inputs.offsets
+    if not torch.is_tensor(offsets) or offsets.dim() != 1 or offsets.numel() < 1 or offsets.is_floating_point():
+        raise ValueError(f"offsets must be a 1-D integer tensor (num_seqs + 1,), got {offsets!r}")
+    off = offsets.cpu()
+    if int(off[0]) != 0 or int(off[-1]) != lp.numel() or bool((off[1:] < off[:-1]).any()):
+        raise ValueError(
+            f"offsets must start at 0, be non-decreasing and end at len(log_probs)={lp.numel()}; "
+            f"got {off.tolist()}"
+        )
+    missing = [name for name in required if name not in inputs.fields]
+    if missing:
+        raise ValueError(
+            f"loss needs batch fields {list(required)}; missing {missing} (given: {sorted(inputs.fields)})"
+        )
+    for name in required:
+        value = inputs.fields[name]
+        if not torch.is_tensor(value) or value.shape != lp.shape:
+            given = tuple(value.shape) if torch.is_tensor(value) else type(value).__name__
+            raise ValueError(
+                f"field {name!r} must have the shape of log_probs {tuple(lp.shape)} "
+                f"(flat, same layout), got {given}"
+            )
+    mask = inputs.fields[mask_field]
+    if mask.dtype != torch.bool:
+        bad = ~((mask == 0) | (mask == 1))
+        if bool(bad.any()):
+            idx = int(bad.nonzero()[0, 0])
+            raise ValueError(
+                f"field {mask_field!r} must hold only 0/1 values; found {mask[idx].item()!r} at "
+                f"{_describe_index(idx, off)}"
+            )
+    for name in required:
+        value = inputs.fields[name]
+        if name == mask_field or not value.is_floating_point():
+            continue
+        bad = ~torch.isfinite(value)
+        if bool(bad.any()):
+            idx = int(bad.nonzero()[0, 0])
+            raise ValueError(
+                f"field {name!r} must be finite; found {value[idx].item()} at {_describe_index(idx, off)}"
+            )
+    if need_entropy:
+        ent = inputs.entropy
+        if ent is None:
+            raise ValueError("this loss needs entropy (requires_entropy=True) but inputs.entropy is None")
+        if ent.shape != lp.shape:
+            raise ValueError(f"entropy must have the shape of log_probs {tuple(lp.shape)}, got {tuple(ent.shape)}")
+    if not inputs.global_num_tokens > 0:
+        raise ValueError(
+            f"global_num_tokens must be > 0 (the step's response-token count), got {inputs.global_num_tokens}"
+        )
+    if not inputs.global_num_seqs > 0:
+        raise ValueError(f"global_num_seqs must be > 0, got {inputs.global_num_seqs}")
+
+
+# --------------------------------------------------------------------------- KL
+
+
+def kl_penalty(log_probs: torch.Tensor, ref_log_probs: torch.Tensor, kl_type: str) -> torch.Tensor:
+    """Per-token KL(policy || reference) estimate: k1 = logp - ref; k3 = exp(ref - logp) - (ref - logp) - 1."""
+    if kl_type == "k1":
+        return log_probs - ref_log_probs
+    if kl_type == "k3":
+        diff = ref_log_probs - log_probs
+        return torch.exp(diff) - diff - 1.0
+    raise ValueError(f"unknown kl_type {kl_type!r}; choose one of {', '.join(KL_TYPES)}")
+
+
+# --------------------------------------------------------------------------- losses
+
+
+class SFTLoss:
+    """Negative log-likelihood of the tokens selected by ``mask_field`` (the response)."""
+
+    requires_entropy = False
+
+    def __init__(self, agg_mode: str = "token-mean", mask_field: str = "response_mask"):
+        self.agg_mode = _check_agg_mode(agg_mode)
+        self.mask_field = mask_field
+        self.required_fields = (mask_field,)
+
+    def __call__(self, inputs: LossInputs) -> tuple[torch.Tensor, dict[str, float]]:
+        """Return ``(loss, {"nll": ...})`` for one micro-batch."""
+        _check_inputs(inputs, self.required_fields, self.mask_field, need_entropy=False)
+        log_probs = inputs.log_probs.float()
+        mask = inputs.fields[self.mask_field].to(log_probs.dtype)
+        loss = aggregate(-log_probs, mask, inputs, self.agg_mode)
+        metrics = {"nll": _token_share(-log_probs, mask, inputs)}
+        return loss, metrics
+
+
+class PPOLoss:
+    """PPO clipped policy loss (GRPO uses it with group-normalised advantages).
+
+    Per token: ``ratio = exp(logp - old_logp)``, ``pg = max(-A * ratio, -A * clip(ratio,
+    1 - clip_ratio_low, 1 + clip_ratio_high))``; with dual-clip (``dual_clip_c > 1``) the
+    loss of a negative-advantage token is also capped at ``-A * c``. Adds
+    ``kl_coef * KL(policy || ref)`` (k1 or k3) and subtracts ``entropy_coef * entropy``.
+    """
+
+    def __init__(
+        self,
+        clip_ratio_low: float = 0.2,
+        clip_ratio_high: float = 0.2,
+        dual_clip_c: float | None = None,
+        kl_coef: float = 0.0,
+        kl_type: str = "k3",
+        entropy_coef: float = 0.0,
+        agg_mode: str = "token-mean",
+        report_entropy: bool = False,
+    ):
+        if not 0.0 <= clip_ratio_low < 1.0:
+            raise ValueError(f"clip_ratio_low must lie in [0, 1), got {clip_ratio_low}")
+        if not clip_ratio_high >= 0.0:
+            raise ValueError(f"clip_ratio_high must be >= 0, got {clip_ratio_high}")
+        if dual_clip_c is not None and not dual_clip_c > 1.0:
+            raise ValueError(f"dual_clip_c must be > 1 (or None to disable), got {dual_clip_c}")
+        if not kl_coef >= 0.0:
+            raise ValueError(f"kl_coef must be >= 0, got {kl_coef}")
+        if kl_type not in KL_TYPES:
+            raise ValueError(f"unknown kl_type {kl_type!r}; choose one of {', '.join(KL_TYPES)}")
+        self.clip_ratio_low = clip_ratio_low
+        self.clip_ratio_high = clip_ratio_high
+        self.dual_clip_c = dual_clip_c
+        self.kl_coef = kl_coef
+        self.kl_type = kl_type
+        self.entropy_coef = entropy_coef
+        self.agg_mode = _check_agg_mode(agg_mode)
+        # Entropy costs a vocab-wide pass; ask for it only when it changes the loss or is reported.
+        self.requires_entropy = entropy_coef != 0.0 or report_entropy
+        fields = ["response_mask", "old_log_probs", "advantages"]
+        if kl_coef > 0.0:
+            fields.append("ref_log_probs")
+        self.required_fields = tuple(fields)
+
+    def __call__(self, inputs: LossInputs) -> tuple[torch.Tensor, dict[str, float]]:
+        """Return ``(loss, metrics)``: pg_loss, clip_frac, [clip_frac_lower], approx_kl, [kl], [entropy]."""
+        _check_inputs(inputs, self.required_fields, "response_mask", need_entropy=self.requires_entropy)
+        fields = inputs.fields
+        log_probs = inputs.log_probs.float()
+        mask = fields["response_mask"].to(log_probs.dtype)
+        old = fields["old_log_probs"].to(log_probs.dtype)
+        adv = fields["advantages"].to(log_probs.dtype)
+
+        log_ratio = torch.clamp(log_probs - old, -_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP)
+        ratio = torch.exp(log_ratio)
+        loss_unclipped = -adv * ratio
+        loss_clipped = -adv * torch.clamp(ratio, 1.0 - self.clip_ratio_low, 1.0 + self.clip_ratio_high)
+        pg = torch.maximum(loss_unclipped, loss_clipped)
+        metrics = {"clip_frac": _token_share((loss_clipped > loss_unclipped).float(), mask, inputs)}
+        if self.dual_clip_c is not None:
+            cap = -adv * self.dual_clip_c
+            negative = adv < 0
+            metrics["clip_frac_lower"] = _token_share(((pg > cap) & negative).float(), mask, inputs)
+            pg = torch.where(negative, torch.minimum(pg, cap), pg)
+        pg_loss = aggregate(pg, mask, inputs, self.agg_mode)
+        loss = pg_loss
+        metrics["pg_loss"] = float(pg_loss.detach())
+        # k1 estimate of KL(old || new), the usual PPO diagnostic.
+        metrics["approx_kl"] = _token_share(old - log_probs, mask, inputs)
+
+        if self.kl_coef > 0.0:
+            ref = fields["ref_log_probs"].to(log_probs.dtype)
+            kl = kl_penalty(log_probs, ref, self.kl_type)
+            kl_loss = aggregate(kl, mask, inputs, self.agg_mode)
+            loss = loss + self.kl_coef * kl_loss
+            metrics["kl"] = float(kl_loss.detach())
+        if self.requires_entropy:
+            entropy = inputs.entropy.float()
+            metrics["entropy"] = _token_share(entropy, mask, inputs)
+            if self.entropy_coef != 0.0:
+                loss = loss - self.entropy_coef * aggregate(entropy, mask, inputs, self.agg_mode)
+        return loss, metrics
+
+
+# --------------------------------------------------------------------------- builder
+
+
+def loss_inputs_from_sequences(
+    log_probs: Sequence[Sequence[float] | torch.Tensor],
+    fields: dict[str, Sequence[Sequence[float] | torch.Tensor]] | None = None,
+    entropy: Sequence[Sequence[float] | torch.Tensor] | None = None,
+    global_num_tokens: float | None = None,
+    global_num_seqs: int | None = None,
+    mask_field: str = "response_mask",
+) -> LossInputs:
+    """Build a LossInputs from per-sequence lists (tests, notebooks).
+
+    Global counts default to this batch's own: the number of tokens where ``mask_field``
+    is 1 (or all tokens without it) and the number of sequences.
+    """
+
+    def flat(seqs, dtype=torch.float32):
+        parts = [torch.as_tensor(s, dtype=dtype) if not torch.is_tensor(s) else s for s in seqs]
+        return torch.cat(parts) if parts else torch.zeros(0, dtype=dtype)
+
+    lengths = torch.tensor([len(s) for s in log_probs], dtype=torch.long)
+    offsets = torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)])
+    flat_fields = {name: flat(seqs) for name, seqs in (fields or {}).items()}
+    if global_num_tokens is None:
+        mask = flat_fields.get(mask_field)
+        global_num_tokens = float(mask.sum()) if mask is not None else float(offsets[-1])
+    if global_num_seqs is None:
+        global_num_seqs = len(log_probs)
+    return LossInputs(
+        log_probs=flat(log_probs),
+        entropy=flat(entropy) if entropy is not None else None,
+        fields=flat_fields,
+        offsets=offsets,
+        global_num_tokens=global_num_tokens,
+        global_num_seqs=global_num_seqs,
+    )
