@@ -3,7 +3,15 @@
 ``get_backend()`` picks npu, cuda or cpu; ``available_backends()`` says which can run
 here and why not; ``init_distributed()`` sets up torch.distributed and the device mesh.
 """
-from .base import Backend, BackendUnavailableError
+import os
+
+# `import torch` loads every installed device extension through entry points, so a
+# torch_npu without CANN makes `import torch` itself fail. polyfsdp imports this package
+# before torch and turns that auto-loading off (unless the user set it), so the NPU
+# backend imports torch_npu lazily and can explain a failure in plain words.
+os.environ.setdefault("TORCH_DEVICE_BACKEND_AUTOLOAD", "0")
+
+from .base import Backend, BackendUnavailableError  # noqa: E402  (after the guard above)
 from .distributed import destroy_distributed, init_distributed
 from .registry import AUTO_ORDER, BACKEND_NAMES, ENV_OVERRIDE, BackendStatus, available_backends, get_backend
 

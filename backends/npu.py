@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import re
 import sys
 from typing import Callable
 
@@ -22,8 +23,9 @@ _FUSED_OP_NAMES = {
 
 
 def _release(version: str) -> str:
-    """'2.13.0+cpu' -> '2.13.0'; torch_npu must match torch at this level."""
-    return version.split("+")[0]
+    """'2.13.0+cpu' or '2.13.0.post1' -> '2.13.0'; torch_npu must match torch at this level."""
+    match = re.match(r"\d+\.\d+\.\d+", version)
+    return match.group(0) if match else version
 
 
 class NPUBackend(Backend):

@@ -1,0 +1,62 @@
+"""Stand-in torch_npu modules for exercising the NPU backend without Ascend hardware."""
+from __future__ import annotations
+
+import importlib.abc
+import importlib.machinery
+import sys
+import types
+
+import torch
+
+CANN_ERROR = "libhccl.so: cannot open shared object file: No such file or directory"
+
+
+class _BrokenLoader(importlib.abc.Loader):
+    """Raises the ImportError a torch_npu wheel raises when CANN is missing."""
+
+    def create_module(self, spec):
+        return None
+
+    def exec_module(self, module):
+        raise ImportError(CANN_ERROR)
+
+
+class BrokenTorchNpuFinder(importlib.abc.MetaPathFinder):
+    """Makes ``torch_npu`` look installed, but fail on import like a CANN-less install."""
+
+    def find_spec(self, fullname, path=None, target=None):
+        if fullname == "torch_npu":
+            return importlib.machinery.ModuleSpec("torch_npu", _BrokenLoader())
+        return None
+
+
+class FakeNpuRuntime(types.SimpleNamespace):
+    """What ``torch.npu`` offers once torch_npu is loaded, minus real devices."""
+
+    def __init__(self, count: int = 2):
+        super().__init__()
+        self.count = count
+        self.calls: list[tuple] = []
+
+    def is_available(self):
+        return self.count > 0
+
+    def device_count(self):
+        return self.count
+
+    def set_device(self, index):
+        self.calls.append(("set_device", index))
+
+    def manual_seed_all(self, seed):
+        self.calls.append(("manual_seed_all", seed))
+
+    def synchronize(self):
+        self.calls.append(("synchronize",))
+
+
+def working_torch_npu(version: str | None = None) -> types.ModuleType:
+    """A module object standing in for an importable torch_npu of the given version."""
+    module = types.ModuleType("torch_npu")
+    module.__version__ = version or torch.__version__.split("+")[0] + ".post1"
+    module.npu_rms_norm = lambda x, gamma, epsilon=1e-6: (x, x)
+    return module

@@ -1,0 +1,32 @@
+"""Only backends/ (and tests) may name a device, a device runtime or a collective library."""
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+CHECKED_FOLDERS = ("engines", "patches", "trainer", "configs", "benchmarks")
+FORBIDDEN = re.compile(r"\b(cuda|npu|nccl|hccl)\b|torch\.cuda|torch_npu")
+
+
+def _violations() -> list[str]:
+    found = []
+    for folder in CHECKED_FOLDERS:
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            for number, line in enumerate(path.read_text().splitlines(), start=1):
+                if FORBIDDEN.search(line):
+                    found.append(f"{path.relative_to(ROOT)}:{number}: {line.strip()}")
+    return found
+
+
+def test_pattern_catches_device_names():
+    for text in ('x.to("cuda")', "import torch_npu", "torch.cuda.synchronize()", "backend='hccl'", "npu"):
+        assert FORBIDDEN.search(text), text
+    for text in ("accelerator", "cudagraph_free", "CPU"):
+        assert not FORBIDDEN.search(text), text
+
+
+def test_no_file_outside_backends_names_a_device():
+    assert (ROOT / "backends").is_dir() and (ROOT / "engines").is_dir()
+    violations = _violations()
+    assert not violations, "device names outside backends/:\n" + "\n".join(violations)

@@ -1,0 +1,29 @@
+"""On a GPU: a tensor round-trips through the device and init_distributed binds it."""
+import torch
+import torch.distributed as dist
+
+from polyfsdp.backends import destroy_distributed, get_backend, init_distributed
+
+
+def test_tensor_round_trip_through_the_gpu():
+    backend = get_backend("cuda")
+    x = torch.arange(10, dtype=torch.float32)
+    on_device = x.to(backend.device(0)) * 2
+    backend.synchronize()
+    assert on_device.device.type == "cuda"
+    assert torch.equal(on_device.cpu(), x * 2)
+    assert backend.memory_allocated() > 0
+
+
+def test_init_distributed_single_process_uses_nccl(monkeypatch):
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR"):
+        monkeypatch.delenv(name, raising=False)
+    backend = get_backend("cuda")
+    mesh = init_distributed(backend)
+    try:
+        assert dist.get_backend() == "nccl" and mesh.device_type == "cuda"
+        value = torch.ones(3, device=backend.device(0))
+        dist.all_reduce(value)
+        assert value.sum().item() == 3.0
+    finally:
+        destroy_distributed()

@@ -1,0 +1,44 @@
+"""init_distributed on gloo: two torchrun processes, and the single-process fallback."""
+import os
+
+import torch
+import torch.distributed as dist
+
+from polyfsdp.backends import destroy_distributed, get_backend, init_distributed
+from torchrun_launcher import run_torchrun
+
+HERE = os.path.dirname(__file__)
+
+
+def test_two_process_gloo_group_all_reduces():
+    result = run_torchrun(os.path.join(HERE, "worker_init_distributed.py"), nproc=2)
+    assert result.returncode == 0, result.stderr[-3000:]
+    lines = sorted(line for line in result.stdout.splitlines() if line.startswith("rank="))
+    assert lines == [
+        "rank=0 world=2 mesh=2 backend=gloo sum=3.0",
+        "rank=1 world=2 mesh=2 backend=gloo sum=3.0",
+    ]
+
+
+def test_single_process_without_torchrun_environment(monkeypatch):
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    mesh = init_distributed(get_backend("cpu"))
+    try:
+        assert dist.get_world_size() == 1 and mesh.size() == 1
+        value = torch.ones(2)
+        dist.all_reduce(value)
+        assert torch.equal(value, torch.ones(2))
+    finally:
+        destroy_distributed()
+    assert not dist.is_initialized()
+
+
+def test_world_size_without_master_addr_is_a_clear_error(monkeypatch):
+    import pytest
+
+    monkeypatch.delenv("MASTER_ADDR", raising=False)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "0")
+    with pytest.raises(ValueError, match="WORLD_SIZE=2 but MASTER_ADDR is unset"):
+        init_distributed(get_backend("cpu"))

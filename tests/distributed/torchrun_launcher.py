@@ -1,0 +1,25 @@
+"""Run a worker script under torchrun on CPU (gloo) from a test, with a free port."""
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+
+
+def free_port() -> int:
+    """An unused TCP port on the loopback interface."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def run_torchrun(script: str, nproc: int = 2, args: tuple[str, ...] = (), timeout: float = 300,
+                 env_extra: dict | None = None) -> subprocess.CompletedProcess:
+    """Launch ``script`` on ``nproc`` local processes; returns the finished process."""
+    env = dict(os.environ)
+    env.update({"POLYFSDP_BACKEND": "cpu", "OMP_NUM_THREADS": "1"})
+    env.update(env_extra or {})
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
+               "--master_addr", "127.0.0.1", "--master_port", str(free_port()), script, *args]
+    return subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=env)

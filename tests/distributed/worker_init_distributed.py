@@ -1,0 +1,13 @@
+"""Worker: init_distributed on the CPU backend, one all-reduce, report the mesh."""
+import torch
+import torch.distributed as dist
+
+from polyfsdp.backends import destroy_distributed, get_backend, init_distributed
+
+backend = get_backend()
+mesh = init_distributed(backend)
+value = torch.tensor([float(dist.get_rank() + 1)])
+dist.all_reduce(value)
+print(f"rank={dist.get_rank()} world={dist.get_world_size()} mesh={mesh.size()} "
+      f"backend={dist.get_backend()} sum={value.item()}", flush=True)
+destroy_distributed()
