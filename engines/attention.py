@@ -1,0 +1,105 @@
+"""``polyfsdp_varlen_sdpa``: per-sequence SDPA over packed rows, plain SDPA otherwise.
+
+Packed input (one row holding several sequences, announced by ``cu_seq_lens_q`` or by
+``position_ids`` restarting) runs SDPA once per sequence with ``is_causal=True``: on CPU
+this is 1.65x faster than padded SDPA with backward (DESIGN.md), and it never builds the
+dense total x total block-diagonal mask that transformers' sdpa path would.
+"""
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.nn.functional as F
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+logger = logging.getLogger(__name__)
+
+VARLEN_SDPA = "polyfsdp_varlen_sdpa"
+
+
+def _packed_boundaries(query: torch.Tensor, attention_mask, kwargs: dict) -> list[int] | None:
+    """Sequence boundaries of a packed row, or None when the call is not packed."""
+    if query.shape[0] != 1 or attention_mask is not None:
+        return None
+    cu = kwargs.get("cu_seq_lens_q")
+    if cu is not None:
+        return [int(x) for x in cu.tolist()]
+    position_ids = kwargs.get("position_ids")
+    if position_ids is None or position_ids.shape[-1] != query.shape[2]:
+        return None
+    pos = position_ids.reshape(-1)
+    # Same rule as transformers' find_packed_sequence_indices: a new sequence starts
+    # wherever the position does not grow by exactly one.
+    starts = torch.nonzero(pos[1:] - pos[:-1] != 1).flatten() + 1
+    if starts.numel() == 0:
+        return None
+    return [0, *starts.tolist(), pos.numel()]
+
+
+def _segment_attention(q, k, v, scaling, dropout, sliding_window) -> torch.Tensor:
+    """Causal attention of one sequence; q (1, H, s, D), k/v already repeated to H heads."""
+    length = q.shape[2]
+    if sliding_window is not None and length > sliding_window:
+        idx = torch.arange(length, device=q.device)
+        diff = idx[:, None] - idx[None, :]
+        mask = (diff >= 0) & (diff < sliding_window)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout, scale=scaling)
+    return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, scale=scaling, is_causal=True)
+
+
+def varlen_sdpa_attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    sliding_window: int | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    """Attention function for transformers' ``AttentionInterface`` (see module docstring)."""
+    bounds = _packed_boundaries(query, attention_mask, kwargs)
+    if bounds is None:
+        if sliding_window is not None and attention_mask is None and query.shape[2] > sliding_window:
+            raise ValueError(f"{VARLEN_SDPA}: sliding_window={sliding_window} with no mask and "
+                             f"{query.shape[2]} query tokens is not supported; use attn_implementation='sdpa'")
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
+                                      scaling=scaling, **kwargs)
+    if kwargs.get("softcap") is not None:
+        raise ValueError(f"{VARLEN_SDPA} does not support attention softcap; use attn_implementation='eager'")
+    if key.shape[2] != query.shape[2]:
+        raise ValueError(f"{VARLEN_SDPA}: packed rows need as many keys as queries "
+                         f"(got {key.shape[2]} keys, {query.shape[2]} queries); call with use_cache=False")
+    groups = getattr(module, "num_key_value_groups", 1)
+    key, value = repeat_kv(key, groups), repeat_kv(value, groups)
+    outputs = [
+        _segment_attention(query[:, :, s:e], key[:, :, s:e], value[:, :, s:e], scaling, dropout, sliding_window)
+        for s, e in zip(bounds[:-1], bounds[1:])
+        if e > s
+    ]
+    out = torch.cat(outputs, dim=2) if len(outputs) != 1 else outputs[0]
+    return out.transpose(1, 2).contiguous(), None
+
+
+def varlen_sdpa_mask(batch_size: int, q_length: int, kv_length: int, q_offset: int = 0, kv_offset: int = 0,
+                     attention_mask: torch.Tensor | None = None, **kwargs):
+    """Mask builder for ``polyfsdp_varlen_sdpa``: no mask when causality alone suffices
+    (including packed rows, isolated by the attention function), sdpa's mask otherwise."""
+    plain = q_length == kv_length and not isinstance(q_offset, torch.Tensor) and q_offset == 0 and kv_offset == 0
+    if plain and (attention_mask is None or bool(attention_mask.all())):
+        return None
+    return sdpa_mask(batch_size=batch_size, q_length=q_length, kv_length=kv_length, q_offset=q_offset,
+                     kv_offset=kv_offset, attention_mask=attention_mask, **kwargs)
+
+
+def register_attention() -> None:
+    """Make ``polyfsdp_varlen_sdpa`` selectable as an ``attn_implementation`` (idempotent)."""
+    AttentionInterface.register(VARLEN_SDPA, varlen_sdpa_attention_forward)
+    AttentionMaskInterface.register(VARLEN_SDPA, varlen_sdpa_mask)
+
+
+register_attention()

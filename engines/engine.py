@@ -1,0 +1,246 @@
+"""FSDPEngine: builds and shards the model, computes log-probs/entropy, takes training steps."""
+from __future__ import annotations
+
+import logging
+import math
+import os
+from contextlib import contextmanager
+
+import torch
+import torch.distributed as dist
+from tensordict import TensorDict
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
+
+from polyfsdp.backends.base import Backend
+from polyfsdp.backends.distributed import init_distributed
+from polyfsdp.backends.registry import get_backend
+
+from . import jagged
+from .adapters import input_adapter
+from .config import EngineConfig, ModelConfig
+from .flat_batch import FlatBatch, batch_to_flat, flat_to_caller
+from .head import FUSED_HEAD_METHOD, IGNORE_INDEX, HeadOptions, fused_head_support, install_fused_head
+from .loss_inputs import LossInputs
+from .micro_batch import merge, split
+from .model_builder import build_model
+from .optim import build_lr_scheduler, build_optimizer
+from .parallelize import parallelize_model
+from .token_logprob import logprob_entropy_from_logits
+
+logger = logging.getLogger(__name__)
+
+_TEMPERATURE = "_polyfsdp_temperature"
+
+
+class FSDPEngine:
+    """One policy (or reference) model under FSDP2. Modes are read from ``engine_config``
+    at every call, so one engine can serve every mode combination."""
+
+    def __init__(self, model_config: ModelConfig, engine_config: EngineConfig, backend: Backend | None = None,
+                 patch_toggles=None):
+        if not isinstance(model_config, ModelConfig):
+            raise TypeError(f"model_config: expected ModelConfig, got {type(model_config).__name__}")
+        if not isinstance(engine_config, EngineConfig):
+            raise TypeError(f"engine_config: expected EngineConfig, got {type(engine_config).__name__}")
+        self.model_config = model_config
+        self.engine_config = engine_config
+        self.backend = backend
+        self.patch_toggles = patch_toggles
+        self.patch_report = None
+        self.mesh = None
+        self.optimizer = None
+        self.lr_scheduler = None
+        self.global_step = 0
+        self._model = None
+        self._fused_unsupported: str | None = None
+        self._softcap: float | None = None
+        self._warned_fallback = False
+
+    # ------------------------------------------------------------------ set-up
+    def initialize(self) -> "FSDPEngine":
+        """Build the model, shard it with FSDP2 on the backend's mesh, create the optimizer."""
+        if self._model is not None:
+            return self
+        self.backend = self.backend or get_backend("auto")
+        self.mesh = init_distributed(self.backend)
+        self.device = self.backend.device(int(os.environ.get("LOCAL_RANK", "0")))
+        model, self.patch_report = build_model(self.model_config, self.backend, self.patch_toggles)
+        if self.engine_config.gradient_checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        self._softcap, self._fused_unsupported = fused_head_support(model)
+        install_fused_head(model)
+        model.to(self.device)
+        parallelize_model(model, self.mesh, self.engine_config, forward_methods=(FUSED_HEAD_METHOD,))
+        # Losses are normalised by GLOBAL counts, so rank gradients must be summed, not averaged.
+        for module in model.modules():
+            if isinstance(module, FSDPModule):
+                module.set_gradient_divide_factor(1.0)
+        self._model = model
+        self.optimizer = build_optimizer(model, self.engine_config)
+        self.lr_scheduler = build_lr_scheduler(self.optimizer, self.engine_config)
+        return self
+
+    @property
+    def module(self) -> torch.nn.Module:
+        """The FSDP2-sharded Hugging Face model."""
+        if self._model is None:
+            raise RuntimeError("FSDPEngine: call initialize() first")
+        return self._model
+
+    @contextmanager
+    def train_mode(self):
+        """Run the block with the model in training mode (restored afterwards)."""
+        previous = self.module.training
+        self.module.train()
+        try:
+            yield self
+        finally:
+            self.module.train(previous)
+
+    @contextmanager
+    def eval_mode(self):
+        """Run the block with the model in eval mode (restored afterwards)."""
+        previous = self.module.training
+        self.module.eval()
+        try:
+            yield self
+        finally:
+            self.module.train(previous)
+
+    # ------------------------------------------------------------------ forward
+    def _use_fused(self) -> bool:
+        if not self.engine_config.use_fused_kernels:
+            return False
+        if self._fused_unsupported is None:
+            return True
+        if not self._warned_fallback:
+            logger.warning("use_fused_kernels=True but %s: using the unfused log-prob path for this model",
+                           self._fused_unsupported)
+            self._warned_fallback = True
+        return False
+
+    def forward_flat(self, flat: FlatBatch, temperature, return_entropy: bool = True):
+        """Per-token ``(log_probs, entropy)`` of a flat batch (flat ``(total,)``, float32),
+        with autograd when enabled. ``temperature``: float or per-token ``(total,)``."""
+        adapter = input_adapter(self.engine_config.use_remove_padding)
+        labels = jagged.next_token_labels_flat(flat.input_ids, flat.offsets, fill=IGNORE_INDEX)
+        inputs = adapter.model_inputs(flat)
+        if self._use_fused():
+            options = HeadOptions(pack=lambda h: adapter.to_flat(h, flat), temperature=temperature,
+                                  return_entropy=return_entropy, softcap=self._softcap)
+            return getattr(self.module, FUSED_HEAD_METHOD)(inputs, labels, options)
+        logits = self.module(**inputs, use_cache=False).logits
+        return logprob_entropy_from_logits(adapter.to_flat(logits, flat), labels, temperature,
+                                           return_entropy=return_entropy, ignore_index=IGNORE_INDEX)
+
+    def _prepare(self, batch: TensorDict, temperature, keys) -> FlatBatch:
+        if not isinstance(batch, TensorDict):
+            raise TypeError(f"batch: expected a tensordict.TensorDict, got {type(batch).__name__}")
+        if self.device.type != "cpu":
+            batch = batch.to(self.device)
+        flat = batch_to_flat(batch, self.engine_config.pad_mode, keys=keys)
+        if torch.is_tensor(temperature):
+            if temperature.shape != (flat.num_seqs,):
+                raise ValueError(f"temperature: expected a float or a ({flat.num_seqs},) tensor, "
+                                 f"got shape {tuple(temperature.shape)}")
+            temperature = temperature.to(device=flat.offsets.device, dtype=torch.float32)
+            if not bool((temperature > 0).all()):
+                raise ValueError(f"temperature: every value must be > 0, got {temperature.tolist()}")
+            flat.fields[_TEMPERATURE] = torch.repeat_interleave(temperature, flat.lengths, output_size=flat.total)
+        elif isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not temperature > 0:
+            raise ValueError(f"temperature: expected a float > 0 or a (B,) tensor, got {temperature!r}")
+        return flat
+
+    def infer_batch(self, batch: TensorDict, temperature=1.0, calculate_entropy: bool = True) -> TensorDict:
+        """``log_probs`` (and ``entropy``) per token, in the caller's layout: jagged with the
+        input's offsets for ``no_padding``; dense ``(B, L)`` zero-padded for ``left_right``."""
+        flat = self._prepare(batch, temperature, keys=())
+        lp_parts, ent_parts = [], []
+        with torch.no_grad(), self.eval_mode():
+            for micro, index in split(flat, self.engine_config.max_tokens_per_micro_batch):
+                temp = micro.fields.get(_TEMPERATURE, temperature)
+                log_probs, entropy = self.forward_flat(micro, temp, calculate_entropy)
+                lp_parts.append((log_probs, index))
+                ent_parts.append((entropy, index))
+        pad_mode = self.engine_config.pad_mode
+        out = {"log_probs": flat_to_caller(merge(lp_parts, flat.total), flat, batch, pad_mode)}
+        if calculate_entropy:
+            out["entropy"] = flat_to_caller(merge(ent_parts, flat.total), flat, batch, pad_mode)
+        return TensorDict(out, batch_size=[flat.num_seqs])
+
+    # ------------------------------------------------------------------ training
+    def _all_reduce_sum(self, values: list[float]) -> list[float]:
+        if not values or not dist.is_initialized() or dist.get_world_size() == 1:
+            return values
+        tensor = torch.tensor(values, dtype=torch.float64, device=self.device)
+        dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+        return tensor.tolist()
+
+    def train_batch(self, batch: TensorDict, loss_fn, temperature=1.0) -> dict[str, float]:
+        """One optimizer step on ``batch`` with ``loss_fn`` (contract: engines/loss_inputs.py).
+
+        Returns loss, grad_norm, lr, step_skipped and loss_fn's metrics, each summed over
+        micro-batches and ranks (losses and metrics are shares of global counts).
+        """
+        required = tuple(getattr(loss_fn, "required_fields", ()))
+        missing = [k for k in required if k not in batch.keys()]
+        if missing:
+            raise ValueError(f"loss function {type(loss_fn).__name__} needs batch keys {list(required)}; "
+                             f"missing {missing} (batch has {sorted(batch.keys())})")
+        need_entropy = bool(getattr(loss_fn, "requires_entropy", True))
+        flat = self._prepare(batch, temperature, keys=None)
+        cfg = self.engine_config
+        mask = flat.fields.get("response_mask")
+        local_tokens = float(mask.sum()) if mask is not None else float(flat.total - int((flat.lengths > 0).sum()))
+        global_tokens, global_seqs = self._all_reduce_sum([local_tokens, float(flat.num_seqs)])
+
+        model = self.module
+        micro_batches = split(flat, cfg.max_tokens_per_micro_batch)
+        loss_sum, metric_sums = 0.0, {}
+        with self.train_mode():
+            for i, (micro, _) in enumerate(micro_batches):
+                model.set_requires_gradient_sync(i == len(micro_batches) - 1)
+                fields = dict(micro.fields)
+                temp = fields.pop(_TEMPERATURE, temperature)
+                log_probs, entropy = self.forward_flat(micro, temp, need_entropy)
+                inputs = LossInputs(log_probs=log_probs, entropy=entropy, fields=fields, offsets=micro.offsets,
+                                    global_num_tokens=global_tokens, global_num_seqs=int(global_seqs),
+                                    extras={"seq_fields": micro.seq_fields, "micro_batch": i,
+                                            "num_micro_batches": len(micro_batches)})
+                loss, metrics = loss_fn(inputs)
+                loss.backward()
+                loss_sum += float(loss.detach())
+                for key, value in metrics.items():
+                    metric_sums[key] = metric_sums.get(key, 0.0) + float(value)
+        model.set_requires_gradient_sync(True)
+
+        grad_norm = self._clip_gradients()
+        skipped = not math.isfinite(grad_norm)
+        lr = self.optimizer.param_groups[0]["lr"]
+        if skipped:
+            logger.warning("step %d skipped: gradient norm is %s", self.global_step, grad_norm)
+        else:
+            self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.lr_scheduler.step()
+        self.global_step += 1
+
+        keys = sorted(metric_sums)
+        reduced = self._all_reduce_sum([loss_sum] + [metric_sums[k] for k in keys])
+        result = {"loss": reduced[0], "grad_norm": grad_norm, "lr": lr, "step_skipped": int(skipped)}
+        result.update(zip(keys, reduced[1:]))
+        return result
+
+    def _clip_gradients(self) -> float:
+        """Global gradient norm over all ranks; clip to ``grad_clip`` when it is finite."""
+        params = [p for p in self.module.parameters() if p.grad is not None]
+        if not params:
+            return 0.0
+        norm = torch.nn.utils.get_total_norm([p.grad for p in params], norm_type=2.0)
+        if isinstance(norm, DTensor):
+            norm = norm.full_tensor()
+        value = float(norm)
+        if self.engine_config.grad_clip is not None and math.isfinite(value):
+            torch.nn.utils.clip_grads_with_norm_(params, self.engine_config.grad_clip, norm)
+        return value

@@ -1,0 +1,112 @@
+"""The engine's canonical batch: every sequence's tokens packed into one flat row + offsets.
+
+Converted once at the edge from the caller's layout (``no_padding`` jagged or
+``left_right`` dense) and back again for outputs.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from tensordict import TensorDict
+
+from . import jagged
+
+STRUCTURAL_KEYS = ("input_ids", "attention_mask", "position_ids")
+
+
+@dataclass
+class FlatBatch:
+    """``input_ids (total,)``, ``offsets (B+1,)``, host-side ``max_len``; per-token ``fields``
+    flat like ``input_ids``; per-sequence ``seq_fields`` of shape ``(B, ...)``."""
+
+    input_ids: torch.Tensor
+    offsets: torch.Tensor
+    max_len: int
+    fields: dict[str, torch.Tensor] = field(default_factory=dict)
+    seq_fields: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    @property
+    def num_seqs(self) -> int:
+        """Number of sequences B."""
+        return self.offsets.numel() - 1
+
+    @property
+    def total(self) -> int:
+        """Number of real tokens (known on the host from the values' shape)."""
+        return self.input_ids.shape[0]
+
+    @property
+    def lengths(self) -> torch.Tensor:
+        """Per-sequence lengths ``(B,)``."""
+        return self.offsets[1:] - self.offsets[:-1]
+
+
+def _max_len(nt: torch.Tensor, lengths: torch.Tensor) -> int:
+    cached = getattr(nt, "_maybe_max_seqlen", None)
+    if cached is not None:
+        return int(cached)
+    return int(lengths.max()) if lengths.numel() else 0
+
+
+def _check_jagged(name: str, value) -> None:
+    if not (torch.is_tensor(value) and value.is_nested and value.layout == torch.jagged):
+        given = f"{value.layout} tensor {tuple(value.shape)}" if torch.is_tensor(value) and not value.is_nested \
+            else type(value).__name__
+        raise TypeError(f"pad_mode='no_padding': batch[{name!r}] must be a jagged nested tensor "
+                        f"(layout=torch.jagged), got {given}")
+
+
+def batch_to_flat(batch: TensorDict, pad_mode: str, keys=None) -> FlatBatch:
+    """Convert a caller's batch into a :class:`FlatBatch`; ``keys`` limits which extra fields
+    come along (default: every tensor field besides the structural ones)."""
+    if "input_ids" not in batch.keys():
+        raise ValueError(f"batch has no 'input_ids' (keys: {sorted(batch.keys())})")
+    if pad_mode == "no_padding":
+        nt = batch["input_ids"]
+        _check_jagged("input_ids", nt)
+        attention_mask = None
+    elif pad_mode == "left_right":
+        if "attention_mask" not in batch.keys():
+            raise ValueError("pad_mode='left_right' needs batch['attention_mask'] (B, L) next to input_ids")
+        dense, attention_mask = batch["input_ids"], batch["attention_mask"]
+        if dense.is_nested or dense.dim() != 2 or attention_mask.shape != dense.shape:
+            raise ValueError(f"pad_mode='left_right': input_ids and attention_mask must be dense (B, L) of one "
+                             f"shape, got {tuple(dense.shape)} and {tuple(attention_mask.shape)}")
+        nt = jagged.left_right_to_jagged(dense, attention_mask)
+    else:
+        raise ValueError(f"pad_mode: got {pad_mode!r}; allowed values: 'no_padding', 'left_right'")
+    values, offsets = nt.values(), nt.offsets()
+    lengths = offsets[1:] - offsets[:-1]
+    flat = FlatBatch(values, offsets, _max_len(nt, lengths))
+    names = [k for k in batch.keys() if k not in STRUCTURAL_KEYS] if keys is None else list(keys)
+    bsz = flat.num_seqs
+    for name in names:
+        value = batch[name]
+        if not torch.is_tensor(value):
+            continue
+        if pad_mode == "no_padding" and value.is_nested:
+            _check_jagged(name, value)
+            if value.offsets().shape != offsets.shape or not torch.equal(value.offsets(), offsets):
+                raise ValueError(f"batch[{name!r}]: its offsets {value.offsets().tolist()} differ from "
+                                 f"input_ids' {offsets.tolist()}; per-token fields must share input_ids' layout")
+            flat.fields[name] = value.values()
+        elif pad_mode == "left_right" and value.dim() == 2 and value.shape == batch["input_ids"].shape:
+            flat.fields[name] = jagged.left_right_to_jagged(value, attention_mask).values()
+        elif not value.is_nested and value.dim() >= 1 and value.shape[0] == bsz and \
+                not (pad_mode == "left_right" and value.dim() == 2):
+            flat.seq_fields[name] = value
+        else:
+            expected = "a jagged tensor like input_ids or a (B,) tensor" if pad_mode == "no_padding" \
+                else f"a dense {tuple(batch['input_ids'].shape)} tensor like input_ids or a (B,) tensor"
+            raise ValueError(f"batch[{name!r}]: expected {expected}, got shape {tuple(value.shape)}")
+    return flat
+
+
+def flat_to_caller(values: torch.Tensor, flat: FlatBatch, batch: TensorDict, pad_mode: str) -> torch.Tensor:
+    """Per-token ``values (total,)`` back in the caller's layout: jagged with the input's
+    offsets for ``no_padding``, dense zero-padded and aligned with ``input_ids`` for ``left_right``."""
+    nt = jagged.make_jagged(values, flat.offsets)
+    if pad_mode == "no_padding":
+        return nt
+    return jagged.jagged_to_left_right(nt, batch["attention_mask"])

@@ -1,0 +1,83 @@
+"""Split a FlatBatch into micro-batches under a token budget, balanced, order restorable."""
+from __future__ import annotations
+
+import heapq
+import math
+
+import torch
+
+from .flat_batch import FlatBatch
+
+
+def plan_micro_batches(lengths: list[int], max_tokens: int | None) -> list[list[int]]:
+    """Group sequence indices into the fewest balanced micro-batches of <= ``max_tokens``
+    tokens (longest-first greedy onto the lightest group). A sequence longer than the budget
+    gets a group of its own. Each group lists its indices in increasing order."""
+    n = len(lengths)
+    total = sum(lengths)
+    if max_tokens is None or total <= max_tokens or n <= 1:
+        return [list(range(n))]
+    order = sorted(range(n), key=lambda i: (-lengths[i], i))
+    k = max(1, math.ceil(total / max_tokens))
+    while True:
+        heap = [(0, g) for g in range(k)]
+        groups: list[list[int]] = [[] for _ in range(k)]
+        for i in order:
+            load, g = heapq.heappop(heap)
+            groups[g].append(i)
+            heapq.heappush(heap, (load + lengths[i], g))
+        over = any(len(g) > 1 and sum(lengths[i] for i in g) > max_tokens for g in groups)
+        if not over or k >= n:
+            break
+        k += 1
+    groups = [sorted(g) for g in groups if g]
+    groups.sort(key=lambda g: g[0])
+    return groups
+
+
+def token_index(offsets: torch.Tensor, seq_index: torch.Tensor, total: int) -> torch.Tensor:
+    """Flat positions (in the full batch) of the tokens of sequences ``seq_index``, in order;
+    ``total`` is their token count (known on the host)."""
+    starts = offsets[:-1][seq_index]
+    lengths = offsets[1:][seq_index] - starts
+    new_starts = torch.cumsum(lengths, 0) - lengths
+    shift = torch.repeat_interleave(starts - new_starts, lengths, output_size=total)
+    return torch.arange(total, device=offsets.device) + shift
+
+
+def select(flat: FlatBatch, seq_ids: list[int], host_lengths: list[int]) -> tuple[FlatBatch, torch.Tensor]:
+    """The sub-batch of sequences ``seq_ids`` and the flat index of its tokens in ``flat``."""
+    device = flat.offsets.device
+    seq_index = torch.tensor(seq_ids, dtype=torch.long, device=device)
+    sub_lengths = [host_lengths[i] for i in seq_ids]
+    total = sum(sub_lengths)
+    tok = token_index(flat.offsets, seq_index, total)
+    offsets = torch.zeros(len(seq_ids) + 1, dtype=flat.offsets.dtype, device=device)
+    offsets[1:] = torch.tensor(sub_lengths, dtype=flat.offsets.dtype, device=device).cumsum(0)
+    sub = FlatBatch(
+        input_ids=flat.input_ids[tok],
+        offsets=offsets,
+        max_len=max(sub_lengths, default=0),
+        fields={k: v[tok] for k, v in flat.fields.items()},
+        seq_fields={k: v[seq_index] for k, v in flat.seq_fields.items()},
+    )
+    return sub, tok
+
+
+def split(flat: FlatBatch, max_tokens: int | None) -> list[tuple[FlatBatch, torch.Tensor | None]]:
+    """Micro-batches of ``flat`` with their token index (None when the batch is not split)."""
+    if max_tokens is None or flat.total <= max_tokens:
+        return [(flat, None)]
+    host_lengths = flat.lengths.tolist()
+    return [select(flat, g, host_lengths) for g in plan_micro_batches(host_lengths, max_tokens)]
+
+
+def merge(parts: list[tuple[torch.Tensor, torch.Tensor | None]], total: int) -> torch.Tensor:
+    """Scatter per-micro-batch flat results back into the full batch's token order."""
+    if len(parts) == 1 and parts[0][1] is None:
+        return parts[0][0]
+    first = parts[0][0]
+    out = first.new_zeros((total, *first.shape[1:]))
+    for values, index in parts:
+        out[index] = values
+    return out

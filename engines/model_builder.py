@@ -1,0 +1,69 @@
+"""Build the Hugging Face model named by a ModelConfig (never downloads), then patch it."""
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
+
+from polyfsdp.backends.base import Backend
+
+from .attention import register_attention
+from .config import ModelConfig
+from .presets import preset_config
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    """The torch dtype for a config dtype name (``float32``, ``bfloat16``, ``float16``)."""
+    if name not in _DTYPES:
+        raise ValueError(f"dtype: got {name!r}; allowed values: {', '.join(_DTYPES)}")
+    return _DTYPES[name]
+
+
+def _check_checkpoint_dir(path: str) -> None:
+    if not os.path.isdir(path):
+        raise FileNotFoundError(f"ModelConfig.path: {path!r} is not a directory (only local checkpoints are "
+                                f"loaded; nothing is downloaded)")
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        raise FileNotFoundError(f"ModelConfig.path: {path!r} has no config.json; expected a Hugging Face "
+                                f"checkpoint directory (config.json + weights)")
+
+
+def build_model(config: ModelConfig, backend: Backend, patch_toggles=None):
+    """Build the causal LM on the CPU in ``config.dtype`` with the chosen attention, apply
+    the backend's patches, and return ``(model, patch_report)``."""
+    register_attention()
+    attn = config.attn_implementation or backend.default_attn_implementation
+    dtype = torch_dtype(config.dtype)
+    if config.path is not None:
+        _check_checkpoint_dir(config.path)
+        kwargs = {} if config.vocab_size is None else {"vocab_size": config.vocab_size}
+        try:
+            hf_config = AutoConfig.from_pretrained(config.path, local_files_only=True, **kwargs)
+            model = AutoModelForCausalLM.from_pretrained(config.path, config=hf_config, local_files_only=True,
+                                                         dtype=dtype, attn_implementation=attn)
+        except (OSError, ValueError) as exc:
+            raise ValueError(f"ModelConfig.path: could not load a causal LM from {config.path!r}: {exc}") from exc
+    else:
+        overrides = {} if config.vocab_size is None else {"vocab_size": config.vocab_size}
+        hf_config = preset_config(config.preset, **overrides)
+        # The seed fixes the initial weights, so every rank (and a reference) builds the same model.
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(config.seed)
+            model = AutoModelForCausalLM.from_config(hf_config, dtype=dtype, attn_implementation=attn)
+    model.config.use_cache = False
+    from polyfsdp.patches import apply_patches
+
+    report = apply_patches(model, backend, patch_toggles)
+    logger.debug("built %s (%s, attn=%s)", type(model).__name__, config.dtype, attn)
+    return model, report
+
+
+def is_causal_lm(model) -> bool:
+    """Whether ``model`` looks like a decoder-only HF causal LM with ``.model`` and ``.lm_head``."""
+    return isinstance(model, PreTrainedModel) and hasattr(model, "lm_head") and hasattr(model, "model")

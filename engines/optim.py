@@ -1,0 +1,35 @@
+"""AdamW and the learning-rate schedules (constant, linear warmup + cosine decay)."""
+from __future__ import annotations
+
+import math
+
+import torch
+from torch.optim.lr_scheduler import LambdaLR
+
+from .config import EngineConfig
+
+
+def build_optimizer(model: torch.nn.Module, config: EngineConfig) -> torch.optim.Optimizer:
+    """AdamW over every trainable parameter (weight decay applied to all of them)."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    return torch.optim.AdamW(params, lr=config.lr, betas=tuple(config.betas), weight_decay=config.weight_decay)
+
+
+def lr_factor(step: int, config: EngineConfig) -> float:
+    """Multiplier of ``config.lr`` at optimizer step ``step`` (0-based).
+
+    Both schedules warm up linearly over ``warmup_steps`` ((step + 1) / warmup); then
+    ``constant`` stays at 1 and ``warmup_cosine`` decays to ``min_lr_ratio`` at ``total_steps``.
+    """
+    if step < config.warmup_steps:
+        return (step + 1) / config.warmup_steps
+    if config.lr_scheduler == "constant":
+        return 1.0
+    span = max(1, config.total_steps - config.warmup_steps)
+    progress = min(1.0, (step - config.warmup_steps) / span)
+    return config.min_lr_ratio + (1.0 - config.min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def build_lr_scheduler(optimizer: torch.optim.Optimizer, config: EngineConfig) -> LambdaLR:
+    """A LambdaLR following :func:`lr_factor`; step it once per training step."""
+    return LambdaLR(optimizer, lambda step: lr_factor(step, config))
