@@ -1,0 +1,355 @@
+"""Sharded training checkpoints that a killed run resumes from exactly, and Hugging Face export.
+
+Layout of ``directory``::
+
+    step_000120/            a complete checkpoint (only ever created by an atomic rename)
+        .metadata, *.distcp model + optimizer shards (torch.distributed.checkpoint)
+        trainer_state.pt    step, extra, scheduler state, world size  (rank 0)
+        rng_rank{r}.pt      RNG states of rank r
+    .tmp-step_000130/       a save in progress (or one that crashed): never read
+    latest                  text file naming the newest complete checkpoint
+
+A save writes everything into the temporary directory, waits for every rank, then rank 0
+renames it into place and replaces ``latest`` atomically (temp file + ``os.replace``); older
+checkpoints beyond ``keep`` are deleted only after that. So a crash at any point leaves
+``latest`` naming a complete checkpoint. Checkpoint files are pickles: load only your own.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import random
+import re
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_state_dict,
+    set_model_state_dict,
+    set_state_dict,
+)
+
+logger = logging.getLogger(__name__)
+
+LATEST_FILE = "latest"
+TMP_PREFIX = ".tmp-"
+TRAINER_STATE_FILE = "trainer_state.pt"
+FORMAT_VERSION = 1
+_STEP_DIR = re.compile(r"^step_(\d+)$")
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _world_size() -> int:
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
+def _barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def step_dir_name(step: int) -> str:
+    """Directory name of the checkpoint of ``step`` (``step_000123``)."""
+    return f"step_{step:06d}"
+
+
+def _fsync_dir(path: Path) -> None:
+    # Makes a rename/replace durable across power loss, not just process death.
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_pointer(directory: Path, name: str) -> None:
+    tmp = directory / f"{LATEST_FILE}.tmp"
+    with open(tmp, "w") as f:
+        f.write(name + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, directory / LATEST_FILE)
+    _fsync_dir(directory)
+
+
+def _is_complete(path: Path) -> bool:
+    return path.is_dir() and _STEP_DIR.match(path.name) is not None and (path / TRAINER_STATE_FILE).is_file()
+
+
+def _complete_checkpoints(directory: Path) -> list[Path]:
+    """Complete checkpoints in ``directory``, oldest step first."""
+    if not directory.is_dir():
+        return []
+    found = [p for p in directory.iterdir() if _is_complete(p)]
+    return sorted(found, key=lambda p: int(_STEP_DIR.match(p.name).group(1)))
+
+
+def latest_checkpoint(directory: str | os.PathLike) -> Path | None:
+    """The checkpoint ``latest`` names, or the newest complete one if the pointer is missing
+    or stale; None when there is none. Temporary (in-progress or crashed) saves are ignored."""
+    directory = Path(directory)
+    pointer = directory / LATEST_FILE
+    if pointer.is_file():
+        target = directory / pointer.read_text().strip()
+        if _is_complete(target):
+            return target
+        logger.warning("%s names %s, which is not a complete checkpoint; scanning instead", pointer, target)
+    found = _complete_checkpoints(directory)
+    return found[-1] if found else None
+
+
+def _rng_state(backend) -> dict[str, Any]:
+    state: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    try:
+        import numpy as np
+    except ImportError:
+        np = None
+    if np is not None:
+        state["numpy"] = np.random.get_state()
+    if backend is not None:
+        state["backend"] = backend.get_rng_state()
+    return state
+
+
+def _set_rng_state(state: dict[str, Any], backend) -> None:
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    if "numpy" in state:
+        try:
+            import numpy as np
+        except ImportError:
+            logger.warning("checkpoint holds a numpy RNG state but numpy is not installed; skipped")
+        else:
+            np.random.set_state(state["numpy"])
+    if backend is not None and "backend" in state:
+        backend.set_rng_state(state["backend"])
+
+
+def _save_torch(obj: Any, path: Path) -> None:
+    with open(path, "wb") as f:
+        torch.save(obj, f)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _load_torch(path: Path) -> Any:
+    # Our own pickles (RNG tuples, numpy arrays, user ``extra``): not weights-only.
+    return torch.load(path, map_location="cpu", weights_only=False)
+
+
+def _sharded_state(model, optimizer) -> dict[str, Any]:
+    if optimizer is None:
+        return {"model": get_model_state_dict(model)}
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    return {"model": model_sd, "optim": optim_sd}
+
+
+# --------------------------------------------------------------------------- save / load
+
+
+def save_checkpoint(
+    directory: str | os.PathLike,
+    step: int,
+    *,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    lr_scheduler=None,
+    backend=None,
+    extra: dict | None = None,
+    keep: int | None = None,
+) -> Path:
+    """Save model and optimizer shards, scheduler, RNG states, ``step`` and ``extra``.
+
+    Collective: every rank calls it. Returns the final checkpoint path. ``keep`` keeps the
+    newest K complete checkpoints (None keeps all); older ones go only after this one is in place.
+    """
+    if not isinstance(step, int) or step < 0:
+        raise ValueError(f"step must be a non-negative int, got {step!r}")
+    if keep is not None and (not isinstance(keep, int) or keep < 1):
+        raise ValueError(f"keep must be a positive int or None, got {keep!r}")
+    directory = Path(directory)
+    rank = _rank()
+    name = step_dir_name(step)
+    tmp = directory / f"{TMP_PREFIX}{name}"
+    final = directory / name
+    if rank == 0:
+        directory.mkdir(parents=True, exist_ok=True)
+        if tmp.exists():
+            logger.warning("removing leftover %s from an interrupted save", tmp)
+            shutil.rmtree(tmp)
+        tmp.mkdir()
+    _barrier()
+
+    dcp.save(_sharded_state(model, optimizer), checkpoint_id=str(tmp))
+    _save_torch(_rng_state(backend), tmp / f"rng_rank{rank}.pt")
+    if rank == 0:
+        trainer_state = {
+            "format_version": FORMAT_VERSION,
+            "step": step,
+            "extra": extra,
+            "lr_scheduler": lr_scheduler.state_dict() if lr_scheduler is not None else None,
+            "world_size": _world_size(),
+        }
+        _save_torch(trainer_state, tmp / TRAINER_STATE_FILE)
+    _barrier()
+
+    if rank == 0:
+        _commit(directory, tmp, final)
+        if keep is not None:
+            for old in _complete_checkpoints(directory)[:-keep]:
+                logger.info("deleting old checkpoint %s (keep=%d)", old, keep)
+                shutil.rmtree(old)
+        logger.info("saved checkpoint %s", final)
+    _barrier()
+    return final
+
+
+def _commit(directory: Path, tmp: Path, final: Path) -> None:
+    """Move a finished save into place and point ``latest`` at it."""
+    _fsync_dir(tmp)
+    if final.exists():
+        # Re-saving a step: move the old copy aside first; rename cannot replace a directory.
+        stale = directory / f"{TMP_PREFIX}old-{final.name}"
+        if stale.exists():
+            shutil.rmtree(stale)
+        os.rename(final, stale)
+        os.rename(tmp, final)
+        _write_pointer(directory, final.name)
+        shutil.rmtree(stale)
+    else:
+        os.rename(tmp, final)
+        _write_pointer(directory, final.name)
+
+
+def load_checkpoint(
+    directory: str | os.PathLike,
+    *,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    lr_scheduler=None,
+    backend=None,
+) -> tuple[int, dict | None]:
+    """Restore what :func:`save_checkpoint` wrote; returns ``(step, extra)``.
+
+    ``directory`` is a checkpoint root (its latest complete checkpoint is used) or one
+    ``step_*`` directory. Collective: every rank calls it.
+    """
+    path = Path(directory)
+    if not _is_complete(path):
+        found = latest_checkpoint(path)
+        if found is None:
+            raise FileNotFoundError(f"no complete checkpoint in {path} (expected step_* directories or a 'latest' file)")
+        path = found
+    trainer_state = _load_torch(path / TRAINER_STATE_FILE)
+    version = trainer_state.get("format_version")
+    if version != FORMAT_VERSION:
+        raise ValueError(f"{path}: checkpoint format_version {version!r}, this code reads {FORMAT_VERSION}")
+    if (trainer_state["lr_scheduler"] is None) != (lr_scheduler is None):
+        raise ValueError(
+            f"{path}: checkpoint has {'a' if trainer_state['lr_scheduler'] is not None else 'no'} scheduler "
+            f"state but load_checkpoint was given lr_scheduler={lr_scheduler!r}"
+        )
+
+    state = _sharded_state(model, optimizer)
+    dcp.load(state, checkpoint_id=str(path))
+    if optimizer is None:
+        set_model_state_dict(model, state["model"])
+    else:
+        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    if lr_scheduler is not None:
+        lr_scheduler.load_state_dict(trainer_state["lr_scheduler"])
+
+    rank = _rank()
+    rng_file = path / f"rng_rank{rank}.pt"
+    if rng_file.is_file():
+        _set_rng_state(_load_torch(rng_file), backend)
+    else:
+        logger.warning(
+            "%s has no RNG state for rank %d (saved with world size %d, now %d): RNG not restored",
+            path, rank, trainer_state["world_size"], _world_size(),
+        )
+    _barrier()
+    logger.info("loaded checkpoint %s (step %d)", path, trainer_state["step"])
+    return trainer_state["step"], trainer_state["extra"]
+
+
+# --------------------------------------------------------------------------- Hugging Face export
+
+
+def export_hf(
+    directory: str | os.PathLike,
+    *,
+    model: torch.nn.Module,
+    model_config=None,
+    tokenizer=None,
+    dtype: torch.dtype | None = None,
+) -> Path:
+    """Write a consolidated Hugging Face checkpoint (safetensors + config.json) of a sharded model.
+
+    Collective: every rank gathers; rank 0 loads the full state into a fresh, unsharded
+    model built on the meta device (no second copy of the weights) and calls
+    ``save_pretrained``, which handles tied embeddings. ``dtype`` casts the weights.
+    """
+    from transformers import AutoModelForCausalLM
+
+    directory = Path(directory)
+    config = model_config if model_config is not None else getattr(model, "config", None)
+    if config is None:
+        raise ValueError("export_hf needs model_config (the model has no .config attribute)")
+    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if _rank() == 0:
+        if dtype is not None:
+            full = {k: v.to(dtype) if v.is_floating_point() else v for k, v in full.items()}
+        with torch.device("meta"):
+            fresh = AutoModelForCausalLM.from_config(config)
+        result = fresh.load_state_dict(full, strict=False, assign=True)
+        fresh.tie_weights()
+        still_meta = [n for n, p in fresh.named_parameters() if p.is_meta]
+        if still_meta or result.unexpected_keys:
+            raise ValueError(
+                f"state dict does not fit {type(fresh).__name__}: missing {still_meta}, "
+                f"unexpected {result.unexpected_keys}"
+            )
+        export_dtype = dtype or next(fresh.parameters()).dtype
+        fresh.config.dtype = export_dtype
+        directory.mkdir(parents=True, exist_ok=True)
+        fresh.save_pretrained(directory)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(directory)
+        logger.info("exported Hugging Face checkpoint to %s", directory)
+    _barrier()
+    return directory
+
+
+class CheckpointMixin:
+    """Checkpoint methods for an engine with ``model``, ``optimizer``, ``lr_scheduler``, ``backend``."""
+
+    def save_checkpoint(self, directory, step: int, extra: dict | None = None, keep: int | None = None) -> Path:
+        """Save this engine's training state as checkpoint ``step`` under ``directory``."""
+        return save_checkpoint(
+            directory, step, model=self.model, optimizer=self.optimizer,
+            lr_scheduler=self.lr_scheduler, backend=self.backend, extra=extra, keep=keep,
+        )
+
+    def load_checkpoint(self, directory) -> tuple[int, dict | None]:
+        """Restore the latest checkpoint under ``directory``; returns ``(step, extra)``."""
+        return load_checkpoint(
+            directory, model=self.model, optimizer=self.optimizer,
+            lr_scheduler=self.lr_scheduler, backend=self.backend,
+        )
+
+    def export_hf(self, directory, tokenizer=None, dtype: torch.dtype | None = None) -> Path:
+        """Write a Hugging Face checkpoint of this engine's model."""
+        return export_hf(directory, model=self.model, tokenizer=tokenizer, dtype=dtype)
