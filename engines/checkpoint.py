@@ -16,6 +16,7 @@ checkpoints beyond ``keep`` are deleted only after that. So a crash at any point
 """
 from __future__ import annotations
 
+import copy
 import logging
 import os
 import random
@@ -192,7 +193,11 @@ def save_checkpoint(
         tmp.mkdir()
     _barrier()
 
-    dcp.save(_sharded_state(model, optimizer), checkpoint_id=str(tmp))
+    # get_state_dict() initialises an empty optimizer state with a zero-lr step, which would
+    # advance Adam's step count of the live run: an optimizer that has not stepped yet is
+    # left out (and cleared on load) instead.
+    state = _sharded_state(model, optimizer if optimizer is not None and optimizer.state else None)
+    dcp.save(state, checkpoint_id=str(tmp))
     _save_torch(_rng_state(backend), tmp / f"rng_rank{rank}.pt")
     if rank == 0:
         trainer_state = {
@@ -201,6 +206,7 @@ def save_checkpoint(
             "extra": extra,
             "lr_scheduler": lr_scheduler.state_dict() if lr_scheduler is not None else None,
             "world_size": _world_size(),
+            "has_optimizer_state": "optim" in state,
         }
         _save_torch(trainer_state, tmp / TRAINER_STATE_FILE)
     _barrier()
@@ -262,14 +268,21 @@ def load_checkpoint(
             f"state but load_checkpoint was given lr_scheduler={lr_scheduler!r}"
         )
 
-    state = _sharded_state(model, optimizer)
+    load_optim = optimizer is not None and trainer_state["has_optimizer_state"]
+    if optimizer is not None and not load_optim:
+        optimizer.state.clear()  # saved before the first optimizer step
+    state = _sharded_state(model, optimizer if load_optim else None)
     dcp.load(state, checkpoint_id=str(path))
-    if optimizer is None:
-        set_model_state_dict(model, state["model"])
-    else:
+    if load_optim:
         set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    else:
+        set_model_state_dict(model, state["model"])
     if lr_scheduler is not None:
         lr_scheduler.load_state_dict(trainer_state["lr_scheduler"])
+        if optimizer is not None:
+            # A scheduler's state does not include the optimizer's current lr.
+            for group, lr in zip(optimizer.param_groups, lr_scheduler.get_last_lr()):
+                group["lr"] = lr
 
     rank = _rank()
     rng_file = path / f"rng_rank{rank}.pt"
@@ -308,6 +321,9 @@ def export_hf(
     config = model_config if model_config is not None else getattr(model, "config", None)
     if config is None:
         raise ValueError("export_hf needs model_config (the model has no .config attribute)")
+    # The engine turns the KV cache off for training; a user of the export wants it on.
+    config = copy.deepcopy(config)
+    config.use_cache = True
     full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if _rank() == 0:
         if dtype is not None:
@@ -334,22 +350,28 @@ def export_hf(
 
 
 class CheckpointMixin:
-    """Checkpoint methods for an engine with ``model``, ``optimizer``, ``lr_scheduler``, ``backend``."""
+    """Checkpoint methods for an engine exposing ``module`` (the sharded model), ``optimizer``,
+    ``lr_scheduler``, ``backend`` and ``global_step`` (FSDPEngine includes it)."""
 
-    def save_checkpoint(self, directory, step: int, extra: dict | None = None, keep: int | None = None) -> Path:
-        """Save this engine's training state as checkpoint ``step`` under ``directory``."""
+    def save_checkpoint(self, directory, step: int | None = None, extra: dict | None = None,
+                        keep: int | None = None) -> Path:
+        """Save the training state as checkpoint ``step`` (default: ``global_step``) under ``directory``."""
+        step = self.global_step if step is None else step
         return save_checkpoint(
-            directory, step, model=self.model, optimizer=self.optimizer,
+            directory, step, model=self.module, optimizer=self.optimizer,
             lr_scheduler=self.lr_scheduler, backend=self.backend, extra=extra, keep=keep,
         )
 
     def load_checkpoint(self, directory) -> tuple[int, dict | None]:
-        """Restore the latest checkpoint under ``directory``; returns ``(step, extra)``."""
-        return load_checkpoint(
-            directory, model=self.model, optimizer=self.optimizer,
+        """Restore the latest checkpoint under ``directory`` (or that ``step_*`` directory);
+        sets ``global_step`` and returns ``(step, extra)``."""
+        step, extra = load_checkpoint(
+            directory, model=self.module, optimizer=self.optimizer,
             lr_scheduler=self.lr_scheduler, backend=self.backend,
         )
+        self.global_step = step
+        return step, extra
 
     def export_hf(self, directory, tokenizer=None, dtype: torch.dtype | None = None) -> Path:
-        """Write a Hugging Face checkpoint of this engine's model."""
-        return export_hf(directory, model=self.model, tokenizer=tokenizer, dtype=dtype)
+        """Write a Hugging Face checkpoint (safetensors + config.json) of this engine's model."""
+        return export_hf(directory, model=self.module, tokenizer=tokenizer, dtype=dtype)

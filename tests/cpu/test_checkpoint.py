@@ -149,6 +149,22 @@ def test_crash_while_replacing_latest_keeps_old_pointer_intact(mesh, tmp_path, m
     assert ckpt.latest_checkpoint(tmp_path) == tmp_path / "step_000001"
 
 
+def test_saving_before_the_first_step_does_not_perturb_training_and_restores_a_fresh_optimizer(mesh, tmp_path):
+    model, opt, sched = _build(mesh, seed=0)
+    initial = _params(model)
+    ckpt.save_checkpoint(tmp_path, 0, model=model, optimizer=opt, lr_scheduler=sched)
+    assert not opt.state  # no optimizer state was created by the save
+    losses = _train(model, opt, sched, range(2))
+    unsaved, unsaved_opt, unsaved_sched = _build(mesh, seed=0)
+    assert _train(unsaved, unsaved_opt, unsaved_sched, range(2)) == losses
+    _assert_same(_params(unsaved), _params(model))
+
+    step, _ = ckpt.load_checkpoint(tmp_path, model=model, optimizer=opt, lr_scheduler=sched)
+    assert step == 0 and not opt.state and sched.last_epoch == 0
+    _assert_same(_params(model), initial)
+    assert _train(model, opt, sched, range(2)) == losses
+
+
 def test_keep_k_retains_only_the_newest_k_checkpoints(mesh, tmp_path):
     model, opt, sched = _build(mesh, seed=0)
     for step in (1, 2, 3, 4):
@@ -186,8 +202,10 @@ def test_bad_arguments_and_missing_checkpoint_raise_clear_errors(mesh, tmp_path)
 def test_export_hf_loads_with_from_pretrained_and_gives_same_logits(mesh, tmp_path, tied):
     model, opt, sched = _build(mesh, seed=0, tied=tied)
     _train(model, opt, sched, range(2))  # move the weights away from their init
+    model.config.use_cache = False  # as the engine sets it for training
     ckpt.export_hf(tmp_path / "hf", model=model)
     loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
+    assert loaded.config.use_cache  # the export is for inference, whatever training set
     assert type(loaded).__name__ == "Qwen2ForCausalLM"
     assert (loaded.lm_head.weight is loaded.model.embed_tokens.weight) == tied
     _assert_same({n: p.detach() for n, p in loaded.named_parameters()}, _params(model))
