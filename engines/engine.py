@@ -4,6 +4,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import warnings
 from contextlib import contextmanager
 
 import torch
@@ -73,9 +74,11 @@ class FSDPEngine:
         model.to(self.device)
         parallelize_model(model, self.mesh, self.engine_config, forward_methods=(FUSED_HEAD_METHOD,))
         # Losses are normalised by GLOBAL counts, so rank gradients must be summed, not averaged.
+        # Forcing plain SUM collectives avoids PREMUL_SUM, which gloo lacks.
         for module in model.modules():
             if isinstance(module, FSDPModule):
                 module.set_gradient_divide_factor(1.0)
+                module.set_force_sum_reduction_for_comms(True)
         self._model = model
         self.optimizer = build_optimizer(model, self.engine_config)
         self.lr_scheduler = build_lr_scheduler(self.optimizer, self.engine_config)
@@ -223,7 +226,11 @@ class FSDPEngine:
         else:
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        self.lr_scheduler.step()
+        with warnings.catch_warnings():
+            # A skipped step still advances the schedule (the batch is consumed); torch warns
+            # about a scheduler step without an optimizer step.
+            warnings.simplefilter("ignore", UserWarning)
+            self.lr_scheduler.step()
         self.global_step += 1
 
         keys = sorted(metric_sums)

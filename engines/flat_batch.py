@@ -76,9 +76,10 @@ def batch_to_flat(batch: TensorDict, pad_mode: str, keys=None) -> FlatBatch:
         nt = jagged.left_right_to_jagged(dense, attention_mask)
     else:
         raise ValueError(f"pad_mode: got {pad_mode!r}; allowed values: 'no_padding', 'left_right'")
-    values, offsets = nt.values(), nt.offsets()
-    lengths = offsets[1:] - offsets[:-1]
-    flat = FlatBatch(values, offsets, _max_len(nt, lengths))
+    if nt.lengths() is not None:
+        nt = nt.contiguous()
+    values, offsets = nt.values(), jagged.offsets(nt)
+    flat = FlatBatch(values, offsets, _max_len(nt, offsets[1:] - offsets[:-1]))
     names = [k for k in batch.keys() if k not in STRUCTURAL_KEYS] if keys is None else list(keys)
     bsz = flat.num_seqs
     for name in names:
@@ -87,12 +88,15 @@ def batch_to_flat(batch: TensorDict, pad_mode: str, keys=None) -> FlatBatch:
             continue
         if pad_mode == "no_padding" and value.is_nested:
             _check_jagged(name, value)
-            if value.offsets().shape != offsets.shape or not torch.equal(value.offsets(), offsets):
-                raise ValueError(f"batch[{name!r}]: its offsets {value.offsets().tolist()} differ from "
+            if value.lengths() is not None:
+                value = value.contiguous()
+            value_offsets = jagged.offsets(value)
+            if value_offsets.shape != offsets.shape or not torch.equal(value_offsets, offsets):
+                raise ValueError(f"batch[{name!r}]: its offsets {value_offsets.tolist()} differ from "
                                  f"input_ids' {offsets.tolist()}; per-token fields must share input_ids' layout")
             flat.fields[name] = value.values()
         elif pad_mode == "left_right" and value.dim() == 2 and value.shape == batch["input_ids"].shape:
-            flat.fields[name] = jagged.left_right_to_jagged(value, attention_mask).values()
+            flat.fields[name] = jagged.left_right_to_flat(value, attention_mask, total=flat.total)[0]
         elif not value.is_nested and value.dim() >= 1 and value.shape[0] == bsz and \
                 not (pad_mode == "left_right" and value.dim() == 2):
             flat.seq_fields[name] = value
@@ -106,7 +110,6 @@ def batch_to_flat(batch: TensorDict, pad_mode: str, keys=None) -> FlatBatch:
 def flat_to_caller(values: torch.Tensor, flat: FlatBatch, batch: TensorDict, pad_mode: str) -> torch.Tensor:
     """Per-token ``values (total,)`` back in the caller's layout: jagged with the input's
     offsets for ``no_padding``, dense zero-padded and aligned with ``input_ids`` for ``left_right``."""
-    nt = jagged.make_jagged(values, flat.offsets)
     if pad_mode == "no_padding":
-        return nt
-    return jagged.jagged_to_left_right(nt, batch["attention_mask"])
+        return jagged.make_jagged(values, flat.offsets)
+    return jagged.flat_to_left_right(values, flat.offsets, batch["attention_mask"])
