@@ -213,3 +213,38 @@ def test_export_hf_loads_with_from_pretrained_and_gives_same_logits(mesh, tmp_pa
     with torch.no_grad():
         torch.testing.assert_close(loaded(x, use_cache=False).logits, model(x, use_cache=False).logits,
                                    atol=1e-6, rtol=0)
+
+
+def test_engine_export_hf_gives_the_same_log_probs_as_infer_batch(tmp_path):
+    from tensordict import TensorDict
+
+    from polyfsdp.engines.config import EngineConfig, ModelConfig
+    from polyfsdp.engines.engine import FSDPEngine
+    from polyfsdp.engines.losses import SFTLoss
+
+    engine = FSDPEngine(ModelConfig(preset="qwen2-tiny-tied", seed=4), EngineConfig(lr=1e-2)).initialize()
+    g = torch.Generator().manual_seed(5)
+    seqs = [torch.randint(0, 128, (n,), generator=g) for n in (7, 1, 12, 4)]
+
+    def jagged(parts):
+        lengths = torch.tensor([len(p) for p in parts])
+        offsets = torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)])
+        return torch.nested.nested_tensor_from_jagged(torch.cat(parts), offsets, min_seqlen=int(lengths.min()),
+                                                      max_seqlen=int(lengths.max()))
+
+    masks = [torch.ones(len(s)) for s in seqs]
+    for m in masks:
+        m[-1] = 0
+    engine.train_batch(TensorDict({"input_ids": jagged(seqs), "response_mask": jagged(masks)}, batch_size=[4]),
+                       SFTLoss())
+    engine.export_hf(tmp_path / "hf")
+    engine_lp = engine.infer_batch(TensorDict({"input_ids": jagged(seqs)}, batch_size=[4]))["log_probs"]
+
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    with torch.no_grad():
+        for seq, lp in zip(seqs, engine_lp.unbind()):
+            # Independent reference: the exported model on this sequence alone.
+            log_softmax = torch.log_softmax(loaded(seq[None], use_cache=False).logits[0].double(), -1)
+            expected = torch.zeros(len(seq), dtype=torch.float64)
+            expected[:-1] = log_softmax[torch.arange(len(seq) - 1), seq[1:]]
+            torch.testing.assert_close(lp.double(), expected, atol=1e-5, rtol=0)
