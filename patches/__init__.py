@@ -1,3 +1,34 @@
-"""Per-model patches applied per instance, isolated, reversible, toggled by config."""
-# Imported first so its guard against torch's device-extension auto-loading runs before torch.
-import polyfsdp.backends  # noqa: F401
+"""Per-model patches (fused ops), applied to one model instance, isolated, reversible, toggled by config.
+
+``apply_patches(model, backend, toggles) -> PatchReport``; ``report.undo()`` restores the model.
+Importing this package imports no model code: family classes are looked up when a model is patched.
+"""
+from .registry import (
+    EditLog,
+    Patch,
+    PatchOutcome,
+    PatchReport,
+    PatchToggles,
+    ProbeCase,
+    apply_patches,
+    known_families,
+    known_patch_names,
+    patches_for,
+    register,
+    unregister,
+)
+
+__all__ = [
+    "EditLog",
+    "Patch",
+    "PatchOutcome",
+    "PatchReport",
+    "PatchToggles",
+    "ProbeCase",
+    "apply_patches",
+    "known_families",
+    "known_patch_names",
+    "patches_for",
+    "register",
+    "unregister",
+]
