@@ -173,8 +173,9 @@ def save_checkpoint(
 ) -> Path:
     """Save model and optimizer shards, scheduler, RNG states, ``step`` and ``extra``.
 
-    Collective: every rank calls it. Returns the final checkpoint path. ``keep`` keeps the
-    newest K complete checkpoints (None keeps all); older ones go only after this one is in place.
+    Collective: every rank calls it. Returns the final checkpoint path. ``keep`` keeps this
+    checkpoint and the K-1 highest-step others (None keeps all); deletion happens only after
+    this one is in place.
     """
     if not isinstance(step, int) or step < 0:
         raise ValueError(f"step must be a non-negative int, got {step!r}")
@@ -214,7 +215,10 @@ def save_checkpoint(
     if rank == 0:
         _commit(directory, tmp, final)
         if keep is not None:
-            for old in _complete_checkpoints(directory)[:-keep]:
+            # The checkpoint just written always stays, even when an older step was re-saved
+            # after newer ones (a run restarted from an earlier point).
+            others = [p for p in _complete_checkpoints(directory) if p != final]
+            for old in others[: max(0, len(others) - (keep - 1))]:
                 logger.info("deleting old checkpoint %s (keep=%d)", old, keep)
                 shutil.rmtree(old)
         logger.info("saved checkpoint %s", final)

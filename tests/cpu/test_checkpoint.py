@@ -172,6 +172,11 @@ def test_keep_k_retains_only_the_newest_k_checkpoints(mesh, tmp_path):
     names = sorted(p.name for p in tmp_path.iterdir())
     assert names == ["latest", "step_000003", "step_000004"]
     assert ckpt.latest_checkpoint(tmp_path) == tmp_path / "step_000004"
+    # Re-saving an existing step replaces it; saving an older step never deletes the new save.
+    ckpt.save_checkpoint(tmp_path, 4, model=model, optimizer=opt, lr_scheduler=sched, keep=2)
+    ckpt.save_checkpoint(tmp_path, 2, model=model, optimizer=opt, lr_scheduler=sched, keep=2)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step_000002", "step_000004"]
+    assert ckpt.latest_checkpoint(tmp_path) == tmp_path / "step_000002"
 
 
 def test_latest_checkpoint_ignores_temporary_dirs_and_falls_back_without_pointer(mesh, tmp_path):
