@@ -266,11 +266,9 @@ def load_checkpoint(
     version = trainer_state.get("format_version")
     if version != FORMAT_VERSION:
         raise ValueError(f"{path}: checkpoint format_version {version!r}, this code reads {FORMAT_VERSION}")
-    if (trainer_state["lr_scheduler"] is None) != (lr_scheduler is None):
-        raise ValueError(
-            f"{path}: checkpoint has {'a' if trainer_state['lr_scheduler'] is not None else 'no'} scheduler "
-            f"state but load_checkpoint was given lr_scheduler={lr_scheduler!r}"
-        )
+    if lr_scheduler is not None and trainer_state["lr_scheduler"] is None:
+        raise ValueError(f"{path}: checkpoint has no scheduler state but load_checkpoint was given "
+                         f"lr_scheduler={lr_scheduler!r}; pass lr_scheduler=None")
 
     load_optim = optimizer is not None and trainer_state["has_optimizer_state"]
     if optimizer is not None and not load_optim:

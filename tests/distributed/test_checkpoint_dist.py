@@ -2,7 +2,11 @@
 import os
 
 import torch
-from transformers import AutoModelForCausalLM
+from torch.distributed.fsdp import fully_shard
+from transformers import AutoModelForCausalLM, Qwen2Config
+
+from polyfsdp.backends import get_backend, init_distributed
+from polyfsdp.engines import checkpoint as ckpt
 
 from torchrun_launcher import run_torchrun
 
@@ -10,7 +14,7 @@ HERE = os.path.dirname(__file__)
 CHECKS = "step_extra=True params=True optim_shard=True rng=True continue=True final=True"
 
 
-def test_two_rank_save_load_restores_every_shard_and_export_matches_logits(tmp_path):
+def test_two_rank_save_load_restores_every_shard_export_matches_and_reshards_to_one(tmp_path):
     result = run_torchrun(os.path.join(HERE, "worker_checkpoint.py"), nproc=2, args=(str(tmp_path),))
     assert result.returncode == 0, result.stderr[-3000:]
     lines = sorted(line for line in result.stdout.splitlines() if line.startswith("rank="))
@@ -28,3 +32,18 @@ def test_two_rank_save_load_restores_every_shard_and_export_matches_logits(tmp_p
     with torch.no_grad():
         logits = loaded(expected["input_ids"], use_cache=False).logits
     torch.testing.assert_close(logits, expected["logits"], atol=1e-6, rtol=0)
+
+    # Resharding: the 2-rank checkpoint loads into a single-process model.
+    mesh = init_distributed(get_backend("cpu"))
+    torch.manual_seed(5)
+    model = AutoModelForCausalLM.from_config(Qwen2Config(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=True))
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    assert ckpt.load_checkpoint(tmp_path / "ckpt", model=model, optimizer=opt)[0] == 2
+    saved = torch.load(tmp_path / "saved_params.pt")
+    for name, param in model.named_parameters():
+        assert torch.equal(param.full_tensor(), saved[name]), name

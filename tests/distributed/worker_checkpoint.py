@@ -77,6 +77,8 @@ saved_params, saved_optim = params(model), local_optim(opt)
 ckpt.save_checkpoint(out_dir / "ckpt", 2, model=model, optimizer=opt, lr_scheduler=sched, backend=backend,
                      extra={"samples_seen": 32})
 after_save = draws()
+if rank == 0:
+    torch.save(saved_params, out_dir / "saved_params.pt")
 continued = train(model, opt, sched, [2])
 final = params(model)
 
