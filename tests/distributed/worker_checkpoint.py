@@ -100,5 +100,6 @@ checks = {
     "continue": train(other, other_opt, other_sched, [2]) == continued,
     "final": same(params(other), final),
 }
-print(f"rank={rank} " + " ".join(f"{k}={v}" for k, v in checks.items()), flush=True)
+# A file per rank: the two ranks' stdout lines can interleave.
+(out_dir / f"result_rank{rank}.txt").write_text(" ".join(f"{k}={v}" for k, v in checks.items()))
 destroy_distributed()
