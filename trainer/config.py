@@ -1,0 +1,407 @@
+"""The job configuration: Hydra composition of ``pkg://polyfsdp.configs``, then strict
+conversion of every group into validated dataclasses (the engine's where they exist).
+
+Any mistake a user can make on the command line (unknown key, value outside its choices,
+wrong type, bad override syntax) becomes one :class:`ConfigError` with a one-line message.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import re
+import typing
+from dataclasses import dataclass, field
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+from polyfsdp.backends.registry import BACKEND_NAMES
+from polyfsdp.engines.config import EngineConfig, ModelConfig
+from polyfsdp.engines.losses import AGG_MODES, KL_TYPES, PPOLoss
+
+logger = logging.getLogger(__name__)
+
+CONFIG_MODULE = "polyfsdp.configs"
+CONFIG_NAME = "train"
+GROUPS = ("backend", "model", "engine", "patches", "algo", "data", "trainer")
+OPTIM_KEYS = ("lr", "weight_decay", "grad_clip", "lr_scheduler", "warmup_steps")
+# EngineConfig fields the trainer sets itself (from the phase's step count).
+ENGINE_OPTIM_ONLY = ("betas", "total_steps", "min_lr_ratio")
+DATA_SOURCES = ("builtin", "jsonl", "parquet")
+TASKS = ("reverse",)
+PROGRESS_MODES = ("auto", "bar", "lines", "off")
+
+
+class ConfigError(ValueError):
+    """A configuration mistake; ``str()`` is one line naming the key and what was expected."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(" ".join(str(message).split()))
+
+
+# --------------------------------------------------------------------------- sections
+
+
+@dataclass
+class OptimSection:
+    """Optimizer and schedule of one phase (merged into the engine's EngineConfig)."""
+
+    lr: float = 1e-3
+    weight_decay: float = 0.0
+    grad_clip: float | None = 1.0
+    lr_scheduler: str = "constant"
+    warmup_steps: int = 0
+
+
+@dataclass
+class SFTSection(OptimSection):
+    """SFT phase: optimizer settings and the loss aggregation."""
+
+    agg_mode: str = "token-mean"
+
+    def validate(self, where: str) -> None:
+        _check_choice(f"{where}.agg_mode", self.agg_mode, AGG_MODES)
+
+
+@dataclass
+class GRPOSection(OptimSection):
+    """GRPO phase: sampling, advantage normalisation and the PPO loss terms."""
+
+    group_size: int = 8
+    temperature: float = 1.0
+    max_new_tokens: int = 8
+    clip_ratio_low: float = 0.2
+    clip_ratio_high: float = 0.28
+    dual_clip_c: float | None = None
+    kl_coef: float = 0.01
+    kl_type: str = "k3"
+    entropy_coef: float = 0.0
+    agg_mode: str = "token-mean"
+    norm_adv_by_std: bool = True
+
+    def validate(self, where: str) -> None:
+        _check_min(f"{where}.group_size", self.group_size, 2)
+        _check_min(f"{where}.max_new_tokens", self.max_new_tokens, 1)
+        if not self.temperature > 0:
+            raise ConfigError(f"{where}.temperature: expected > 0, got {self.temperature}")
+        _check_choice(f"{where}.agg_mode", self.agg_mode, AGG_MODES)
+        _check_choice(f"{where}.kl_type", self.kl_type, KL_TYPES)
+        try:
+            self.loss()
+        except ValueError as exc:
+            raise ConfigError(f"{where}: {exc}") from None
+
+    def loss(self) -> PPOLoss:
+        """The PPO loss these settings describe (entropy always reported)."""
+        return PPOLoss(clip_ratio_low=self.clip_ratio_low, clip_ratio_high=self.clip_ratio_high,
+                       dual_clip_c=self.dual_clip_c, kl_coef=self.kl_coef, kl_type=self.kl_type,
+                       entropy_coef=self.entropy_coef, agg_mode=self.agg_mode, report_entropy=True)
+
+
+@dataclass
+class AlgoSection:
+    """``algo=grpo`` (SFT warm-up then GRPO) or ``algo=sft`` (SFT only)."""
+
+    name: str = "grpo"
+    sft: SFTSection = field(default_factory=SFTSection)
+    grpo: GRPOSection | None = None
+
+
+@dataclass
+class ModelSection:
+    """A tiny preset (with Hugging Face config ``overrides``) or a local checkpoint ``path``."""
+
+    preset: str | None = "qwen2-tiny"
+    path: str | None = None
+    dtype: str = "float32"
+    attn_implementation: str | None = None
+    seed: int = 0
+    overrides: dict = field(default_factory=dict)
+
+    def model_config(self, vocab_size: int | None = None, path: str | None = None) -> ModelConfig:
+        """The engine's ModelConfig: from ``path`` (given or configured) else the preset."""
+        path = path or self.path
+        return ModelConfig(preset=None if path else self.preset, path=path, dtype=self.dtype,
+                           attn_implementation=self.attn_implementation,
+                           vocab_size=None if path else vocab_size, seed=self.seed)
+
+
+@dataclass
+class DataSection:
+    """Where prompts and answers come from: the built-in task or a local file."""
+
+    source: str = "builtin"
+    task: str = "reverse"
+    alphabet: str = "abcdefgh"
+    min_len: int = 3
+    max_len: int = 5
+    path: str | None = None
+    prompt_key: str = "prompt"
+    answer_key: str = "answer"
+    eval_size: int = 128
+
+
+@dataclass
+class TrainerSection:
+    """Steps, batch sizes, logging, checkpoints, output directory, resume."""
+
+    sft_steps: int = 40
+    grpo_steps: int = 120
+    sft_batch_size: int = 64
+    prompts_per_step: int = 16
+    eval_interval: int = 0
+    log_interval: int = 1
+    checkpoint_interval: int = 50
+    keep_checkpoints: int = 2
+    output_dir: str = "outputs/run"
+    resume: str = "auto"
+    seed: int = 0
+    progress: str = "auto"
+    plot: bool = True
+    export: bool = True
+
+
+@dataclass
+class JobConfig:
+    """Everything one run needs, validated."""
+
+    backend: str
+    model: ModelSection
+    engine: EngineConfig
+    patches: Any
+    algo: AlgoSection
+    data: DataSection
+    trainer: TrainerSection
+    raw: dict
+
+    def phase_engine_config(self, phase: str) -> EngineConfig:
+        """The EngineConfig for ``phase`` ('sft' or 'grpo'): engine modes + that phase's optimizer."""
+        section = self.algo.sft if phase == "sft" else self.algo.grpo
+        steps = self.trainer.sft_steps if phase == "sft" else self.trainer.grpo_steps
+        optim = {k: getattr(section, k) for k in OPTIM_KEYS}
+        return dataclasses.replace(self.engine, total_steps=max(steps, 1), **optim)
+
+
+# --------------------------------------------------------------------------- checks
+
+
+def _check_choice(key: str, value: Any, allowed) -> None:
+    if value not in allowed:
+        raise ConfigError(f"{key}: got {value!r}; allowed values: {', '.join(map(str, allowed))}")
+
+
+def _check_min(key: str, value: int, minimum: int) -> None:
+    if value < minimum:
+        raise ConfigError(f"{key}: expected an int >= {minimum}, got {value}")
+
+
+def _type_ok(value: Any, hint: Any) -> bool:
+    origin = typing.get_origin(hint)
+    if origin in (typing.Union, getattr(__import__("types"), "UnionType", None)):
+        return any(_type_ok(value, h) for h in typing.get_args(hint))
+    if hint is type(None):
+        return value is None
+    if hint is bool:
+        return isinstance(value, bool)
+    if hint is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if hint is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if hint is str:
+        return isinstance(value, str)
+    if hint is dict or origin is dict:
+        return isinstance(value, dict)
+    return True
+
+
+def _describe(hint: Any) -> str:
+    args = typing.get_args(hint)
+    if args:
+        return " or ".join("null" if a is type(None) else a.__name__ for a in args)
+    return getattr(hint, "__name__", str(hint))
+
+
+def _section(cls, where: str, data: Any, nested: dict | None = None):
+    """Build dataclass ``cls`` from a plain mapping: unknown keys and wrong types are ConfigErrors."""
+    if not isinstance(data, dict):
+        raise ConfigError(f"{where}: expected a mapping, got {data!r}")
+    hints = typing.get_type_hints(cls)
+    known = [f.name for f in dataclasses.fields(cls)]
+    for key in data:
+        if key not in known:
+            raise ConfigError(f"{where}.{key}: unknown key; known keys: {', '.join(known)}")
+    kwargs = {}
+    for key, value in data.items():
+        if nested and key in nested:
+            kwargs[key] = None if value is None else _section(nested[key], f"{where}.{key}", value)
+            continue
+        if isinstance(value, int) and not isinstance(value, bool) and _type_ok(1.0, hints[key]) \
+                and not _type_ok(1, hints[key]):
+            value = float(value)
+        if not _type_ok(value, hints[key]):
+            raise ConfigError(f"{where}.{key}: expected {_describe(hints[key])}, got {value!r}")
+        kwargs[key] = value
+    return cls(**kwargs)
+
+
+def _engine_error(where: str, exc: Exception) -> ConfigError:
+    # The engine names fields as "EngineConfig.pad_mode"; users typed "engine.pad_mode".
+    message = re.sub(r"\b(EngineConfig|ModelConfig)\.", f"{where}.", str(exc))
+    message = re.sub(r"^(EngineConfig|ModelConfig): ", f"{where}: ", message)
+    return ConfigError(message if message.startswith(where) else f"{where}: {message}")
+
+
+def _validate_trainer(t: TrainerSection, algo: AlgoSection, world_size: int) -> None:
+    for key in ("sft_steps", "grpo_steps", "eval_interval", "checkpoint_interval"):
+        _check_min(f"trainer.{key}", getattr(t, key), 0)
+    for key in ("sft_batch_size", "prompts_per_step", "log_interval", "keep_checkpoints"):
+        _check_min(f"trainer.{key}", getattr(t, key), 1)
+    for key in ("sft_batch_size", "prompts_per_step"):
+        if getattr(t, key) % world_size:
+            raise ConfigError(f"trainer.{key}: must be a multiple of the world size {world_size}, "
+                              f"got {getattr(t, key)}")
+    _check_choice("trainer.progress", t.progress, PROGRESS_MODES)
+    if t.resume not in ("auto", "never") and not os.path.isdir(t.resume):
+        raise ConfigError(f"trainer.resume: expected auto, never or an existing checkpoint directory, "
+                          f"got {t.resume!r}")
+    if algo.name == "sft" and t.sft_steps < 1:
+        raise ConfigError("trainer.sft_steps: algo=sft needs at least 1 step, got 0")
+
+
+def _validate_data(d: DataSection) -> None:
+    _check_choice("data.source", d.source, DATA_SOURCES)
+    if d.source == "builtin":
+        _check_choice("data.task", d.task, TASKS)
+        if not d.alphabet.isalpha():
+            raise ConfigError(f"data.alphabet: expected letters, got {d.alphabet!r}")
+        if not 1 <= d.min_len <= d.max_len:
+            raise ConfigError(f"data.min_len/max_len: need 1 <= min_len <= max_len, got {d.min_len}, {d.max_len}")
+    elif not d.path:
+        raise ConfigError(f"data.path: data={d.source} needs data.path=FILE")
+    _check_min("data.eval_size", d.eval_size, 1)
+
+
+# --------------------------------------------------------------------------- compose
+
+
+def _hydra_error(exc: Exception) -> ConfigError:
+    """One line from a Hydra/OmegaConf composition error."""
+    from hydra.errors import MissingConfigException
+
+    text = str(exc)
+    if isinstance(exc, MissingConfigException):
+        match = re.search(r"Could not find '([^/']+)/([^']+)'", text)
+        if match:
+            group, option = match.groups()
+            options = ", ".join(available_options(group))
+            return ConfigError(f"{group}={option}: no such option; choose one of {options}")
+    match = re.search(r"Could not override '([^']+)'", text)
+    if match and "not in struct" in f"{text} {exc.__cause__}":
+        key = match.group(1)
+        return ConfigError(f"{key}: unknown key (check the spelling; `polyfsdp-train --cfg` prints every key)")
+    cause = exc.__cause__
+    first = text.strip().splitlines()[0] if text.strip() else type(exc).__name__
+    if cause is not None and str(cause).strip():
+        first = f"{first} ({str(cause).strip().splitlines()[0]})"
+    return ConfigError(first)
+
+
+def available_options(group: str) -> list[str]:
+    """The option names of a config group (the YAML files in ``configs/<group>/``)."""
+    from importlib.resources import files
+
+    root = files(CONFIG_MODULE).joinpath(group)
+    return sorted(p.name[:-5] for p in root.iterdir() if p.name.endswith(".yaml"))
+
+
+def compose(overrides: list[str]) -> DictConfig:
+    """Compose ``train.yaml`` with ``overrides``; Hydra's errors become one-line ConfigErrors."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_module
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
+    GlobalHydra.instance().clear()
+    try:
+        with initialize_config_module(config_module=CONFIG_MODULE, version_base=None):
+            return hydra_compose(config_name=CONFIG_NAME, overrides=list(overrides))
+    except (HydraException, OmegaConfBaseException) as exc:
+        raise _hydra_error(exc) from None
+    finally:
+        GlobalHydra.instance().clear()
+
+
+def to_container(cfg: DictConfig) -> dict:
+    """Resolve interpolations into a plain dict; a missing mandatory value is a ConfigError."""
+    from omegaconf.errors import OmegaConfBaseException
+
+    try:
+        return OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)
+    except OmegaConfBaseException as exc:
+        key = getattr(exc, "full_key", None)
+        if key and "Missing mandatory value" in str(exc):
+            raise ConfigError(f"{key}: a value is required (set {key}=...)") from None
+        raise ConfigError(str(exc).strip().splitlines()[0]) from None
+
+
+def build_job_config(raw: dict, world_size: int = 1) -> JobConfig:
+    """Convert a composed, resolved config dict into a validated :class:`JobConfig`."""
+    unknown = [k for k in raw if k not in GROUPS]
+    if unknown:
+        raise ConfigError(f"{unknown[0]}: unknown top-level key; known: {', '.join(GROUPS)}")
+    backend = _section(dataclasses.make_dataclass("BackendSection", [("name", str)]), "backend",
+                       raw.get("backend", {})).name
+    _check_choice("backend", backend, BACKEND_NAMES)
+
+    model = _section(ModelSection, "model", raw["model"])
+    try:
+        model.model_config(vocab_size=None)
+    except (ValueError, TypeError) as exc:
+        raise _engine_error("model", exc) from None
+    if model.path and not os.path.isdir(model.path):
+        raise ConfigError(f"model.path: {model.path!r} is not a directory")
+
+    engine_keys = [f.name for f in dataclasses.fields(EngineConfig) if f.name not in OPTIM_KEYS + ENGINE_OPTIM_ONLY]
+    for key in raw["engine"]:
+        if key in OPTIM_KEYS:
+            raise ConfigError(f"engine.{key}: optimizer settings live in algo.sft / algo.grpo (e.g. algo.grpo.{key}=...)")
+        if key not in engine_keys:
+            raise ConfigError(f"engine.{key}: unknown key; known keys: {', '.join(engine_keys)}")
+    try:
+        engine = EngineConfig.from_dict(raw["engine"])
+    except (ValueError, TypeError) as exc:
+        raise _engine_error("engine", exc) from None
+
+    from polyfsdp.patches.toggles import PatchToggles
+
+    try:
+        patches = PatchToggles.from_config(raw["patches"])
+    except (ValueError, TypeError) as exc:
+        raise ConfigError(str(exc) if str(exc).startswith("patches") else f"patches: {exc}") from None
+
+    algo = _section(AlgoSection, "algo", raw["algo"], nested={"sft": SFTSection, "grpo": GRPOSection})
+    _check_choice("algo.name", algo.name, ("grpo", "sft"))
+    algo.sft.validate("algo.sft")
+    if algo.name == "grpo":
+        if algo.grpo is None:
+            raise ConfigError("algo.grpo: algo=grpo needs its grpo section")
+        algo.grpo.validate("algo.grpo")
+    data = _section(DataSection, "data", raw["data"])
+    _validate_data(data)
+    trainer = _section(TrainerSection, "trainer", raw["trainer"])
+    _validate_trainer(trainer, algo, world_size)
+    job = JobConfig(backend=backend, model=model, engine=engine, patches=patches, algo=algo, data=data,
+                    trainer=trainer, raw=raw)
+    for phase in ("sft", "grpo") if algo.name == "grpo" else ("sft",):
+        try:
+            job.phase_engine_config(phase)
+        except (ValueError, TypeError) as exc:
+            raise _engine_error(f"algo.{phase}", exc) from None
+    return job
+
+
+def load_config(overrides: list[str], world_size: int = 1) -> JobConfig:
+    """Compose, resolve and validate: the one call the entry point makes."""
+    return build_job_config(to_container(compose(overrides)), world_size=world_size)

@@ -1,0 +1,149 @@
+"""Prompts and answers: the built-in task's generator or a local JSONL/parquet file.
+
+Both are deterministic functions of ``(seed, phase, step)``: a resumed run draws exactly
+the batches the uninterrupted run would have drawn, with no iterator state to save.
+Held-out evaluation examples are never used for training.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import random
+
+from .task import Example, ReverseTask
+
+logger = logging.getLogger(__name__)
+
+
+class DataError(ValueError):
+    """A data file that cannot be used (missing, unreadable, missing fields); one-line message."""
+
+
+class BuiltinSource:
+    """The built-in task's generator; evaluation prompts are excluded from training."""
+
+    def __init__(self, task: ReverseTask, seed: int, eval_size: int) -> None:
+        self.task, self.seed = task, seed
+        rng = random.Random(f"polyfsdp-eval-{seed}")
+        seen: dict[str, Example] = {}
+        # Bounded: a tiny task space may hold fewer distinct prompts than eval_size.
+        for _ in range(eval_size * 20):
+            if len(seen) >= eval_size:
+                break
+            ex = task.sample(rng)
+            seen.setdefault(ex.prompt, ex)
+        self.eval_examples = list(seen.values())
+        self._eval_prompts = set(seen)
+
+    def batch(self, phase: str, step: int, count: int) -> list[Example]:
+        """The ``count`` training examples of ``step`` in ``phase`` (same on every rank)."""
+        rng = random.Random(f"polyfsdp-{phase}-{self.seed}-{step}")
+        out = []
+        while len(out) < count:
+            ex = self.task.sample(rng)
+            if ex.prompt not in self._eval_prompts:
+                out.append(ex)
+        return out
+
+
+class FileSource:
+    """Records from a local file; the last ``eval_size`` are held out, the rest are
+    visited in a seeded random order, epoch after epoch."""
+
+    def __init__(self, records: list[Example], seed: int, eval_size: int, path: str) -> None:
+        if len(records) <= eval_size:
+            raise DataError(f"data.path {path}: {len(records)} records, but data.eval_size={eval_size} are held out "
+                            f"and at least one is needed for training")
+        self.train_examples = records[: len(records) - eval_size]
+        self.eval_examples = records[len(records) - eval_size:]
+        self.seed = seed
+        self._orders: dict[tuple[str, int], list[int]] = {}
+
+    def _order(self, phase: str, epoch: int) -> list[int]:
+        key = (phase, epoch)
+        if key not in self._orders:
+            order = list(range(len(self.train_examples)))
+            random.Random(f"polyfsdp-{phase}-{self.seed}-epoch{epoch}").shuffle(order)
+            self._orders = {key: order}
+        return self._orders[key]
+
+    def batch(self, phase: str, step: int, count: int) -> list[Example]:
+        """The ``count`` training examples of ``step`` in ``phase``."""
+        n = len(self.train_examples)
+        out = []
+        for position in range(step * count, (step + 1) * count):
+            epoch, index = divmod(position, n)
+            out.append(self.train_examples[self._order(phase, epoch)[index]])
+        return out
+
+
+def _record(raw, where: str, prompt_key: str, answer_key: str) -> Example:
+    if not isinstance(raw, dict):
+        raise DataError(f"{where}: expected an object with fields {prompt_key!r} and {answer_key!r}, "
+                        f"got {type(raw).__name__}")
+    missing = [k for k in (prompt_key, answer_key) if k not in raw]
+    if missing:
+        raise DataError(f"{where}: missing field {missing[0]!r} (record has {sorted(raw)}); set "
+                        f"data.prompt_key / data.answer_key to the names your file uses")
+    values = []
+    for key in (prompt_key, answer_key):
+        value = raw[key]
+        if isinstance(value, bool) or not isinstance(value, (str, int, float)):
+            raise DataError(f"{where}: field {key!r} must be text, got {type(value).__name__} {value!r}")
+        values.append(str(value))
+    return Example(prompt=values[0], answer=values[1])
+
+
+def read_jsonl(path: str, prompt_key: str = "prompt", answer_key: str = "answer") -> list[Example]:
+    """Examples from a JSON-lines file (blank lines skipped)."""
+    out = []
+    with open(path, encoding="utf-8") as f:
+        for number, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                raw = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise DataError(f"{path} line {number}: not valid JSON ({exc.msg})") from None
+            out.append(_record(raw, f"{path} line {number}", prompt_key, answer_key))
+    return out
+
+
+def read_parquet(path: str, prompt_key: str = "prompt", answer_key: str = "answer") -> list[Example]:
+    """Examples from a parquet file (needs pyarrow, or pandas with a parquet engine)."""
+    try:
+        import pyarrow.parquet as pq
+
+        rows = pq.read_table(path).to_pylist()
+    except ImportError:
+        try:
+            import pandas as pd
+        except ImportError:
+            raise DataError(f"data=parquet ({path}) needs pyarrow or pandas: pip install pyarrow "
+                            f"(or use a JSONL file with data=jsonl)") from None
+        try:
+            rows = pd.read_parquet(path).to_dict("records")
+        except ImportError as exc:
+            raise DataError(f"data=parquet ({path}): pandas has no parquet engine: {exc}; pip install pyarrow") from None
+    return [_record(r, f"{path} row {i}", prompt_key, answer_key) for i, r in enumerate(rows)]
+
+
+def build_source(data, seed: int):
+    """The training/evaluation source a DataSection describes."""
+    if data.source == "builtin":
+        task = ReverseTask(alphabet=data.alphabet, min_len=data.min_len, max_len=data.max_len)
+        return BuiltinSource(task, seed, data.eval_size)
+    if not os.path.isfile(data.path):
+        raise DataError(f"data.path: {data.path!r} is not a file")
+    reader = read_jsonl if data.source == "jsonl" else read_parquet
+    records = reader(data.path, data.prompt_key, data.answer_key)
+    return FileSource(records, seed, data.eval_size, data.path)
+
+
+def max_answer_tokens(source, tokenizer) -> int:
+    """Longest answer of the training and evaluation sets, in tokens (for generation length)."""
+    if isinstance(source, BuiltinSource):
+        return source.task.max_answer_chars
+    examples = source.train_examples + source.eval_examples
+    return max(len(tokenizer.encode(ex.answer)) for ex in examples)

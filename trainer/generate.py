@@ -1,0 +1,96 @@
+"""Sampling completions from the FSDP policy with Hugging Face ``generate``, and scoring them."""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from .task import Example, reward
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class Rollout:
+    """Completions of a list of prompts: token lists, decoded text and rewards."""
+
+    prompt_ids: list[list[int]]
+    response_ids: list[list[int]]
+    texts: list[str]
+    rewards: list[float]
+
+
+def prompt_tokens(tokenizer, prompt: str) -> list[int]:
+    """``<bos>`` (when the tokenizer has one) followed by the prompt's tokens."""
+    bos = getattr(tokenizer, "bos_token_id", None)
+    return ([bos] if bos is not None else []) + tokenizer.encode(prompt)
+
+
+def _world_size() -> int:
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
+@torch.no_grad()
+def generate(engine, tokenizer, prompts: list[list[int]], max_new_tokens: int, do_sample: bool,
+             temperature: float = 1.0) -> list[list[int]]:
+    """Completions (ending at and including ``<eos>`` when produced) for left-padded prompts.
+
+    With several ranks ``synced_gpus=True`` keeps every rank calling forward until all are
+    done, as FSDP's all-gathers require.
+    """
+    from transformers import GenerationConfig
+
+    pad, eos = tokenizer.pad_token_id, tokenizer.eos_token_id
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), pad, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, p in enumerate(prompts):
+        ids[i, width - len(p):] = torch.tensor(p, dtype=torch.long)
+        mask[i, width - len(p):] = 1
+    config = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=do_sample, pad_token_id=pad,
+                              eos_token_id=eos, use_cache=True,
+                              **({"temperature": temperature, "top_k": 0, "top_p": 1.0} if do_sample else {}))
+    device = engine.device
+    with engine.eval_mode():
+        out = engine.module.generate(input_ids=ids.to(device), attention_mask=mask.to(device),
+                                     generation_config=config, synced_gpus=_world_size() > 1)
+    completions = []
+    for row in out[:, width:].tolist():
+        if eos in row:
+            row = row[: row.index(eos) + 1]
+        else:
+            # Finished rows are padded while others continue; eos == pad is handled above.
+            while row and row[-1] == pad:
+                row.pop()
+        completions.append(row)
+    return completions
+
+
+def rollout(engine, tokenizer, examples: list[Example], n: int, max_new_tokens: int, do_sample: bool,
+            temperature: float = 1.0) -> Rollout:
+    """``n`` completions per example (grouped: example i owns rows i*n .. i*n+n-1), scored."""
+    prompts = [prompt_tokens(tokenizer, ex.prompt) for ex in examples for _ in range(n)]
+    responses = generate(engine, tokenizer, prompts, max_new_tokens, do_sample, temperature)
+    texts = [tokenizer.decode(r) for r in responses]
+    rewards = [reward(text, examples[i // n].answer) for i, text in enumerate(texts)]
+    return Rollout(prompts, responses, texts, rewards)
+
+
+def evaluate(engine, tokenizer, examples: list[Example], max_new_tokens: int, chunk: int = 256) -> float:
+    """Mean greedy reward over ``examples`` (each rank scores its share; summed over ranks)."""
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    mine = examples[rank::_world_size()]
+    total = 0.0
+    # Every rank runs the same number of generate calls, as synced generation needs.
+    chunks = max(1, -(-len(examples) // (_world_size() * chunk)))
+    for c in range(chunks):
+        part = mine[c * chunk:(c + 1) * chunk] or mine[:1]
+        result = rollout(engine, tokenizer, part, 1, max_new_tokens, do_sample=False)
+        if mine[c * chunk:(c + 1) * chunk]:
+            total += sum(result.rewards)
+    sums = torch.tensor([total, float(len(mine))], dtype=torch.float64, device=engine.device)
+    if _world_size() > 1:
+        dist.all_reduce(sums)
+    return float(sums[0] / sums[1])

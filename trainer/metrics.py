@@ -1,0 +1,76 @@
+"""Metrics as JSON lines (rank 0 writes; other ranks hold a no-op logger).
+
+Each record carries ``phase`` (sft, grpo, eval), the phase ``step`` and the run-wide
+``global_step``, so the SFT and GRPO curves form one x-axis. A resumed run first cuts the
+file back to the line count stored in its checkpoint, then appends: the curve continues
+exactly where the checkpoint left it, with no duplicated or orphaned records.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+
+logger = logging.getLogger(__name__)
+
+METRICS_FILE = "metrics.jsonl"
+# Wall-clock fields differ between two runs of the same job; everything else must not.
+TIMING_KEYS = ("time_s", "step_time_s", "gen_time_s", "tokens_per_s")
+
+
+def _clean(value):
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    return value
+
+
+class MetricsLogger:
+    """Append-only JSONL writer that knows how many lines it holds."""
+
+    def __init__(self, path: str, enabled: bool = True) -> None:
+        self.path = path
+        self.enabled = enabled
+        self.lines = 0
+        self.history: list[dict] = []
+
+    def start(self, keep_lines: int | None) -> None:
+        """Start fresh (``keep_lines=None``) or keep the first ``keep_lines`` records of an
+        earlier run's file (resume) and continue after them."""
+        kept: list[str] = []
+        if keep_lines and os.path.isfile(self.path):
+            with open(self.path) as f:
+                kept = [line for line in f if line.strip()][:keep_lines]
+            if len(kept) < keep_lines:
+                logger.warning("%s has %d records, the checkpoint expected %d", self.path, len(kept), keep_lines)
+        self.history = [json.loads(line) for line in kept]
+        self.lines = len(kept)
+        if self.enabled:
+            os.makedirs(os.path.dirname(self.path) or ".", exist_ok=True)
+            tmp = self.path + ".tmp"
+            with open(tmp, "w") as f:
+                f.writelines(kept)
+            os.replace(tmp, self.path)
+
+    def log(self, record: dict) -> None:
+        """Append one record (flushed at once, so a killed run loses nothing it logged)."""
+        record = {k: _clean(v) for k, v in record.items()}
+        self.history.append(record)
+        self.lines += 1
+        if self.enabled:
+            with open(self.path, "a") as f:
+                f.write(json.dumps(record) + "\n")
+                f.flush()
+
+    def last(self, phase: str, tag: str | None = None) -> dict | None:
+        """The newest record of ``phase`` (and eval ``tag``), or None."""
+        for record in reversed(self.history):
+            if record.get("phase") == phase and (tag is None or record.get("tag") == tag):
+                return record
+        return None
+
+
+def read_metrics(path: str) -> list[dict]:
+    """All records of a metrics file."""
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]

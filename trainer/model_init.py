@@ -1,0 +1,47 @@
+"""The starting checkpoint of a run built from a tiny preset.
+
+The engine's ModelConfig builds a preset at its fixed size; the trainer's default model is
+a preset resized with Hugging Face config ``overrides`` (and the tokenizer's vocabulary
+and special ids). It is written once, with its tokenizer, as an ordinary Hugging Face
+checkpoint directory that every phase then loads with ``ModelConfig(path=...)``.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+
+import torch
+import torch.distributed as dist
+
+from polyfsdp.engines.presets import preset_config
+
+logger = logging.getLogger(__name__)
+
+
+def write_initial_model(directory: str, preset: str, overrides: dict, tokenizer, seed: int) -> str:
+    """Rank 0 writes preset ``preset`` with ``overrides`` (weights from ``seed``) and the
+    tokenizer into ``directory``; every rank waits for it. Returns ``directory``."""
+    from transformers import AutoModelForCausalLM
+
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    if rank == 0 and not os.path.isfile(os.path.join(directory, "config.json")):
+        special = {"vocab_size": tokenizer.vocab_size, "pad_token_id": tokenizer.pad_token_id,
+                   "eos_token_id": tokenizer.eos_token_id, "bos_token_id": tokenizer.bos_token_id}
+        try:
+            config = preset_config(preset, **{**dict(overrides), **special})
+        except TypeError as exc:
+            raise ValueError(f"model.overrides: {exc}") from None
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        tmp = directory + ".tmp"
+        shutil.rmtree(tmp, ignore_errors=True)
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        os.replace(tmp, directory)
+        n = sum(p.numel() for p in model.parameters())
+        logger.info("initial model: %s with %s, %.2fM parameters -> %s", preset, overrides, n / 1e6, directory)
+    if dist.is_initialized():
+        dist.barrier()
+    return directory

@@ -1,0 +1,46 @@
+"""PNG of the reward and loss curves from a metrics file (matplotlib, Agg: no display)."""
+from __future__ import annotations
+
+import logging
+
+from .metrics import read_metrics
+
+logger = logging.getLogger(__name__)
+
+
+def plot_metrics(metrics_path: str, png_path: str) -> str:
+    """Draw reward (GRPO train mean, held-out evaluations) and loss (SFT, GRPO) against
+    the global step; returns ``png_path``."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    records = read_metrics(metrics_path)
+    sft = [r for r in records if r.get("phase") == "sft"]
+    grpo = [r for r in records if r.get("phase") == "grpo"]
+    evals = [r for r in records if r.get("phase") == "eval"]
+    fig, (ax_r, ax_l) = plt.subplots(2, 1, figsize=(8, 6.5), sharex=True)
+    if grpo:
+        ax_r.plot([r["global_step"] for r in grpo], [r["reward"] for r in grpo], lw=1, alpha=0.6,
+                  label="GRPO train reward (sampled)")
+    if evals:
+        ax_r.plot([r["global_step"] for r in evals], [r["reward"] for r in evals], "o-", color="C3",
+                  label="held-out reward (greedy)")
+    ax_r.set_ylabel("mean reward")
+    ax_r.set_ylim(-0.02, 1.02)
+    if sft:
+        ax_l.plot([r["global_step"] for r in sft], [r["loss"] for r in sft], lw=1, label="SFT loss (NLL)")
+    if grpo:
+        ax_l.plot([r["global_step"] for r in grpo], [r["loss"] for r in grpo], lw=1, label="GRPO loss")
+    ax_l.set_ylabel("loss")
+    ax_l.set_xlabel("global step")
+    for ax in (ax_r, ax_l):
+        ax.grid(alpha=0.3)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(loc="best", fontsize=8)
+    fig.suptitle("polyfsdp-train")
+    fig.tight_layout()
+    fig.savefig(png_path, dpi=100)
+    plt.close(fig)
+    return png_path

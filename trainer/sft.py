@@ -1,0 +1,28 @@
+"""One SFT step: negative log-likelihood of ``answer + <eos>`` given ``<bos> + prompt``."""
+from __future__ import annotations
+
+import time
+
+from polyfsdp.engines.losses import SFTLoss
+
+from .batch import build_batch
+from .generate import prompt_tokens
+from .task import Example
+
+
+def sft_pairs(tokenizer, examples: list[Example]) -> list[tuple[list[int], list[int]]]:
+    """(prompt tokens, answer tokens + eos) per example."""
+    return [(prompt_tokens(tokenizer, ex.prompt), tokenizer.encode(ex.answer) + [tokenizer.eos_token_id])
+            for ex in examples]
+
+
+def sft_step(engine, tokenizer, examples: list[Example], loss_fn: SFTLoss) -> dict:
+    """Train one step on this rank's ``examples``; returns the engine's metrics plus
+    ``tokens`` (this rank's sequence tokens) and ``step_time_s``."""
+    t0 = time.perf_counter()
+    pairs = sft_pairs(tokenizer, examples)
+    batch = build_batch(pairs, engine.engine_config.pad_mode, tokenizer.pad_token_id)
+    metrics = engine.train_batch(batch, loss_fn)
+    metrics["tokens"] = sum(len(p) + len(a) for p, a in pairs)
+    metrics["step_time_s"] = time.perf_counter() - t0
+    return metrics

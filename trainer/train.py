@@ -1,0 +1,113 @@
+"""``polyfsdp-train``: the Hydra-configured entry point (also ``python -m polyfsdp.trainer.train``).
+
+With no arguments it runs the default job (SFT warm-up + GRPO on the built-in task, CPU
+minutes). Arguments are Hydra overrides (``engine.pad_mode=left_right``, ``model=llama``,
+``model.path=DIR``); under ``torchrun --nproc_per_node N`` every rank runs this. The
+config is composed with Hydra's compose API rather than ``@hydra.main``: no working
+directory change, no Hydra log files, and every configuration mistake is one line.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import sys
+
+from .config import GROUPS, ConfigError, available_options, load_config
+
+USAGE = """usage: polyfsdp-train [GROUP=OPTION] [KEY=VALUE ...] [--cfg] [--help]
+
+Runs SFT warm-up then GRPO on the built-in task (defaults), or what the overrides say.
+  --cfg      print the composed configuration and exit
+  --help     this text
+Config groups (pick with GROUP=OPTION):
+{groups}
+Examples:
+  polyfsdp-train
+  polyfsdp-train trainer.grpo_steps=50 engine.pad_mode=left_right
+  polyfsdp-train model.path=/path/to/hf_checkpoint data=jsonl data.path=train.jsonl
+  torchrun --nproc_per_node 2 -m polyfsdp.trainer.train trainer.output_dir=runs/a
+  polyfsdp-train trainer.output_dir=runs/a trainer.resume=auto   # continue a stopped run
+"""
+
+# Errors a user causes before training starts: printed as one line, exit status 2.
+EXIT_USAGE = 2
+
+
+def _rank() -> int:
+    try:
+        return int(os.environ.get("RANK", "0"))
+    except ValueError:
+        return 0
+
+
+def _setup_logging() -> None:
+    level = logging.INFO if _rank() == 0 else logging.WARNING
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    logging.getLogger("polyfsdp.trainer").setLevel(level)
+    # torch.fx warns once per process about is_fx_tracing while transformers builds masks.
+    logging.getLogger("torch.fx._symbolic_trace").setLevel(logging.ERROR)
+    try:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.set_verbosity_error()
+        # Per-load/save progress bars would bury the job's own progress lines.
+        hf_logging.disable_progress_bar()
+    except ImportError:  # transformers is a dependency; its logging helper may move
+        pass
+
+
+def _error(exc: BaseException) -> int:
+    message = " ".join(str(exc).split()) or type(exc).__name__
+    prefix = "polyfsdp-train: error: " if _rank() == 0 else f"polyfsdp-train [rank {_rank()}]: error: "
+    print(prefix + message, file=sys.stderr, flush=True)
+    return EXIT_USAGE
+
+
+def _usage() -> str:
+    groups = "\n".join(f"  {g:<8} {', '.join(available_options(g))}" for g in GROUPS)
+    return USAGE.format(groups=groups)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Parse overrides, validate, run the job; returns the process exit status."""
+    from polyfsdp.backends import BackendUnavailableError
+    from polyfsdp.backends.distributed import destroy_distributed
+
+    from .data import DataError
+
+    args = list(sys.argv[1:] if argv is None else argv)
+    if "-h" in args or "--help" in args:
+        print(_usage())
+        return 0
+    show_cfg = "--cfg" in args
+    overrides = [a for a in args if a != "--cfg"]
+    unknown_flags = [a for a in overrides if a.startswith("-")]
+    if unknown_flags:
+        return _error(ConfigError(f"unknown option {unknown_flags[0]!r}; arguments are KEY=VALUE overrides "
+                                  f"(see --help)"))
+    _setup_logging()
+    user_errors = (ConfigError, DataError, BackendUnavailableError)
+    try:
+        world_size = int(os.environ.get("WORLD_SIZE", "1"))
+        cfg = load_config(overrides, world_size=world_size)
+        if show_cfg:
+            from omegaconf import OmegaConf
+
+            print(OmegaConf.to_yaml(OmegaConf.create(cfg.raw)), end="")
+            return 0
+        from .job import Job
+
+        job = Job(cfg)
+    except user_errors as exc:
+        return _error(exc)
+    try:
+        job.run()
+    except user_errors as exc:
+        return _error(exc)
+    finally:
+        destroy_distributed()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
