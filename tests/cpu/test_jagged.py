@@ -170,6 +170,16 @@ def test_next_token_labels_default_fill_is_ignore_index():
     assert J.next_token_labels(nt).values().tolist() == [2, 3, -100, 5, -100]
 
 
+def test_scalar_row_gradients_match_loop_reference(strategy):
+    lens = torch.tensor([3, 0, 5, 2])
+    dense = torch.randn(4, 5, generator=torch.Generator().manual_seed(1), requires_grad=True)
+    ref_dense = dense.detach().clone().requires_grad_(True)
+    w = torch.arange(10.0)
+    (J.dense_to_flat(dense, lens, total=10)[0] * w).sum().backward()
+    (ref_values(ref_dense, lens) * w).sum().backward()
+    assert torch.equal(dense.grad, ref_dense.grad)
+
+
 def test_gradients_match_loop_reference(strategy):
     gen = torch.Generator().manual_seed(0)
     lens = torch.tensor([3, 0, 5, 2])
