@@ -65,8 +65,14 @@ def varlen_sdpa_attention_forward(
     bounds = _packed_boundaries(query, attention_mask, kwargs)
     if bounds is None:
         if sliding_window is not None and attention_mask is None and query.shape[2] > sliding_window:
-            raise ValueError(f"{VARLEN_SDPA}: sliding_window={sliding_window} with no mask and "
-                             f"{query.shape[2]} query tokens is not supported; use attn_implementation='sdpa'")
+            # Our mask builder skipped the mask (no padding), so the window is applied here.
+            if key.shape[2] != query.shape[2]:
+                raise ValueError(f"{VARLEN_SDPA}: sliding_window with {key.shape[2]} keys for "
+                                 f"{query.shape[2]} queries needs a mask; call with use_cache=False")
+            groups = getattr(module, "num_key_value_groups", 1)
+            out = _segment_attention(query, repeat_kv(key, groups), repeat_kv(value, groups), scaling, dropout,
+                                     sliding_window)
+            return out.transpose(1, 2).contiguous(), None
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
                                       scaling=scaling, **kwargs)
     if kwargs.get("softcap") is not None:

@@ -20,6 +20,7 @@ from polyfsdp.backends.registry import get_backend
 from . import jagged
 from .adapters import input_adapter
 from .checkpoint import CheckpointMixin
+from .checkpoint import CheckpointMixin
 from .config import EngineConfig, ModelConfig
 from .flat_batch import FlatBatch, batch_to_flat, flat_to_caller
 from .head import FUSED_HEAD_METHOD, IGNORE_INDEX, HeadOptions, fused_head_support, install_fused_head
@@ -37,7 +38,8 @@ _TEMPERATURE = "_polyfsdp_temperature"
 
 class FSDPEngine(CheckpointMixin):
     """One policy (or reference) model under FSDP2. Modes are read from ``engine_config``
-    at every call, so one engine can serve every mode combination."""
+    at every call, so one engine can serve every mode combination. Checkpoint methods
+    (``save_checkpoint``, ``load_checkpoint``, ``export_hf``) come from CheckpointMixin."""
 
     def __init__(self, model_config: ModelConfig, engine_config: EngineConfig, backend: Backend | None = None,
                  patch_toggles=None):

@@ -5,7 +5,7 @@ import logging
 import os
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
+from transformers import AutoConfig, AutoModelForCausalLM
 
 from polyfsdp.backends.base import Backend
 
@@ -38,13 +38,28 @@ def build_model(config: ModelConfig, backend: Backend, patch_toggles=None):
     """Build the causal LM on the CPU in ``config.dtype`` with the chosen attention, apply
     the backend's patches, and return ``(model, patch_report)``."""
     register_attention()
-    attn = config.attn_implementation or backend.default_attn_implementation
     dtype = torch_dtype(config.dtype)
+    if config.attn_implementation is not None:
+        return _build(config, dtype, config.attn_implementation, backend, patch_toggles)
+    try:
+        return _build(config, dtype, backend.default_attn_implementation, backend, patch_toggles)
+    except ValueError as exc:
+        # The backend's choice is SDPA-based; families without SDPA support (e.g. Gemma-2,
+        # for its attention soft-cap) run eager attention instead.
+        if "does not support an attention implementation" not in str(exc):
+            raise
+        logger.warning("%s; using attn_implementation='eager' for this model", str(exc).split(".")[0])
+        return _build(config, dtype, "eager", backend, patch_toggles)
+
+
+def _build(config: ModelConfig, dtype: torch.dtype, attn: str, backend: Backend, patch_toggles):
     if config.path is not None:
         _check_checkpoint_dir(config.path)
-        kwargs = {} if config.vocab_size is None else {"vocab_size": config.vocab_size}
+        if config.vocab_size is not None:
+            raise ValueError(f"ModelConfig.vocab_size: applies to presets only; a checkpoint's vocabulary is "
+                             f"fixed by its weights (got vocab_size={config.vocab_size} with path={config.path!r})")
         try:
-            hf_config = AutoConfig.from_pretrained(config.path, local_files_only=True, **kwargs)
+            hf_config = AutoConfig.from_pretrained(config.path, local_files_only=True)
             model = AutoModelForCausalLM.from_pretrained(config.path, config=hf_config, local_files_only=True,
                                                          dtype=dtype, attn_implementation=attn)
         except (OSError, ValueError) as exc:
@@ -63,7 +78,3 @@ def build_model(config: ModelConfig, backend: Backend, patch_toggles=None):
     logger.debug("built %s (%s, attn=%s)", type(model).__name__, config.dtype, attn)
     return model, report
 
-
-def is_causal_lm(model) -> bool:
-    """Whether ``model`` looks like a decoder-only HF causal LM with ``.model`` and ``.lm_head``."""
-    return isinstance(model, PreTrainedModel) and hasattr(model, "lm_head") and hasattr(model, "model")
