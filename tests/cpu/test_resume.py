@@ -33,10 +33,12 @@ def _losses_from(lines):
 
 def test_sigkilled_run_resumed_from_checkpoint_matches_uninterrupted_run_bitwise(tmp_path):
     env = _env()
+    # Logs go to files: an undrained pipe could block a child, and stderr could interleave.
+    full_log, kill_log = open(tmp_path / "full.log", "w"), open(tmp_path / "kill.err", "w")
     full = subprocess.Popen(_command("full", tmp_path / "unused", tmp_path / "full.pt"), env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                            stdout=full_log, stderr=subprocess.STDOUT, text=True)
     killed = subprocess.Popen(_command("kill", tmp_path / "ckpt"), env=env, stdin=subprocess.PIPE,
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                              stdout=subprocess.PIPE, stderr=kill_log, text=True)
     watchdog = threading.Timer(TIMEOUT_S, lambda: (full.kill(), killed.kill()))
     watchdog.start()
     try:
@@ -46,13 +48,15 @@ def test_sigkilled_run_resumed_from_checkpoint_matches_uninterrupted_run_bitwise
             if line.startswith("CHECKPOINT_SAVED"):
                 killed.send_signal(signal.SIGKILL)  # from outside, right after the checkpoint
                 break
-        assert seen and seen[-1] == f"CHECKPOINT_SAVED {SAVE_AT}", "\n".join(seen[-40:])
+        assert seen and seen[-1] == f"CHECKPOINT_SAVED {SAVE_AT}", (tmp_path / "kill.err").read_text()[-3000:]
         killed.wait()
         assert killed.returncode == -signal.SIGKILL
-        full_output = full.communicate()[0]
-        assert full.returncode == 0, full_output[-3000:]
+        full.wait()
+        assert full.returncode == 0, (tmp_path / "full.log").read_text()[-3000:]
     finally:
         watchdog.cancel()
+        for handle in (full_log, kill_log, killed.stdin, killed.stdout):
+            handle.close()
         for proc in (full, killed):
             if proc.poll() is None:
                 proc.kill()
