@@ -12,7 +12,7 @@ import logging
 import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface
-from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 logger = logging.getLogger(__name__)
@@ -39,15 +39,16 @@ def _packed_boundaries(query: torch.Tensor, attention_mask, kwargs: dict) -> lis
     return [0, *starts.tolist(), pos.numel()]
 
 
-def _segment_attention(q, k, v, scaling, dropout, sliding_window) -> torch.Tensor:
-    """Causal attention of one sequence; q (1, H, s, D), k/v already repeated to H heads."""
+def _segment_attention(q, k, v, scaling, dropout, sliding_window, gqa: bool) -> torch.Tensor:
+    """Causal attention of one sequence: q (1, H, s, D), k/v (1, H_kv, s, D)."""
     length = q.shape[2]
     if sliding_window is not None and length > sliding_window:
         idx = torch.arange(length, device=q.device)
         diff = idx[:, None] - idx[None, :]
         mask = (diff >= 0) & (diff < sliding_window)
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout, scale=scaling)
-    return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, scale=scaling, is_causal=True)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout, scale=scaling,
+                                              enable_gqa=gqa)
+    return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, scale=scaling, is_causal=True, enable_gqa=gqa)
 
 
 def varlen_sdpa_attention_forward(
@@ -69,9 +70,8 @@ def varlen_sdpa_attention_forward(
             if key.shape[2] != query.shape[2]:
                 raise ValueError(f"{VARLEN_SDPA}: sliding_window with {key.shape[2]} keys for "
                                  f"{query.shape[2]} queries needs a mask; call with use_cache=False")
-            groups = getattr(module, "num_key_value_groups", 1)
-            out = _segment_attention(query, repeat_kv(key, groups), repeat_kv(value, groups), scaling, dropout,
-                                     sliding_window)
+            out = _segment_attention(query, key, value, scaling, dropout, sliding_window,
+                                     key.shape[1] != query.shape[1])
             return out.transpose(1, 2).contiguous(), None
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
                                       scaling=scaling, **kwargs)
@@ -80,15 +80,14 @@ def varlen_sdpa_attention_forward(
     if key.shape[2] != query.shape[2]:
         raise ValueError(f"{VARLEN_SDPA}: packed rows need as many keys as queries "
                          f"(got {key.shape[2]} keys, {query.shape[2]} queries); call with use_cache=False")
-    groups = getattr(module, "num_key_value_groups", 1)
-    key, value = repeat_kv(key, groups), repeat_kv(value, groups)
-    outputs = [
-        _segment_attention(query[:, :, s:e], key[:, :, s:e], value[:, :, s:e], scaling, dropout, sliding_window)
-        for s, e in zip(bounds[:-1], bounds[1:])
-        if e > s
-    ]
-    out = torch.cat(outputs, dim=2) if len(outputs) != 1 else outputs[0]
-    return out.transpose(1, 2).contiguous(), None
+    gqa = key.shape[1] != query.shape[1]
+    # Written straight into the (1, total, H, D) layout the caller wants: no cat, no transpose copy.
+    out = query.new_empty(1, query.shape[2], query.shape[1], value.shape[-1])
+    for s, e in zip(bounds[:-1], bounds[1:]):
+        if e > s:
+            out[:, s:e] = _segment_attention(query[:, :, s:e], key[:, :, s:e], value[:, :, s:e], scaling, dropout,
+                                             sliding_window, gqa).transpose(1, 2)
+    return out, None
 
 
 def varlen_sdpa_mask(batch_size: int, q_length: int, kv_length: int, q_offset: int = 0, kv_offset: int = 0,

@@ -36,6 +36,14 @@ logger = logging.getLogger(__name__)
 _TEMPERATURE = "_polyfsdp_temperature"
 
 
+def _enable_activation_checkpointing(model) -> None:
+    """Non-reentrant activation checkpointing per decoder layer (the API was renamed in transformers 5)."""
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+
+
 class FSDPEngine(CheckpointMixin):
     """One policy (or reference) model under FSDP2. Modes are read from ``engine_config``
     at every call, so one engine can serve every mode combination. Checkpoint methods
@@ -71,7 +79,7 @@ class FSDPEngine(CheckpointMixin):
         self.device = self.backend.device(int(os.environ.get("LOCAL_RANK", "0")))
         model, self.patch_report = build_model(self.model_config, self.backend, self.patch_toggles)
         if self.engine_config.gradient_checkpointing:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            _enable_activation_checkpointing(model)
         self._softcap, self._fused_unsupported = fused_head_support(model)
         install_fused_head(model)
         model.to(self.device)

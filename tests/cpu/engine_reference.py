@@ -91,8 +91,8 @@ def reference_logprobs(model, seqs, temperatures):
             continue
         logits = model(input_ids=s[None], use_cache=False).logits[0].double() / float(t)
         logp = torch.log_softmax(logits, -1)
-        lp = torch.zeros(len(s), dtype=torch.float64)
-        ent = torch.zeros(len(s), dtype=torch.float64)
+        lp = torch.zeros(len(s), dtype=torch.float64, device=s.device)
+        ent = torch.zeros(len(s), dtype=torch.float64, device=s.device)
         if len(s) > 1:
             lp[:-1] = logp[:-1].gather(-1, s[1:, None])[:, 0]
             ent[:-1] = -(logp[:-1].exp() * logp[:-1]).sum(-1)

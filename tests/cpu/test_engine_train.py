@@ -117,3 +117,12 @@ def test_ppo_loss_receives_aligned_fields_in_left_right_mode(data):
     metrics = engine.train_batch(batch, PPOLoss(report_entropy=True))
     assert math.isclose(metrics["loss"], -1.0, rel_tol=1e-6)
     assert abs(metrics["approx_kl"]) < 1e-6 and metrics["clip_frac"] == 0.0
+
+
+def test_gradient_checkpointing_trains_to_the_reference_parameters(data, reference_step):
+    seqs, masks = data
+    _, expected, grads, ref_loss, _ = reference_step
+    engine = _engine(gradient_checkpointing=True, use_fused_kernels=True)
+    metrics = engine.train_batch(no_padding_batch(seqs, per_token={"response_mask": masks}), SFTLoss())
+    assert math.isclose(metrics["loss"], ref_loss, rel_tol=1e-5)
+    assert_params_close_after_adam_step(_params(engine), expected, grads, LR, GRAD_TOL)
