@@ -25,8 +25,8 @@ backward recomputes the logits in vocabulary slices holding the same number of e
 (``chunk_size * V``), so ``grad_weight`` rows are written once by one GEMM over all tokens
 and only the small ``(N, H)`` ``grad_hidden`` is accumulated. Total work: four GEMMs
 (forward, recompute, two gradient GEMMs). The working set is two float32 buffers of
-``chunk_size * V`` elements (three in the backward with soft-cap, one when no entropy is
-involved); see :func:`default_chunk_size` for the rule. ``return_entropy=False`` skips all
+``chunk_size * V`` elements (three in the backward with soft-cap, one in the backward
+when no entropy gradient is involved); see :func:`default_chunk_size` for the rule. ``return_entropy=False`` skips all
 entropy work in forward and backward.
 """
 from __future__ import annotations
@@ -122,7 +122,7 @@ class _Head:
         self.fp32 = hidden.dtype in (torch.float32, torch.float64)
         self.acc_dtype = torch.float64 if hidden.dtype == torch.float64 else torch.float32
         if isinstance(temperature, torch.Tensor):
-            inv_t = temperature.detach().to(self.acc_dtype).reciprocal()
+            inv_t = temperature.detach().to(device=hidden.device, dtype=self.acc_dtype).reciprocal()
             self.inv_t = inv_t.reshape(-1, 1) if inv_t.dim() == 1 else float(inv_t)
         else:
             self.inv_t = 1.0 / float(temperature)
@@ -181,19 +181,21 @@ class _FusedLogProbEntropy(torch.autograd.Function):
             if n > 0:
                 chunk = min(chunk_size, n)
                 flat = torch.empty(chunk * v, dtype=acc, device=hidden.device)
-                flat_e = torch.empty_like(flat) if return_entropy else None
+                # log_softmax writes into a second buffer: in-place aliasing is not promised
+                # by every device's kernel; the logits buffer then takes exp(log p).
+                flat_lp = torch.empty_like(flat)
                 for start in range(0, n, chunk):
                     rows = slice(start, min(start + chunk, n))
                     m = rows.stop - rows.start
                     y = head.logits(rows, weight, flat[: m * v].view(m, v))
                     row_max, arg_max = y.max(dim=1, keepdim=True)
                     # One row-fused kernel (rows stay in cache) instead of sub/exp/sum passes.
-                    log_p = torch.log_softmax(y, dim=1, out=y)
+                    log_p = torch.log_softmax(y, dim=1, out=flat_lp[: m * v].view(m, v))
                     label_log_p[rows] = log_p.gather(1, safe_labels[rows, None]).squeeze(1)
                     # lse = max - log p(argmax); |log p(argmax)| <= log V keeps its rounding tiny.
                     lse[rows] = (row_max - log_p.gather(1, arg_max)).squeeze(1)
                     if return_entropy:
-                        entropy[rows] = _entropy_terms(log_p, flat_e[: m * v].view(m, v))
+                        entropy[rows] = _entropy_terms(log_p, y)
         zero = torch.zeros((), dtype=acc, device=hidden.device)
         log_probs = torch.where(valid, label_log_p, zero)
         if return_entropy:
