@@ -158,6 +158,7 @@ class TrainerSection:
     resume: str = "auto"
     seed: int = 0
     progress: str = "auto"
+    cpu_threads: int | None = 1
     plot: bool = True
     export: bool = True
 
@@ -262,6 +263,8 @@ def _validate_trainer(t: TrainerSection, algo: AlgoSection, world_size: int) -> 
             raise ConfigError(f"trainer.{key}: must be a multiple of the world size {world_size}, "
                               f"got {getattr(t, key)}")
     _check_choice("trainer.progress", t.progress, PROGRESS_MODES)
+    if t.cpu_threads is not None:
+        _check_min("trainer.cpu_threads", t.cpu_threads, 1)
     if t.resume not in ("auto", "never") and not os.path.isdir(t.resume):
         raise ConfigError(f"trainer.resume: expected auto, never or an existing checkpoint directory, "
                           f"got {t.resume!r}")

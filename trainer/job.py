@@ -25,6 +25,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
 import torch.distributed as dist
 from omegaconf import OmegaConf
 
@@ -129,6 +130,8 @@ class Job:
 
     def __init__(self, cfg: JobConfig) -> None:
         self.cfg = cfg
+        if cfg.trainer.cpu_threads is not None:
+            torch.set_num_threads(cfg.trainer.cpu_threads)
         self.backend = get_backend(cfg.backend)
         init_distributed(self.backend)
         self.rank, self.world = _rank(), _world()

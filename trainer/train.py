@@ -87,6 +87,10 @@ def main(argv: list[str] | None = None) -> int:
                                   f"(see --help)"))
     _setup_logging()
     user_errors = (ConfigError, DataError, BackendUnavailableError)
+    import torch.distributed as dist
+
+    # Tear down only a process group this call created (an embedding process may own one).
+    owned_group = not dist.is_initialized()
     try:
         world_size = int(os.environ.get("WORLD_SIZE", "1"))
         cfg = load_config(overrides, world_size=world_size)
@@ -105,7 +109,8 @@ def main(argv: list[str] | None = None) -> int:
     except user_errors as exc:
         return _error(exc)
     finally:
-        destroy_distributed()
+        if owned_group:
+            destroy_distributed()
     return 0
 
 

@@ -1,0 +1,165 @@
+"""Trainer building blocks against hand-computed values: tokenizer, reward, advantages,
+batch alignment, data determinism and errors, config validation (no model runs here)."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from polyfsdp.engines import jagged
+from polyfsdp.trainer.batch import build_batch, per_sequence
+from polyfsdp.trainer.config import ConfigError, load_config
+from polyfsdp.trainer.data import BuiltinSource, DataError, FileSource, read_jsonl, read_parquet
+from polyfsdp.trainer.grpo import group_advantages
+from polyfsdp.trainer.task import CharTokenizer, ReverseTask, load_tokenizer, reward
+
+
+def test_char_tokenizer_round_trips_and_reloads_from_directory(tmp_path):
+    tok = CharTokenizer("ab=")
+    assert tok.vocab_size == 7  # 4 specials + 3 chars
+    assert tok.encode("ba=") == [5, 4, 6]
+    assert tok.encode("x") == [tok.unk_token_id]
+    assert tok.decode([tok.bos_token_id, 5, 4, tok.eos_token_id, 4]) == "ba"  # stops at eos
+    tok.save_pretrained(str(tmp_path))
+    again = load_tokenizer(str(tmp_path))
+    assert isinstance(again, CharTokenizer) and again.vocab == tok.vocab
+
+
+def test_missing_tokenizer_is_a_clear_error(tmp_path):
+    with pytest.raises(ValueError, match="no tokenizer found"):
+        load_tokenizer(str(tmp_path))
+
+
+@pytest.mark.parametrize("completion,answer,expected", [
+    ("dcba", "dcba", 1.0),
+    ("dcbx", "dcba", 0.75),
+    ("dc", "dcba", 0.5),          # shorter: 2 right of 4
+    ("dcbaaa", "dcba", 4 / 6),    # longer: penalised by the extra characters
+    ("", "dcba", 0.0),
+    ("", "", 1.0),
+])
+def test_reward_gives_partial_credit_in_unit_interval(completion, answer, expected):
+    assert reward(completion, answer) == pytest.approx(expected)
+
+
+def test_group_advantages_match_hand_computed_values():
+    rewards = torch.tensor([1.0, 0.0, 0.5, 0.5, 0.2, 0.2])
+    adv = group_advantages(rewards, group_size=2)
+    # Group (1, 0): mean 0.5, unbiased std sqrt(0.5); identical rewards give 0.
+    s = 0.5 ** 0.5
+    expected = torch.tensor([0.5 / (s + 1e-6), -0.5 / (s + 1e-6), 0.0, 0.0, 0.0, 0.0])
+    assert torch.allclose(adv, expected, atol=1e-6)
+    centred = group_advantages(rewards, group_size=3, norm_by_std=False)
+    assert torch.allclose(centred, torch.tensor([0.5, -0.5, 0.0, 0.2, -0.1, -0.1]), atol=1e-6)
+    with pytest.raises(ValueError, match="multiple of group_size"):
+        group_advantages(rewards, group_size=4)
+
+
+PAIRS = [([1, 10, 11], [12, 2]), ([1, 10], [13, 14, 2])]
+# response_mask[t] = 1 iff token t+1 is a response token.
+EXPECTED_MASKS = [[0, 0, 1, 1, 0], [0, 1, 1, 1, 0]]
+
+
+def test_no_padding_batch_is_jagged_with_response_mask_shifted_by_one():
+    batch = build_batch(PAIRS, "no_padding", pad_token_id=0)
+    ids = batch["input_ids"]
+    assert ids.is_nested and ids.layout == torch.jagged
+    assert jagged.offsets(ids).tolist() == [0, 5, 10]
+    assert [t.tolist() for t in ids.unbind()] == [[1, 10, 11, 12, 2], [1, 10, 13, 14, 2]]
+    assert [t.tolist() for t in batch["response_mask"].unbind()] == EXPECTED_MASKS
+
+
+def test_left_right_batch_pads_prompts_left_and_responses_right():
+    batch = build_batch(PAIRS, "left_right", pad_token_id=0,
+                        token_fields={"advantages": [torch.full((5,), 1.5), torch.full((5,), -2.0)]})
+    assert batch["input_ids"].tolist() == [[1, 10, 11, 12, 2, 0], [0, 1, 10, 13, 14, 2]]
+    assert batch["attention_mask"].tolist() == [[1, 1, 1, 1, 1, 0], [0, 1, 1, 1, 1, 1]]
+    assert batch["response_mask"].tolist() == [[0, 0, 1, 1, 0, 0], [0, 0, 1, 1, 1, 0]]
+    assert batch["advantages"].tolist() == [[1.5] * 5 + [0.0], [0.0] + [-2.0] * 5]
+    back = per_sequence(batch["response_mask"], batch, "left_right")
+    assert [t.tolist() for t in back] == EXPECTED_MASKS
+
+
+def test_builtin_batches_are_deterministic_by_step_and_never_use_eval_prompts():
+    task = ReverseTask(alphabet="ab", min_len=2, max_len=3)  # 12 prompts: eval takes a large share
+    a, b = BuiltinSource(task, seed=3, eval_size=5), BuiltinSource(task, seed=3, eval_size=5)
+    assert a.batch("sft", 7, 16) == b.batch("sft", 7, 16)
+    assert a.batch("sft", 7, 16) != a.batch("sft", 8, 16)
+    eval_prompts = {ex.prompt for ex in a.eval_examples}
+    assert len(eval_prompts) == 5
+    for step in range(20):
+        assert not eval_prompts & {ex.prompt for ex in a.batch("grpo", step, 16)}
+    for ex in a.batch("sft", 0, 16):
+        assert ex.answer == ex.prompt[:-1][::-1]
+
+
+def _write_jsonl(path, rows):
+    path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    return str(path)
+
+
+def test_jsonl_source_holds_out_the_tail_and_cycles_through_the_rest(tmp_path):
+    rows = [{"prompt": f"p{i}=", "answer": str(i)} for i in range(10)]
+    records = read_jsonl(_write_jsonl(tmp_path / "d.jsonl", rows))
+    source = FileSource(records, seed=0, eval_size=3, path="d.jsonl")
+    assert [ex.answer for ex in source.eval_examples] == ["7", "8", "9"]
+    epoch = source.batch("sft", 0, 7)
+    assert sorted(ex.answer for ex in epoch) == [str(i) for i in range(7)]  # one full epoch, no eval rows
+    assert source.batch("sft", 0, 7) == epoch
+
+
+def test_jsonl_missing_field_names_the_line_and_field(tmp_path):
+    path = _write_jsonl(tmp_path / "bad.jsonl", [{"prompt": "a=", "answer": "a"}, {"prompt": "b="}])
+    with pytest.raises(DataError, match=r"line 2: missing field 'answer'"):
+        read_jsonl(path)
+
+
+def test_parquet_without_a_reader_says_what_to_install(tmp_path, monkeypatch):
+    import builtins
+
+    real_import = builtins.__import__
+
+    def no_parquet(name, *args, **kwargs):
+        if name.split(".")[0] in ("pyarrow", "pandas"):
+            raise ImportError(f"No module named {name!r}")
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_parquet)
+    with pytest.raises(DataError, match="needs pyarrow or pandas"):
+        read_parquet(str(tmp_path / "x.parquet"))
+
+
+@pytest.mark.parametrize("overrides,expected", [
+    (["engine.use_remov_padding=false"], "engine.use_remov_padding: unknown key"),
+    (["+engine.foo=1"], "engine.foo: unknown key"),
+    (["+trainer.sft_stepz=1"], "trainer.sft_stepz: unknown key"),
+    (["engine.pad_mode=diagonal"], "engine.pad_mode: got 'diagonal'; allowed values: 'no_padding', 'left_right'"),
+    (["backend=tpu"], "backend=tpu: no such option; choose one of auto, cpu, cuda, npu"),
+    (["model=gpt5"], "model=gpt5: no such option; choose one of llama, qwen2, qwen3"),
+    (["algo.grpo.kl_type=k9"], "algo.grpo.kl_type: got 'k9'; allowed values: k1, k3"),
+    (["trainer.sft_steps=many"], "trainer.sft_steps: expected int, got 'many'"),
+    (["engine.lr=1"], "engine.lr: unknown key"),
+    (["data=jsonl"], "data.path: a value is required"),
+    (["patches.disable=[qwen2.nope]"], "patches.disable: unknown patch 'qwen2.nope'"),
+    (["trainer.prompts_per_step=3"], None),  # fine for one rank ...
+])
+def test_bad_overrides_raise_one_line_config_errors(overrides, expected):
+    if expected is None:
+        load_config(overrides)
+        with pytest.raises(ConfigError, match="multiple of the world size 2"):  # ... not for two
+            load_config(overrides, world_size=2)
+        return
+    with pytest.raises(ConfigError) as info:
+        load_config(overrides)
+    message = str(info.value)
+    assert "\n" not in message
+    assert message.startswith(expected), message
+
+
+def test_default_config_converts_to_engine_dataclasses():
+    cfg = load_config([])
+    assert cfg.algo.name == "grpo" and cfg.trainer.sft_steps > 0 and cfg.trainer.grpo_steps > 0
+    engine = cfg.phase_engine_config("grpo")
+    assert engine.lr == cfg.algo.grpo.lr and engine.pad_mode == "no_padding"
+    assert cfg.model.model_config(vocab_size=50).vocab_size == 50
