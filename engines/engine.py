@@ -137,6 +137,9 @@ class FSDPEngine(CheckpointMixin):
     def forward_flat(self, flat: FlatBatch, temperature, return_entropy: bool = True):
         """Per-token ``(log_probs, entropy)`` of a flat batch (flat ``(total,)``, float32),
         with autograd when enabled. ``temperature``: float or per-token ``(total,)``."""
+        if flat.total == 0:
+            empty = flat.input_ids.new_zeros(0, dtype=torch.float32)
+            return empty, (empty if return_entropy else None)
         adapter = input_adapter(self.engine_config.use_remove_padding)
         labels = jagged.next_token_labels_flat(flat.input_ids, flat.offsets, fill=IGNORE_INDEX)
         inputs = adapter.model_inputs(flat)
@@ -148,7 +151,7 @@ class FSDPEngine(CheckpointMixin):
         return logprob_entropy_from_logits(adapter.to_flat(logits, flat), labels, temperature,
                                            return_entropy=return_entropy, ignore_index=IGNORE_INDEX)
 
-    def _prepare(self, batch: TensorDict, temperature, keys) -> FlatBatch:
+    def _prepare(self, batch: TensorDict, temperature, keys) -> tuple[FlatBatch, TensorDict]:
         if not isinstance(batch, TensorDict):
             raise TypeError(f"batch: expected a tensordict.TensorDict, got {type(batch).__name__}")
         if self.device.type != "cpu":
@@ -164,12 +167,12 @@ class FSDPEngine(CheckpointMixin):
             flat.fields[_TEMPERATURE] = torch.repeat_interleave(temperature, flat.lengths, output_size=flat.total)
         elif isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not temperature > 0:
             raise ValueError(f"temperature: expected a float > 0 or a (B,) tensor, got {temperature!r}")
-        return flat
+        return flat, batch
 
     def infer_batch(self, batch: TensorDict, temperature=1.0, calculate_entropy: bool = True) -> TensorDict:
         """``log_probs`` (and ``entropy``) per token, in the caller's layout: jagged with the
         input's offsets for ``no_padding``; dense ``(B, L)`` zero-padded for ``left_right``."""
-        flat = self._prepare(batch, temperature, keys=())
+        flat, batch = self._prepare(batch, temperature, keys=())
         lp_parts, ent_parts = [], []
         with torch.no_grad(), self.eval_mode():
             for micro, index in split(flat, self.engine_config.max_tokens_per_micro_batch):
@@ -203,7 +206,9 @@ class FSDPEngine(CheckpointMixin):
             raise ValueError(f"loss function {type(loss_fn).__name__} needs batch keys {list(required)}; "
                              f"missing {missing} (batch has {sorted(batch.keys())})")
         need_entropy = bool(getattr(loss_fn, "requires_entropy", True))
-        flat = self._prepare(batch, temperature, keys=None)
+        flat, batch = self._prepare(batch, temperature, keys=None)
+        if flat.total == 0:
+            raise ValueError("train_batch: the batch holds no tokens (every sequence is empty)")
         cfg = self.engine_config
         mask = flat.fields.get("response_mask")
         local_tokens = float(mask.sum()) if mask is not None else float(flat.total - int((flat.lengths > 0).sum()))

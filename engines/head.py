@@ -36,6 +36,8 @@ def fused_head_support(model) -> tuple[float | None, str | None]:
     """``(softcap, None)`` when the fused head reproduces ``model``'s logits (with that
     final soft-cap, or None), else ``(None, reason)``."""
     config = model.config
+    if not isinstance(getattr(model, "model", None), torch.nn.Module):
+        return None, f"{type(model).__name__} has no decoder body at .model"
     for name in _LOGIT_SCALE_ATTRS:
         value = getattr(config, name, None)
         if value is not None and value != 1:

@@ -34,9 +34,9 @@ def parallelize_model(model: nn.Module, mesh: DeviceMesh, config: EngineConfig,
                               reduce_dtype=torch_dtype(config.reduce_dtype), cast_forward_inputs=False)
     for layer in decoder_layers(model):
         fully_shard(layer, mesh=mesh, mp_policy=mp, reshard_after_forward=config.reshard_after_forward)
-    # The root's parameters (embeddings, final norm, head) are needed again right after the
-    # forward (head / backward), so keeping them gathered saves one all-gather per step.
-    fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=False)
+    # None = FSDP2's automatic choice: the root keeps its parameters (embeddings, head) gathered
+    # after forward, since backward would all-gather them again at once.
+    fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=None if config.reshard_after_forward else False)
     for name in forward_methods:
         register_fsdp_forward_method(model, name)
     logger.debug("fully_shard applied to %d layers + root on a %d-rank mesh", len(decoder_layers(model)), mesh.size())

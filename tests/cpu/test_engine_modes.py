@@ -101,6 +101,25 @@ def test_all_equal_lengths_batch_keeps_layout(family):
         assert (got.double() - torch.cat(exp_lp)).abs().max() <= TOL
 
 
+def test_zero_length_sequences_and_empty_batch(family):
+    fam = family("qwen2-tiny")
+    engine = fam.engine
+    seqs = sequences([4, 0, 5, 0], seed=8)
+    with torch.no_grad():
+        exp_lp, _ = reference_logprobs(fam.reference, seqs, [1.0] * 4)
+    empty = no_padding_batch([torch.zeros(0, dtype=torch.long)] * 2)
+    for rmpad, fused in MODES:
+        engine.engine_config = replace(engine.engine_config, pad_mode="no_padding", use_remove_padding=rmpad,
+                                       use_fused_kernels=fused)
+        batch = no_padding_batch(seqs)
+        out = engine.infer_batch(batch)
+        assert torch.equal(out["log_probs"].offsets(), batch["input_ids"].offsets())
+        assert (out["log_probs"].values().double() - torch.cat(exp_lp)).abs().max() <= TOL
+        assert out["entropy"].values().shape == out["log_probs"].values().shape
+        nothing = engine.infer_batch(empty)
+        assert nothing["log_probs"].values().numel() == 0 and nothing["entropy"].values().numel() == 0
+
+
 def test_calculate_entropy_false_returns_only_log_probs(family):
     fam = family("qwen2-tiny")
     fam.engine.engine_config = replace(fam.engine.engine_config, pad_mode="no_padding")
