@@ -25,7 +25,7 @@ from .config import EngineConfig, ModelConfig
 from .flat_batch import FlatBatch, batch_to_flat, flat_to_caller
 from .head import FUSED_HEAD_METHOD, IGNORE_INDEX, HeadOptions, fused_head_support, install_fused_head
 from .loss_inputs import LossInputs
-from .micro_batch import merge, split
+from .micro_batch import count_micro_batches, merge, split
 from .model_builder import build_model
 from .optim import build_lr_scheduler, build_optimizer
 from .parallelize import parallelize_model
@@ -175,7 +175,7 @@ class FSDPEngine(CheckpointMixin):
         flat, batch = self._prepare(batch, temperature, keys=())
         lp_parts, ent_parts = [], []
         with torch.no_grad(), self.eval_mode():
-            for micro, index in split(flat, self.engine_config.max_tokens_per_micro_batch):
+            for micro, index in self._micro_batches(flat):
                 temp = micro.fields.get(_TEMPERATURE, temperature)
                 log_probs, entropy = self.forward_flat(micro, temp, calculate_entropy)
                 lp_parts.append((log_probs, index))
@@ -185,6 +185,16 @@ class FSDPEngine(CheckpointMixin):
         if calculate_entropy:
             out["entropy"] = flat_to_caller(merge(ent_parts, flat.total), flat, batch, pad_mode)
         return TensorDict(out, batch_size=[flat.num_seqs])
+
+    def _micro_batches(self, flat: FlatBatch):
+        """Split by the token budget; every rank runs as many micro-batches as the busiest
+        one (FSDP's collectives must pair up), padding with placeholders."""
+        budget = self.engine_config.max_tokens_per_micro_batch
+        if not dist.is_initialized() or dist.get_world_size() == 1:
+            return split(flat, budget)
+        count = torch.tensor([count_micro_batches(flat, budget)], device=self.device)
+        dist.all_reduce(count, op=dist.ReduceOp.MAX)
+        return split(flat, budget, num_groups=int(count))
 
     # ------------------------------------------------------------------ training
     def _all_reduce_sum(self, values: list[float]) -> list[float]:
@@ -207,22 +217,29 @@ class FSDPEngine(CheckpointMixin):
                              f"missing {missing} (batch has {sorted(batch.keys())})")
         need_entropy = bool(getattr(loss_fn, "requires_entropy", True))
         flat, batch = self._prepare(batch, temperature, keys=None)
-        if flat.total == 0:
-            raise ValueError("train_batch: the batch holds no tokens (every sequence is empty)")
-        cfg = self.engine_config
         mask = flat.fields.get("response_mask")
         local_tokens = float(mask.sum()) if mask is not None else float(flat.total - int((flat.lengths > 0).sum()))
-        global_tokens, global_seqs = self._all_reduce_sum([local_tokens, float(flat.num_seqs)])
+        global_tokens, global_seqs, global_total = self._all_reduce_sum(
+            [local_tokens, float(flat.num_seqs), float(flat.total)])
+        if global_total == 0:
+            raise ValueError("train_batch: the batch holds no tokens (every sequence is empty)")
 
         model = self.module
-        micro_batches = split(flat, cfg.max_tokens_per_micro_batch)
+        micro_batches = self._micro_batches(flat)
         loss_sum, metric_sums = 0.0, {}
         with self.train_mode():
-            for i, (micro, _) in enumerate(micro_batches):
+            for i, (micro, index) in enumerate(micro_batches):
                 model.set_requires_gradient_sync(i == len(micro_batches) - 1)
                 fields = dict(micro.fields)
                 temp = fields.pop(_TEMPERATURE, temperature)
                 log_probs, entropy = self.forward_flat(micro, temp, need_entropy)
+                if index is not None and index.numel() == 0:
+                    # A placeholder: join the collectives, contribute nothing.
+                    if log_probs.requires_grad:
+                        (log_probs.sum() * 0.0).backward()
+                    continue
+                if micro.total == 0:
+                    continue
                 inputs = LossInputs(log_probs=log_probs, entropy=entropy, fields=fields, offsets=micro.offsets,
                                     global_num_tokens=global_tokens, global_num_seqs=int(global_seqs),
                                     extras={"seq_fields": micro.seq_fields, "micro_batch": i,
@@ -249,11 +266,20 @@ class FSDPEngine(CheckpointMixin):
             self.lr_scheduler.step()
         self.global_step += 1
 
-        keys = sorted(metric_sums)
-        reduced = self._all_reduce_sum([loss_sum] + [metric_sums[k] for k in keys])
+        keys = self._union_keys(metric_sums)
+        reduced = self._all_reduce_sum([loss_sum] + [metric_sums.get(k, 0.0) for k in keys])
         result = {"loss": reduced[0], "grad_norm": grad_norm, "lr": lr, "step_skipped": int(skipped)}
         result.update(zip(keys, reduced[1:]))
         return result
+
+    def _union_keys(self, metrics: dict) -> list[str]:
+        """Metric names over all ranks (a rank with only placeholder micro-batches has none)."""
+        keys = set(metrics)
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            gathered = [None] * dist.get_world_size()
+            dist.all_gather_object(gathered, sorted(keys))
+            keys = set().union(*gathered)
+        return sorted(keys)
 
     def _clip_gradients(self) -> float:
         """Global gradient norm over all ranks; clip to ``grad_clip`` when it is finite."""

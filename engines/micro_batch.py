@@ -9,23 +9,35 @@ import torch
 from .flat_batch import FlatBatch
 
 
-def plan_micro_batches(lengths: list[int], max_tokens: int | None) -> list[list[int]]:
+def _greedy(lengths: list[int], order: list[int], k: int) -> list[list[int]]:
+    heap = [(0, g) for g in range(k)]
+    groups: list[list[int]] = [[] for _ in range(k)]
+    for i in order:
+        load, g = heapq.heappop(heap)
+        groups[g].append(i)
+        heapq.heappush(heap, (load + lengths[i], g))
+    return groups
+
+
+def plan_micro_batches(lengths: list[int], max_tokens: int | None, num_groups: int | None = None) -> list[list[int]]:
     """Group sequence indices into the fewest balanced micro-batches of <= ``max_tokens``
     tokens (longest-first greedy onto the lightest group). A sequence longer than the budget
-    gets a group of its own. Each group lists its indices in increasing order."""
+    gets a group of its own. Each group lists its indices in increasing order.
+
+    ``num_groups`` forces exactly that many groups (ranks must run equally many forwards
+    under FSDP); groups may then be empty when there are fewer sequences than groups.
+    """
     n = len(lengths)
+    order = sorted(range(n), key=lambda i: (-lengths[i], i))
+    if num_groups is not None:
+        groups = [sorted(g) for g in _greedy(lengths, order, num_groups)]
+        return sorted(groups, key=lambda g: (not g, g[0] if g else 0))
     total = sum(lengths)
     if max_tokens is None or total <= max_tokens or n <= 1:
         return [list(range(n))]
-    order = sorted(range(n), key=lambda i: (-lengths[i], i))
     k = max(1, math.ceil(total / max_tokens))
     while True:
-        heap = [(0, g) for g in range(k)]
-        groups: list[list[int]] = [[] for _ in range(k)]
-        for i in order:
-            load, g = heapq.heappop(heap)
-            groups[g].append(i)
-            heapq.heappush(heap, (load + lengths[i], g))
+        groups = _greedy(lengths, order, k)
         over = any(len(g) > 1 and sum(lengths[i] for i in g) > max_tokens for g in groups)
         if not over or k >= n:
             break
@@ -64,12 +76,38 @@ def select(flat: FlatBatch, seq_ids: list[int], host_lengths: list[int]) -> tupl
     return sub, tok
 
 
-def split(flat: FlatBatch, max_tokens: int | None) -> list[tuple[FlatBatch, torch.Tensor | None]]:
-    """Micro-batches of ``flat`` with their token index (None when the batch is not split)."""
-    if max_tokens is None or flat.total <= max_tokens:
+def placeholder(flat: FlatBatch) -> FlatBatch:
+    """A one-token batch a rank runs, and discards, when it has fewer micro-batches than its peers."""
+    ids = flat.input_ids.new_zeros(1)
+    offsets = torch.tensor([0, 1], dtype=flat.offsets.dtype, device=flat.offsets.device)
+    return FlatBatch(ids, offsets, 1)
+
+
+def split(flat: FlatBatch, max_tokens: int | None, num_groups: int | None = None
+          ) -> list[tuple[FlatBatch, torch.Tensor | None]]:
+    """Micro-batches of ``flat`` with their token index (None when the batch is not split).
+
+    With ``num_groups`` there are exactly that many; an empty one is a :func:`placeholder`
+    whose index is an empty tensor (nothing of it is merged back)."""
+    if num_groups is None and (max_tokens is None or flat.total <= max_tokens):
+        return [(flat, None)]
+    if num_groups == 1 and flat.total > 0:
         return [(flat, None)]
     host_lengths = flat.lengths.tolist()
-    return [select(flat, g, host_lengths) for g in plan_micro_batches(host_lengths, max_tokens)]
+    parts = []
+    for group in plan_micro_batches(host_lengths, max_tokens, num_groups):
+        if sum(host_lengths[i] for i in group) == 0:
+            parts.append((placeholder(flat), flat.offsets.new_zeros(0)))
+        else:
+            parts.append(select(flat, group, host_lengths))
+    return parts
+
+
+def count_micro_batches(flat: FlatBatch, max_tokens: int | None) -> int:
+    """How many micro-batches :func:`split` makes of ``flat`` without ``num_groups``."""
+    if max_tokens is None or flat.total <= max_tokens:
+        return 1
+    return len(plan_micro_batches(flat.lengths.tolist(), max_tokens))
 
 
 def merge(parts: list[tuple[torch.Tensor, torch.Tensor | None]], total: int) -> torch.Tensor:
@@ -79,5 +117,6 @@ def merge(parts: list[tuple[torch.Tensor, torch.Tensor | None]], total: int) -> 
     first = parts[0][0]
     out = first.new_zeros((total, *first.shape[1:]))
     for values, index in parts:
-        out[index] = values
+        if index.numel():
+            out[index] = values
     return out

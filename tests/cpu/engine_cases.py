@@ -10,6 +10,26 @@ LENGTHS = [6, 1, 12, 6, 6, 3, 9, 4]
 LR = 1e-3
 
 
+# World-size-2 cases: (name, remove_padding, fused, pad_mode, token budget, how ranks split
+# the batch). "uneven" gives rank 1 only the length-1 sequence, so under a budget it runs
+# placeholder micro-batches to match rank 0's count.
+DIST_CASES = (
+    ("rmpad_fused_nopad", True, True, "no_padding", None, "alternate"),
+    ("padded_unfused_lr", False, False, "left_right", None, "alternate"),
+    ("rmpad_unfused_budget", True, False, "no_padding", 12, "alternate"),
+    ("padded_fused_uneven", False, True, "no_padding", 12, "uneven"),
+)
+
+
+def rank_share(num_seqs, rank, world, how):
+    """The sequence indices rank ``rank`` trains on."""
+    if how == "alternate":
+        return list(range(rank, num_seqs, world))
+    if how == "uneven":
+        return [1] if rank == world - 1 else [i for i in range(num_seqs) if i != 1]
+    raise ValueError(f"unknown split {how!r}")
+
+
 def engine_config(**overrides):
     """The training config of the engine tests (AdamW, lr 1e-3, wd 0.01, clip 1.0)."""
     return EngineConfig(lr=LR, weight_decay=0.01, grad_clip=1.0, **overrides)

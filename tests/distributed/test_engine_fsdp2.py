@@ -1,9 +1,11 @@
 """FSDPEngine at world size 2 (gloo, torchrun) equals world size 1.
 
 infer_batch: the same log-probs/entropy as one process (max abs diff <= 1e-6; both shard
-nothing numerically, only the all-gather differs). train_batch with each rank holding half
-of the batch: the same parameters as one process on the whole batch and as a plain HF
-reference step, element-wise within the AdamW first-step bound for a 1e-7 gradient error
+nothing numerically, only the all-gather differs). train_batch with each rank holding its
+share of the batch (alternating sequences; or one rank holding a single short sequence, so
+under a token budget it runs placeholder micro-batches to match its peer's count): the same
+parameters as one process on the whole batch and as a plain HF reference step, element-wise
+within the AdamW first-step bound for a 1e-7 gradient error
 (engine_reference.adam_first_step_tolerance)."""
 import os
 import sys
@@ -12,7 +14,8 @@ import pytest
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "cpu"))
-from engine_cases import LENGTHS, LR, PRESET, engine_config, masks_for, reference_sft_step, train_loss  # noqa: E402
+from engine_cases import (DIST_CASES, LENGTHS, LR, PRESET, engine_config, masks_for,  # noqa: E402
+                          reference_sft_step, train_loss)
 from engine_reference import (assert_params_close_after_adam_step, full_state_dict, left_right_batch,  # noqa: E402
                               no_padding_batch, sequences)
 from torchrun_launcher import run_torchrun  # noqa: E402
@@ -21,7 +24,6 @@ from polyfsdp.engines.config import ModelConfig  # noqa: E402
 from polyfsdp.engines.engine import FSDPEngine  # noqa: E402
 
 HERE = os.path.dirname(__file__)
-CASES = (("rmpad_fused_nopad", True, True, "no_padding"), ("padded_unfused_lr", False, False, "left_right"))
 
 
 @pytest.fixture(scope="module")
@@ -32,13 +34,13 @@ def world2(tmp_path_factory):
     return torch.load(out / "world2.pt")
 
 
-@pytest.mark.parametrize("name,rmpad,fused,pad_mode", CASES)
-def test_two_process_fsdp_matches_one_process(world2, name, rmpad, fused, pad_mode):
+@pytest.mark.parametrize("name,rmpad,fused,pad_mode,budget,how", DIST_CASES, ids=[c[0] for c in DIST_CASES])
+def test_two_process_fsdp_matches_one_process(world2, name, rmpad, fused, pad_mode, budget, how):
     seqs = sequences(LENGTHS, seed=21)
     masks = masks_for(seqs)
     engine = FSDPEngine(ModelConfig(preset=PRESET, seed=5),
-                        engine_config(use_remove_padding=rmpad, use_fused_kernels=fused,
-                                      pad_mode=pad_mode)).initialize()
+                        engine_config(use_remove_padding=rmpad, use_fused_kernels=fused, pad_mode=pad_mode,
+                                      max_tokens_per_micro_batch=budget)).initialize()
     initial = full_state_dict(engine.module)
     build = no_padding_batch if pad_mode == "no_padding" else left_right_batch
     out = engine.infer_batch(build(seqs), temperature=torch.linspace(0.6, 1.4, len(seqs)))
