@@ -8,6 +8,7 @@ dense total x total block-diagonal mask that transformers' sdpa path would.
 from __future__ import annotations
 
 import logging
+import weakref
 
 import torch
 import torch.nn.functional as F
@@ -20,13 +21,27 @@ logger = logging.getLogger(__name__)
 VARLEN_SDPA = "polyfsdp_varlen_sdpa"
 
 
+# Every layer of one forward receives the same cu_seq_lens tensor: read it to the host once.
+_last_cu: tuple = (None, -1, None)
+
+
+def _host_boundaries(cu: torch.Tensor) -> list[int]:
+    global _last_cu
+    ref, version, bounds = _last_cu
+    if ref is not None and ref() is cu and version == cu._version:
+        return bounds
+    bounds = [int(x) for x in cu.tolist()]
+    _last_cu = (weakref.ref(cu), cu._version, bounds)
+    return bounds
+
+
 def _packed_boundaries(query: torch.Tensor, attention_mask, kwargs: dict) -> list[int] | None:
     """Sequence boundaries of a packed row, or None when the call is not packed."""
     if query.shape[0] != 1 or attention_mask is not None:
         return None
     cu = kwargs.get("cu_seq_lens_q")
     if cu is not None:
-        return [int(x) for x in cu.tolist()]
+        return _host_boundaries(cu)
     position_ids = kwargs.get("position_ids")
     if position_ids is None or position_ids.shape[-1] != query.shape[2]:
         return None
@@ -95,7 +110,9 @@ def varlen_sdpa_mask(batch_size: int, q_length: int, kv_length: int, q_offset: i
     """Mask builder for ``polyfsdp_varlen_sdpa``: no mask when causality alone suffices
     (including packed rows, isolated by the attention function), sdpa's mask otherwise."""
     plain = q_length == kv_length and not isinstance(q_offset, torch.Tensor) and q_offset == 0 and kv_offset == 0
-    if plain and (attention_mask is None or bool(attention_mask.all())):
+    # use_vmap marks custom mask patterns (or/and mask functions, e.g. bidirectional image
+    # tokens): causality alone does not describe them, so they get sdpa's full mask.
+    if plain and not kwargs.get("use_vmap", False) and (attention_mask is None or bool(attention_mask.all())):
         return None
     return sdpa_mask(batch_size=batch_size, q_length=q_length, kv_length=kv_length, q_offset=q_offset,
                      kv_offset=kv_offset, attention_mask=attention_mask, **kwargs)
