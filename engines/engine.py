@@ -20,7 +20,6 @@ from polyfsdp.backends.registry import get_backend
 from . import jagged
 from .adapters import input_adapter
 from .checkpoint import CheckpointMixin
-from .checkpoint import CheckpointMixin
 from .config import EngineConfig, ModelConfig
 from .flat_batch import FlatBatch, batch_to_flat, flat_to_caller
 from .head import FUSED_HEAD_METHOD, IGNORE_INDEX, HeadOptions, fused_head_support, install_fused_head
@@ -61,6 +60,7 @@ class FSDPEngine(CheckpointMixin):
         self.patch_toggles = patch_toggles
         self.patch_report = None
         self.mesh = None
+        self.device: torch.device | None = None
         self.optimizer = None
         self.lr_scheduler = None
         self.global_step = 0
