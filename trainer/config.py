@@ -76,7 +76,7 @@ class GRPOSection(OptimSection):
     dual_clip_c: float | None = None
     kl_coef: float = 0.01
     kl_type: str = "k3"
-    entropy_coef: float = 0.0
+    entropy_coef: float = 0.01
     agg_mode: str = "token-mean"
     norm_adv_by_std: bool = True
 
@@ -147,10 +147,10 @@ class TrainerSection:
     """Steps, batch sizes, logging, checkpoints, output directory, resume."""
 
     sft_steps: int = 40
-    grpo_steps: int = 120
+    grpo_steps: int = 150
     sft_batch_size: int = 64
-    prompts_per_step: int = 16
-    eval_interval: int = 0
+    prompts_per_step: int = 32
+    eval_interval: int = 25
     log_interval: int = 1
     checkpoint_interval: int = 50
     keep_checkpoints: int = 2

@@ -41,7 +41,8 @@ def write_initial_model(directory: str, preset: str, overrides: dict, tokenizer,
         tokenizer.save_pretrained(tmp)
         os.replace(tmp, directory)
         n = sum(p.numel() for p in model.parameters())
-        logger.info("initial model: %s with %s, %.2fM parameters -> %s", preset, overrides, n / 1e6, directory)
+        sizes = ", ".join(f"{k}={v}" for k, v in dict(overrides).items())
+        print(f"initial model: {preset} ({sizes}), {n / 1e6:.2f}M parameters -> {directory}", flush=True)
     if dist.is_initialized():
         dist.barrier()
     return directory

@@ -36,10 +36,13 @@ def plot_metrics(metrics_path: str, png_path: str) -> str:
     ax_l.set_ylabel("loss")
     ax_l.set_xlabel("global step")
     for ax in (ax_r, ax_l):
+        if sft and grpo:
+            ax.axvline(sft[-1]["global_step"], color="grey", ls="--", lw=0.8)
         ax.grid(alpha=0.3)
         if ax.get_legend_handles_labels()[0]:
             ax.legend(loc="best", fontsize=8)
-    fig.suptitle("polyfsdp-train")
+    title = "polyfsdp-train: SFT warm-up, then GRPO" if sft and grpo else "polyfsdp-train"
+    fig.suptitle(title)
     fig.tight_layout()
     fig.savefig(png_path, dpi=100)
     plt.close(fig)
