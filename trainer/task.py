@@ -23,6 +23,7 @@ logger = logging.getLogger(__name__)
 
 TOKENIZER_FILE = "char_tokenizer.json"
 SPECIAL_TOKENS = ("<pad>", "<bos>", "<eos>", "<unk>")
+HF_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 # Printable ASCII covers the built-in task and typical small JSONL arithmetic/string data.
 DEFAULT_CHARS = string.ascii_lowercase + string.ascii_uppercase + string.digits + " +-*/=<>?:.,!()[]_#"
 
@@ -122,6 +123,9 @@ def load_tokenizer(directory: str | None):
         return CharTokenizer()
     if os.path.isfile(os.path.join(directory, TOKENIZER_FILE)):
         return CharTokenizer.from_pretrained(directory)
+    if not any(os.path.isfile(os.path.join(directory, name)) for name in HF_TOKENIZER_FILES):
+        raise ValueError(f"model.path={directory}: no tokenizer found (expected {TOKENIZER_FILE} or a Hugging Face "
+                         f"tokenizer: {', '.join(HF_TOKENIZER_FILES)})")
     try:
         from transformers import AutoTokenizer
 

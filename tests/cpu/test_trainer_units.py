@@ -163,3 +163,21 @@ def test_default_config_converts_to_engine_dataclasses():
     engine = cfg.phase_engine_config("grpo")
     assert engine.lr == cfg.algo.grpo.lr and engine.pad_mode == "no_padding"
     assert cfg.model.model_config(vocab_size=50).vocab_size == 50
+
+
+def test_hugging_face_tokenizer_in_model_directory_is_used_through_the_adapter(tmp_path):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from polyfsdp.trainer.task import HFTokenizerAdapter
+
+    vocab = {"<pad>": 0, "<s>": 1, "</s>": 2, "<unk>": 3, "ab": 4, "cd": 5}
+    core = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    core.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=core, bos_token="<s>", eos_token="</s>", pad_token="<pad>",
+                            unk_token="<unk>").save_pretrained(tmp_path)
+    tok = load_tokenizer(str(tmp_path))
+    assert isinstance(tok, HFTokenizerAdapter)
+    assert (tok.pad_token_id, tok.bos_token_id, tok.eos_token_id, tok.vocab_size) == (0, 1, 2, 6)
+    assert tok.encode("ab cd") == [4, 5]  # no special tokens added
+    assert tok.decode([4, 5, 2, 4]).split() == ["ab", "cd"]  # cut at eos
