@@ -22,7 +22,8 @@ TINY = [
     "data.eval_size=8", "trainer.progress=lines",
 ]
 TINY_GRPO = ["algo.grpo.group_size=4"]
-NON_DEFAULT_MODES = ["engine.use_remove_padding=false", "engine.use_fused_kernels=true", "engine.pad_mode=left_right"]
+NON_DEFAULT_MODES = ["engine.use_remove_padding=false", "engine.use_fused_kernels=true", "engine.pad_mode=left_right",
+                     "engine.max_tokens_per_micro_batch=40"]
 
 
 @pytest.fixture(autouse=True)
@@ -82,8 +83,9 @@ def test_default_job_runs_sft_then_grpo_and_writes_everything(default_run):
 
 
 def test_non_default_modes_train_to_the_same_numbers(default_run, tmp_path):
-    # no remove-padding + fused log-probs + left_right batches: same data, same seeds, so
-    # every loss must match the default modes (fp32) and greedy evaluations must agree.
+    # No remove-padding + fused log-probs + left_right batches + micro-batches: same data,
+    # same seeds, so every loss must match the default modes (fp32) and greedy evaluations
+    # must agree.
     _, reference = default_run
     _, records = _run(tmp_path, "modes", *NON_DEFAULT_MODES)
     for phase in ("sft", "grpo"):
