@@ -393,6 +393,9 @@ def build_job_config(raw: dict, world_size: int = 1) -> JobConfig:
         algo.grpo.validate("algo.grpo")
     data = _section(DataSection, "data", raw["data"])
     _validate_data(data)
+    if data.eval_size < world_size:
+        raise ConfigError(f"data.eval_size: every rank needs an evaluation prompt; expected >= world size "
+                          f"{world_size}, got {data.eval_size}")
     trainer = _section(TrainerSection, "trainer", raw["trainer"])
     _validate_trainer(trainer, algo, world_size)
     job = JobConfig(backend=backend, model=model, engine=engine, patches=patches, algo=algo, data=data,

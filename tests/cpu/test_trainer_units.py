@@ -181,3 +181,9 @@ def test_hugging_face_tokenizer_in_model_directory_is_used_through_the_adapter(t
     assert (tok.pad_token_id, tok.bos_token_id, tok.eos_token_id, tok.vocab_size) == (0, 1, 2, 6)
     assert tok.encode("ab cd") == [4, 5]  # no special tokens added
     assert tok.decode([4, 5, 2, 4]).split() == ["ab", "cd"]  # cut at eos
+
+
+def test_every_rank_needs_an_evaluation_prompt():
+    load_config(["data.eval_size=2"], world_size=2)
+    with pytest.raises(ConfigError, match=r"data.eval_size: .* expected >= world size 2, got 1"):
+        load_config(["data.eval_size=1"], world_size=2)
