@@ -38,6 +38,10 @@ class MetricsLogger:
         """Start fresh (``keep_lines=None``) or keep the first ``keep_lines`` records of an
         earlier run's file (resume) and continue after them."""
         kept: list[str] = []
+        if not self.enabled:
+            # Other ranks only count lines; reading would race with rank 0 rewriting the file.
+            self.history, self.lines = [], keep_lines or 0
+            return
         if keep_lines and os.path.isfile(self.path):
             with open(self.path) as f:
                 kept = [line for line in f if line.strip()][:keep_lines]
@@ -45,12 +49,11 @@ class MetricsLogger:
                 logger.warning("%s has %d records, the checkpoint expected %d", self.path, len(kept), keep_lines)
         self.history = [json.loads(line) for line in kept]
         self.lines = len(kept)
-        if self.enabled:
-            os.makedirs(os.path.dirname(self.path) or ".", exist_ok=True)
-            tmp = self.path + ".tmp"
-            with open(tmp, "w") as f:
-                f.writelines(kept)
-            os.replace(tmp, self.path)
+        os.makedirs(os.path.dirname(self.path) or ".", exist_ok=True)
+        tmp = self.path + ".tmp"
+        with open(tmp, "w") as f:
+            f.writelines(kept)
+        os.replace(tmp, self.path)
 
     def log(self, record: dict) -> None:
         """Append one record (flushed at once, so a killed run loses nothing it logged)."""
