@@ -33,7 +33,9 @@ def main(out_dir):
         results[f"train_params_{name}"] = full_state_dict(engine.module)
     if rank == 0:
         torch.save(results, os.path.join(out_dir, "world2.pt"))
-    print(f"rank={rank} done")
+    print(f"rank={rank} done", flush=True)
+    # Tear down together: a rank leaving while its peer still writes has aborted gloo at exit.
+    torch.distributed.barrier()
     destroy_distributed()
 
 
