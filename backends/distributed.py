@@ -47,7 +47,12 @@ def init_distributed(backend: Backend, timeout_s: float = 600.0) -> DeviceMesh:
     return init_device_mesh(backend.device_type, (dist.get_world_size(),), mesh_dim_names=("fsdp",))
 
 
-def destroy_distributed() -> None:
-    """Tear the process group down if one exists."""
-    if dist.is_initialized():
-        dist.destroy_process_group()
+def destroy_distributed(wait_for_peers: bool = True) -> None:
+    """Tear the process group down if one exists. By default all ranks first meet at a
+    barrier (gloo has aborted at exit when one rank left while a peer still sent); pass
+    ``wait_for_peers=False`` on an error path, where a peer may never arrive."""
+    if not dist.is_initialized():
+        return
+    if wait_for_peers and dist.get_world_size() > 1:
+        dist.barrier()
+    dist.destroy_process_group()

@@ -104,13 +104,15 @@ def main(argv: list[str] | None = None) -> int:
         job = Job(cfg)
     except user_errors as exc:
         return _error(exc)
+    finished = False
     try:
         job.run()
+        finished = True
     except user_errors as exc:
         return _error(exc)
     finally:
         if owned_group:
-            destroy_distributed()
+            destroy_distributed(wait_for_peers=finished)
     return 0
 
 
