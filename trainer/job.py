@@ -158,17 +158,23 @@ class Job:
         engine = FSDPEngine(model_config, self.cfg.phase_engine_config(phase), backend=self.backend,
                             patch_toggles=self.cfg.patches)
         try:
-            return engine.initialize()
+            engine.initialize()
         except (ValueError, TypeError, OSError) as exc:
             # A checkpoint that does not load or a model the engine cannot shard.
             raise ConfigError(f"model ({model_dir}): {type(exc).__name__}: {exc}") from None
+        if engine.patch_report is not None and engine.patch_report.failed:
+            _say(str(engine.patch_report))  # a failed patch is worth the whole table
+        elif engine.patch_report is not None:
+            _say(f"[{phase}] {engine.patch_report.summary()}")
+        return engine
 
     def _evaluate(self, engine: FSDPEngine, tag: str, global_step: int) -> float:
         t = time.perf_counter()
         value = evaluate(engine, self.tokenizer, self.source.eval_examples, self.eval_tokens)
         self.metrics.log({"phase": "eval", "tag": tag, "global_step": global_step, "reward": value,
                           "num_prompts": len(self.source.eval_examples), "time_s": time.perf_counter() - self.t0})
-        _say(f"held-out reward ({tag}, {len(self.source.eval_examples)} prompts, greedy): {value:.3f} "
+        _say(f"held-out reward ({tag}, global step {global_step}, {len(self.source.eval_examples)} prompts, "
+             f"greedy): {value:.3f} "
              f"[{time.perf_counter() - t:.1f}s]")
         return value
 
