@@ -199,19 +199,3 @@ def apply_patches(model: nn.Module, backend, toggles: PatchToggles | Mapping | N
     if _is_rank_zero():
         logger.info("%s", report)
     return report
-
-
-__all__ = [
-    "EditLog",
-    "Patch",
-    "PatchOutcome",
-    "PatchReport",
-    "PatchToggles",
-    "ProbeCase",
-    "apply_patches",
-    "known_families",
-    "known_patch_names",
-    "patches_for",
-    "register",
-    "unregister",
-]
