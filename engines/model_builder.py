@@ -75,7 +75,6 @@ def _build(config: ModelConfig, dtype: torch.dtype, attn: str, backend: Backend,
     from polyfsdp.patches import apply_patches
 
     report = apply_patches(model, backend, patch_toggles)
-    logger.info("%s", report)
     logger.debug("built %s (%s, attn=%s)", type(model).__name__, config.dtype, attn)
     return model, report
 
