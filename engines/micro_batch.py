@@ -80,7 +80,10 @@ def placeholder(flat: FlatBatch) -> FlatBatch:
     """A one-token batch a rank runs, and discards, when it has fewer micro-batches than its peers."""
     ids = flat.input_ids.new_zeros(1)
     offsets = torch.tensor([0, 1], dtype=flat.offsets.dtype, device=flat.offsets.device)
-    return FlatBatch(ids, offsets, 1)
+    # Per-token fields (e.g. per-sample temperatures) get one harmless value (1) so the
+    # forward sees shapes that match its single token.
+    fields = {k: v.new_ones((1, *v.shape[1:])) for k, v in flat.fields.items()}
+    return FlatBatch(ids, offsets, 1, fields=fields)
 
 
 def split(flat: FlatBatch, max_tokens: int | None, num_groups: int | None = None

@@ -186,3 +186,24 @@ def test_micro_batch_split_gives_the_same_results(family):
         assert torch.equal(split["log_probs"].offsets(), batch["input_ids"].offsets())
         for key in ("log_probs", "entropy"):
             assert (split[key].values() - whole[key].values()).abs().max() <= 1e-6
+
+
+def test_fused_per_sample_temperature_with_empty_sequences_under_a_small_budget(family):
+    # Budget 3 < the longest sequence and two empty sequences: the split makes token-less
+    # groups (placeholders); per-sample temperatures must still reach every group intact.
+    fam = family("qwen2-tiny")
+    engine = fam.engine
+    seqs = [fam.seqs[0], fam.seqs[0][:0], fam.seqs[2], fam.seqs[0][:0]]
+    temps = torch.tensor([0.7, 1.3, 2.0, 0.5])
+    with torch.no_grad():
+        exp_lp, exp_ent = reference_logprobs(fam.reference, seqs, temps.tolist())
+    for rmpad in (True, False):
+        engine.engine_config = replace(engine.engine_config, pad_mode="no_padding", use_remove_padding=rmpad,
+                                       use_fused_kernels=True, max_tokens_per_micro_batch=3)
+        try:
+            out = engine.infer_batch(no_padding_batch(seqs), temperature=temps)
+        finally:
+            engine.engine_config = replace(engine.engine_config, use_fused_kernels=False,
+                                           max_tokens_per_micro_batch=None)
+        assert (out["log_probs"].values().double() - torch.cat(exp_lp).double()).abs().max() <= TOL
+        assert (out["entropy"].values().double() - torch.cat(exp_ent).double()).abs().max() <= TOL
