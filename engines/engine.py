@@ -217,7 +217,8 @@ class FSDPEngine(CheckpointMixin):
                              f"missing {missing} (batch has {sorted(batch.keys())})")
         need_entropy = bool(getattr(loss_fn, "requires_entropy", True))
         flat, batch = self._prepare(batch, temperature, keys=None)
-        mask = flat.fields.get("response_mask")
+        # The step's token count must come from the mask the loss normalises over.
+        mask = flat.fields.get(getattr(loss_fn, "mask_field", "response_mask"))
         local_tokens = float(mask.sum()) if mask is not None else float(flat.total - int((flat.lengths > 0).sum()))
         global_tokens, global_seqs, global_total = self._all_reduce_sum(
             [local_tokens, float(flat.num_seqs), float(flat.total)])

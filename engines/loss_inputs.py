@@ -34,4 +34,6 @@ class LossInputs:
 
 # A loss function: ``loss_fn(inputs: LossInputs) -> (loss: scalar Tensor, metrics: dict[str, float])``.
 # It may set ``requires_entropy = False`` (attribute) so the engine skips entropy work,
-# and ``required_fields = (...)`` naming the batch keys it reads (checked before the step).
+# and ``required_fields = (...)`` naming the batch keys it reads (checked before the step),
+# and ``mask_field`` naming the per-token mask whose sum is ``global_num_tokens``
+# (default ``response_mask``; without that field, every position that has a next token).

@@ -126,3 +126,13 @@ def test_gradient_checkpointing_trains_to_the_reference_parameters(data, referen
     metrics = engine.train_batch(no_padding_batch(seqs, per_token={"response_mask": masks}), SFTLoss())
     assert math.isclose(metrics["loss"], ref_loss, rel_tol=1e-5)
     assert_params_close_after_adam_step(_params(engine), expected, grads, LR, GRAD_TOL)
+
+
+def test_sft_loss_with_its_own_mask_field_is_normalised_by_that_mask(data, reference_step):
+    # The step's token count must come from the mask the loss reads, not from response_mask.
+    seqs, masks = data
+    _, _, _, ref_loss, _ = reference_step
+    engine = _engine()
+    metrics = engine.train_batch(no_padding_batch(seqs, per_token={"loss_mask": masks}),
+                                 SFTLoss(mask_field="loss_mask"))
+    assert math.isclose(metrics["loss"], ref_loss, rel_tol=1e-5)
