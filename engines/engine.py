@@ -210,6 +210,11 @@ class FSDPEngine(CheckpointMixin):
         Returns loss, grad_norm, lr, step_skipped and loss_fn's metrics, each summed over
         micro-batches and ranks (losses and metrics are shares of global counts).
         """
+        if self.model_config.dtype == "float16":
+            # AdamW's eps (1e-8) rounds to 0 in float16: a zero gradient gives 0/0 = NaN weights.
+            raise ValueError("train_batch: ModelConfig.dtype='float16' keeps the master weights in float16, "
+                             "which AdamW turns into NaN; use ModelConfig.dtype='float32' with "
+                             "EngineConfig.param_dtype='float16' (float16 compute, float32 weights)")
         required = tuple(getattr(loss_fn, "required_fields", ()))
         missing = [k for k in required if k not in batch.keys()]
         if missing:

@@ -136,3 +136,14 @@ def test_sft_loss_with_its_own_mask_field_is_normalised_by_that_mask(data, refer
     metrics = engine.train_batch(no_padding_batch(seqs, per_token={"loss_mask": masks}),
                                  SFTLoss(mask_field="loss_mask"))
     assert math.isclose(metrics["loss"], ref_loss, rel_tol=1e-5)
+
+
+def test_training_float16_master_weights_is_a_clear_error(data):
+    # AdamW on float16 parameters: eps=1e-8 rounds to 0 in float16, so a zero gradient
+    # gives 0/0 and the weights turn NaN after one "successful" step. Refuse it up front.
+    seqs, masks = data
+    engine = FSDPEngine(ModelConfig(preset=PRESET, seed=5, dtype="float16"), engine_config()).initialize()
+    before = _params(engine)
+    with pytest.raises(ValueError, match=r"ModelConfig.dtype='float16'.*param_dtype='float16'"):
+        engine.train_batch(no_padding_batch(seqs, per_token={"response_mask": masks}), SFTLoss())
+    assert _max_diff(_params(engine), before) == 0.0
