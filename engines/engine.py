@@ -157,17 +157,31 @@ class FSDPEngine(CheckpointMixin):
         if self.device.type != "cpu":
             batch = batch.to(self.device)
         flat = batch_to_flat(batch, self.engine_config.pad_mode, keys=keys)
+        self._check_token_ids(flat.input_ids)
         if torch.is_tensor(temperature):
             if temperature.shape != (flat.num_seqs,):
                 raise ValueError(f"temperature: expected a float or a ({flat.num_seqs},) tensor, "
                                  f"got shape {tuple(temperature.shape)}")
             temperature = temperature.to(device=flat.offsets.device, dtype=torch.float32)
-            if not bool((temperature > 0).all()):
-                raise ValueError(f"temperature: every value must be > 0, got {temperature.tolist()}")
+            if not bool(((temperature > 0) & torch.isfinite(temperature)).all()):
+                raise ValueError(f"temperature: every value must be > 0 and finite, got {temperature.tolist()}")
             flat.fields[_TEMPERATURE] = torch.repeat_interleave(temperature, flat.lengths, output_size=flat.total)
-        elif isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not temperature > 0:
-            raise ValueError(f"temperature: expected a float > 0 or a (B,) tensor, got {temperature!r}")
+        elif isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not temperature > 0 \
+                or not math.isfinite(temperature):
+            raise ValueError(f"temperature: expected a float > 0 (finite) or a (B,) tensor, got {temperature!r}")
         return flat, batch
+
+    def _check_token_ids(self, ids: torch.Tensor) -> None:
+        """Integer ids inside the vocabulary (else torch fails deep in the embedding, or with a
+        device-side assert on an accelerator). One host read of (min, max) per batch."""
+        if ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool:
+            raise TypeError(f"input_ids must be an integer tensor; got {ids.dtype}")
+        if ids.numel() == 0:
+            return
+        vocab = self.module.get_input_embeddings().num_embeddings
+        lo, hi = (int(x) for x in torch.aminmax(ids))
+        if lo < 0 or hi >= vocab:
+            raise ValueError(f"input_ids must lie in [0, {vocab}); got values in [{lo}, {hi}]")
 
     def infer_batch(self, batch: TensorDict, temperature=1.0, calculate_entropy: bool = True) -> TensorDict:
         """``log_probs`` (and ``entropy``) per token, in the caller's layout: jagged with the

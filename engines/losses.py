@@ -84,7 +84,8 @@ def _describe_index(flat_index: int, offsets: torch.Tensor) -> str:
     return f"flat index {flat_index} (sequence {seq}, position {pos})"
 
 
-def _check_inputs(inputs: LossInputs, required: Sequence[str], mask_field: str, need_entropy: bool) -> None:
+def _check_inputs(inputs: LossInputs, required: Sequence[str], mask_field: str, need_entropy: bool,
+                  loss_name: str = "this loss") -> None:
     """Raise ValueError for any input the loss cannot use, naming the field and the problem."""
     if not isinstance(inputs, LossInputs):
         raise TypeError(f"loss functions take a LossInputs, got {type(inputs).__name__}")
@@ -105,6 +106,13 @@ def _check_inputs(inputs: LossInputs, required: Sequence[str], mask_field: str, 
             f"got {off.tolist()}"
         )
     missing = [name for name in required if name not in inputs.fields]
+    per_seq = inputs.extras.get("seq_fields", {})
+    for name in missing:
+        if name in per_seq:
+            raise ValueError(
+                f"batch[{name!r}] has one value per sequence (shape {tuple(per_seq[name].shape)}); "
+                f"{loss_name} needs it per token, in input_ids' layout (broadcast it over each sequence)"
+            )
     if missing:
         raise ValueError(
             f"loss needs batch fields {list(required)}; missing {missing} (given: {sorted(inputs.fields)})"
@@ -178,7 +186,7 @@ class SFTLoss:
 
     def __call__(self, inputs: LossInputs) -> tuple[torch.Tensor, dict[str, float]]:
         """Return ``(loss, {"nll": ...})`` for one micro-batch."""
-        _check_inputs(inputs, self.required_fields, self.mask_field, need_entropy=False)
+        _check_inputs(inputs, self.required_fields, self.mask_field, need_entropy=False, loss_name="SFTLoss")
         log_probs = inputs.log_probs.float()
         mask = inputs.fields[self.mask_field].to(log_probs.dtype)
         loss = aggregate(-log_probs, mask, inputs, self.agg_mode)
@@ -232,7 +240,8 @@ class PPOLoss:
 
     def __call__(self, inputs: LossInputs) -> tuple[torch.Tensor, dict[str, float]]:
         """Return ``(loss, metrics)``: pg_loss, clip_frac, [clip_frac_lower], approx_kl, [kl], [entropy]."""
-        _check_inputs(inputs, self.required_fields, "response_mask", need_entropy=self.requires_entropy)
+        _check_inputs(inputs, self.required_fields, "response_mask", need_entropy=self.requires_entropy,
+                      loss_name="PPOLoss")
         fields = inputs.fields
         log_probs = inputs.log_probs.float()
         mask = fields["response_mask"].to(log_probs.dtype)

@@ -58,3 +58,42 @@ def test_engine_needs_initialize_and_typed_configs():
         FSDPEngine(ModelConfig(preset="qwen2-tiny"), EngineConfig()).module
     with pytest.raises(TypeError, match="engine_config: expected EngineConfig, got dict"):
         FSDPEngine(ModelConfig(preset="qwen2-tiny"), {"pad_mode": "no_padding"})
+
+
+def test_infinite_temperature_is_rejected_in_every_mode(engine):
+    # The fused path refused it while the unfused one returned uniform log-probs: one rule for both.
+    from dataclasses import replace
+
+    batch = no_padding_batch(sequences([3, 2]))
+    previous = engine.engine_config
+    try:
+        for fused in (False, True):
+            engine.engine_config = replace(previous, use_fused_kernels=fused)
+            with pytest.raises(ValueError, match="finite"):
+                engine.infer_batch(batch, temperature=float("inf"))
+            with pytest.raises(ValueError, match="finite"):
+                engine.infer_batch(batch, temperature=torch.tensor([1.0, float("inf")]))
+    finally:
+        engine.engine_config = previous
+
+
+def test_token_ids_outside_the_vocabulary_or_not_integer_are_rejected(engine):
+    vocab = engine.module.config.vocab_size
+    with pytest.raises(ValueError, match=rf"input_ids must lie in \[0, {vocab}\); got values in \[1, {vocab}\]"):
+        engine.infer_batch(no_padding_batch([torch.tensor([1, vocab, 3])]))
+    with pytest.raises(ValueError, match=r"got values in \[-1, 3\]"):
+        engine.infer_batch(no_padding_batch([torch.tensor([1, -1, 3])]))
+    with pytest.raises(TypeError, match="input_ids must be an integer tensor; got torch.float32"):
+        engine.infer_batch(no_padding_batch([torch.tensor([1.0, 2.0])]))
+
+
+def test_per_sequence_value_for_a_per_token_loss_field_is_a_clear_error(engine):
+    from polyfsdp.engines.losses import PPOLoss
+
+    seqs = sequences([3, 2])
+    batch = no_padding_batch(seqs, per_token={"response_mask": [torch.ones(3), torch.ones(2)],
+                                              "old_log_probs": [torch.zeros(3), torch.zeros(2)]},
+                             per_seq={"advantages": torch.ones(2)})
+    with pytest.raises(ValueError, match=r"batch\['advantages'\] has one value per sequence \(shape \(2,\)\); "
+                                         r"PPOLoss needs it per token"):
+        engine.train_batch(batch, PPOLoss())
