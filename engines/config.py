@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -112,21 +113,28 @@ class EngineConfig(_FromDict):
             if self.max_tokens_per_micro_batch < 1:
                 raise ValueError(f"EngineConfig.max_tokens_per_micro_batch: expected >= 1 or None, "
                                  f"got {self.max_tokens_per_micro_batch}")
-        _check_type("EngineConfig", "lr", self.lr, (int, float), "a number")
-        if self.lr < 0:
-            raise ValueError(f"EngineConfig.lr: expected >= 0, got {self.lr}")
-        _check_type("EngineConfig", "weight_decay", self.weight_decay, (int, float), "a number")
-        if len(tuple(self.betas)) != 2 or not all(0.0 <= b < 1.0 for b in self.betas):
+        # NaN passes every "< 0" test and would silently turn the parameters into NaN.
+        for name in ("lr", "weight_decay"):
+            value = getattr(self, name)
+            _check_type("EngineConfig", name, value, (int, float), "a number")
+            if not (math.isfinite(value) and value >= 0):
+                raise ValueError(f"EngineConfig.{name}: expected a finite number >= 0, got {value}")
+        betas = self.betas if isinstance(self.betas, (tuple, list)) else ()
+        if len(betas) != 2 or not all(isinstance(b, (int, float)) and not isinstance(b, bool) and 0.0 <= b < 1.0
+                                      for b in betas):
             raise ValueError(f"EngineConfig.betas: expected two numbers in [0, 1), got {self.betas!r}")
         self.betas = tuple(float(b) for b in self.betas)
         if self.grad_clip is not None:
             _check_type("EngineConfig", "grad_clip", self.grad_clip, (int, float), "a positive number or None")
-            if self.grad_clip <= 0:
-                raise ValueError(f"EngineConfig.grad_clip: expected > 0 or None, got {self.grad_clip}")
+            if not (math.isfinite(self.grad_clip) and self.grad_clip > 0):
+                raise ValueError(f"EngineConfig.grad_clip: expected a finite number > 0 or None, got {self.grad_clip}")
         _choice("EngineConfig", "lr_scheduler", self.lr_scheduler, LR_SCHEDULERS)
         _check_type("EngineConfig", "warmup_steps", self.warmup_steps, (int,), "an int >= 0")
         if self.warmup_steps < 0:
             raise ValueError(f"EngineConfig.warmup_steps: expected >= 0, got {self.warmup_steps}")
+        if self.total_steps is not None:
+            _check_type("EngineConfig", "total_steps", self.total_steps, (int,), "an int >= 1 or None")
+        _check_type("EngineConfig", "min_lr_ratio", self.min_lr_ratio, (int, float), "a number in [0, 1]")
         if self.lr_scheduler == "warmup_cosine":
             if self.total_steps is None or self.total_steps < 1:
                 raise ValueError(f"EngineConfig.total_steps: lr_scheduler='warmup_cosine' needs total_steps >= 1, "

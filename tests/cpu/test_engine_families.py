@@ -146,6 +146,23 @@ def test_engine_config_rejects_bad_values_naming_field_and_choices(kwargs, match
         EngineConfig(**kwargs)
 
 
+@pytest.mark.parametrize("kwargs,error,match", [
+    # NaN passes "< 0"/"<= 0" checks and then silently turns every parameter into NaN.
+    ({"lr": float("nan")}, ValueError, r"EngineConfig.lr: expected a finite number >= 0, got nan"),
+    ({"grad_clip": float("nan")}, ValueError, r"EngineConfig.grad_clip: expected a finite number > 0 or None"),
+    ({"grad_clip": float("inf")}, ValueError, r"EngineConfig.grad_clip: expected a finite number > 0 or None"),
+    ({"weight_decay": -0.1}, ValueError, r"EngineConfig.weight_decay: expected a finite number >= 0, got -0.1"),
+    ({"min_lr_ratio": "0.1"}, TypeError, r"EngineConfig.min_lr_ratio: expected a number"),
+    ({"lr_scheduler": "warmup_cosine", "total_steps": 10.5}, TypeError, r"EngineConfig.total_steps: expected"),
+    ({"lr_scheduler": "warmup_cosine", "total_steps": "10"}, TypeError, r"EngineConfig.total_steps: expected"),
+    ({"betas": 0.9}, ValueError, r"EngineConfig.betas: expected two numbers in \[0, 1\), got 0.9"),
+    ({"betas": ("a", "b")}, ValueError, r"EngineConfig.betas: expected two numbers in \[0, 1\)"),
+])
+def test_engine_config_rejects_non_finite_or_mistyped_numbers_naming_the_field(kwargs, error, match):
+    with pytest.raises(error, match=match):
+        EngineConfig(**kwargs)
+
+
 def test_config_from_dict_rejects_unknown_keys_and_model_needs_one_source():
     with pytest.raises(ValueError, match=r"EngineConfig: unknown keys \['use_rmpad'\]; known keys: \["):
         EngineConfig.from_dict({"use_rmpad": True})
