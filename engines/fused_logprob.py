@@ -68,6 +68,18 @@ def _entropy_backward_terms(log_p: torch.Tensor, coef_log_p: torch.Tensor, coef_
     return torch.addcmul(coef_one, log_p, coef_log_p, out=out)
 
 
+def check_labels_on_host(labels: torch.Tensor, vocab_size: int, ignore_index: int) -> None:
+    """Raise ValueError for a label outside ``[0, V)`` that is not ``ignore_index``. Only host
+    labels are checked: on an accelerator the check would cost a host-device sync."""
+    if not labels.is_cpu or labels.numel() == 0:
+        return
+    bad = ((labels < 0) | (labels >= vocab_size)) & (labels != ignore_index)
+    if bool(bad.any()):
+        i = int(bad.nonzero()[0, 0])
+        raise ValueError(f"labels must lie in [0, V={vocab_size}) or equal ignore_index={ignore_index}; "
+                         f"got labels[{i}] = {int(labels[i])}")
+
+
 def _check_inputs(hidden, weight, labels, temperature, chunk_size, softcap):
     if not isinstance(hidden, torch.Tensor) or not isinstance(weight, torch.Tensor) \
             or not isinstance(labels, torch.Tensor):
@@ -318,6 +330,7 @@ def fused_logprob_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: to
     """
     _check_inputs(hidden, weight, labels, temperature, chunk_size, softcap)
     n, v = hidden.shape[0], weight.shape[0]
+    check_labels_on_host(labels, v, int(ignore_index))
     if chunk_size is None:
         chunk_size = default_chunk_size(n, v)
     return _FusedLogProbEntropy.apply(hidden, weight, labels, temperature, bool(return_entropy),

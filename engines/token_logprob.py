@@ -3,11 +3,14 @@ from __future__ import annotations
 
 import torch
 
+from .fused_logprob import check_labels_on_host
+
 
 def logprob_entropy_from_logits(logits: torch.Tensor, labels: torch.Tensor, temperature, *,
                                 return_entropy: bool = True, ignore_index: int = -100):
     """``log_softmax(logits / T)[label]`` and the entropy per row of ``logits (N, V)``;
     rows whose label is ``ignore_index`` give 0 for both. ``temperature``: float or ``(N,)``."""
+    check_labels_on_host(labels, logits.shape[-1], ignore_index)
     z = logits.float()
     if torch.is_tensor(temperature):
         z = z / temperature.to(torch.float32).unsqueeze(-1)

@@ -1,6 +1,8 @@
 """The fused log-prob/entropy op against an independent full-logits float64 reference."""
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -233,6 +235,9 @@ def test_default_chunk_size_rule():
     ({"temperature": "hot"}, TypeError, "temperature must be a float or a tensor"),
     ({"chunk_size": 0}, ValueError, "chunk_size must be None or a positive int"),
     ({"softcap": -3.0}, ValueError, "softcap must be None or a positive finite number"),
+    ({"labels": torch.tensor([0, 7, 1])}, ValueError, r"labels must lie in \[0, V=7\) or equal ignore_index=-100; "
+                                                       r"got labels\[1\] = 7"),
+    ({"labels": torch.tensor([0, -1, 1])}, ValueError, r"got labels\[1\] = -1"),
 ])
 def test_bad_inputs_raise_clear_errors(kwargs, exc, match):
     args = {"hidden": torch.zeros(3, 4), "weight": torch.zeros(7, 4), "labels": torch.zeros(3, dtype=torch.long)}
@@ -241,3 +246,15 @@ def test_bad_inputs_raise_clear_errors(kwargs, exc, match):
         (args if key in args else opts)[key] = value
     with pytest.raises(exc, match=match):
         fused_logprob_entropy(args["hidden"], args["weight"], args["labels"], **opts)
+
+
+def test_unfused_helper_rejects_labels_outside_the_vocabulary():
+    # clamp(min=0) used to turn a stray -1 into class 0's log-prob silently.
+    from polyfsdp.engines.token_logprob import logprob_entropy_from_logits
+
+    logits = torch.zeros(3, 7)
+    for bad in (torch.tensor([0, -1, 1]), torch.tensor([0, 7, 1])):
+        with pytest.raises(ValueError, match=r"labels must lie in \[0, V=7\) or equal ignore_index=-100"):
+            logprob_entropy_from_logits(logits, bad, 1.0)
+    log_probs, _ = logprob_entropy_from_logits(logits, torch.tensor([0, -100, 6]), 1.0)
+    assert torch.allclose(log_probs, torch.tensor([-math.log(7), 0.0, -math.log(7)]))
