@@ -17,14 +17,16 @@ STRUCTURAL_KEYS = ("input_ids", "attention_mask", "position_ids")
 
 @dataclass
 class FlatBatch:
-    """``input_ids (total,)``, ``offsets (B+1,)``, host-side ``max_len``; per-token ``fields``
-    flat like ``input_ids``; per-sequence ``seq_fields`` of shape ``(B, ...)``."""
+    """``input_ids (total,)``, ``offsets (B+1,)``, host-side ``max_len`` (and a host lower
+    bound ``min_len``); per-token ``fields`` flat like ``input_ids``; per-sequence
+    ``seq_fields`` of shape ``(B, ...)``."""
 
     input_ids: torch.Tensor
     offsets: torch.Tensor
     max_len: int
     fields: dict[str, torch.Tensor] = field(default_factory=dict)
     seq_fields: dict[str, torch.Tensor] = field(default_factory=dict)
+    min_len: int = 0
 
     @property
     def num_seqs(self) -> int:
@@ -47,6 +49,13 @@ def _max_len(nt: torch.Tensor, lengths: torch.Tensor) -> int:
     if cached is not None:
         return int(cached)
     return int(lengths.max()) if lengths.numel() else 0
+
+
+def _min_len(nt: torch.Tensor, lengths: torch.Tensor) -> int:
+    cached = getattr(nt, "_maybe_min_seqlen", None)
+    if cached is not None:
+        return int(cached)
+    return int(lengths.min()) if lengths.numel() else 0
 
 
 def _check_jagged(name: str, value) -> None:
@@ -79,7 +88,8 @@ def batch_to_flat(batch: TensorDict, pad_mode: str, keys=None) -> FlatBatch:
     if nt.lengths() is not None:
         nt = nt.contiguous()
     values, offsets = nt.values(), jagged.offsets(nt)
-    flat = FlatBatch(values, offsets, _max_len(nt, offsets[1:] - offsets[:-1]))
+    lens = offsets[1:] - offsets[:-1]
+    flat = FlatBatch(values, offsets, _max_len(nt, lens), min_len=_min_len(nt, lens))
     names = [k for k in batch.keys() if k not in STRUCTURAL_KEYS] if keys is None else list(keys)
     bsz = flat.num_seqs
     for name in names:
@@ -111,5 +121,6 @@ def flat_to_caller(values: torch.Tensor, flat: FlatBatch, batch: TensorDict, pad
     """Per-token ``values (total,)`` back in the caller's layout: jagged with the input's
     offsets for ``no_padding``, dense zero-padded and aligned with ``input_ids`` for ``left_right``."""
     if pad_mode == "no_padding":
-        return jagged.make_jagged(values, flat.offsets)
+        # Host-known bounds: make_jagged would otherwise read accelerator offsets back (a sync).
+        return jagged.make_jagged(values, flat.offsets, min_seqlen=flat.min_len, max_seqlen=flat.max_len)
     return jagged.flat_to_left_right(values, flat.offsets, batch["attention_mask"])

@@ -207,3 +207,20 @@ def test_fused_per_sample_temperature_with_empty_sequences_under_a_small_budget(
                                            max_tokens_per_micro_batch=None)
         assert (out["log_probs"].values().double() - torch.cat(exp_lp).double()).abs().max() <= TOL
         assert (out["entropy"].values().double() - torch.cat(exp_ent).double()).abs().max() <= TOL
+
+
+def test_no_padding_outputs_are_rewrapped_without_reading_offsets_back():
+    # Meta tensors have no data: any host read of the offsets (a device sync on an
+    # accelerator) raises. The caller's seqlen bounds are known on the host and must be reused.
+    from tensordict import TensorDict
+
+    from polyfsdp.engines import jagged
+    from polyfsdp.engines.flat_batch import flat_to_caller
+
+    offsets = torch.tensor([0, 3, 4, 8]).to("meta")
+    ids = jagged.make_jagged(torch.zeros(8, dtype=torch.long, device="meta"), offsets, min_seqlen=1, max_seqlen=4)
+    batch = TensorDict({"input_ids": ids}, batch_size=[3])
+    flat = batch_to_flat(batch, "no_padding")
+    out = flat_to_caller(torch.zeros(8, device="meta"), flat, batch, "no_padding")
+    assert out.is_nested and out.shape[0] == 3
+    assert (out._min_seqlen, out._max_seqlen) == (1, 4)
