@@ -280,6 +280,9 @@ def _validate_data(d: DataSection) -> None:
             raise ConfigError(f"data.alphabet: expected letters, got {d.alphabet!r}")
         if not 1 <= d.min_len <= d.max_len:
             raise ConfigError(f"data.min_len/max_len: need 1 <= min_len <= max_len, got {d.min_len}, {d.max_len}")
+        if d.path is not None:
+            raise ConfigError(f"data.path: data=builtin does not read a file, got data.path={d.path!r}; "
+                              f"add data=jsonl (or data=parquet) to train on it")
     elif not d.path:
         raise ConfigError(f"data.path: data={d.source} needs data.path=FILE")
     _check_min("data.eval_size", d.eval_size, 1)
@@ -332,6 +335,14 @@ def compose(overrides: list[str]) -> DictConfig:
             return hydra_compose(config_name=CONFIG_NAME, overrides=list(overrides))
     except (HydraException, OmegaConfBaseException) as exc:
         raise _hydra_error(exc) from None
+    except ValueError as exc:
+        # Hydra raises a plain ValueError, naming no key, for a group set to null (engine=null).
+        for item in overrides:
+            key, _, value = item.partition("=")
+            if key in GROUPS and value.strip() == "null":
+                raise ConfigError(f"{item}: a config group needs an option; choose one of "
+                                  f"{', '.join(available_options(key))}") from None
+        raise ConfigError(" ".join(str(exc).split()) or type(exc).__name__) from None
     finally:
         GlobalHydra.instance().clear()
 
@@ -354,6 +365,10 @@ def build_job_config(raw: dict, world_size: int = 1) -> JobConfig:
     unknown = [k for k in raw if k not in GROUPS]
     if unknown:
         raise ConfigError(f"{unknown[0]}: unknown top-level key; known: {', '.join(GROUPS)}")
+    missing = [g for g in GROUPS if raw.get(g) is None]
+    if missing:
+        raise ConfigError(f"{missing[0]}: missing; choose an option with {missing[0]}=OPTION "
+                          f"({', '.join(available_options(missing[0]))})")
     backend = _section(dataclasses.make_dataclass("BackendSection", [("name", str)]), "backend",
                        raw.get("backend", {})).name
     _check_choice("backend", backend, BACKEND_NAMES)
@@ -386,6 +401,8 @@ def build_job_config(raw: dict, world_size: int = 1) -> JobConfig:
 
     algo = _section(AlgoSection, "algo", raw["algo"], nested={"sft": SFTSection, "grpo": GRPOSection})
     _check_choice("algo.name", algo.name, ("grpo", "sft"))
+    if algo.sft is None:
+        raise ConfigError("algo.sft: expected a mapping (every algo has an SFT section), got None")
     algo.sft.validate("algo.sft")
     if algo.name == "grpo":
         if algo.grpo is None:

@@ -25,6 +25,11 @@ class BuiltinSource:
 
     def __init__(self, task: ReverseTask, seed: int, eval_size: int) -> None:
         self.task, self.seed = task, seed
+        if eval_size >= task.distinct_prompts:
+            # Training draws only prompts outside the held-out set: none would be left.
+            raise DataError(f"data.eval_size={eval_size} holds out all {task.distinct_prompts} distinct prompts of "
+                            f"the task, leaving none for training; lower data.eval_size or widen data.alphabet / "
+                            f"data.max_len")
         rng = random.Random(f"polyfsdp-eval-{seed}")
         seen: dict[str, Example] = {}
         # Bounded: a tiny task space may hold fewer distinct prompts than eval_size.

@@ -220,8 +220,11 @@ class Job:
         """Run (or continue) the job; returns the held-out rewards by tag."""
         cfg, out = self.cfg, self.out
         if self.rank == 0:
-            out.mkdir(parents=True, exist_ok=True)
-            OmegaConf.save(OmegaConf.create(cfg.raw), out / "config.yaml")
+            try:
+                out.mkdir(parents=True, exist_ok=True)
+                OmegaConf.save(OmegaConf.create(cfg.raw), out / "config.yaml")
+            except OSError as exc:
+                raise ConfigError(f"trainer.output_dir: cannot create {out}: {exc.strerror or exc}") from None
         resume = _broadcast(find_resume(cfg, out) if self.rank == 0 else None)
         if cfg.model.path:
             start_dir = cfg.model.path

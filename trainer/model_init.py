@@ -28,13 +28,18 @@ def write_initial_model(directory: str, preset: str, overrides: dict, tokenizer,
     if rank == 0 and not os.path.isfile(os.path.join(directory, "config.json")):
         special = {"vocab_size": tokenizer.vocab_size, "pad_token_id": tokenizer.pad_token_id,
                    "eos_token_id": tokenizer.eos_token_id, "bos_token_id": tokenizer.bos_token_id}
+        # Overrides are user input: Hugging Face rejects some in the config (its own exception
+        # types), others only fail in forward (heads that do not divide), so run one token pair.
         try:
             config = preset_config(preset, **{**dict(overrides), **special})
-        except TypeError as exc:
-            raise ValueError(f"model.overrides: {exc}") from None
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(seed)
-            model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(seed)
+                model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+                with torch.no_grad():
+                    model(torch.tensor([[tokenizer.eos_token_id] * 2]), use_cache=False)
+        except Exception as exc:
+            detail = " ".join(str(exc).split()) or type(exc).__name__
+            raise ValueError(f"the {preset} model these overrides describe cannot run: {detail}") from None
         tmp = directory + ".tmp"
         shutil.rmtree(tmp, ignore_errors=True)
         model.save_pretrained(tmp)

@@ -164,6 +164,12 @@ class ReverseTask:
         return Example(prompt=s + "=", answer=s[::-1])
 
     @property
+    def distinct_prompts(self) -> int:
+        """How many different prompts :meth:`sample` can produce."""
+        k = len(set(self.alphabet))
+        return sum(k ** n for n in range(self.min_len, self.max_len + 1))
+
+    @property
     def max_answer_chars(self) -> int:
         """Longest reference answer, in characters."""
         return self.max_len

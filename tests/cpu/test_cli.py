@@ -214,3 +214,12 @@ def test_resume_after_sigkill_continues_the_same_curve(tmp_path):
         [(r["phase"], r.get("step"), r.get("tag")) for r in reference]
     assert _comparable(records) == _comparable(reference)
     assert json.loads((out / "sft_model" / "polyfsdp_state.json").read_text())["global_step"] == 4
+
+
+def test_output_dir_that_cannot_be_created_is_a_one_line_error(tmp_path, capsys):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    code = main([*TINY, f"trainer.output_dir={blocker / 'run'}"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1, err
+    assert err[0].startswith(f"polyfsdp-train: error: trainer.output_dir: cannot create {blocker / 'run'}"), err[0]

@@ -187,3 +187,42 @@ def test_every_rank_needs_an_evaluation_prompt():
     load_config(["data.eval_size=2"], world_size=2)
     with pytest.raises(ConfigError, match=r"data.eval_size: .* expected >= world size 2, got 1"):
         load_config(["data.eval_size=1"], world_size=2)
+
+
+def test_builtin_eval_set_holding_every_prompt_is_a_data_error_not_a_hang():
+    # "a=" and "b=" are the task's only prompts: holding both out left training sampling forever.
+    with pytest.raises(DataError, match=r"data.eval_size=4 holds out all 2 distinct prompts"):
+        BuiltinSource(ReverseTask(alphabet="ab", min_len=1, max_len=1), seed=0, eval_size=4)
+    source = BuiltinSource(ReverseTask(alphabet="ab", min_len=1, max_len=1), seed=0, eval_size=1)
+    (held_out,) = source.eval_examples
+    assert {ex.prompt for ex in source.batch("sft", 0, 4)} == {"ab".replace(held_out.prompt[0], "") + "="}
+
+
+@pytest.mark.parametrize("overrides,expected", [
+    (["data.path=train.jsonl"], "data.path: data=builtin does not read a file"),
+    (["algo.sft=null"], "algo.sft: expected a mapping"),
+    (["engine=null"], "engine=null: a config group needs an option; choose one of default"),
+    (["data=null"], "data=null: a config group needs an option; choose one of builtin, jsonl, parquet"),
+    (["engine=[]"], "engine: missing"),
+])
+def test_ignored_or_missing_sections_are_one_line_config_errors(overrides, expected):
+    with pytest.raises(ConfigError) as info:
+        load_config(overrides)
+    message = str(info.value)
+    assert "\n" not in message
+    assert message.startswith(expected), message
+
+
+@pytest.mark.parametrize("overrides,expected", [
+    ({"num_attention_heads": 5}, "cannot run"),        # 96 hidden / 5 heads, 2 kv heads: fails in forward
+    ({"hidden_size": None}, "hidden_size"),           # rejected by the Hugging Face config itself
+])
+def test_initial_model_from_unusable_overrides_is_a_value_error(overrides, expected, tmp_path):
+    from polyfsdp.trainer.model_init import write_initial_model
+
+    sizes = {"hidden_size": 96, "intermediate_size": 288, "num_hidden_layers": 1, "num_attention_heads": 4,
+             "num_key_value_heads": 2}
+    with pytest.raises(ValueError, match=expected) as info:
+        write_initial_model(str(tmp_path / "init"), "qwen2-tiny", {**sizes, **overrides}, CharTokenizer(), seed=0)
+    assert "\n" not in str(info.value) and not str(info.value).startswith("model.overrides")
+    assert not (tmp_path / "init").exists()
