@@ -94,6 +94,10 @@ def find_resume(cfg: JobConfig, out: Path) -> ResumePoint | None:
     if mode == "auto":
         run_dir = out
         ckpt_root = out / "checkpoints"
+        if cfg.algo.name == "sft" and (_sft_complete(out) or latest_checkpoint(ckpt_root / "grpo") is not None):
+            # Resuming its SFT checkpoints would cut the GRPO records and overwrite final/.
+            raise ConfigError(f"trainer.resume=auto: {out} holds an algo=grpo run, but algo=sft was asked for; "
+                              f"choose another trainer.output_dir or resume with algo=grpo")
     else:
         path = Path(mode).resolve()
         # PATH is .../checkpoints/<phase>[/step_N] of a polyfsdp-train run.
@@ -102,6 +106,9 @@ def find_resume(cfg: JobConfig, out: Path) -> ResumePoint | None:
             raise ConfigError(f"trainer.resume: {mode!r} is not a polyfsdp-train checkpoint "
                               f"(expected OUTPUT_DIR/checkpoints/sft|grpo[/step_N])")
         run_dir = phase_dir.parent.parent
+        if phase_dir.name == "grpo" and cfg.algo.name == "sft":
+            raise ConfigError(f"trainer.resume: {mode!r} is a GRPO checkpoint, but algo=sft runs no GRPO phase; "
+                              f"resume with algo=grpo or from OUTPUT_DIR/checkpoints/sft")
         found = path if path.name.startswith("step_") else latest_checkpoint(path)
         if found is None:
             raise ConfigError(f"trainer.resume: no complete checkpoint in {mode!r}")

@@ -226,3 +226,22 @@ def test_initial_model_from_unusable_overrides_is_a_value_error(overrides, expec
         write_initial_model(str(tmp_path / "init"), "qwen2-tiny", {**sizes, **overrides}, CharTokenizer(), seed=0)
     assert "\n" not in str(info.value) and not str(info.value).startswith("model.overrides")
     assert not (tmp_path / "init").exists()
+
+
+def test_resuming_a_grpo_checkpoint_with_algo_sft_is_a_config_error(tmp_path):
+    from polyfsdp.trainer.job import find_resume
+
+    step = tmp_path / "run" / "checkpoints" / "grpo" / "step_000002"
+    step.mkdir(parents=True)
+    cfg = load_config(["algo=sft", f"trainer.resume={step}"])
+    with pytest.raises(ConfigError, match=r"trainer.resume: .* is a GRPO checkpoint, but algo=sft"):
+        find_resume(cfg, tmp_path / "out")
+    cfg = load_config([f"trainer.resume={step}"])
+    assert find_resume(cfg, tmp_path / "out").phase == "grpo"
+    # The same mix-up with resume=auto: an algo=sft run in a GRPO run's directory.
+    grpo_run = tmp_path / "grpo_run"
+    (grpo_run / "sft_model").mkdir(parents=True)
+    (grpo_run / "sft_model" / "polyfsdp_state.json").write_text("{}")
+    with pytest.raises(ConfigError, match=r"trainer.resume=auto: .* holds an algo=grpo run, but algo=sft"):
+        find_resume(load_config(["algo=sft"]), grpo_run)
+    assert find_resume(load_config([]), grpo_run).phase == "grpo"
