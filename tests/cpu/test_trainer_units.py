@@ -245,3 +245,27 @@ def test_resuming_a_grpo_checkpoint_with_algo_sft_is_a_config_error(tmp_path):
     with pytest.raises(ConfigError, match=r"trainer.resume=auto: .* holds an algo=grpo run, but algo=sft"):
         find_resume(load_config(["algo=sft"]), grpo_run)
     assert find_resume(load_config([]), grpo_run).phase == "grpo"
+
+
+def test_plot_draws_non_finite_metrics_as_numbers_not_categories(tmp_path, monkeypatch):
+    import math
+
+    from matplotlib.figure import Figure
+
+    from polyfsdp.trainer.metrics import MetricsLogger
+    from polyfsdp.trainer.plot import plot_metrics
+
+    metrics = MetricsLogger(str(tmp_path / "metrics.jsonl"))
+    metrics.start(None)
+    for step, loss in enumerate([2.0, float("nan"), 1.0], start=1):
+        metrics.log({"phase": "sft", "step": step, "global_step": step, "loss": loss})
+    metrics.log({"phase": "grpo", "step": 1, "global_step": 4, "loss": float("inf"), "reward": 0.5})
+    figures = []
+    monkeypatch.setattr(Figure, "savefig", lambda self, *a, **k: figures.append(self))
+    plot_metrics(metrics.path, str(tmp_path / "curves.png"))
+    loss_axis = figures[0].axes[1]
+    sft_line, grpo_line = loss_axis.get_lines()[:2]
+    sft = [float(v) for v in sft_line.get_ydata()]  # a string here means a categorical axis
+    assert sft[0] == 2.0 and math.isnan(sft[1]) and sft[2] == 1.0
+    assert not any(isinstance(v, str) for v in sft_line.get_ydata())
+    assert [float(v) for v in grpo_line.get_ydata()] == [math.inf]
