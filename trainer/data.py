@@ -62,7 +62,7 @@ class FileSource:
                             f"and at least one is needed for training")
         self.train_examples = records[: len(records) - eval_size]
         self.eval_examples = records[len(records) - eval_size:]
-        self.seed = seed
+        self.seed, self.path = seed, path
         self._orders: dict[tuple[str, int], list[int]] = {}
 
     def _order(self, phase: str, epoch: int) -> list[int]:
@@ -144,6 +144,26 @@ def build_source(data, seed: int):
     reader = read_jsonl if data.source == "jsonl" else read_parquet
     records = reader(data.path, data.prompt_key, data.answer_key)
     return FileSource(records, seed, data.eval_size, data.path)
+
+
+def check_tokenizer_covers(source, tokenizer) -> None:
+    """A file's text must use only characters the character tokenizer knows: others become
+    ``<unk>``, which decoding drops, so an answer holding one could never earn full reward."""
+    from .task import CharTokenizer
+
+    if not isinstance(source, FileSource) or not isinstance(tokenizer, CharTokenizer):
+        return
+    known = set(tokenizer.chars)
+    unknown: dict[str, str] = {}
+    for ex in source.train_examples + source.eval_examples:
+        for ch in (ex.prompt + ex.answer):
+            if ch not in known:
+                unknown.setdefault(ch, ex.prompt)
+    if unknown:
+        chars = ", ".join(repr(ch) for ch in sorted(unknown))
+        first = next(iter(unknown.values()))
+        raise DataError(f"data.path {source.path}: {chars} (first in prompt {first!r}) not in the character "
+                        f"tokenizer; use model.path=DIR with a tokenizer that covers them")
 
 
 def max_answer_tokens(source, tokenizer) -> int:

@@ -36,7 +36,7 @@ from polyfsdp.engines.engine import FSDPEngine
 from polyfsdp.engines.losses import SFTLoss
 
 from .config import ConfigError, JobConfig
-from .data import build_source, max_answer_tokens
+from .data import build_source, check_tokenizer_covers, max_answer_tokens
 from .generate import evaluate
 from .grpo import grpo_step
 from .metrics import METRICS_FILE, MetricsLogger
@@ -150,6 +150,7 @@ class Job:
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
         self.source = build_source(cfg.data, cfg.trainer.seed)
+        check_tokenizer_covers(self.source, self.tokenizer)
         grpo = cfg.algo.grpo
         self.eval_tokens = grpo.max_new_tokens if grpo is not None else \
             max_answer_tokens(self.source, self.tokenizer) + 2

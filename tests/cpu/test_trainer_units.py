@@ -269,3 +269,14 @@ def test_plot_draws_non_finite_metrics_as_numbers_not_categories(tmp_path, monke
     assert sft[0] == 2.0 and math.isnan(sft[1]) and sft[2] == 1.0
     assert not any(isinstance(v, str) for v in sft_line.get_ydata())
     assert [float(v) for v in grpo_line.get_ydata()] == [math.inf]
+
+
+def test_file_text_outside_the_character_tokenizer_is_a_data_error(tmp_path):
+    # "%" would become <unk>, which decoding drops: an answer holding it could never earn reward 1.
+    from polyfsdp.trainer.data import check_tokenizer_covers
+
+    rows = [{"prompt": "3+4=", "answer": "7"}, {"prompt": "50% of 8=", "answer": "4"}, {"prompt": "1+1=", "answer": "2"}]
+    source = FileSource(read_jsonl(_write_jsonl(tmp_path / "d.jsonl", rows)), seed=0, eval_size=1, path="d.jsonl")
+    with pytest.raises(DataError, match=r"'%' .*not in the character tokenizer"):
+        check_tokenizer_covers(source, CharTokenizer())
+    check_tokenizer_covers(source, CharTokenizer(CharTokenizer().chars + "%"))
