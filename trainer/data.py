@@ -172,3 +172,13 @@ def max_answer_tokens(source, tokenizer) -> int:
         return source.task.max_answer_chars
     examples = source.train_examples + source.eval_examples
     return max(len(tokenizer.encode(ex.answer)) for ex in examples)
+
+
+def check_generation_budget(source, tokenizer, max_new_tokens: int) -> None:
+    """Warn when sampled completions cannot hold the longest answer plus ``<eos>``: such
+    answers are cut off, and their reward can never reach 1."""
+    need = max_answer_tokens(source, tokenizer) + 1
+    if need > max_new_tokens:
+        logger.warning("algo.grpo.max_new_tokens=%d cannot hold the longest answer (%d tokens with <eos>): "
+                       "its completions are cut off and never earn full reward; set algo.grpo.max_new_tokens=%d",
+                       max_new_tokens, need, need)

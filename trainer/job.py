@@ -36,7 +36,7 @@ from polyfsdp.engines.engine import FSDPEngine
 from polyfsdp.engines.losses import SFTLoss
 
 from .config import ConfigError, JobConfig
-from .data import build_source, check_tokenizer_covers, max_answer_tokens
+from .data import build_source, check_generation_budget, check_tokenizer_covers, max_answer_tokens
 from .generate import evaluate
 from .grpo import grpo_step
 from .metrics import METRICS_FILE, MetricsLogger
@@ -152,6 +152,8 @@ class Job:
         self.source = build_source(cfg.data, cfg.trainer.seed)
         check_tokenizer_covers(self.source, self.tokenizer)
         grpo = cfg.algo.grpo
+        if grpo is not None and self.rank == 0:
+            check_generation_budget(self.source, self.tokenizer, grpo.max_new_tokens)
         self.eval_tokens = grpo.max_new_tokens if grpo is not None else \
             max_answer_tokens(self.source, self.tokenizer) + 2
         self.t0 = time.perf_counter()

@@ -280,3 +280,18 @@ def test_file_text_outside_the_character_tokenizer_is_a_data_error(tmp_path):
     with pytest.raises(DataError, match=r"'%' .*not in the character tokenizer"):
         check_tokenizer_covers(source, CharTokenizer())
     check_tokenizer_covers(source, CharTokenizer(CharTokenizer().chars + "%"))
+
+
+def test_answers_longer_than_the_sampling_budget_are_warned_about(caplog):
+    from polyfsdp.trainer.data import check_generation_budget
+
+    tok = CharTokenizer()
+    long_task = BuiltinSource(ReverseTask(min_len=3, max_len=9), seed=0, eval_size=8)
+    with caplog.at_level("WARNING", logger="polyfsdp.trainer.data"):
+        check_generation_budget(long_task, tok, max_new_tokens=8)  # 9 letters + <eos> need 10
+    (record,) = caplog.records
+    assert "algo.grpo.max_new_tokens=8" in record.getMessage() and "10" in record.getMessage()
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="polyfsdp.trainer.data"):
+        check_generation_budget(long_task, tok, max_new_tokens=10)
+    assert not caplog.records
