@@ -124,6 +124,22 @@ def find_resume(cfg: JobConfig, out: Path) -> ResumePoint | None:
     return None
 
 
+def check_same_model(cfg: JobConfig, run_dir: Path) -> None:
+    """A run continued in (or from) ``run_dir`` must ask for the model it was started with:
+    its init_model and checkpoints would be loaded and the new model settings ignored."""
+    saved = run_dir / "config.yaml"
+    started = any((run_dir / name).exists() for name in ("init_model", "checkpoints", "sft_model"))
+    if not (started and saved.is_file()):
+        return
+    before = OmegaConf.to_container(OmegaConf.load(saved)).get("model") or {}
+    now = cfg.raw["model"]
+    for key in list(now) + [k for k in before if k not in now]:
+        if before.get(key) != now.get(key):
+            raise ConfigError(f"trainer.resume={cfg.trainer.resume}: {run_dir} holds a run of model.{key}="
+                              f"{before.get(key)!r}, but this run asks for model.{key}={now.get(key)!r}; keep "
+                              f"the model settings or choose another trainer.output_dir")
+
+
 def _broadcast(value):
     if _world() == 1:
         return value
@@ -229,13 +245,18 @@ class Job:
     def run(self) -> dict:
         """Run (or continue) the job; returns the held-out rewards by tag."""
         cfg, out = self.cfg, self.out
+        resume = None
         if self.rank == 0:
+            check_same_model(cfg, out)
+            resume = find_resume(cfg, out)
+            if resume is not None and resume.run_dir != out:
+                check_same_model(cfg, resume.run_dir)
             try:
                 out.mkdir(parents=True, exist_ok=True)
                 OmegaConf.save(OmegaConf.create(cfg.raw), out / "config.yaml")
             except OSError as exc:
                 raise ConfigError(f"trainer.output_dir: cannot create {out}: {exc.strerror or exc}") from None
-        resume = _broadcast(find_resume(cfg, out) if self.rank == 0 else None)
+        resume = _broadcast(resume)
         if cfg.model.path:
             start_dir = cfg.model.path
         else:

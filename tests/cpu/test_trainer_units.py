@@ -295,3 +295,23 @@ def test_answers_longer_than_the_sampling_budget_are_warned_about(caplog):
     with caplog.at_level("WARNING", logger="polyfsdp.trainer.data"):
         check_generation_budget(long_task, tok, max_new_tokens=10)
     assert not caplog.records
+
+
+def test_continuing_a_run_with_another_model_is_a_config_error(tmp_path):
+    # resume=auto would load the old run's init_model/checkpoints and ignore model=llama, while
+    # config.yaml was rewritten to claim llama.
+    from omegaconf import OmegaConf
+
+    from polyfsdp.trainer.job import check_same_model
+
+    run = tmp_path / "run"
+    (run / "init_model").mkdir(parents=True)
+    OmegaConf.save(OmegaConf.create(load_config([]).raw), run / "config.yaml")
+    check_same_model(load_config(["trainer.grpo_steps=300"]), run)  # more steps: fine
+    with pytest.raises(ConfigError, match=r"model.preset='qwen2-tiny'.*model.preset='llama-tiny'"):
+        check_same_model(load_config(["model=llama"]), run)
+    with pytest.raises(ConfigError, match=r"model.overrides"):
+        check_same_model(load_config(["model.overrides.num_hidden_layers=3"]), run)
+    # A directory whose earlier run stopped before building anything holds no model to clash with.
+    (run / "init_model").rmdir()
+    check_same_model(load_config(["model=llama"]), run)
