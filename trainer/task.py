@@ -3,7 +3,7 @@
 Task: reverse a short string of letters. Prompt ``"cadb="``, answer ``"bdac"``. The reward
 gives partial credit: the fraction of answer positions that are right, divided by the
 longer of the answer and the completion, so it lies in [0, 1] and is 1 only for an exact
-answer. A 2-layer model of ~0.3M parameters learns it in a couple of CPU minutes.
+answer. A 2-layer model of 0.23M parameters learns it in about a CPU minute.
 
 Tokenizer files: :meth:`CharTokenizer.save_pretrained` writes ``char_tokenizer.json``
 (``{"type": "polyfsdp-char", "vocab": [...], "pad": ..., "bos": ..., "eos": ..., "unk": ...}``)
