@@ -27,9 +27,12 @@ class EditLog:
 
     def set_attr(self, obj: Any, name: str, value: Any) -> None:
         """Set ``obj.name = value`` on the instance, remembering how to restore it."""
-        if isinstance(obj, nn.Module) and name in obj._modules:
-            old = obj._modules[name]
-            self._steps.append(lambda: setattr(obj, name, old))
+        registry = next((table for table in ("_modules", "_parameters", "_buffers")
+                         if isinstance(obj, nn.Module) and name in getattr(obj, table)), None)
+        if registry is not None:
+            # Submodules, parameters and buffers live in these tables, not in __dict__.
+            old = getattr(obj, registry)[name]
+            self._steps.append(lambda: getattr(obj, registry).__setitem__(name, old))
         else:
             old = vars(obj).get(name, _MISSING) if hasattr(obj, "__dict__") else _MISSING
             if old is _MISSING:

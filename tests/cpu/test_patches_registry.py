@@ -225,3 +225,22 @@ def test_importing_patches_imports_no_transformers_model_code():
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert result.stdout.strip() == "[]"
+
+
+def test_undo_restores_replaced_parameters_and_buffers():
+    # Parameters and buffers live in _parameters/_buffers, not the instance __dict__: undo must put
+    # the originals back, not delete the attribute.
+    from polyfsdp.patches import EditLog
+
+    linear = torch.nn.Linear(3, 2)
+    linear.register_buffer("scale", torch.ones(2))
+    weight, scale = linear.weight, linear.scale
+    before = dict(linear.state_dict())
+    edits = EditLog()
+    edits.set_attr(linear, "weight", torch.nn.Parameter(torch.zeros(2, 3)))
+    edits.set_attr(linear, "scale", torch.zeros(2))
+    assert float(linear.weight.abs().sum()) == 0.0
+    edits.undo()
+    assert linear.weight is weight and linear.scale is scale
+    assert [n for n, _ in linear.named_parameters()] == ["weight", "bias"]
+    assert all(torch.equal(before[k], v) for k, v in linear.state_dict().items()) and set(before) == set(linear.state_dict())
