@@ -140,6 +140,14 @@ def check_same_model(cfg: JobConfig, run_dir: Path) -> None:
                               f"the model settings or choose another trainer.output_dir")
 
 
+def _load(engine: FSDPEngine, checkpoint: Path) -> tuple[int, dict]:
+    """Load a resume checkpoint; one that is incomplete or unreadable is a ConfigError."""
+    try:
+        return engine.load_checkpoint(str(checkpoint))
+    except (OSError, ValueError, KeyError) as exc:
+        raise ConfigError(f"trainer.resume: cannot load {checkpoint}: {type(exc).__name__}: {exc}") from None
+
+
 def _broadcast(value):
     if _world() == 1:
         return value
@@ -292,7 +300,7 @@ class Job:
         engine = self._engine("sft", start_dir)
         start = 0
         if resume is not None:
-            _, extra = engine.load_checkpoint(str(resume.checkpoint))
+            _, extra = _load(engine, resume.checkpoint)
             start = int(extra["phase_step"])
             self._start_metrics(resume, int(extra["metrics_lines"]))
         else:
@@ -325,7 +333,7 @@ class Job:
         ref = self._engine("grpo", str(sft_dir)) if g.kl_coef > 0 else None
         start = 0
         if resume is not None and resume.checkpoint is not None:
-            _, extra = policy.load_checkpoint(str(resume.checkpoint))
+            _, extra = _load(policy, resume.checkpoint)
             start = int(extra["phase_step"])
             self._start_metrics(resume, int(extra["metrics_lines"]))
         elif resume is not None:

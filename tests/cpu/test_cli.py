@@ -223,3 +223,12 @@ def test_output_dir_that_cannot_be_created_is_a_one_line_error(tmp_path, capsys)
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1, err
     assert err[0].startswith(f"polyfsdp-train: error: trainer.output_dir: cannot create {blocker / 'run'}"), err[0]
+
+
+def test_resume_from_an_incomplete_checkpoint_is_a_one_line_error(tmp_path, capsys):
+    step = tmp_path / "old" / "checkpoints" / "sft" / "step_000001"
+    step.mkdir(parents=True)  # e.g. a save that was killed halfway
+    code = main([*TINY, f"trainer.output_dir={tmp_path / 'new'}", f"trainer.resume={step}"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1, err
+    assert err[0].startswith(f"polyfsdp-train: error: trainer.resume: cannot load {step}: "), err[0]
