@@ -6,9 +6,12 @@ import math
 from dataclasses import dataclass
 from typing import Any, Sequence
 
+import torch
+
 from .presets import PRESETS
 
-DTYPES = ("float32", "bfloat16", "float16")
+TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPES = tuple(TORCH_DTYPES)
 PAD_MODES = ("no_padding", "left_right")
 LR_SCHEDULERS = ("constant", "warmup_cosine")
 

@@ -13,9 +13,9 @@ from typing import Callable
 import torch
 
 from .fused_logprob import fused_logprob_entropy
+from .jagged import IGNORE_INDEX
 
 FUSED_HEAD_METHOD = "polyfsdp_fused_head"
-IGNORE_INDEX = -100
 # Config attributes through which some families rescale logits inside their forward
 # (Cohere logit_scale, Granite logits_scaling, Falcon-H1 lm_head_multiplier). The fused
 # op does not reproduce them, so those models use the unfused path.

@@ -10,19 +10,16 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from polyfsdp.backends.base import Backend
 
 from .attention import register_attention
-from .config import ModelConfig
+from .config import TORCH_DTYPES, ModelConfig
 from .presets import preset_config
 
 logger = logging.getLogger(__name__)
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
 def torch_dtype(name: str) -> torch.dtype:
     """The torch dtype for a config dtype name (``float32``, ``bfloat16``, ``float16``)."""
-    if name not in _DTYPES:
-        raise ValueError(f"dtype: got {name!r}; allowed values: {', '.join(_DTYPES)}")
-    return _DTYPES[name]
+    if name not in TORCH_DTYPES:
+        raise ValueError(f"dtype: got {name!r}; allowed values: {', '.join(TORCH_DTYPES)}")
+    return TORCH_DTYPES[name]
 
 
 def _check_checkpoint_dir(path: str) -> None:
