@@ -68,6 +68,7 @@ class FSDPEngine(CheckpointMixin):
         self._fused_unsupported: str | None = None
         self._softcap: float | None = None
         self._warned_fallback = False
+        self._warned_bf16_master = False
 
     # ------------------------------------------------------------------ set-up
     def initialize(self) -> "FSDPEngine":
@@ -229,6 +230,12 @@ class FSDPEngine(CheckpointMixin):
             raise ValueError("train_batch: ModelConfig.dtype='float16' keeps the master weights in float16, "
                              "which AdamW turns into NaN; use ModelConfig.dtype='float32' with "
                              "EngineConfig.param_dtype='float16' (float16 compute, float32 weights)")
+        if self.model_config.dtype == "bfloat16" and not self._warned_bf16_master:
+            # bf16 keeps ~3 significant digits: lr-sized AdamW updates mostly round away.
+            logger.warning("train_batch: ModelConfig.dtype='bfloat16' keeps the master weights in bfloat16, "
+                           "where small updates round to nothing; for training prefer ModelConfig.dtype="
+                           "'float32' with EngineConfig.param_dtype='bfloat16'")
+            self._warned_bf16_master = True
         required = tuple(getattr(loss_fn, "required_fields", ()))
         missing = [k for k in required if k not in batch.keys()]
         if missing:

@@ -147,3 +147,16 @@ def test_training_float16_master_weights_is_a_clear_error(data):
     with pytest.raises(ValueError, match=r"ModelConfig.dtype='float16'.*param_dtype='float16'"):
         engine.train_batch(no_padding_batch(seqs, per_token={"response_mask": masks}), SFTLoss())
     assert _max_diff(_params(engine), before) == 0.0
+
+
+def test_training_bfloat16_master_weights_warns_once(data, caplog):
+    # bf16 weights are fine for inference, but lr-sized AdamW updates mostly round away:
+    # say so once instead of training silently slowly.
+    seqs, masks = data
+    engine = FSDPEngine(ModelConfig(preset=PRESET, seed=5, dtype="bfloat16"), engine_config()).initialize()
+    batch = no_padding_batch(seqs, per_token={"response_mask": masks})
+    caplog.set_level("WARNING", logger="polyfsdp.engines.engine")
+    engine.train_batch(batch, SFTLoss())
+    engine.train_batch(batch, SFTLoss())
+    warnings = [r for r in caplog.records if "master weights in bfloat16" in r.getMessage()]
+    assert len(warnings) == 1 and "param_dtype='bfloat16'" in warnings[0].getMessage()
