@@ -148,10 +148,18 @@ def build_source(data, seed: int):
 
 def check_tokenizer_covers(source, tokenizer) -> None:
     """A file's text must use only characters the character tokenizer knows: others become
-    ``<unk>``, which decoding drops, so an answer holding one could never earn full reward."""
+    ``<unk>``, which decoding drops, so an answer holding one could never earn full reward.
+    Without a ``<bos>`` token every prompt must encode to at least one token."""
     from .task import CharTokenizer
 
-    if not isinstance(source, FileSource) or not isinstance(tokenizer, CharTokenizer):
+    if not isinstance(source, FileSource):
+        return
+    if getattr(tokenizer, "bos_token_id", None) is None:
+        for ex in source.train_examples + source.eval_examples:
+            if not tokenizer.encode(ex.prompt):
+                raise DataError(f"data.path {source.path}: prompt {ex.prompt!r} has no tokens and the tokenizer has "
+                                f"no bos token to start it; every prompt needs at least one token")
+    if not isinstance(tokenizer, CharTokenizer):
         return
     known = set(tokenizer.chars)
     unknown: dict[str, str] = {}

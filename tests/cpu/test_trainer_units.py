@@ -315,3 +315,22 @@ def test_continuing_a_run_with_another_model_is_a_config_error(tmp_path):
     # A directory whose earlier run stopped before building anything holds no model to clash with.
     (run / "init_model").rmdir()
     check_same_model(load_config(["model=llama"]), run)
+
+
+def test_prompt_without_tokens_is_a_data_error_for_a_tokenizer_without_bos(tmp_path):
+    # Nothing to condition on: batching and generation need at least one prompt token.
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from polyfsdp.trainer.data import check_tokenizer_covers
+
+    core = Tokenizer(models.WordLevel({"<pad>": 0, "</s>": 1, "<unk>": 2, "ab": 3}, unk_token="<unk>"))
+    core.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=core, eos_token="</s>", pad_token="<pad>",
+                            unk_token="<unk>").save_pretrained(tmp_path / "tok")
+    tok = load_tokenizer(str(tmp_path / "tok"))
+    rows = [{"prompt": "ab", "answer": "ab"}, {"prompt": " ", "answer": "ab"}, {"prompt": "ab", "answer": "ab"}]
+    source = FileSource(read_jsonl(_write_jsonl(tmp_path / "d.jsonl", rows)), seed=0, eval_size=1, path="d.jsonl")
+    with pytest.raises(DataError, match=r"prompt ' ' has no tokens"):
+        check_tokenizer_covers(source, tok)
+    check_tokenizer_covers(source, CharTokenizer())  # <bos> always starts the prompt
