@@ -103,15 +103,18 @@ def _record(raw, where: str, prompt_key: str, answer_key: str) -> Example:
 def read_jsonl(path: str, prompt_key: str = "prompt", answer_key: str = "answer") -> list[Example]:
     """Examples from a JSON-lines file (blank lines skipped)."""
     out = []
-    with open(path, encoding="utf-8") as f:
-        for number, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            try:
-                raw = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise DataError(f"{path} line {number}: not valid JSON ({exc.msg})") from None
-            out.append(_record(raw, f"{path} line {number}", prompt_key, answer_key))
+    try:
+        with open(path, encoding="utf-8") as f:
+            for number, line in enumerate(f, start=1):
+                if not line.strip():
+                    continue
+                try:
+                    raw = json.loads(line)
+                except json.JSONDecodeError as exc:
+                    raise DataError(f"{path} line {number}: not valid JSON ({exc.msg})") from None
+                out.append(_record(raw, f"{path} line {number}", prompt_key, answer_key))
+    except UnicodeDecodeError as exc:
+        raise DataError(f"{path}: not UTF-8 text ({exc.reason}); JSON lines files must be UTF-8") from None
     return out
 
 

@@ -334,3 +334,10 @@ def test_prompt_without_tokens_is_a_data_error_for_a_tokenizer_without_bos(tmp_p
     with pytest.raises(DataError, match=r"prompt ' ' has no tokens"):
         check_tokenizer_covers(source, tok)
     check_tokenizer_covers(source, CharTokenizer())  # <bos> always starts the prompt
+
+
+def test_jsonl_that_is_not_utf8_names_the_file(tmp_path):
+    path = tmp_path / "latin1.jsonl"
+    path.write_bytes('{"prompt": "caf\u00e9=", "answer": "x"}\n'.encode("latin-1"))
+    with pytest.raises(DataError, match=r"latin1.jsonl: not UTF-8 text"):
+        read_jsonl(str(path))
