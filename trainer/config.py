@@ -380,6 +380,10 @@ def build_job_config(raw: dict, world_size: int = 1) -> JobConfig:
         raise _engine_error("model", exc) from None
     if model.path and not os.path.isdir(model.path):
         raise ConfigError(f"model.path: {model.path!r} is not a directory")
+    if model.dtype == "float16":
+        # Every job trains; the engine refuses float16 master weights (AdamW's eps underflows).
+        raise ConfigError("model.dtype=float16: training keeps master weights in float16, which AdamW turns "
+                          "into NaN; use model.dtype=float32 engine.param_dtype=float16")
 
     engine_keys = [f.name for f in dataclasses.fields(EngineConfig) if f.name not in OPTIM_KEYS + ENGINE_OPTIM_ONLY]
     for key in raw["engine"]:
