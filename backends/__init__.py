@@ -12,7 +12,7 @@ import os
 os.environ.setdefault("TORCH_DEVICE_BACKEND_AUTOLOAD", "0")
 
 from .base import Backend, BackendUnavailableError  # noqa: E402  (after the guard above)
-from .distributed import destroy_distributed, init_distributed
+from .distributed import current_rank, current_world_size, destroy_distributed, init_distributed
 from .registry import AUTO_ORDER, BACKEND_NAMES, ENV_OVERRIDE, BackendStatus, available_backends, get_backend
 
 __all__ = [
@@ -23,6 +23,8 @@ __all__ = [
     "BackendStatus",
     "BackendUnavailableError",
     "available_backends",
+    "current_rank",
+    "current_world_size",
     "destroy_distributed",
     "get_backend",
     "init_distributed",

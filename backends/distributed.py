@@ -23,6 +23,16 @@ def _env_int(name: str, default: int) -> int:
         raise ValueError(f"environment variable {name} must be an integer, got {value!r}") from None
 
 
+def current_rank() -> int:
+    """This process's rank, 0 when no process group is initialised."""
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def current_world_size() -> int:
+    """The number of ranks, 1 when no process group is initialised."""
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
 def init_distributed(backend: Backend, timeout_s: float = 600.0) -> DeviceMesh:
     """Initialise the process group from torchrun's variables (or a single-process group
     when they are absent), bind the device, and return a 1-D ``DeviceMesh`` over all ranks."""

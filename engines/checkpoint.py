@@ -36,6 +36,8 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
+from polyfsdp.backends.distributed import current_rank, current_world_size
+
 logger = logging.getLogger(__name__)
 
 LATEST_FILE = "latest"
@@ -46,14 +48,6 @@ _STEP_DIR = re.compile(r"^step_(\d+)$")
 
 
 # --------------------------------------------------------------------------- helpers
-
-
-def _rank() -> int:
-    return dist.get_rank() if dist.is_initialized() else 0
-
-
-def _world_size() -> int:
-    return dist.get_world_size() if dist.is_initialized() else 1
 
 
 def _barrier() -> None:
@@ -182,7 +176,7 @@ def save_checkpoint(
     if keep is not None and (not isinstance(keep, int) or keep < 1):
         raise ValueError(f"keep must be a positive int or None, got {keep!r}")
     directory = Path(directory)
-    rank = _rank()
+    rank = current_rank()
     name = step_dir_name(step)
     tmp = directory / f"{TMP_PREFIX}{name}"
     final = directory / name
@@ -206,7 +200,7 @@ def save_checkpoint(
             "step": step,
             "extra": extra,
             "lr_scheduler": lr_scheduler.state_dict() if lr_scheduler is not None else None,
-            "world_size": _world_size(),
+            "world_size": current_world_size(),
             "has_optimizer_state": "optim" in state,
         }
         _save_torch(trainer_state, tmp / TRAINER_STATE_FILE)
@@ -286,14 +280,14 @@ def load_checkpoint(
             for group, lr in zip(optimizer.param_groups, lr_scheduler.get_last_lr()):
                 group["lr"] = lr
 
-    rank = _rank()
+    rank = current_rank()
     rng_file = path / f"rng_rank{rank}.pt"
     if rng_file.is_file():
         _set_rng_state(_load_torch(rng_file), backend)
     else:
         logger.warning(
             "%s has no RNG state for rank %d (saved with world size %d, now %d): RNG not restored",
-            path, rank, trainer_state["world_size"], _world_size(),
+            path, rank, trainer_state["world_size"], current_world_size(),
         )
     _barrier()
     logger.info("loaded checkpoint %s (step %d)", path, trainer_state["step"])
@@ -327,7 +321,7 @@ def export_hf(
     config = copy.deepcopy(config)
     config.use_cache = True
     full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    if _rank() == 0:
+    if current_rank() == 0:
         if dtype is not None:
             full = {k: v.to(dtype) if v.is_floating_point() else v for k, v in full.items()}
         with torch.device("meta"):

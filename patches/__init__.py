@@ -6,7 +6,6 @@ Importing this package imports no model code: family classes are looked up when 
 from .registry import (
     EditLog,
     Patch,
-    PatchOutcome,
     PatchReport,
     PatchToggles,
     ProbeCase,
@@ -17,6 +16,7 @@ from .registry import (
     register,
     unregister,
 )
+from .report import PatchOutcome
 
 __all__ = [
     "EditLog",

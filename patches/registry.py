@@ -13,8 +13,10 @@ from typing import Callable, Mapping
 
 from torch import nn
 
+from polyfsdp.backends.distributed import current_rank
+
 from .edits import EditLog
-from .report import APPLIED, FAILED, SKIPPED, PatchOutcome, PatchReport
+from .report import APPLIED, FAILED, SKIPPED, PatchReport
 from .toggles import PatchToggles
 from .verify import ProbeCase, capture, compare
 
@@ -160,9 +162,7 @@ def _apply_one(patch: Patch, model: nn.Module, ops: Ops, verify: bool) -> tuple[
 
 
 def _is_rank_zero() -> bool:
-    import torch.distributed as dist
-
-    return not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
+    return current_rank() == 0
 
 
 def apply_patches(model: nn.Module, backend, toggles: PatchToggles | Mapping | None = None) -> PatchReport:

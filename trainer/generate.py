@@ -7,6 +7,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from polyfsdp.backends.distributed import current_rank, current_world_size
+
 from .task import Example, reward
 
 logger = logging.getLogger(__name__)
@@ -26,10 +28,6 @@ def prompt_tokens(tokenizer, prompt: str) -> list[int]:
     """``<bos>`` (when the tokenizer has one) followed by the prompt's tokens."""
     bos = getattr(tokenizer, "bos_token_id", None)
     return ([bos] if bos is not None else []) + tokenizer.encode(prompt)
-
-
-def _world_size() -> int:
-    return dist.get_world_size() if dist.is_initialized() else 1
 
 
 @torch.no_grad()
@@ -55,7 +53,7 @@ def generate(engine, tokenizer, prompts: list[list[int]], max_new_tokens: int, d
     device = engine.device
     with engine.eval_mode():
         out = engine.module.generate(input_ids=ids.to(device), attention_mask=mask.to(device),
-                                     generation_config=config, synced_gpus=_world_size() > 1)
+                                     generation_config=config, synced_gpus=current_world_size() > 1)
     completions = []
     for row in out[:, width:].tolist():
         if eos in row:
@@ -80,17 +78,16 @@ def rollout(engine, tokenizer, examples: list[Example], n: int, max_new_tokens: 
 
 def evaluate(engine, tokenizer, examples: list[Example], max_new_tokens: int, chunk: int = 256) -> float:
     """Mean greedy reward over ``examples`` (each rank scores its share; summed over ranks)."""
-    rank = dist.get_rank() if dist.is_initialized() else 0
-    mine = examples[rank::_world_size()]
+    mine = examples[current_rank()::current_world_size()]
     total = 0.0
     # Every rank runs the same number of generate calls, as synced generation needs.
-    chunks = max(1, -(-len(examples) // (_world_size() * chunk)))
+    chunks = max(1, -(-len(examples) // (current_world_size() * chunk)))
     for c in range(chunks):
         part = mine[c * chunk:(c + 1) * chunk] or mine[:1]
         result = rollout(engine, tokenizer, part, 1, max_new_tokens, do_sample=False)
         if mine[c * chunk:(c + 1) * chunk]:
             total += sum(result.rewards)
     sums = torch.tensor([total, float(len(mine))], dtype=torch.float64, device=engine.device)
-    if _world_size() > 1:
+    if current_world_size() > 1:
         dist.all_reduce(sums)
     return float(sums[0] / sums[1])

@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 from omegaconf import OmegaConf
 
-from polyfsdp.backends.distributed import init_distributed
+from polyfsdp.backends.distributed import current_rank, current_world_size, init_distributed
 from polyfsdp.backends.registry import get_backend
 from polyfsdp.engines.checkpoint import latest_checkpoint
 from polyfsdp.engines.engine import FSDPEngine
@@ -60,18 +60,10 @@ class ResumePoint:
     run_dir: Path
 
 
-def _rank() -> int:
-    return dist.get_rank() if dist.is_initialized() else 0
-
-
-def _world() -> int:
-    return dist.get_world_size() if dist.is_initialized() else 1
-
-
 def _say(message: str) -> None:
     """A progress line on rank 0's stdout (flushed: tests and log tailers read it live);
     above a live progress bar when one is showing."""
-    if _rank() == 0:
+    if current_rank() == 0:
         from tqdm import tqdm
 
         tqdm.write(message, file=sys.stdout)
@@ -149,7 +141,7 @@ def _load(engine: FSDPEngine, checkpoint: Path) -> tuple[int, dict]:
 
 
 def _broadcast(value):
-    if _world() == 1:
+    if current_world_size() == 1:
         return value
     holder = [value]
     dist.broadcast_object_list(holder, src=0)
@@ -165,7 +157,7 @@ class Job:
             torch.set_num_threads(cfg.trainer.cpu_threads)
         self.backend = get_backend(cfg.backend)
         init_distributed(self.backend)
-        self.rank, self.world = _rank(), _world()
+        self.rank, self.world = current_rank(), current_world_size()
         # Rank 0's output_dir wins: "${now:...}" may resolve differently on each rank.
         self.out = Path(_broadcast(cfg.trainer.output_dir)).resolve()
         self.metrics = MetricsLogger(str(self.out / METRICS_FILE), enabled=self.rank == 0)

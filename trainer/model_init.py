@@ -14,6 +14,7 @@ import shutil
 import torch
 import torch.distributed as dist
 
+from polyfsdp.backends.distributed import current_rank
 from polyfsdp.engines.presets import preset_config
 
 logger = logging.getLogger(__name__)
@@ -24,8 +25,7 @@ def write_initial_model(directory: str, preset: str, overrides: dict, tokenizer,
     tokenizer into ``directory``; every rank waits for it. Returns ``directory``."""
     from transformers import AutoModelForCausalLM
 
-    rank = dist.get_rank() if dist.is_initialized() else 0
-    if rank == 0 and not os.path.isfile(os.path.join(directory, "config.json")):
+    if current_rank() == 0 and not os.path.isfile(os.path.join(directory, "config.json")):
         special = {"vocab_size": tokenizer.vocab_size, "pad_token_id": tokenizer.pad_token_id,
                    "eos_token_id": tokenizer.eos_token_id, "bos_token_id": tokenizer.bos_token_id}
         # Overrides are user input: Hugging Face rejects some in the config (its own exception
