@@ -20,8 +20,7 @@ class PackedAdapter:
     def model_inputs(self, flat: FlatBatch) -> dict:
         """Keyword arguments for the model's forward."""
         total, offsets = flat.total, flat.offsets
-        starts = torch.repeat_interleave(offsets[:-1], flat.lengths, output_size=total)
-        position_ids = torch.arange(total, device=offsets.device) - starts
+        position_ids = jagged.positions_in_sequences(offsets, total)
         cu = offsets.to(torch.int32)
         return {
             "input_ids": flat.input_ids.unsqueeze(0),

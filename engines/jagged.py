@@ -159,23 +159,31 @@ def _needs_grad(t: torch.Tensor) -> bool:
     return t.requires_grad and torch.is_grad_enabled()
 
 
-def _flat_index(row_starts: torch.Tensor, lengths: torch.Tensor, offsets: torch.Tensor, total: int) -> torch.Tensor:
-    """Flat padded position of every real token: ``row_starts[i] + t`` for t < lengths[i]."""
+def flat_index(row_starts: torch.Tensor, lengths: torch.Tensor, offsets: torch.Tensor, total: int) -> torch.Tensor:
+    """For every token of a flat batch (sequence i at ``offsets[i]``, ``lengths[i]`` tokens),
+    its index in another tensor where sequence i starts at ``row_starts[i]``:
+    ``row_starts[i] + t`` for t < lengths[i]. ``total`` (host int) keeps it sync-free."""
     shift = row_starts - offsets[:-1]
     # output_size makes repeat_interleave skip its own device->host read of the total.
     idx = torch.repeat_interleave(shift, lengths, output_size=total)
     return idx + torch.arange(total, device=idx.device)
 
 
+def positions_in_sequences(offsets: torch.Tensor, total: int) -> torch.Tensor:
+    """Each flat token's position within its own sequence (restarting at 0), ``(total,)``."""
+    lengths = offsets[1:] - offsets[:-1]
+    return flat_index(torch.zeros_like(lengths), lengths, offsets, total)
+
+
 def _gather(dense: torch.Tensor, row_starts, lengths, offsets, total: int) -> torch.Tensor:
     flat = dense.reshape(dense.shape[0] * dense.shape[1], *dense.shape[2:])
-    return flat.index_select(0, _flat_index(row_starts, lengths, offsets, total))
+    return flat.index_select(0, flat_index(row_starts, lengths, offsets, total))
 
 
 def _scatter(values, row_starts, lengths, offsets, batch: int, max_len: int, padding_value) -> torch.Tensor:
     total = values.shape[0]
     out = values.new_full((batch * max_len, *values.shape[1:]), padding_value)
-    out = out.index_copy(0, _flat_index(row_starts, lengths, offsets, total), values)
+    out = out.index_copy(0, flat_index(row_starts, lengths, offsets, total), values)
     return out.view(batch, max_len, *values.shape[1:])
 
 

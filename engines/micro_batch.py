@@ -6,6 +6,7 @@ import math
 
 import torch
 
+from . import jagged
 from .flat_batch import FlatBatch
 
 
@@ -52,9 +53,8 @@ def token_index(offsets: torch.Tensor, seq_index: torch.Tensor, total: int) -> t
     ``total`` is their token count (known on the host)."""
     starts = offsets[:-1][seq_index]
     lengths = offsets[1:][seq_index] - starts
-    new_starts = torch.cumsum(lengths, 0) - lengths
-    shift = torch.repeat_interleave(starts - new_starts, lengths, output_size=total)
-    return torch.arange(total, device=offsets.device) + shift
+    new_offsets = torch.nn.functional.pad(torch.cumsum(lengths, 0), (1, 0))
+    return jagged.flat_index(starts, lengths, new_offsets, total)
 
 
 def select(flat: FlatBatch, seq_ids: list[int], host_lengths: list[int]) -> tuple[FlatBatch, torch.Tensor]:
