@@ -34,6 +34,30 @@ def test_single_process_without_torchrun_environment(monkeypatch):
     assert not dist.is_initialized()
 
 
+def test_teardown_barrier_outlives_the_interpreter(monkeypatch):
+    """The exit barrier's work handle is kept for good: a gloo worker thread that dropped its
+    last reference during interpreter finalisation aborted a finished run (SIGABRT, see
+    backends.distributed._keep_until_exit). Without the barrier nothing is kept."""
+    import sys
+
+    from polyfsdp.backends import distributed
+
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    kept = len(distributed._KEPT_WORK)
+    init_distributed(get_backend("cpu"))
+    destroy_distributed()
+    assert len(distributed._KEPT_WORK) == kept + 1
+    barrier = distributed._KEPT_WORK[-1]
+    assert barrier.is_completed()
+    # The list, this name, getrefcount's argument, and the reference never released.
+    assert sys.getrefcount(barrier) >= 4
+
+    init_distributed(get_backend("cpu"))
+    destroy_distributed(wait_for_peers=False)
+    assert len(distributed._KEPT_WORK) == kept + 1 and not dist.is_initialized()
+
+
 def test_world_size_without_master_addr_is_a_clear_error(monkeypatch):
     import pytest
 
