@@ -1,4 +1,6 @@
 """Worker: init_distributed on the CPU backend, one all-reduce, report the mesh."""
+import sys
+
 import torch
 import torch.distributed as dist
 
@@ -8,6 +10,9 @@ backend = get_backend()
 mesh = init_distributed(backend)
 value = torch.tensor([float(dist.get_rank() + 1)])
 dist.all_reduce(value)
-print(f"rank={dist.get_rank()} world={dist.get_world_size()} mesh={mesh.size()} "
-      f"backend={dist.get_backend()} sum={value.item()}", flush=True)
+# One write per line: torchrun runs workers with `python -u`, where print() writes the text
+# and its newline separately, and the two ranks' lines interleaved ("...sum=3.0rank=1 ...").
+sys.stdout.write(f"rank={dist.get_rank()} world={dist.get_world_size()} mesh={mesh.size()} "
+                 f"backend={dist.get_backend()} sum={value.item()}\n")
+sys.stdout.flush()
 destroy_distributed()
