@@ -193,8 +193,10 @@ def test_resume_after_sigkill_continues_the_same_curve(tmp_path):
     _, reference = _run(tmp_path, "full", *overrides[len(TINY) + len(TINY_GRPO):])
 
     out = tmp_path / "killed"
-    command = [sys.executable, "-m", "polyfsdp.trainer.train", *overrides, f"trainer.output_dir={out}"]
-    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    command = [sys.executable, os.path.join(os.path.dirname(__file__), "cli_kill_child.py"), "grpo", "2",
+               *overrides, f"trainer.output_dir={out}"]
+    proc = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                            text=True)
     seen = []
     try:
         for line in proc.stdout:
@@ -203,6 +205,7 @@ def test_resume_after_sigkill_continues_the_same_curve(tmp_path):
                 proc.send_signal(signal.SIGKILL)
                 break
     finally:
+        proc.stdin.close()  # a child that was not killed ends here instead of waiting forever
         proc.wait(timeout=300)
     assert proc.returncode == -signal.SIGKILL, "".join(seen)
 
