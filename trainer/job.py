@@ -116,20 +116,45 @@ def find_resume(cfg: JobConfig, out: Path) -> ResumePoint | None:
     return None
 
 
-def check_same_model(cfg: JobConfig, run_dir: Path) -> None:
-    """A run continued in (or from) ``run_dir`` must ask for the model it was started with:
-    its init_model and checkpoints would be loaded and the new model settings ignored."""
+# Settings a continued run must share with the run it continues: they decide the model, the
+# data each step draws (a function of seed, phase, step and batch size) and the updates. The
+# rest (step counts, intervals, logging, engine modes, patches, backend) may change on resume.
+SAME_RUN_SECTIONS = ("model", "data", "algo.sft", "algo.grpo")
+SAME_RUN_TRAINER_KEYS = ("seed", "sft_batch_size", "prompts_per_step")
+
+
+def _section(raw: dict, dotted: str) -> dict | None:
+    for part in dotted.split("."):
+        raw = raw.get(part) if isinstance(raw, dict) else None
+    return raw
+
+
+def check_same_run(cfg: JobConfig, run_dir: Path) -> None:
+    """A run continued in (or from) ``run_dir`` must ask for the model, data and algorithm
+    it was started with: its init_model and checkpoints would be loaded and the data stream
+    continued, while config.yaml claimed the new settings."""
     saved = run_dir / "config.yaml"
     started = any((run_dir / name).exists() for name in ("init_model", "checkpoints", "sft_model"))
     if not (started and saved.is_file()):
         return
-    before = OmegaConf.to_container(OmegaConf.load(saved)).get("model") or {}
-    now = cfg.raw["model"]
-    for key in list(now) + [k for k in before if k not in now]:
-        if before.get(key) != now.get(key):
-            raise ConfigError(f"trainer.resume={cfg.trainer.resume}: {run_dir} holds a run of model.{key}="
-                              f"{before.get(key)!r}, but this run asks for model.{key}={now.get(key)!r}; keep "
-                              f"the model settings or choose another trainer.output_dir")
+    before_raw = OmegaConf.to_container(OmegaConf.load(saved))
+    pairs = []
+    for dotted in SAME_RUN_SECTIONS:
+        before, now = _section(before_raw, dotted), _section(cfg.raw, dotted)
+        if dotted == "algo.grpo" and (before is None or now is None):
+            continue  # an SFT run continued into GRPO: no GRPO settings to keep yet
+        pairs.append((dotted, before or {}, now or {}))
+    trainer_before = before_raw.get("trainer") or {}
+    pairs.append(("trainer", {k: trainer_before.get(k) for k in SAME_RUN_TRAINER_KEYS},
+                  {k: cfg.raw["trainer"].get(k) for k in SAME_RUN_TRAINER_KEYS}))
+    for dotted, before, now in pairs:
+        for key in list(now) + [k for k in before if k not in now]:
+            if before.get(key) != now.get(key):
+                name = f"{dotted}.{key}"
+                raise ConfigError(f"trainer.resume={cfg.trainer.resume}: {run_dir} holds a run of {name}="
+                                  f"{before.get(key)!r}, but this run asks for {name}={now.get(key)!r}; keep "
+                                  f"the model, data and algo settings (and trainer.seed, sft_batch_size, "
+                                  f"prompts_per_step) or choose another trainer.output_dir")
 
 
 def _load(engine: FSDPEngine, checkpoint: Path) -> tuple[int, dict]:
@@ -247,10 +272,10 @@ class Job:
         cfg, out = self.cfg, self.out
         resume = None
         if self.rank == 0:
-            check_same_model(cfg, out)
+            check_same_run(cfg, out)
             resume = find_resume(cfg, out)
             if resume is not None and resume.run_dir != out:
-                check_same_model(cfg, resume.run_dir)
+                check_same_run(cfg, resume.run_dir)
             try:
                 out.mkdir(parents=True, exist_ok=True)
                 OmegaConf.save(OmegaConf.create(cfg.raw), out / "config.yaml")

@@ -303,19 +303,57 @@ def test_continuing_a_run_with_another_model_is_a_config_error(tmp_path):
     # config.yaml was rewritten to claim llama.
     from omegaconf import OmegaConf
 
-    from polyfsdp.trainer.job import check_same_model
+    from polyfsdp.trainer.job import check_same_run
 
     run = tmp_path / "run"
     (run / "init_model").mkdir(parents=True)
     OmegaConf.save(OmegaConf.create(load_config([]).raw), run / "config.yaml")
-    check_same_model(load_config(["trainer.grpo_steps=300"]), run)  # more steps: fine
+    check_same_run(load_config(["trainer.grpo_steps=300"]), run)  # more steps: fine
     with pytest.raises(ConfigError, match=r"model.preset='qwen2-tiny'.*model.preset='llama-tiny'"):
-        check_same_model(load_config(["model=llama"]), run)
+        check_same_run(load_config(["model=llama"]), run)
     with pytest.raises(ConfigError, match=r"model.overrides"):
-        check_same_model(load_config(["model.overrides.num_hidden_layers=3"]), run)
+        check_same_run(load_config(["model.overrides.num_hidden_layers=3"]), run)
     # A directory whose earlier run stopped before building anything holds no model to clash with.
     (run / "init_model").rmdir()
-    check_same_model(load_config(["model=llama"]), run)
+    check_same_run(load_config(["model=llama"]), run)
+
+
+@pytest.mark.parametrize("override,name,before,now", [
+    ("data.max_len=7", "data.max_len", "5", "7"),
+    ("algo.grpo.kl_coef=0.5", "algo.grpo.kl_coef", "0.01", "0.5"),
+    ("algo.sft.lr=0.1", "algo.sft.lr", "0.003", "0.1"),
+    ("trainer.seed=3", "trainer.seed", "0", "3"),
+    ("trainer.prompts_per_step=16", "trainer.prompts_per_step", "32", "16"),
+])
+def test_continuing_a_run_with_other_data_or_algo_settings_is_a_config_error(tmp_path, override, name, before, now):
+    # The checkpoint's data position and optimizer state belong to the old settings: continuing
+    # silently would train a run that config.yaml does not describe.
+    from omegaconf import OmegaConf
+
+    from polyfsdp.trainer.job import check_same_run
+
+    run = tmp_path / "run"
+    (run / "checkpoints").mkdir(parents=True)
+    OmegaConf.save(OmegaConf.create(load_config([]).raw), run / "config.yaml")
+    with pytest.raises(ConfigError, match=rf"holds a run of {name}={before}, but this run asks for {name}={now};"):
+        check_same_run(load_config([override]), run)
+    # What only changes how the run is carried out may differ.
+    check_same_run(load_config(["trainer.grpo_steps=300", "trainer.checkpoint_interval=5", "engine.pad_mode=left_right",
+                                "engine.use_fused_kernels=true", "trainer.progress=lines"]), run)
+
+
+def test_an_sft_run_may_continue_into_grpo(tmp_path):
+    # algo=sft wrote no GRPO settings; algo=grpo continuing it has none to clash with.
+    from omegaconf import OmegaConf
+
+    from polyfsdp.trainer.job import check_same_run
+
+    run = tmp_path / "run"
+    (run / "checkpoints").mkdir(parents=True)
+    OmegaConf.save(OmegaConf.create(load_config(["algo=sft"]).raw), run / "config.yaml")
+    check_same_run(load_config(["algo.grpo.kl_coef=0.5"]), run)
+    with pytest.raises(ConfigError, match=r"algo.sft.lr"):
+        check_same_run(load_config(["algo.sft.lr=0.1"]), run)
 
 
 def test_prompt_without_tokens_is_a_data_error_for_a_tokenizer_without_bos(tmp_path):
