@@ -4,37 +4,16 @@ import random
 import numpy as np
 import pytest
 import torch
-from torch.distributed.fsdp import fully_shard
-from transformers import AutoModelForCausalLM, Qwen2Config
+from checkpoint_cases import VOCAB, build_sharded, full_params, train_steps
+from transformers import AutoModelForCausalLM
 
 from polyfsdp.backends import get_backend, init_distributed
 from polyfsdp.engines import checkpoint as ckpt
-
-VOCAB = 64
 
 
 @pytest.fixture(scope="module")
 def mesh():
     return init_distributed(get_backend("cpu"))
-
-
-def _config(tied=True):
-    return Qwen2Config(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-        tie_word_embeddings=tied,
-    )
-
-
-def _build(mesh, seed, tied=True):
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(_config(tied))
-    for layer in model.model.layers:
-        fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 3))
-    return model, opt, sched
 
 
 def _batch(step):
@@ -43,20 +22,7 @@ def _batch(step):
 
 
 def _train(model, opt, sched, steps):
-    losses = []
-    for step in steps:
-        x = _batch(step)
-        loss = model(input_ids=x, labels=x, use_cache=False).loss
-        loss.backward()
-        opt.step()
-        sched.step()
-        opt.zero_grad(set_to_none=True)
-        losses.append(loss.item())
-    return losses
-
-
-def _params(model):
-    return {n: p.full_tensor().detach().clone() for n, p in model.named_parameters()}
+    return train_steps(model, opt, sched, steps, _batch)
 
 
 def _optim_state(opt):
@@ -78,35 +44,35 @@ def _assert_same(a, b):
 
 
 def test_round_trip_restores_params_optimizer_scheduler_rng_and_continues_identically(mesh, tmp_path):
-    model, opt, sched = _build(mesh, seed=0)
+    model, opt, sched = build_sharded(mesh, seed=0)
     _train(model, opt, sched, range(2))
-    saved_params, saved_optim, saved_lr = _params(model), _optim_state(opt), sched.get_last_lr()
+    saved_params, saved_optim, saved_lr = full_params(model), _optim_state(opt), sched.get_last_lr()
     ckpt.save_checkpoint(tmp_path, 2, model=model, optimizer=opt, lr_scheduler=sched,
                          backend=get_backend("cpu"), extra={"data_position": 7})
     draws_after_save = _rng_draws()
     continued = _train(model, opt, sched, [2])
-    params_after_3 = _params(model)
+    params_after_3 = full_params(model)
 
-    other, other_opt, other_sched = _build(mesh, seed=1)  # different initial weights
+    other, other_opt, other_sched = build_sharded(mesh, seed=1)  # different initial weights
     _rng_draws()  # move the generators so that restoring them matters
     step, extra = ckpt.load_checkpoint(tmp_path, model=other, optimizer=other_opt,
                                        lr_scheduler=other_sched, backend=get_backend("cpu"))
     assert (step, extra) == (2, {"data_position": 7})
-    _assert_same(_params(other), saved_params)
+    _assert_same(full_params(other), saved_params)
     _assert_same(_optim_state(other_opt), saved_optim)
     assert other_sched.get_last_lr() == saved_lr and other_sched.last_epoch == 2
     restored = _rng_draws()
     torch.testing.assert_close(restored[0], draws_after_save[0], atol=0, rtol=0)
     assert restored[1:] == draws_after_save[1:]
     assert _train(other, other_opt, other_sched, [2]) == continued
-    _assert_same(_params(other), params_after_3)
+    _assert_same(full_params(other), params_after_3)
 
 
 def test_crash_during_save_leaves_previous_checkpoint_latest_and_loadable(mesh, tmp_path, monkeypatch):
-    model, opt, sched = _build(mesh, seed=0)
+    model, opt, sched = build_sharded(mesh, seed=0)
     _train(model, opt, sched, range(1))
     ckpt.save_checkpoint(tmp_path, 1, model=model, optimizer=opt, lr_scheduler=sched)
-    params_at_1 = _params(model)
+    params_at_1 = full_params(model)
     _train(model, opt, sched, [1])
 
     real_save = ckpt.dcp.save
@@ -123,10 +89,10 @@ def test_crash_during_save_leaves_previous_checkpoint_latest_and_loadable(mesh, 
     assert (tmp_path / ".tmp-step_000002").is_dir()
     assert (tmp_path / "latest").read_text().strip() == "step_000001"
     assert ckpt.latest_checkpoint(tmp_path) == tmp_path / "step_000001"
-    fresh, fresh_opt, fresh_sched = _build(mesh, seed=3)
+    fresh, fresh_opt, fresh_sched = build_sharded(mesh, seed=3)
     step, _ = ckpt.load_checkpoint(tmp_path, model=fresh, optimizer=fresh_opt, lr_scheduler=fresh_sched)
     assert step == 1
-    _assert_same(_params(fresh), params_at_1)
+    _assert_same(full_params(fresh), params_at_1)
 
     # The next save clears the leftover and completes.
     ckpt.save_checkpoint(tmp_path, 2, model=model, optimizer=opt, lr_scheduler=sched)
@@ -135,7 +101,7 @@ def test_crash_during_save_leaves_previous_checkpoint_latest_and_loadable(mesh, 
 
 
 def test_crash_while_replacing_latest_keeps_old_pointer_intact(mesh, tmp_path, monkeypatch):
-    model, opt, sched = _build(mesh, seed=0)
+    model, opt, sched = build_sharded(mesh, seed=0)
     ckpt.save_checkpoint(tmp_path, 1, model=model, optimizer=opt, lr_scheduler=sched)
 
     def crash(*args, **kwargs):
@@ -150,23 +116,23 @@ def test_crash_while_replacing_latest_keeps_old_pointer_intact(mesh, tmp_path, m
 
 
 def test_saving_before_the_first_step_does_not_perturb_training_and_restores_a_fresh_optimizer(mesh, tmp_path):
-    model, opt, sched = _build(mesh, seed=0)
-    initial = _params(model)
+    model, opt, sched = build_sharded(mesh, seed=0)
+    initial = full_params(model)
     ckpt.save_checkpoint(tmp_path, 0, model=model, optimizer=opt, lr_scheduler=sched)
     assert not opt.state  # no optimizer state was created by the save
     losses = _train(model, opt, sched, range(2))
-    unsaved, unsaved_opt, unsaved_sched = _build(mesh, seed=0)
+    unsaved, unsaved_opt, unsaved_sched = build_sharded(mesh, seed=0)
     assert _train(unsaved, unsaved_opt, unsaved_sched, range(2)) == losses
-    _assert_same(_params(unsaved), _params(model))
+    _assert_same(full_params(unsaved), full_params(model))
 
     step, _ = ckpt.load_checkpoint(tmp_path, model=model, optimizer=opt, lr_scheduler=sched)
     assert step == 0 and not opt.state and sched.last_epoch == 0
-    _assert_same(_params(model), initial)
+    _assert_same(full_params(model), initial)
     assert _train(model, opt, sched, range(2)) == losses
 
 
 def test_keep_k_retains_only_the_newest_k_checkpoints(mesh, tmp_path):
-    model, opt, sched = _build(mesh, seed=0)
+    model, opt, sched = build_sharded(mesh, seed=0)
     for step in (1, 2, 3, 4):
         ckpt.save_checkpoint(tmp_path, step, model=model, optimizer=opt, lr_scheduler=sched, keep=2)
     names = sorted(p.name for p in tmp_path.iterdir())
@@ -181,7 +147,7 @@ def test_keep_k_retains_only_the_newest_k_checkpoints(mesh, tmp_path):
 
 def test_latest_checkpoint_ignores_temporary_dirs_and_falls_back_without_pointer(mesh, tmp_path):
     assert ckpt.latest_checkpoint(tmp_path) is None
-    model, opt, sched = _build(mesh, seed=0)
+    model, opt, sched = build_sharded(mesh, seed=0)
     ckpt.save_checkpoint(tmp_path, 5, model=model, optimizer=opt, lr_scheduler=sched)
     (tmp_path / ".tmp-step_000009").mkdir()
     (tmp_path / "step_000010").mkdir()  # no trainer_state.pt: not complete
@@ -191,7 +157,7 @@ def test_latest_checkpoint_ignores_temporary_dirs_and_falls_back_without_pointer
 
 
 def test_bad_arguments_and_missing_checkpoint_raise_clear_errors(mesh, tmp_path):
-    model, opt, sched = _build(mesh, seed=0)
+    model, opt, sched = build_sharded(mesh, seed=0)
     with pytest.raises(FileNotFoundError, match="no complete checkpoint"):
         ckpt.load_checkpoint(tmp_path, model=model, optimizer=opt, lr_scheduler=sched)
     with pytest.raises(ValueError, match="keep must be a positive int"):
@@ -205,7 +171,7 @@ def test_bad_arguments_and_missing_checkpoint_raise_clear_errors(mesh, tmp_path)
 
 @pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
 def test_export_hf_loads_with_from_pretrained_and_gives_same_logits(mesh, tmp_path, tied):
-    model, opt, sched = _build(mesh, seed=0, tied=tied)
+    model, opt, sched = build_sharded(mesh, seed=0, tied=tied)
     _train(model, opt, sched, range(2))  # move the weights away from their init
     model.config.use_cache = False  # as the engine sets it for training
     ckpt.export_hf(tmp_path / "hf", model=model)
@@ -213,7 +179,7 @@ def test_export_hf_loads_with_from_pretrained_and_gives_same_logits(mesh, tmp_pa
     assert loaded.config.use_cache  # the export is for inference, whatever training set
     assert type(loaded).__name__ == "Qwen2ForCausalLM"
     assert (loaded.lm_head.weight is loaded.model.embed_tokens.weight) == tied
-    _assert_same({n: p.detach() for n, p in loaded.named_parameters()}, _params(model))
+    _assert_same({n: p.detach() for n, p in loaded.named_parameters()}, full_params(model))
     x = _batch(99)
     with torch.no_grad():
         torch.testing.assert_close(loaded(x, use_cache=False).logits, model(x, use_cache=False).logits,

@@ -11,13 +11,13 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.distributed as dist
-from torch.distributed.fsdp import fully_shard
-from transformers import AutoModelForCausalLM, Qwen2Config
 
-from polyfsdp.backends import destroy_distributed, get_backend, init_distributed
-from polyfsdp.engines import checkpoint as ckpt
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "cpu"))
+from checkpoint_cases import VOCAB, build_sharded, full_params, train_steps  # noqa: E402
 
-VOCAB = 64
+from polyfsdp.backends import destroy_distributed, get_backend, init_distributed  # noqa: E402
+from polyfsdp.engines import checkpoint as ckpt  # noqa: E402
+
 out_dir = Path(sys.argv[1])
 backend = get_backend()
 mesh = init_distributed(backend)
@@ -25,34 +25,15 @@ rank = dist.get_rank()
 
 
 def build(seed):
-    torch.manual_seed(seed)
-    cfg = Qwen2Config(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                      tie_word_embeddings=True)
-    model = AutoModelForCausalLM.from_config(cfg)
-    for layer in model.model.layers:
-        fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 3))
-    return model, opt, sched
+    return build_sharded(mesh, seed)
+
+
+def batch(step):
+    return torch.randint(0, VOCAB, (2, 8), generator=torch.Generator().manual_seed(100 * step + rank))
 
 
 def train(model, opt, sched, steps):
-    losses = []
-    for step in steps:
-        x = torch.randint(0, VOCAB, (2, 8), generator=torch.Generator().manual_seed(100 * step + rank))
-        loss = model(input_ids=x, labels=x, use_cache=False).loss
-        loss.backward()
-        opt.step()
-        sched.step()
-        opt.zero_grad(set_to_none=True)
-        losses.append(loss.item())
-    return losses
-
-
-def params(model):
-    return {n: p.full_tensor().detach().clone() for n, p in model.named_parameters()}
+    return train_steps(model, opt, sched, steps, batch)
 
 
 def local_optim(opt):
@@ -73,14 +54,14 @@ torch.manual_seed(10 + rank)  # per-rank streams, so a mix-up of ranks' RNG file
 random.seed(10 + rank)
 np.random.seed(10 + rank)
 train(model, opt, sched, range(2))
-saved_params, saved_optim = params(model), local_optim(opt)
+saved_params, saved_optim = full_params(model), local_optim(opt)
 ckpt.save_checkpoint(out_dir / "ckpt", 2, model=model, optimizer=opt, lr_scheduler=sched, backend=backend,
                      extra={"samples_seen": 32})
 after_save = draws()
 if rank == 0:
     torch.save(saved_params, out_dir / "saved_params.pt")
 continued = train(model, opt, sched, [2])
-final = params(model)
+final = full_params(model)
 
 x = torch.randint(0, VOCAB, (2, 8), generator=torch.Generator().manual_seed(7))
 with torch.no_grad():
@@ -94,11 +75,11 @@ step, extra = ckpt.load_checkpoint(out_dir / "ckpt", model=other, optimizer=othe
                                    lr_scheduler=other_sched, backend=backend)
 checks = {
     "step_extra": (step, extra) == (2, {"samples_seen": 32}),
-    "params": same(params(other), saved_params),
+    "params": same(full_params(other), saved_params),
     "optim_shard": same(local_optim(other_opt), saved_optim),
     "rng": draws() == after_save,
     "continue": train(other, other_opt, other_sched, [2]) == continued,
-    "final": same(params(other), final),
+    "final": same(full_params(other), final),
 }
 # A file per rank: the two ranks' stdout lines can interleave.
 (out_dir / f"result_rank{rank}.txt").write_text(" ".join(f"{k}={v}" for k, v in checks.items()))
