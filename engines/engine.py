@@ -103,21 +103,18 @@ class FSDPEngine(CheckpointMixin):
             raise RuntimeError("FSDPEngine: call initialize() first")
         return self._model
 
-    @contextmanager
     def train_mode(self):
         """Run the block with the model in training mode (restored afterwards)."""
-        previous = self.module.training
-        self.module.train()
-        try:
-            yield self
-        finally:
-            self.module.train(previous)
+        return self._mode(training=True)
 
-    @contextmanager
     def eval_mode(self):
         """Run the block with the model in eval mode (restored afterwards)."""
+        return self._mode(training=False)
+
+    @contextmanager
+    def _mode(self, training: bool):
         previous = self.module.training
-        self.module.eval()
+        self.module.train(training)
         try:
             yield self
         finally:

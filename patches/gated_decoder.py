@@ -82,6 +82,23 @@ def _shape_problem(spec: FamilySpec, suffix: str, model: nn.Module, attrs: tuple
     return found, None
 
 
+def _require(found: tuple[list[nn.Module] | None, str | None]) -> list[nn.Module]:
+    """The modules a patch edits, from a ``(modules, reason)`` lookup; its reason raised as an
+    error (which rolls the patch back) when there are none to edit."""
+    modules, reason = found
+    if reason:
+        raise RuntimeError(reason)
+    return modules
+
+
+def _bind_fused_forward(edits: EditLog, modules: list[nn.Module], op_attr: str, op: Callable,
+                        forward: Callable) -> None:
+    """Give each module the fused op (as ``op_attr``) and the forward that calls it."""
+    for module in modules:
+        edits.set_attr(module, op_attr, op)
+        edits.replace_forward(module, forward)
+
+
 def _param(module: nn.Module) -> torch.Tensor:
     return next(module.parameters())
 
@@ -115,12 +132,8 @@ def _rms_norm_patch(spec: FamilySpec) -> Patch:
         return _shape_problem(spec, "RMSNorm", model, attrs, needs)[1]
 
     def apply(model, ops, edits: EditLog):
-        norms, reason = _shape_problem(spec, "RMSNorm", model, attrs, needs)
-        if reason:
-            raise RuntimeError(reason)
-        for norm in norms:
-            edits.set_attr(norm, "_polyfsdp_rms_norm_op", ops["rms_norm"])
-            edits.replace_forward(norm, _rms_norm_forward)
+        norms = _require(_shape_problem(spec, "RMSNorm", model, attrs, needs))
+        _bind_fused_forward(edits, norms, "_polyfsdp_rms_norm_op", ops["rms_norm"], _rms_norm_forward)
 
     def probe(model):
         norms, _ = _shape_problem(spec, "RMSNorm", model, attrs, needs)
@@ -150,12 +163,8 @@ def _swiglu_patch(spec: FamilySpec) -> Patch:
         return _shape_problem(spec, "MLP", model, attrs, needs)[1]
 
     def apply(model, ops, edits: EditLog):
-        mlps, reason = _shape_problem(spec, "MLP", model, attrs, needs)
-        if reason:
-            raise RuntimeError(reason)
-        for mlp in mlps:
-            edits.set_attr(mlp, "_polyfsdp_swiglu_op", ops["swiglu"])
-            edits.replace_forward(mlp, _swiglu_mlp_forward)
+        mlps = _require(_shape_problem(spec, "MLP", model, attrs, needs))
+        _bind_fused_forward(edits, mlps, "_polyfsdp_swiglu_op", ops["swiglu"], _swiglu_mlp_forward)
 
     def probe(model):
         mlp = _shape_problem(spec, "MLP", model, attrs, needs)[0][0]
@@ -272,14 +281,10 @@ def _rope_patch(spec: FamilySpec) -> Patch:
         return _attention_shape(spec, model, rotary=True)[1]
 
     def apply(model, ops, edits: EditLog):
-        attns, reason = _attention_shape(spec, model, rotary=True)
-        if reason:
-            raise RuntimeError(reason)
+        attns = _require(_attention_shape(spec, model, rotary=True))
         fallback = getattr(importlib.import_module(spec.module), "eager_attention_forward")
-        forward = _make_rotary_forward(spec, fallback)
-        for attn in attns:
-            edits.set_attr(attn, "_polyfsdp_rotary_op", ops["rotary_mul"])
-            edits.replace_forward(attn, forward)
+        _bind_fused_forward(edits, attns, "_polyfsdp_rotary_op", ops["rotary_mul"],
+                            _make_rotary_forward(spec, fallback))
 
     return Patch(f"{spec.family}.rope", spec.model_types, ("rotary_mul",), apply, check, _attention_probe(spec),
                  "rotary embedding -> fused rotary_mul")
@@ -294,9 +299,7 @@ def _attention_patch(spec: FamilySpec) -> Patch:
         return _attention_shape(spec, model, rotary=False)[1]
 
     def apply(model, ops, edits: EditLog):
-        attns, reason = _attention_shape(spec, model, rotary=False)
-        if reason:
-            raise RuntimeError(reason)
+        attns = _require(_attention_shape(spec, model, rotary=False))
         register_with_transformers()
         # A private config: models built from one shared config object must not switch together.
         shared = model.config
