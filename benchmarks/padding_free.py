@@ -59,7 +59,7 @@ def measure(preset: str, batch_size: int, max_len: int, reps: int, warmup: int, 
     def train_step():
         flat = batch_to_flat(batch, "no_padding", keys=())
         with engine.train_mode():
-            lp, ent = engine.forward_flat(flat, 1.0, return_entropy=True)
+            lp, ent = engine.forward_flat(flat, return_entropy=True)
             (lp.sum() + ent.sum()).backward()
         engine.optimizer.zero_grad(set_to_none=True)
 

@@ -16,6 +16,8 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
+from polyfsdp.patches.fused_attention import HOST_CU_SEQ_LENS
+
 logger = logging.getLogger(__name__)
 
 VARLEN_SDPA = "polyfsdp_varlen_sdpa"
@@ -39,6 +41,9 @@ def _packed_boundaries(query: torch.Tensor, attention_mask, kwargs: dict) -> lis
     """Sequence boundaries of a packed row, or None when the call is not packed."""
     if query.shape[0] != 1 or attention_mask is not None:
         return None
+    host = kwargs.get(HOST_CU_SEQ_LENS)
+    if host is not None:
+        return list(host)
     cu = kwargs.get("cu_seq_lens_q")
     if cu is not None:
         return _host_boundaries(cu)

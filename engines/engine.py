@@ -1,4 +1,13 @@
-"""FSDPEngine: builds and shards the model, computes log-probs/entropy, takes training steps."""
+"""FSDPEngine: builds and shards the model, computes log-probs/entropy, takes training steps.
+
+Training is split the way verl's engines are: :meth:`FSDPEngine.forward_backward` runs a
+batch's micro-batches and accumulates gradients (call it several times to accumulate over
+batches), :meth:`FSDPEngine.optimizer_step` clips, skips a non-finite step, steps and zeroes
+the gradients, and :meth:`FSDPEngine.lr_scheduler_step` advances the schedule;
+:meth:`FSDPEngine.train_batch` is the three in one call. Batch values are validated once per
+batch at the edge, and metrics stay on the device until ``optimizer_step`` reads them all at
+once (docs/architecture.md).
+"""
 from __future__ import annotations
 
 import logging
@@ -10,52 +19,48 @@ from contextlib import contextmanager
 import torch
 import torch.distributed as dist
 from tensordict import TensorDict
-from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from polyfsdp.backends.base import Backend
 from polyfsdp.backends.distributed import init_distributed
 from polyfsdp.backends.registry import get_backend
 
-from . import jagged
-from .adapters import input_adapter
+from .batch_checks import BatchChecks
 from .checkpoint import CheckpointMixin
-from .config import EngineConfig, ModelConfig
+from .config import EngineConfig, ModelConfig, OptimConfig
 from .flat_batch import FlatBatch, batch_to_flat, flat_to_caller
-from .head import FUSED_HEAD_METHOD, IGNORE_INDEX, HeadOptions, fused_head_support, install_fused_head
+from .forward_logprobs import FUSED_HEAD_METHOD, forward_logprobs, fused_head_support, install_fused_head
 from .loss_inputs import LossInputs
-from .micro_batch import count_micro_batches, merge, split
+from .micro_batch import count_micro_batches, is_placeholder, merge, split
 from .model_builder import build_model
 from .optim import build_lr_scheduler, build_optimizer
 from .parallelize import parallelize_model
-from .token_logprob import logprob_entropy_from_logits
 
 logger = logging.getLogger(__name__)
 
-_TEMPERATURE = "_polyfsdp_temperature"
 
-
-def _enable_activation_checkpointing(model) -> None:
-    """Non-reentrant activation checkpointing per decoder layer (the API was renamed in transformers 5)."""
-    if hasattr(model, "activation_checkpointing_enable"):
-        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
-    else:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+def _world_size() -> int:
+    return dist.get_world_size() if dist.is_initialized() else 1
 
 
 class FSDPEngine(CheckpointMixin):
     """One policy (or reference) model under FSDP2. Modes are read from ``engine_config``
-    at every call, so one engine can serve every mode combination. Checkpoint methods
+    at every call, so one engine can serve every mode combination; ``optim_config``
+    (default ``OptimConfig()``) sets AdamW and its schedule. Checkpoint methods
     (``save_checkpoint``, ``load_checkpoint``, ``export_hf``) come from CheckpointMixin."""
 
-    def __init__(self, model_config: ModelConfig, engine_config: EngineConfig, backend: Backend | None = None,
-                 patch_toggles=None):
+    def __init__(self, model_config: ModelConfig, engine_config: EngineConfig, optim_config: OptimConfig | None = None,
+                 backend: Backend | None = None, patch_toggles=None):
         if not isinstance(model_config, ModelConfig):
             raise TypeError(f"model_config: expected ModelConfig, got {type(model_config).__name__}")
         if not isinstance(engine_config, EngineConfig):
             raise TypeError(f"engine_config: expected EngineConfig, got {type(engine_config).__name__}")
+        optim_config = OptimConfig() if optim_config is None else optim_config
+        if not isinstance(optim_config, OptimConfig):
+            raise TypeError(f"optim_config: expected OptimConfig or None, got {type(optim_config).__name__}")
         self.model_config = model_config
         self.engine_config = engine_config
+        self.optim_config = optim_config
         self.backend = backend
         self.patch_toggles = patch_toggles
         self.patch_report = None
@@ -69,6 +74,8 @@ class FSDPEngine(CheckpointMixin):
         self._softcap: float | None = None
         self._warned_fallback = False
         self._warned_bf16_master = False
+        # Loss and loss metrics since the last optimizer step: device tensors, read in optimizer_step.
+        self._pending: dict[str, torch.Tensor] = {}
 
     # ------------------------------------------------------------------ set-up
     def initialize(self) -> "FSDPEngine":
@@ -79,21 +86,12 @@ class FSDPEngine(CheckpointMixin):
         self.mesh = init_distributed(self.backend)
         self.device = self.backend.device(int(os.environ.get("LOCAL_RANK", "0")))
         model, self.patch_report = build_model(self.model_config, self.backend, self.patch_toggles)
-        if self.engine_config.gradient_checkpointing:
-            _enable_activation_checkpointing(model)
         self._softcap, self._fused_unsupported = fused_head_support(model)
         install_fused_head(model)
         model.to(self.device)
-        parallelize_model(model, self.mesh, self.engine_config, forward_methods=(FUSED_HEAD_METHOD,))
-        # Losses are normalised by GLOBAL counts, so rank gradients must be summed, not averaged.
-        # Forcing plain SUM collectives avoids PREMUL_SUM, which gloo lacks.
-        for module in model.modules():
-            if isinstance(module, FSDPModule):
-                module.set_gradient_divide_factor(1.0)
-                module.set_force_sum_reduction_for_comms(True)
-        self._model = model
-        self.optimizer = build_optimizer(model, self.engine_config)
-        self.lr_scheduler = build_lr_scheduler(self.optimizer, self.engine_config)
+        self._model = parallelize_model(model, self.mesh, self.engine_config, forward_methods=(FUSED_HEAD_METHOD,))
+        self.optimizer = build_optimizer(model, self.optim_config)
+        self.lr_scheduler = build_lr_scheduler(self.optimizer, self.optim_config)
         return self
 
     @property
@@ -132,64 +130,46 @@ class FSDPEngine(CheckpointMixin):
             self._warned_fallback = True
         return False
 
-    def forward_flat(self, flat: FlatBatch, temperature, return_entropy: bool = True):
-        """Per-token ``(log_probs, entropy)`` of a flat batch (flat ``(total,)``, float32),
-        with autograd when enabled. ``temperature``: float or per-token ``(total,)``."""
-        if flat.total == 0:
-            empty = flat.input_ids.new_zeros(0, dtype=torch.float32)
-            return empty, (empty if return_entropy else None)
-        adapter = input_adapter(self.engine_config.use_remove_padding)
-        labels = jagged.next_token_labels_flat(flat.input_ids, flat.offsets, fill=IGNORE_INDEX)
-        inputs = adapter.model_inputs(flat)
-        if self._use_fused():
-            options = HeadOptions(pack=lambda h: adapter.to_flat(h, flat), temperature=temperature,
-                                  return_entropy=return_entropy, softcap=self._softcap)
-            return getattr(self.module, FUSED_HEAD_METHOD)(inputs, labels, options)
-        logits = self.module(**inputs, use_cache=False).logits
-        return logprob_entropy_from_logits(adapter.to_flat(logits, flat), labels, temperature,
-                                           return_entropy=return_entropy, ignore_index=IGNORE_INDEX)
+    def forward_flat(self, flat: FlatBatch, return_entropy: bool = True):
+        """Per-token ``(log_probs, entropy)`` of a flat batch on the engine's device (flat
+        ``(total,)``, float32), with autograd when enabled (engines/forward_logprobs.py)."""
+        return forward_logprobs(self.module, flat, use_remove_padding=self.engine_config.use_remove_padding,
+                                fused=self._use_fused(), softcap=self._softcap, return_entropy=return_entropy)
 
-    def _prepare(self, batch: TensorDict, temperature, keys) -> tuple[FlatBatch, TensorDict]:
+    def _to_flat(self, batch: TensorDict, temperature, keys, checks: BatchChecks) -> FlatBatch:
+        """The edge: caller's layout -> FlatBatch on the device, with value checks queued."""
         if not isinstance(batch, TensorDict):
             raise TypeError(f"batch: expected a tensordict.TensorDict, got {type(batch).__name__}")
-        if self.device.type != "cpu":
-            batch = batch.to(self.device)
         flat = batch_to_flat(batch, self.engine_config.pad_mode, keys=keys)
-        self._check_token_ids(flat.input_ids)
         if torch.is_tensor(temperature):
             if temperature.shape != (flat.num_seqs,):
                 raise ValueError(f"temperature: expected a float or a ({flat.num_seqs},) tensor, "
                                  f"got shape {tuple(temperature.shape)}")
-            temperature = temperature.to(device=flat.offsets.device, dtype=torch.float32)
-            if not bool(((temperature > 0) & torch.isfinite(temperature)).all()):
-                raise ValueError(f"temperature: every value must be > 0 and finite, got {temperature.tolist()}")
-            flat.fields[_TEMPERATURE] = torch.repeat_interleave(temperature, flat.lengths, output_size=flat.total)
+            flat.temperature = temperature.to(dtype=torch.float32)
         elif isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not temperature > 0 \
                 or not math.isfinite(temperature):
             raise ValueError(f"temperature: expected a float > 0 (finite) or a (B,) tensor, got {temperature!r}")
-        return flat, batch
-
-    def _check_token_ids(self, ids: torch.Tensor) -> None:
-        """Integer ids inside the vocabulary (else torch fails deep in the embedding, or with a
-        device-side assert on an accelerator). One host read of (min, max) per batch."""
-        if ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool:
-            raise TypeError(f"input_ids must be an integer tensor; got {ids.dtype}")
-        if ids.numel() == 0:
-            return
-        vocab = self.module.get_input_embeddings().num_embeddings
-        lo, hi = (int(x) for x in torch.aminmax(ids))
-        if lo < 0 or hi >= vocab:
-            raise ValueError(f"input_ids must lie in [0, {vocab}); got values in [{lo}, {hi}]")
+        else:
+            flat.temperature = float(temperature)
+        flat = flat.to(self.device) if self.device.type != "cpu" else flat
+        if self.engine_config.check_inputs:
+            checks.token_ids(flat.input_ids, self.module.get_input_embeddings().num_embeddings)
+            if torch.is_tensor(flat.temperature):
+                checks.temperatures(flat.temperature)
+        elif flat.input_ids.is_floating_point():
+            raise TypeError(f"input_ids must be an integer tensor; got {flat.input_ids.dtype}")
+        return flat
 
     def infer_batch(self, batch: TensorDict, temperature=1.0, calculate_entropy: bool = True) -> TensorDict:
         """``log_probs`` (and ``entropy``) per token, in the caller's layout: jagged with the
         input's offsets for ``no_padding``; dense ``(B, L)`` zero-padded for ``left_right``."""
-        flat, batch = self._prepare(batch, temperature, keys=())
+        checks = BatchChecks()
+        flat = self._to_flat(batch, temperature, (), checks)
+        checks.read()
         lp_parts, ent_parts = [], []
         with torch.no_grad(), self.eval_mode():
             for micro, index in self._micro_batches(flat):
-                temp = micro.fields.get(_TEMPERATURE, temperature)
-                log_probs, entropy = self.forward_flat(micro, temp, calculate_entropy)
+                log_probs, entropy = self.forward_flat(micro, calculate_entropy)
                 lp_parts.append((log_probs, index))
                 ent_parts.append((entropy, index))
         pad_mode = self.engine_config.pad_mode
@@ -202,26 +182,14 @@ class FSDPEngine(CheckpointMixin):
         """Split by the token budget; every rank runs as many micro-batches as the busiest
         one (FSDP's collectives must pair up), padding with placeholders."""
         budget = self.engine_config.max_tokens_per_micro_batch
-        if not dist.is_initialized() or dist.get_world_size() == 1:
+        if _world_size() == 1:
             return split(flat, budget)
         count = torch.tensor([count_micro_batches(flat, budget)], device=self.device)
         dist.all_reduce(count, op=dist.ReduceOp.MAX)
         return split(flat, budget, num_groups=int(count))
 
     # ------------------------------------------------------------------ training
-    def _all_reduce_sum(self, values: list[float]) -> list[float]:
-        if not values or not dist.is_initialized() or dist.get_world_size() == 1:
-            return values
-        tensor = torch.tensor(values, dtype=torch.float64, device=self.device)
-        dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
-        return tensor.tolist()
-
-    def train_batch(self, batch: TensorDict, loss_fn, temperature=1.0) -> dict[str, float]:
-        """One optimizer step on ``batch`` with ``loss_fn`` (contract: engines/loss_inputs.py).
-
-        Returns loss, grad_norm, lr, step_skipped and loss_fn's metrics, each summed over
-        micro-batches and ranks (losses and metrics are shares of global counts).
-        """
+    def _check_trainable(self) -> None:
         if self.model_config.dtype == "float16":
             # AdamW's eps (1e-8) rounds to 0 in float16: a zero gradient gives 0/0 = NaN weights.
             raise ValueError("train_batch: ModelConfig.dtype='float16' keeps the master weights in float16, "
@@ -233,87 +201,141 @@ class FSDPEngine(CheckpointMixin):
                            "where small updates round to nothing; for training prefer ModelConfig.dtype="
                            "'float32' with EngineConfig.param_dtype='bfloat16'")
             self._warned_bf16_master = True
+
+    def _global_counts(self, flat: FlatBatch, mask_field: str, checks: BatchChecks) -> tuple[float, int]:
+        """The step's (tokens, sequences) over all ranks, read with the value checks in one go.
+        Tokens are the loss's mask sum (or every position with a next token, without the mask)."""
+        mask = flat.fields.get(mask_field)
+        if mask is not None:
+            tokens = mask.sum(dtype=torch.float64)
+        else:
+            tokens = torch.tensor(float(flat.total - sum(1 for n in flat.seq_lens if n > 0)), dtype=torch.float64)
+        counts = torch.stack([tokens.to(self.device), torch.tensor(float(flat.num_seqs), dtype=torch.float64,
+                                                                    device=self.device),
+                              torch.tensor(float(flat.total), dtype=torch.float64, device=self.device)])
+        if _world_size() > 1:
+            dist.all_reduce(counts, op=dist.ReduceOp.SUM)
+        global_tokens, global_seqs, global_total = checks.read(counts)
+        if global_total == 0:
+            raise ValueError("train_batch: the batch holds no tokens (every sequence is empty)")
+        return global_tokens, int(global_seqs)
+
+    def forward_backward(self, batch: TensorDict, loss_fn, temperature=1.0) -> dict[str, torch.Tensor]:
+        """Forward and backward over ``batch``'s micro-batches; gradients accumulate until
+        :meth:`optimizer_step`. ``loss_fn`` follows engines/loss_inputs.py.
+
+        Returns this rank's ``loss`` and loss metrics for the batch as 0-d device tensors
+        (shares of global counts, summed over micro-batches; not reduced over ranks). They
+        are also accumulated for :meth:`optimizer_step`, which reads and reduces them.
+        """
+        self._check_trainable()
         required = tuple(getattr(loss_fn, "required_fields", ()))
         missing = [k for k in required if k not in batch.keys()]
         if missing:
             raise ValueError(f"loss function {type(loss_fn).__name__} needs batch keys {list(required)}; "
                              f"missing {missing} (batch has {sorted(batch.keys())})")
         need_entropy = bool(getattr(loss_fn, "requires_entropy", True))
-        flat, batch = self._prepare(batch, temperature, keys=None)
-        # The step's token count must come from the mask the loss normalises over.
-        mask = flat.fields.get(getattr(loss_fn, "mask_field", "response_mask"))
-        local_tokens = float(mask.sum()) if mask is not None else float(flat.total - int((flat.lengths > 0).sum()))
-        global_tokens, global_seqs, global_total = self._all_reduce_sum(
-            [local_tokens, float(flat.num_seqs), float(flat.total)])
-        if global_total == 0:
-            raise ValueError("train_batch: the batch holds no tokens (every sequence is empty)")
+        mask_field = getattr(loss_fn, "mask_field", "response_mask")
+        checks = BatchChecks()
+        flat = self._to_flat(batch, temperature, None, checks)
+        if self.engine_config.check_inputs:
+            for name in required:
+                value = flat.fields.get(name)
+                if value is not None and name == mask_field:
+                    checks.zero_one(name, value, flat.offsets)
+                elif value is not None:
+                    checks.finite(name, value, flat.offsets)
+        global_tokens, global_seqs = self._global_counts(flat, mask_field, checks)
 
         model = self.module
         micro_batches = self._micro_batches(flat)
-        loss_sum, metric_sums = 0.0, {}
+        sums: dict[str, torch.Tensor] = {}
         with self.train_mode():
             for i, (micro, index) in enumerate(micro_batches):
                 model.set_requires_gradient_sync(i == len(micro_batches) - 1)
-                fields = dict(micro.fields)
-                temp = fields.pop(_TEMPERATURE, temperature)
-                log_probs, entropy = self.forward_flat(micro, temp, need_entropy)
-                if index is not None and index.numel() == 0:
+                log_probs, entropy = self.forward_flat(micro, need_entropy)
+                if is_placeholder(index):
                     # A placeholder: join the collectives, contribute nothing.
                     if log_probs.requires_grad:
                         (log_probs.sum() * 0.0).backward()
                     continue
                 if micro.total == 0:
                     continue
-                inputs = LossInputs(log_probs=log_probs, entropy=entropy, fields=fields, offsets=micro.offsets,
-                                    global_num_tokens=global_tokens, global_num_seqs=int(global_seqs),
+                inputs = LossInputs(log_probs=log_probs, entropy=entropy, fields=dict(micro.fields),
+                                    offsets=micro.offsets, global_num_tokens=global_tokens,
+                                    global_num_seqs=global_seqs,
                                     extras={"seq_fields": micro.seq_fields, "micro_batch": i,
                                             "num_micro_batches": len(micro_batches)})
                 loss, metrics = loss_fn(inputs)
                 loss.backward()
-                loss_sum += float(loss.detach())
-                for key, value in metrics.items():
-                    metric_sums[key] = metric_sums.get(key, 0.0) + float(value)
+                for key, value in {"loss": loss, **metrics}.items():
+                    value = torch.as_tensor(value).detach().to(device=self.device, dtype=torch.float64)
+                    sums[key] = sums[key] + value if key in sums else value
         model.set_requires_gradient_sync(True)
+        for key, value in sums.items():
+            self._pending[key] = self._pending[key] + value if key in self._pending else value
+        return sums
 
-        grad_norm = self._clip_gradients()
+    def optimizer_step(self) -> dict[str, float]:
+        """Clip the gradients, step AdamW unless their norm is not finite, zero them.
+
+        Returns ``grad_norm``, ``lr`` (the rate this step used), ``step_skipped`` and the loss
+        and metrics accumulated by ``forward_backward`` since the last step, summed over
+        ranks; all of it comes to the host in one read. Advances ``global_step``.
+        """
+        params = [p for p in self.module.parameters() if p.grad is not None]
+        keys = self._union_keys(self._pending)
+        sums = torch.stack([self._pending.get(k, torch.zeros((), dtype=torch.float64, device=self.device))
+                            for k in keys]) if keys else torch.zeros(0, dtype=torch.float64, device=self.device)
+        if _world_size() > 1 and keys:
+            dist.all_reduce(sums, op=dist.ReduceOp.SUM)
+        norm = self._grad_norm(params)
+        grad_norm, *values = torch.cat([norm.reshape(1).to(sums), sums]).tolist()
+        self._pending = {}
         skipped = not math.isfinite(grad_norm)
         lr = self.optimizer.param_groups[0]["lr"]
         if skipped:
             logger.warning("step %d skipped: gradient norm is %s", self.global_step, grad_norm)
         else:
+            if self.optim_config.grad_clip is not None and params:
+                torch.nn.utils.clip_grads_with_norm_(params, self.optim_config.grad_clip, norm)
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
+        self.global_step += 1
+        result = {"loss": 0.0, **dict(zip(keys, values))}
+        result.update(grad_norm=grad_norm, lr=lr, step_skipped=int(skipped))
+        return result
+
+    def lr_scheduler_step(self) -> float:
+        """Advance the learning-rate schedule by one step; returns the new rate."""
         with warnings.catch_warnings():
             # A skipped step still advances the schedule (the batch is consumed); torch warns
             # about a scheduler step without an optimizer step.
             warnings.simplefilter("ignore", UserWarning)
             self.lr_scheduler.step()
-        self.global_step += 1
+        return self.optimizer.param_groups[0]["lr"]
 
-        keys = self._union_keys(metric_sums)
-        reduced = self._all_reduce_sum([loss_sum] + [metric_sums.get(k, 0.0) for k in keys])
-        result = {"loss": reduced[0], "grad_norm": grad_norm, "lr": lr, "step_skipped": int(skipped)}
-        result.update(zip(keys, reduced[1:]))
-        return result
+    def train_batch(self, batch: TensorDict, loss_fn, temperature=1.0) -> dict[str, float]:
+        """One optimizer step on ``batch``: :meth:`forward_backward`, :meth:`optimizer_step`,
+        :meth:`lr_scheduler_step`. Returns loss, grad_norm, lr, step_skipped and loss_fn's
+        metrics, each summed over micro-batches and ranks (shares of global counts)."""
+        self.forward_backward(batch, loss_fn, temperature)
+        metrics = self.optimizer_step()
+        self.lr_scheduler_step()
+        return metrics
 
     def _union_keys(self, metrics: dict) -> list[str]:
         """Metric names over all ranks (a rank with only placeholder micro-batches has none)."""
         keys = set(metrics)
-        if dist.is_initialized() and dist.get_world_size() > 1:
+        if _world_size() > 1:
             gathered = [None] * dist.get_world_size()
             dist.all_gather_object(gathered, sorted(keys))
             keys = set().union(*gathered)
         return sorted(keys)
 
-    def _clip_gradients(self) -> float:
-        """Global gradient norm over all ranks; clip to ``grad_clip`` when it is finite."""
-        params = [p for p in self.module.parameters() if p.grad is not None]
+    def _grad_norm(self, params: list[torch.Tensor]) -> torch.Tensor:
+        """Global gradient L2 norm over all ranks, as a device tensor (0 without gradients)."""
         if not params:
-            return 0.0
+            return torch.zeros((), device=self.device)
         norm = torch.nn.utils.get_total_norm([p.grad for p in params], norm_type=2.0)
-        if isinstance(norm, DTensor):
-            norm = norm.full_tensor()
-        value = float(norm)
-        if self.engine_config.grad_clip is not None and math.isfinite(value):
-            torch.nn.utils.clip_grads_with_norm_(params, self.engine_config.grad_clip, norm)
-        return value
+        return norm.full_tensor() if isinstance(norm, DTensor) else norm

@@ -1,7 +1,9 @@
 """The engine's canonical batch: every sequence's tokens packed into one flat row + offsets.
 
 Converted once at the edge from the caller's layout (``no_padding`` jagged or
-``left_right`` dense) and back again for outputs.
+``left_right`` dense) and back again for outputs. The sequence lengths are read to the
+host once, here, so nothing downstream (micro-batch planning, attention, outputs) needs
+another device-to-host read.
 """
 from __future__ import annotations
 
@@ -17,21 +19,21 @@ STRUCTURAL_KEYS = ("input_ids", "attention_mask", "position_ids")
 
 @dataclass
 class FlatBatch:
-    """``input_ids (total,)``, ``offsets (B+1,)``, host-side ``max_len`` (and a host lower
-    bound ``min_len``); per-token ``fields`` flat like ``input_ids``; per-sequence
-    ``seq_fields`` of shape ``(B, ...)``."""
+    """``input_ids (total,)`` and ``offsets (B+1,)`` with the host copy ``seq_lens`` of the
+    lengths; per-token ``fields`` flat like ``input_ids``; per-sequence ``seq_fields``
+    ``(B, ...)``; ``temperature``: one float, or one value per sequence ``(B,)``."""
 
     input_ids: torch.Tensor
     offsets: torch.Tensor
-    max_len: int
+    seq_lens: list[int]
     fields: dict[str, torch.Tensor] = field(default_factory=dict)
     seq_fields: dict[str, torch.Tensor] = field(default_factory=dict)
-    min_len: int = 0
+    temperature: float | torch.Tensor = 1.0
 
     @property
     def num_seqs(self) -> int:
         """Number of sequences B."""
-        return self.offsets.numel() - 1
+        return len(self.seq_lens)
 
     @property
     def total(self) -> int:
@@ -39,23 +41,33 @@ class FlatBatch:
         return self.input_ids.shape[0]
 
     @property
+    def max_len(self) -> int:
+        """The longest sequence's length (host)."""
+        return max(self.seq_lens, default=0)
+
+    @property
+    def min_len(self) -> int:
+        """The shortest sequence's length (host)."""
+        return min(self.seq_lens, default=0)
+
+    @property
     def lengths(self) -> torch.Tensor:
-        """Per-sequence lengths ``(B,)``."""
+        """Per-sequence lengths ``(B,)`` on the batch's device."""
         return self.offsets[1:] - self.offsets[:-1]
 
+    def token_temperature(self) -> float | torch.Tensor:
+        """The temperature as the forward wants it: a float, or one value per token ``(total,)``."""
+        if not torch.is_tensor(self.temperature):
+            return self.temperature
+        return torch.repeat_interleave(self.temperature, self.lengths, output_size=self.total)
 
-def _max_len(nt: torch.Tensor, lengths: torch.Tensor) -> int:
-    cached = getattr(nt, "_maybe_max_seqlen", None)
-    if cached is not None:
-        return int(cached)
-    return int(lengths.max()) if lengths.numel() else 0
-
-
-def _min_len(nt: torch.Tensor, lengths: torch.Tensor) -> int:
-    cached = getattr(nt, "_maybe_min_seqlen", None)
-    if cached is not None:
-        return int(cached)
-    return int(lengths.min()) if lengths.numel() else 0
+    def to(self, device: torch.device) -> "FlatBatch":
+        """The same batch with every tensor on ``device`` (host lengths stay on the host)."""
+        def move(t):
+            return t.to(device, non_blocking=True) if torch.is_tensor(t) else t
+        return FlatBatch(move(self.input_ids), move(self.offsets), self.seq_lens,
+                         {k: move(v) for k, v in self.fields.items()},
+                         {k: move(v) for k, v in self.seq_fields.items()}, move(self.temperature))
 
 
 def _check_jagged(name: str, value) -> None:
@@ -66,9 +78,8 @@ def _check_jagged(name: str, value) -> None:
                         f"(layout=torch.jagged), got {given}")
 
 
-def batch_to_flat(batch: TensorDict, pad_mode: str, keys=None) -> FlatBatch:
-    """Convert a caller's batch into a :class:`FlatBatch`; ``keys`` limits which extra fields
-    come along (default: every tensor field besides the structural ones)."""
+def _caller_ids(batch: TensorDict, pad_mode: str) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``input_ids`` as a contiguous jagged tensor, and the left_right attention mask (or None)."""
     if "input_ids" not in batch.keys():
         raise ValueError(f"batch has no 'input_ids' (keys: {sorted(batch.keys())})")
     if pad_mode == "no_padding":
@@ -85,11 +96,16 @@ def batch_to_flat(batch: TensorDict, pad_mode: str, keys=None) -> FlatBatch:
         nt = jagged.left_right_to_jagged(dense, attention_mask)
     else:
         raise ValueError(f"pad_mode: got {pad_mode!r}; allowed values: 'no_padding', 'left_right'")
-    if nt.lengths() is not None:
-        nt = nt.contiguous()
-    values, offsets = nt.values(), jagged.offsets(nt)
-    lens = offsets[1:] - offsets[:-1]
-    flat = FlatBatch(values, offsets, _max_len(nt, lens), min_len=_min_len(nt, lens))
+    return (nt.contiguous() if nt.lengths() is not None else nt), attention_mask
+
+
+def batch_to_flat(batch: TensorDict, pad_mode: str, keys=None) -> FlatBatch:
+    """Convert a caller's batch into a :class:`FlatBatch`; ``keys`` limits which extra fields
+    come along (default: every tensor field besides the structural ones)."""
+    nt, attention_mask = _caller_ids(batch, pad_mode)
+    offsets = jagged.offsets(nt)
+    # The one read of the lengths to the host (a no-op copy for host batches).
+    flat = FlatBatch(nt.values(), offsets, offsets.diff().tolist())
     names = [k for k in batch.keys() if k not in STRUCTURAL_KEYS] if keys is None else list(keys)
     bsz = flat.num_seqs
     for name in names:
@@ -123,4 +139,4 @@ def flat_to_caller(values: torch.Tensor, flat: FlatBatch, batch: TensorDict, pad
     if pad_mode == "no_padding":
         # Host-known bounds: make_jagged would otherwise read accelerator offsets back (a sync).
         return jagged.make_jagged(values, flat.offsets, min_seqlen=flat.min_len, max_seqlen=flat.max_len)
-    return jagged.flat_to_left_right(values, flat.offsets, batch["attention_mask"])
+    return jagged.flat_to_left_right(values, flat.offsets, batch["attention_mask"].to(values.device))

@@ -80,7 +80,7 @@ def check_labels_on_host(labels: torch.Tensor, vocab_size: int, ignore_index: in
                          f"got labels[{i}] = {int(labels[i])}")
 
 
-def _check_inputs(hidden, weight, labels, temperature, chunk_size, softcap):
+def _check_inputs(hidden, weight, labels, temperature, chunk_size, softcap, check_values: bool = True):
     if not isinstance(hidden, torch.Tensor) or not isinstance(weight, torch.Tensor) \
             or not isinstance(labels, torch.Tensor):
         raise TypeError("hidden, weight and labels must be tensors; got "
@@ -117,7 +117,8 @@ def _check_inputs(hidden, weight, labels, temperature, chunk_size, softcap):
                              f"got {tuple(temperature.shape)}")
         if not temperature.is_floating_point():
             raise TypeError(f"temperature tensor must be floating point; got dtype {temperature.dtype}")
-        if temperature.numel() and not bool(torch.isfinite(temperature).all() and (temperature > 0).all()):
+        if check_values and temperature.numel() and \
+                not bool(torch.isfinite(temperature).all() and (temperature > 0).all()):
             raise ValueError("temperature must be finite and > 0 at every position; got min "
                              f"{temperature.min().item()!r}")
     elif isinstance(temperature, bool) or not isinstance(temperature, (int, float)):
@@ -319,7 +320,8 @@ def _backward(hidden, weight, labels, valid, lse, entropy, g_lp, g_ent, temperat
 def fused_logprob_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, *,
                           temperature: float | torch.Tensor = 1.0, return_entropy: bool = True,
                           chunk_size: int | None = None, ignore_index: int = -100,
-                          softcap: float | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+                          softcap: float | None = None, check_values: bool = True
+                          ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Per-token ``log p(labels)`` and entropy under ``softmax(softcap(hidden @ weight.T) / T)``.
 
     hidden (N, H), weight (V, H), labels (N,) int in [0, V) or ``ignore_index``;
@@ -327,10 +329,13 @@ def fused_logprob_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: to
     (a constant: it gets no gradient). Returns float32 ``(log_probs, entropy)`` of shape
     (N,) (float64 for float64 inputs), entropy None when ``return_entropy=False``;
     ignored labels give 0 in both. Gradients come back in the input dtypes.
+    ``check_values=False`` skips the value checks that read tensors (labels, temperatures):
+    for callers that validated them once already (the engine, at the batch edge).
     """
-    _check_inputs(hidden, weight, labels, temperature, chunk_size, softcap)
+    _check_inputs(hidden, weight, labels, temperature, chunk_size, softcap, check_values)
     n, v = hidden.shape[0], weight.shape[0]
-    check_labels_on_host(labels, v, int(ignore_index))
+    if check_values:
+        check_labels_on_host(labels, v, int(ignore_index))
     if chunk_size is None:
         chunk_size = default_chunk_size(n, v)
     return _FusedLogProbEntropy.apply(hidden, weight, labels, temperature, bool(return_entropy),

@@ -1,7 +1,7 @@
 """The contract between the engine's training step and a loss function.
 
 Alignment convention (one rule for every per-token field): position ``t`` of a sequence
-holds quantities about predicting token ``t + 1``, exactly like ``log_probs`` (DESIGN.md).
+holds quantities about predicting token ``t + 1``, exactly like ``log_probs`` (docs/architecture.md).
 So ``response_mask[t] == 1`` means "the log-prob at ``t`` belongs to the response", i.e.
 ``x[t + 1]`` is a response token; the last position of every sequence is always 0.
 ``old_log_probs``, ``ref_log_probs`` and ``advantages`` follow the same alignment.
@@ -32,7 +32,8 @@ class LossInputs:
     extras: dict = field(default_factory=dict)
 
 
-# A loss function: ``loss_fn(inputs: LossInputs) -> (loss: scalar Tensor, metrics: dict[str, float])``.
+# A loss function: ``loss_fn(inputs: LossInputs) -> (loss: scalar Tensor, metrics: dict[str, Tensor])``,
+# metrics as detached 0-d tensors (floats work too); the engine reads them once per optimizer step.
 # It may set ``requires_entropy = False`` (attribute) so the engine skips entropy work,
 # and ``required_fields = (...)`` naming the batch keys it reads (checked before the step),
 # and ``mask_field`` naming the per-token mask whose sum is ``global_num_tokens``

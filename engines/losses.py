@@ -2,7 +2,8 @@
 
 Every loss follows the contract in :mod:`polyfsdp.engines.loss_inputs`: it receives one
 micro-batch as flat per-token tensors plus ``offsets`` and the step-wide (all micro-batches,
-all ranks) token and sequence counts, and returns ``(loss, metrics)``.
+all ranks) token and sequence counts, and returns ``(loss, metrics)`` with metrics as
+detached 0-d tensors (read to the host once per optimizer step, never per micro-batch).
 
 Normalisation is by the GLOBAL counts, so each micro-batch returns its *share* of the
 step's loss: summing the shares over micro-batches and ranks gives exactly the loss of the
@@ -64,9 +65,10 @@ def aggregate(values: torch.Tensor, mask: torch.Tensor, inputs: LossInputs, agg_
     raise ValueError(f"unknown agg_mode {agg_mode!r}; choose one of {', '.join(AGG_MODES)}")
 
 
-def _token_share(values: torch.Tensor, mask: torch.Tensor, inputs: LossInputs) -> float:
-    """Token-mean share of a metric over the global response-token count, as a float."""
-    return float((values.detach() * mask).sum() / inputs.global_num_tokens)
+def _token_share(values: torch.Tensor, mask: torch.Tensor, inputs: LossInputs) -> torch.Tensor:
+    """Token-mean share of a metric over the global response-token count (a detached 0-d
+    tensor: the engine reads metrics to the host once per optimizer step, not per micro-batch)."""
+    return (values.detach() * mask).sum() / inputs.global_num_tokens
 
 
 # --------------------------------------------------------------------------- validation
@@ -78,15 +80,13 @@ def _check_agg_mode(agg_mode: str) -> str:
     return agg_mode
 
 
-def _describe_index(flat_index: int, offsets: torch.Tensor) -> str:
-    seq = int(torch.searchsorted(offsets.cpu(), torch.tensor(flat_index), right=True)) - 1
-    pos = flat_index - int(offsets[seq])
-    return f"flat index {flat_index} (sequence {seq}, position {pos})"
-
-
-def _check_inputs(inputs: LossInputs, required: Sequence[str], mask_field: str, need_entropy: bool,
+def _check_inputs(inputs: LossInputs, required: Sequence[str], need_entropy: bool,
                   loss_name: str = "this loss") -> None:
-    """Raise ValueError for any input the loss cannot use, naming the field and the problem."""
+    """Raise ValueError for inputs of the wrong kind or shape, naming the field.
+
+    Shape checks only: they cost no device-to-host read. Values (0/1 masks, finite fields,
+    offsets) are checked once per batch at the engine's edge (engines/batch_checks.py).
+    """
     if not isinstance(inputs, LossInputs):
         raise TypeError(f"loss functions take a LossInputs, got {type(inputs).__name__}")
     lp = inputs.log_probs
@@ -99,12 +99,6 @@ def _check_inputs(inputs: LossInputs, required: Sequence[str], mask_field: str, 
     offsets = inputs.offsets
     if not torch.is_tensor(offsets) or offsets.dim() != 1 or offsets.numel() < 1 or offsets.is_floating_point():
         raise ValueError(f"offsets must be a 1-D integer tensor (num_seqs + 1,), got {offsets!r}")
-    off = offsets.cpu()
-    if int(off[0]) != 0 or int(off[-1]) != lp.numel() or bool((off[1:] < off[:-1]).any()):
-        raise ValueError(
-            f"offsets must start at 0, be non-decreasing and end at len(log_probs)={lp.numel()}; "
-            f"got {off.tolist()}"
-        )
     missing = [name for name in required if name not in inputs.fields]
     per_seq = inputs.extras.get("seq_fields", {})
     for name in missing:
@@ -124,25 +118,6 @@ def _check_inputs(inputs: LossInputs, required: Sequence[str], mask_field: str, 
             raise ValueError(
                 f"field {name!r} must have the shape of log_probs {tuple(lp.shape)} "
                 f"(flat, same layout), got {given}"
-            )
-    mask = inputs.fields[mask_field]
-    if mask.dtype != torch.bool:
-        bad = ~((mask == 0) | (mask == 1))
-        if bool(bad.any()):
-            idx = int(bad.nonzero()[0, 0])
-            raise ValueError(
-                f"field {mask_field!r} must hold only 0/1 values; found {mask[idx].item()!r} at "
-                f"{_describe_index(idx, off)}"
-            )
-    for name in required:
-        value = inputs.fields[name]
-        if name == mask_field or not value.is_floating_point():
-            continue
-        bad = ~torch.isfinite(value)
-        if bool(bad.any()):
-            idx = int(bad.nonzero()[0, 0])
-            raise ValueError(
-                f"field {name!r} must be finite; found {value[idx].item()} at {_describe_index(idx, off)}"
             )
     if need_entropy:
         ent = inputs.entropy
@@ -184,9 +159,9 @@ class SFTLoss:
         self.mask_field = mask_field
         self.required_fields = (mask_field,)
 
-    def __call__(self, inputs: LossInputs) -> tuple[torch.Tensor, dict[str, float]]:
+    def __call__(self, inputs: LossInputs) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """Return ``(loss, {"nll": ...})`` for one micro-batch."""
-        _check_inputs(inputs, self.required_fields, self.mask_field, need_entropy=False, loss_name="SFTLoss")
+        _check_inputs(inputs, self.required_fields, need_entropy=False, loss_name="SFTLoss")
         log_probs = inputs.log_probs.float()
         mask = inputs.fields[self.mask_field].to(log_probs.dtype)
         loss = aggregate(-log_probs, mask, inputs, self.agg_mode)
@@ -238,10 +213,9 @@ class PPOLoss:
             fields.append("ref_log_probs")
         self.required_fields = tuple(fields)
 
-    def __call__(self, inputs: LossInputs) -> tuple[torch.Tensor, dict[str, float]]:
+    def __call__(self, inputs: LossInputs) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """Return ``(loss, metrics)``: pg_loss, clip_frac, [clip_frac_lower], approx_kl, [kl], [entropy]."""
-        _check_inputs(inputs, self.required_fields, "response_mask", need_entropy=self.requires_entropy,
-                      loss_name="PPOLoss")
+        _check_inputs(inputs, self.required_fields, need_entropy=self.requires_entropy, loss_name="PPOLoss")
         fields = inputs.fields
         log_probs = inputs.log_probs.float()
         mask = fields["response_mask"].to(log_probs.dtype)
@@ -261,7 +235,7 @@ class PPOLoss:
             pg = torch.where(negative, torch.minimum(pg, cap), pg)
         pg_loss = aggregate(pg, mask, inputs, self.agg_mode)
         loss = pg_loss
-        metrics["pg_loss"] = float(pg_loss.detach())
+        metrics["pg_loss"] = pg_loss.detach()
         # k1 estimate of KL(old || new), the usual PPO diagnostic.
         metrics["approx_kl"] = _token_share(old - log_probs, mask, inputs)
 
@@ -270,49 +244,10 @@ class PPOLoss:
             kl = kl_penalty(log_probs, ref, self.kl_type)
             kl_loss = aggregate(kl, mask, inputs, self.agg_mode)
             loss = loss + self.kl_coef * kl_loss
-            metrics["kl"] = float(kl_loss.detach())
+            metrics["kl"] = kl_loss.detach()
         if self.requires_entropy:
             entropy = inputs.entropy.float()
             metrics["entropy"] = _token_share(entropy, mask, inputs)
             if self.entropy_coef != 0.0:
                 loss = loss - self.entropy_coef * aggregate(entropy, mask, inputs, self.agg_mode)
         return loss, metrics
-
-
-# --------------------------------------------------------------------------- builder
-
-
-def loss_inputs_from_sequences(
-    log_probs: Sequence[Sequence[float] | torch.Tensor],
-    fields: dict[str, Sequence[Sequence[float] | torch.Tensor]] | None = None,
-    entropy: Sequence[Sequence[float] | torch.Tensor] | None = None,
-    global_num_tokens: float | None = None,
-    global_num_seqs: int | None = None,
-    mask_field: str = "response_mask",
-) -> LossInputs:
-    """Build a LossInputs from per-sequence lists (tests, notebooks).
-
-    Global counts default to this batch's own: the number of tokens where ``mask_field``
-    is 1 (or all tokens without it) and the number of sequences.
-    """
-
-    def flat(seqs, dtype=torch.float32):
-        parts = [torch.as_tensor(s, dtype=dtype) if not torch.is_tensor(s) else s for s in seqs]
-        return torch.cat(parts) if parts else torch.zeros(0, dtype=dtype)
-
-    lengths = torch.tensor([len(s) for s in log_probs], dtype=torch.long)
-    offsets = torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)])
-    flat_fields = {name: flat(seqs) for name, seqs in (fields or {}).items()}
-    if global_num_tokens is None:
-        mask = flat_fields.get(mask_field)
-        global_num_tokens = float(mask.sum()) if mask is not None else float(offsets[-1])
-    if global_num_seqs is None:
-        global_num_seqs = len(log_probs)
-    return LossInputs(
-        log_probs=flat(log_probs),
-        entropy=flat(entropy) if entropy is not None else None,
-        fields=flat_fields,
-        offsets=offsets,
-        global_num_tokens=global_num_tokens,
-        global_num_seqs=global_num_seqs,
-    )

@@ -1,4 +1,8 @@
-"""Split a FlatBatch into micro-batches under a token budget, balanced, order restorable."""
+"""Split a FlatBatch into micro-batches under a token budget, balanced, order restorable.
+
+Planning reads only the host lengths (``FlatBatch.seq_lens``): splitting never reads a
+device tensor back.
+"""
 from __future__ import annotations
 
 import heapq
@@ -57,21 +61,22 @@ def token_index(offsets: torch.Tensor, seq_index: torch.Tensor, total: int) -> t
     return jagged.flat_index(starts, lengths, new_offsets, total)
 
 
-def select(flat: FlatBatch, seq_ids: list[int], host_lengths: list[int]) -> tuple[FlatBatch, torch.Tensor]:
+def select(flat: FlatBatch, seq_ids: list[int]) -> tuple[FlatBatch, torch.Tensor]:
     """The sub-batch of sequences ``seq_ids`` and the flat index of its tokens in ``flat``."""
     device = flat.offsets.device
     seq_index = torch.tensor(seq_ids, dtype=torch.long, device=device)
-    sub_lengths = [host_lengths[i] for i in seq_ids]
+    sub_lengths = [flat.seq_lens[i] for i in seq_ids]
     total = sum(sub_lengths)
     tok = token_index(flat.offsets, seq_index, total)
-    offsets = torch.zeros(len(seq_ids) + 1, dtype=flat.offsets.dtype, device=device)
-    offsets[1:] = torch.tensor(sub_lengths, dtype=flat.offsets.dtype, device=device).cumsum(0)
+    offsets = torch.tensor([0] + sub_lengths, dtype=flat.offsets.dtype).cumsum(0).to(device, non_blocking=True)
+    temperature = flat.temperature[seq_index] if torch.is_tensor(flat.temperature) else flat.temperature
     sub = FlatBatch(
         input_ids=flat.input_ids[tok],
         offsets=offsets,
-        max_len=max(sub_lengths, default=0),
+        seq_lens=sub_lengths,
         fields={k: v[tok] for k, v in flat.fields.items()},
         seq_fields={k: v[seq_index] for k, v in flat.seq_fields.items()},
+        temperature=temperature,
     )
     return sub, tok
 
@@ -80,10 +85,14 @@ def placeholder(flat: FlatBatch) -> FlatBatch:
     """A one-token batch a rank runs, and discards, when it has fewer micro-batches than its peers."""
     ids = flat.input_ids.new_zeros(1)
     offsets = torch.tensor([0, 1], dtype=flat.offsets.dtype, device=flat.offsets.device)
-    # Per-token fields (e.g. per-sample temperatures) get one harmless value (1) so the
-    # forward sees shapes that match its single token.
+    # Per-token fields get one harmless value (1) so the forward sees shapes that match its token.
     fields = {k: v.new_ones((1, *v.shape[1:])) for k, v in flat.fields.items()}
-    return FlatBatch(ids, offsets, 1, fields=fields)
+    return FlatBatch(ids, offsets, [1], fields=fields)
+
+
+def is_placeholder(index: torch.Tensor | None) -> bool:
+    """Whether a micro-batch's token index marks a :func:`placeholder` (nothing to merge back)."""
+    return index is not None and index.numel() == 0
 
 
 def split(flat: FlatBatch, max_tokens: int | None, num_groups: int | None = None
@@ -96,13 +105,12 @@ def split(flat: FlatBatch, max_tokens: int | None, num_groups: int | None = None
         return [(flat, None)]
     if num_groups == 1 and flat.total > 0:
         return [(flat, None)]
-    host_lengths = flat.lengths.tolist()
     parts = []
-    for group in plan_micro_batches(host_lengths, max_tokens, num_groups):
-        if sum(host_lengths[i] for i in group) == 0:
+    for group in plan_micro_batches(flat.seq_lens, max_tokens, num_groups):
+        if sum(flat.seq_lens[i] for i in group) == 0:
             parts.append((placeholder(flat), flat.offsets.new_zeros(0)))
         else:
-            parts.append(select(flat, group, host_lengths))
+            parts.append(select(flat, group))
     return parts
 
 
@@ -110,7 +118,7 @@ def count_micro_batches(flat: FlatBatch, max_tokens: int | None) -> int:
     """How many micro-batches :func:`split` makes of ``flat`` without ``num_groups``."""
     if max_tokens is None or flat.total <= max_tokens:
         return 1
-    return len(plan_micro_batches(flat.lengths.tolist(), max_tokens))
+    return len(plan_micro_batches(flat.seq_lens, max_tokens))
 
 
 def merge(parts: list[tuple[torch.Tensor, torch.Tensor | None]], total: int) -> torch.Tensor:

@@ -6,16 +6,17 @@ import math
 import torch
 from torch.optim.lr_scheduler import LambdaLR
 
-from .config import EngineConfig
+from .config import OptimConfig
 
 
-def build_optimizer(model: torch.nn.Module, config: EngineConfig) -> torch.optim.Optimizer:
+def build_optimizer(model: torch.nn.Module, config: OptimConfig) -> torch.optim.Optimizer:
     """AdamW over every trainable parameter (weight decay applied to all of them)."""
     params = [p for p in model.parameters() if p.requires_grad]
-    return torch.optim.AdamW(params, lr=config.lr, betas=tuple(config.betas), weight_decay=config.weight_decay)
+    return torch.optim.AdamW(params, lr=config.lr, betas=tuple(config.betas), eps=config.eps,
+                             weight_decay=config.weight_decay)
 
 
-def lr_factor(step: int, config: EngineConfig) -> float:
+def lr_factor(step: int, config: OptimConfig) -> float:
     """Multiplier of ``config.lr`` at optimizer step ``step`` (0-based).
 
     Both schedules warm up linearly over ``warmup_steps`` ((step + 1) / warmup); then
@@ -30,6 +31,6 @@ def lr_factor(step: int, config: EngineConfig) -> float:
     return config.min_lr_ratio + (1.0 - config.min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
-def build_lr_scheduler(optimizer: torch.optim.Optimizer, config: EngineConfig) -> LambdaLR:
-    """A LambdaLR following :func:`lr_factor`; step it once per training step."""
+def build_lr_scheduler(optimizer: torch.optim.Optimizer, config: OptimConfig) -> LambdaLR:
+    """A LambdaLR following :func:`lr_factor`; step it once per optimizer step."""
     return LambdaLR(optimizer, lambda step: lr_factor(step, config))

@@ -1,14 +1,16 @@
-"""FSDP2 wrapping, torchtitan style: each decoder layer, then the root, in one function."""
+"""Every FSDP2 decision in one place, torchtitan style: activation checkpointing, then
+``fully_shard`` on each decoder layer and the root, mixed precision, gradient reduction,
+reshard policy. The engine calls :func:`parallelize_model` once, between building the model
+and creating the optimizer."""
 from __future__ import annotations
 
 import logging
 
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
 
-from .config import EngineConfig
-from .model_builder import torch_dtype
+from .config import TORCH_DTYPES, EngineConfig
 
 logger = logging.getLogger(__name__)
 
@@ -23,21 +25,51 @@ def decoder_layers(model: nn.Module) -> list[nn.Module]:
     return list(layers)
 
 
+def reshard_after_forward(policy: str) -> tuple[bool, bool | None]:
+    """``(layers, root)`` reshard-after-forward flags for a policy name.
+
+    ``default``: layers free their gathered weights after forward (memory), the root gets
+    FSDP2's automatic choice (None: kept, since backward needs embeddings and head at once).
+    ``always``: everything reshards (least memory). ``never``: nothing does (fastest, most memory).
+    """
+    flags = {"default": (True, None), "always": (True, True), "never": (False, False)}
+    if policy not in flags:
+        raise ValueError(f"reshard_policy: got {policy!r}; allowed values: {', '.join(flags)}")
+    return flags[policy]
+
+
+def enable_activation_checkpointing(model: nn.Module) -> None:
+    """Non-reentrant activation checkpointing per decoder layer (the API was renamed in transformers 5)."""
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+
+
 def parallelize_model(model: nn.Module, mesh: DeviceMesh, config: EngineConfig,
                       forward_methods: tuple[str, ...] = ()) -> nn.Module:
-    """Apply ``fully_shard`` to every decoder layer and then the root on ``mesh`` with the
-    config's mixed-precision policy; ``forward_methods`` of the root also unshard its
-    parameters (e.g. the fused log-prob head)."""
+    """Checkpoint activations (if asked), shard every decoder layer and then the root on
+    ``mesh`` with the config's mixed precision, and make gradients SUM over ranks.
+    ``forward_methods`` of the root also gather its parameters (e.g. the fused log-prob head)."""
+    if config.gradient_checkpointing:
+        enable_activation_checkpointing(model)
     # Inputs are cast by the caller where needed; casting here would round per-sample
     # temperatures to the parameter dtype.
-    mp = MixedPrecisionPolicy(param_dtype=torch_dtype(config.param_dtype),
-                              reduce_dtype=torch_dtype(config.reduce_dtype), cast_forward_inputs=False)
-    for layer in decoder_layers(model):
-        fully_shard(layer, mesh=mesh, mp_policy=mp, reshard_after_forward=config.reshard_after_forward)
-    # None = FSDP2's automatic choice: the root keeps its parameters (embeddings, head) gathered
-    # after forward, since backward would all-gather them again at once.
-    fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=None if config.reshard_after_forward else False)
+    mp = MixedPrecisionPolicy(param_dtype=TORCH_DTYPES[config.param_dtype],
+                              reduce_dtype=TORCH_DTYPES[config.reduce_dtype], cast_forward_inputs=False)
+    layer_reshard, root_reshard = reshard_after_forward(config.reshard_policy)
+    layers = decoder_layers(model)
+    for layer in layers:
+        fully_shard(layer, mesh=mesh, mp_policy=mp, reshard_after_forward=layer_reshard)
+    fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=root_reshard)
     for name in forward_methods:
         register_fsdp_forward_method(model, name)
-    logger.debug("fully_shard applied to %d layers + root on a %d-rank mesh", len(decoder_layers(model)), mesh.size())
+    # Losses are normalised by GLOBAL counts (engines/losses.py), so rank gradients must be
+    # summed, not averaged. Plain SUM collectives also avoid PREMUL_SUM, which gloo lacks.
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.set_gradient_divide_factor(1.0)
+            module.set_force_sum_reduction_for_comms(True)
+    logger.debug("fully_shard applied to %d layers + root on a %d-rank mesh (reshard %s)",
+                 len(layers), mesh.size(), config.reshard_policy)
     return model

@@ -11,6 +11,10 @@ from __future__ import annotations
 import torch
 
 ATTN_NAME = "polyfsdp_fusion_attention"
+# Keyword through which the engine hands attention functions a host copy (list of ints) of
+# ``cu_seq_lens_q``: functions that need the boundaries on the host read it instead of the
+# device tensor, which would stall the device once per layer.
+HOST_CU_SEQ_LENS = "polyfsdp_host_cu_seq_lens"
 OP_ATTR = "_polyfsdp_fusion_attention_op"
 # sparse_mode 3 (causal, aligned bottom-right) takes this fixed, compressed 2048 x 2048 mask.
 _CAUSAL_SPARSE_MODE = 3
@@ -44,8 +48,9 @@ def padding_mask_for_fusion(attention_mask: torch.Tensor, q_length: int) -> torc
     return masked[:, None]
 
 
-def _cumulative(lengths: torch.Tensor, total: int, what: str) -> list[int]:
-    cumulative = [int(v) for v in lengths.reshape(-1).tolist()]
+def _cumulative(lengths: torch.Tensor | list[int], total: int, what: str) -> list[int]:
+    values = lengths if isinstance(lengths, (list, tuple)) else lengths.reshape(-1).tolist()
+    cumulative = [int(v) for v in values]
     if not cumulative or cumulative[0] != 0 or cumulative[-1] != total or any(
         b < a for a, b in zip(cumulative, cumulative[1:])
     ):
@@ -60,6 +65,12 @@ def packed_lengths(kwargs: dict, batch: int, q_length: int, kv_length: int) -> t
         if batch != 1:
             raise ValueError(f"cu_seq_lens_q needs a packed batch of 1 row, got batch {batch}")
         cu_k = kwargs.get("cu_seq_lens_k")
+        if cu_k is None or cu_k is cu_q:
+            # One set of boundaries for queries and keys: read it once, from the engine's host
+            # copy when there is one.
+            host = kwargs.get(HOST_CU_SEQ_LENS)
+            bounds = list(host) if host is not None else cu_q.reshape(-1).tolist()
+            return _cumulative(bounds, q_length, "cu_seq_lens_q"), _cumulative(bounds, kv_length, "cu_seq_lens_k")
         q_ends = _cumulative(cu_q, q_length, "cu_seq_lens_q")
         kv_ends = _cumulative(cu_k if cu_k is not None else cu_q, kv_length, "cu_seq_lens_k")
         return q_ends, kv_ends

@@ -17,7 +17,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from polyfsdp.backends.registry import BACKEND_NAMES
-from polyfsdp.engines.config import EngineConfig, ModelConfig
+from polyfsdp.engines.config import EngineConfig, ModelConfig, OptimConfig
 from polyfsdp.engines.losses import AGG_MODES, KL_TYPES, PPOLoss
 
 logger = logging.getLogger(__name__)
@@ -25,9 +25,6 @@ logger = logging.getLogger(__name__)
 CONFIG_MODULE = "polyfsdp.configs"
 CONFIG_NAME = "train"
 GROUPS = ("backend", "model", "engine", "patches", "algo", "data", "trainer")
-OPTIM_KEYS = ("lr", "weight_decay", "grad_clip", "lr_scheduler", "warmup_steps")
-# EngineConfig fields the trainer sets itself (from the phase's step count).
-ENGINE_OPTIM_ONLY = ("betas", "total_steps", "min_lr_ratio")
 DATA_SOURCES = ("builtin", "jsonl", "parquet")
 TASKS = ("reverse",)
 PROGRESS_MODES = ("auto", "bar", "lines", "off")
@@ -44,20 +41,10 @@ class ConfigError(ValueError):
 
 
 @dataclass
-class OptimSection:
-    """Optimizer and schedule of one phase (merged into the engine's EngineConfig)."""
+class SFTSection:
+    """SFT phase: its optimizer (``optim``, the engine's OptimConfig) and the loss aggregation."""
 
-    lr: float = 1e-3
-    weight_decay: float = 0.0
-    grad_clip: float | None = 1.0
-    lr_scheduler: str = "constant"
-    warmup_steps: int = 0
-
-
-@dataclass
-class SFTSection(OptimSection):
-    """SFT phase: optimizer settings and the loss aggregation."""
-
+    optim: OptimConfig = field(default_factory=OptimConfig)
     agg_mode: str = "token-mean"
 
     def validate(self, where: str) -> None:
@@ -65,9 +52,10 @@ class SFTSection(OptimSection):
 
 
 @dataclass
-class GRPOSection(OptimSection):
-    """GRPO phase: sampling, advantage normalisation and the PPO loss terms."""
+class GRPOSection:
+    """GRPO phase: its optimizer (``optim``), sampling, advantage normalisation, PPO loss terms."""
 
+    optim: OptimConfig = field(default_factory=OptimConfig)
     group_size: int = 8
     temperature: float = 1.0
     max_new_tokens: int = 8
@@ -120,11 +108,12 @@ class ModelSection:
     overrides: dict = field(default_factory=dict)
 
     def model_config(self, vocab_size: int | None = None, path: str | None = None) -> ModelConfig:
-        """The engine's ModelConfig: from ``path`` (given or configured) else the preset."""
+        """The engine's ModelConfig: from ``path`` (given or configured) else the preset;
+        a bad field raises naming it as ``model.<field>``."""
         path = path or self.path
-        return ModelConfig(preset=None if path else self.preset, path=path, dtype=self.dtype,
-                           attn_implementation=self.attn_implementation,
-                           vocab_size=None if path else vocab_size, seed=self.seed)
+        return ModelConfig.from_dict({"preset": None if path else self.preset, "path": path, "dtype": self.dtype,
+                                      "attn_implementation": self.attn_implementation,
+                                      "vocab_size": None if path else vocab_size, "seed": self.seed}, where="model")
 
 
 @dataclass
@@ -175,13 +164,6 @@ class JobConfig:
     data: DataSection
     trainer: TrainerSection
     raw: dict
-
-    def phase_engine_config(self, phase: str) -> EngineConfig:
-        """The EngineConfig for ``phase`` ('sft' or 'grpo'): engine modes + that phase's optimizer."""
-        section = self.algo.sft if phase == "sft" else self.algo.grpo
-        steps = self.trainer.sft_steps if phase == "sft" else self.trainer.grpo_steps
-        optim = {k: getattr(section, k) for k in OPTIM_KEYS}
-        return dataclasses.replace(self.engine, total_steps=max(steps, 1), **optim)
 
 
 # --------------------------------------------------------------------------- checks
@@ -246,11 +228,17 @@ def _section(cls, where: str, data: Any, nested: dict | None = None):
     return cls(**kwargs)
 
 
-def _engine_error(where: str, exc: Exception) -> ConfigError:
-    # The engine names fields as "EngineConfig.pad_mode"; users typed "engine.pad_mode".
-    message = re.sub(r"\b(EngineConfig|ModelConfig)\.", f"{where}.", str(exc))
-    message = re.sub(r"^(EngineConfig|ModelConfig): ", f"{where}: ", message)
-    return ConfigError(message if message.startswith(where) else f"{where}: {message}")
+def _optim(where: str, data: Any, phase_steps: int) -> OptimConfig:
+    """A phase's OptimConfig; ``total_steps: null`` means the phase's own step count."""
+    if not isinstance(data, dict):
+        raise ConfigError(f"{where}: expected a mapping of optimizer settings, got {data!r}")
+    data = dict(data)
+    if data.get("total_steps") is None:
+        data["total_steps"] = max(phase_steps, 1)
+    try:
+        return OptimConfig.from_dict(data, where=where)
+    except (ValueError, TypeError) as exc:
+        raise ConfigError(str(exc)) from None
 
 
 def _validate_trainer(t: TrainerSection, algo: AlgoSection, world_size: int) -> None:
@@ -377,7 +365,7 @@ def build_job_config(raw: dict, world_size: int = 1) -> JobConfig:
     try:
         model.model_config(vocab_size=None)
     except (ValueError, TypeError) as exc:
-        raise _engine_error("model", exc) from None
+        raise ConfigError(str(exc)) from None
     if model.path and not os.path.isdir(model.path):
         raise ConfigError(f"model.path: {model.path!r} is not a directory")
     if model.dtype == "float16":
@@ -385,16 +373,10 @@ def build_job_config(raw: dict, world_size: int = 1) -> JobConfig:
         raise ConfigError("model.dtype=float16: training keeps master weights in float16, which AdamW turns "
                           "into NaN; use model.dtype=float32 engine.param_dtype=float16")
 
-    engine_keys = [f.name for f in dataclasses.fields(EngineConfig) if f.name not in OPTIM_KEYS + ENGINE_OPTIM_ONLY]
-    for key in raw["engine"]:
-        if key in OPTIM_KEYS:
-            raise ConfigError(f"engine.{key}: optimizer settings live in algo.sft / algo.grpo (e.g. algo.grpo.{key}=...)")
-        if key not in engine_keys:
-            raise ConfigError(f"engine.{key}: unknown key; known keys: {', '.join(engine_keys)}")
     try:
-        engine = EngineConfig.from_dict(raw["engine"])
+        engine = EngineConfig.from_dict(raw["engine"], where="engine")
     except (ValueError, TypeError) as exc:
-        raise _engine_error("engine", exc) from None
+        raise ConfigError(str(exc)) from None
 
     from polyfsdp.patches.toggles import PatchToggles
 
@@ -403,30 +385,26 @@ def build_job_config(raw: dict, world_size: int = 1) -> JobConfig:
     except (ValueError, TypeError) as exc:
         raise ConfigError(str(exc) if str(exc).startswith("patches") else f"patches: {exc}") from None
 
+    trainer = _section(TrainerSection, "trainer", raw["trainer"])
     algo = _section(AlgoSection, "algo", raw["algo"], nested={"sft": SFTSection, "grpo": GRPOSection})
     _check_choice("algo.name", algo.name, ("grpo", "sft"))
     if algo.sft is None:
         raise ConfigError("algo.sft: expected a mapping (every algo has an SFT section), got None")
+    algo.sft.optim = _optim("algo.sft.optim", algo.sft.optim, trainer.sft_steps)
     algo.sft.validate("algo.sft")
     if algo.name == "grpo":
         if algo.grpo is None:
             raise ConfigError("algo.grpo: algo=grpo needs its grpo section")
+        algo.grpo.optim = _optim("algo.grpo.optim", algo.grpo.optim, trainer.grpo_steps)
         algo.grpo.validate("algo.grpo")
     data = _section(DataSection, "data", raw["data"])
     _validate_data(data)
     if data.eval_size < world_size:
         raise ConfigError(f"data.eval_size: every rank needs an evaluation prompt; expected >= world size "
                           f"{world_size}, got {data.eval_size}")
-    trainer = _section(TrainerSection, "trainer", raw["trainer"])
     _validate_trainer(trainer, algo, world_size)
-    job = JobConfig(backend=backend, model=model, engine=engine, patches=patches, algo=algo, data=data,
-                    trainer=trainer, raw=raw)
-    for phase in ("sft", "grpo") if algo.name == "grpo" else ("sft",):
-        try:
-            job.phase_engine_config(phase)
-        except (ValueError, TypeError) as exc:
-            raise _engine_error(f"algo.{phase}", exc) from None
-    return job
+    return JobConfig(backend=backend, model=model, engine=engine, patches=patches, algo=algo, data=data,
+                     trainer=trainer, raw=raw)
 
 
 def load_config(overrides: list[str], world_size: int = 1) -> JobConfig:

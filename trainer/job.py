@@ -24,6 +24,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -31,7 +32,6 @@ from omegaconf import OmegaConf
 
 from polyfsdp.backends.distributed import current_rank, current_world_size, init_distributed
 from polyfsdp.backends.registry import get_backend
-from polyfsdp.engines.checkpoint import latest_checkpoint
 from polyfsdp.engines.engine import FSDPEngine
 from polyfsdp.engines.losses import SFTLoss
 
@@ -42,22 +42,13 @@ from .grpo import grpo_step
 from .metrics import METRICS_FILE, MetricsLogger
 from .model_init import write_initial_model
 from .progress import Progress
+from .resume import STATE_FILE, ResumePoint, check_same_run, find_resume, load_resume_checkpoint
 from .sft import sft_step
 from .task import load_tokenizer
 
 logger = logging.getLogger(__name__)
 
-STATE_FILE = "polyfsdp_state.json"
 CHECKPOINT_MARKER = "checkpoint saved:"
-
-
-@dataclass
-class ResumePoint:
-    """Where a run continues: ``phase`` from ``checkpoint`` (None: the phase's start) of ``run_dir``."""
-
-    phase: str
-    checkpoint: Path | None
-    run_dir: Path
 
 
 def _say(message: str) -> None:
@@ -70,107 +61,27 @@ def _say(message: str) -> None:
         sys.stdout.flush()
 
 
-def _sft_complete(run_dir: Path) -> bool:
-    return (run_dir / "sft_model" / STATE_FILE).is_file()
-
-
-def find_resume(cfg: JobConfig, out: Path) -> ResumePoint | None:
-    """The point ``trainer.resume`` asks to continue from, or None for a fresh run."""
-    mode = cfg.trainer.resume
-    if mode == "never":
-        for name in ("checkpoints", "sft_model", METRICS_FILE):
-            if (out / name).exists():
-                raise ConfigError(f"trainer.resume=never but {out} already holds a run ({name}); "
-                                  f"choose another trainer.output_dir or use trainer.resume=auto")
-        return None
-    if mode == "auto":
-        run_dir = out
-        ckpt_root = out / "checkpoints"
-        if cfg.algo.name == "sft" and (_sft_complete(out) or latest_checkpoint(ckpt_root / "grpo") is not None):
-            # Resuming its SFT checkpoints would cut the GRPO records and overwrite final/.
-            raise ConfigError(f"trainer.resume=auto: {out} holds an algo=grpo run, but algo=sft was asked for; "
-                              f"choose another trainer.output_dir or resume with algo=grpo")
-    else:
-        path = Path(mode).resolve()
-        # PATH is .../checkpoints/<phase>[/step_N] of a polyfsdp-train run.
-        phase_dir = path if path.name in ("sft", "grpo") else path.parent
-        if phase_dir.name not in ("sft", "grpo") or phase_dir.parent.name != "checkpoints":
-            raise ConfigError(f"trainer.resume: {mode!r} is not a polyfsdp-train checkpoint "
-                              f"(expected OUTPUT_DIR/checkpoints/sft|grpo[/step_N])")
-        run_dir = phase_dir.parent.parent
-        if phase_dir.name == "grpo" and cfg.algo.name == "sft":
-            raise ConfigError(f"trainer.resume: {mode!r} is a GRPO checkpoint, but algo=sft runs no GRPO phase; "
-                              f"resume with algo=grpo or from OUTPUT_DIR/checkpoints/sft")
-        found = path if path.name.startswith("step_") else latest_checkpoint(path)
-        if found is None:
-            raise ConfigError(f"trainer.resume: no complete checkpoint in {mode!r}")
-        return ResumePoint(phase_dir.name, found, run_dir)
-    grpo_ckpt = latest_checkpoint(ckpt_root / "grpo")
-    if cfg.algo.name == "grpo" and grpo_ckpt is not None:
-        return ResumePoint("grpo", grpo_ckpt, run_dir)
-    if cfg.algo.name == "grpo" and cfg.trainer.sft_steps > 0 and _sft_complete(run_dir):
-        return ResumePoint("grpo", None, run_dir)
-    sft_ckpt = latest_checkpoint(ckpt_root / "sft")
-    if sft_ckpt is not None:
-        return ResumePoint("sft", sft_ckpt, run_dir)
-    return None
-
-
-# Settings a continued run must share with the run it continues: they decide the model, the
-# data each step draws (a function of seed, phase, step and batch size) and the updates. The
-# rest (step counts, intervals, logging, engine modes, patches, backend) may change on resume.
-SAME_RUN_SECTIONS = ("model", "data", "algo.sft", "algo.grpo")
-SAME_RUN_TRAINER_KEYS = ("seed", "sft_batch_size", "prompts_per_step")
-
-
-def _section(raw: dict, dotted: str) -> dict | None:
-    for part in dotted.split("."):
-        raw = raw.get(part) if isinstance(raw, dict) else None
-    return raw
-
-
-def check_same_run(cfg: JobConfig, run_dir: Path) -> None:
-    """A run continued in (or from) ``run_dir`` must ask for the model, data and algorithm
-    it was started with: its init_model and checkpoints would be loaded and the data stream
-    continued, while config.yaml claimed the new settings."""
-    saved = run_dir / "config.yaml"
-    started = any((run_dir / name).exists() for name in ("init_model", "checkpoints", "sft_model"))
-    if not (started and saved.is_file()):
-        return
-    before_raw = OmegaConf.to_container(OmegaConf.load(saved))
-    pairs = []
-    for dotted in SAME_RUN_SECTIONS:
-        before, now = _section(before_raw, dotted), _section(cfg.raw, dotted)
-        if dotted == "algo.grpo" and (before is None or now is None):
-            continue  # an SFT run continued into GRPO: no GRPO settings to keep yet
-        pairs.append((dotted, before or {}, now or {}))
-    trainer_before = before_raw.get("trainer") or {}
-    pairs.append(("trainer", {k: trainer_before.get(k) for k in SAME_RUN_TRAINER_KEYS},
-                  {k: cfg.raw["trainer"].get(k) for k in SAME_RUN_TRAINER_KEYS}))
-    for dotted, before, now in pairs:
-        for key in list(now) + [k for k in before if k not in now]:
-            if before.get(key) != now.get(key):
-                name = f"{dotted}.{key}"
-                raise ConfigError(f"trainer.resume={cfg.trainer.resume}: {run_dir} holds a run of {name}="
-                                  f"{before.get(key)!r}, but this run asks for {name}={now.get(key)!r}; keep "
-                                  f"the model, data and algo settings (and trainer.seed, sft_batch_size, "
-                                  f"prompts_per_step) or choose another trainer.output_dir")
-
-
-def _load(engine: FSDPEngine, checkpoint: Path) -> tuple[int, dict]:
-    """Load a resume checkpoint; one that is incomplete or unreadable is a ConfigError."""
-    try:
-        return engine.load_checkpoint(str(checkpoint))
-    except (OSError, ValueError, KeyError) as exc:
-        raise ConfigError(f"trainer.resume: cannot load {checkpoint}: {type(exc).__name__}: {exc}") from None
-
-
 def _broadcast(value):
     if current_world_size() == 1:
         return value
     holder = [value]
     dist.broadcast_object_list(holder, src=0)
     return holder[0]
+
+
+@dataclass
+class Phase:
+    """What differs between the SFT and GRPO phases; :meth:`Job._run_phase` runs either."""
+
+    name: str                 # "sft" | "grpo": checkpoints/<name>/, metrics records, data stream
+    steps: int                # the phase's optimizer steps
+    batch_size: int           # examples drawn per step, over all ranks
+    step_offset: int          # global step of the phase's start
+    start_dir: str            # the model the phase starts from
+    end_tag: str              # the evaluation at its end ("after_sft" or "final")
+    export_dir: Path | None   # where its end model is exported (None: not exported)
+    export_state: bool        # write the metrics position with the export (GRPO's starting point)
+    mid_evaluations: bool     # evaluate every trainer.eval_interval steps
 
 
 class Job:
@@ -205,9 +116,9 @@ class Job:
         return examples[self.rank * per:(self.rank + 1) * per]
 
     def _engine(self, phase: str, model_dir: str) -> FSDPEngine:
-        model_config = self.cfg.model.model_config(path=model_dir)
-        engine = FSDPEngine(model_config, self.cfg.phase_engine_config(phase), backend=self.backend,
-                            patch_toggles=self.cfg.patches)
+        section = self.cfg.algo.sft if phase == "sft" else self.cfg.algo.grpo
+        engine = FSDPEngine(self.cfg.model.model_config(path=model_dir), self.cfg.engine, section.optim,
+                            backend=self.backend, patch_toggles=self.cfg.patches)
         try:
             engine.initialize()
         except (ValueError, TypeError, OSError) as exc:
@@ -282,28 +193,42 @@ class Job:
             except OSError as exc:
                 raise ConfigError(f"trainer.output_dir: cannot create {out}: {exc.strerror or exc}") from None
         resume = _broadcast(resume)
-        if cfg.model.path:
-            start_dir = cfg.model.path
-        else:
-            try:
-                start_dir = write_initial_model(str(out / "init_model"), cfg.model.preset, cfg.model.overrides,
-                                                self.tokenizer, cfg.model.seed)
-            except (ValueError, TypeError) as exc:
-                raise ConfigError(f"model.overrides: {exc}") from None
+        start_dir = cfg.model.path or self._initial_model()
         _say(f"polyfsdp-train: {cfg.algo.name} on {cfg.data.source} data, backend {self.backend.name}, "
              f"{self.world} rank(s), output {out}" + (f" (resuming {resume.phase} from "
                                                       f"{resume.checkpoint or 'its start'})" if resume else ""))
-        sft_steps = cfg.trainer.sft_steps
-        sft_dir = out / "sft_model" if sft_steps > 0 else Path(start_dir)
-        if resume is not None and resume.run_dir != out and resume.phase == "grpo":
-            sft_dir = resume.run_dir / "sft_model" if sft_steps > 0 else sft_dir
-        if resume is None or resume.phase == "sft":
-            if sft_steps > 0 or cfg.algo.name == "sft":
-                self._run_sft(start_dir, resume, sft_dir)
-        if cfg.algo.name == "grpo":
-            self._run_grpo(sft_dir, resume if resume is not None and resume.phase == "grpo" else None,
-                           fresh_metrics=sft_steps == 0 and resume is None)
+        first = True
+        for phase in self._phases(start_dir, resume):
+            phase_resume = resume if resume is not None and resume.phase == phase.name else None
+            self._run_phase(phase, phase_resume, fresh_metrics=first and resume is None)
+            first = False
         return self._finish()
+
+    def _initial_model(self) -> str:
+        try:
+            return write_initial_model(str(self.out / "init_model"), self.cfg.model.preset, self.cfg.model.overrides,
+                                       self.tokenizer, self.cfg.model.seed)
+        except (ValueError, TypeError) as exc:
+            raise ConfigError(f"model.overrides: {exc}") from None
+
+    def _phases(self, start_dir: str, resume: ResumePoint | None) -> list[Phase]:
+        """The phases still to run: SFT (unless skipped, or already done when resuming GRPO), then GRPO."""
+        cfg, t = self.cfg, self.cfg.trainer
+        grpo = cfg.algo.name == "grpo"
+        sft_dir = self.out / "sft_model" if t.sft_steps > 0 else Path(start_dir)
+        if resume is not None and resume.run_dir != self.out and resume.phase == "grpo" and t.sft_steps > 0:
+            sft_dir = resume.run_dir / "sft_model"
+        phases = []
+        if (resume is None or resume.phase == "sft") and (t.sft_steps > 0 or not grpo):
+            end_dir = sft_dir if grpo else (self.out / "final" if t.export else None)
+            phases.append(Phase("sft", t.sft_steps, t.sft_batch_size, 0, start_dir,
+                                end_tag="after_sft" if grpo else "final", export_dir=end_dir, export_state=grpo,
+                                mid_evaluations=False))
+        if grpo:
+            phases.append(Phase("grpo", t.grpo_steps, t.prompts_per_step, t.sft_steps, str(sft_dir), end_tag="final",
+                                export_dir=self.out / "final" if t.export else None, export_state=False,
+                                mid_evaluations=True))
+        return phases
 
     def _start_metrics(self, resume: ResumePoint | None, lines: int | None) -> None:
         source = None if resume is None else resume.run_dir / METRICS_FILE
@@ -311,71 +236,59 @@ class Job:
             shutil.copyfile(source, self.metrics.path)
         self.metrics.start(lines)
 
-    def _run_sft(self, start_dir: str, resume: ResumePoint | None, sft_dir: Path) -> None:
-        cfg = self.cfg
-        total = cfg.trainer.sft_steps
-        engine = self._engine("sft", start_dir)
-        start = 0
-        if resume is not None:
-            _, extra = _load(engine, resume.checkpoint)
-            start = int(extra["phase_step"])
-            self._start_metrics(resume, int(extra["metrics_lines"]))
-        else:
-            self._start_metrics(None, None)
-            self._evaluate(engine, "initial", 0)
-        loss_fn = SFTLoss(agg_mode=cfg.algo.sft.agg_mode)
-        progress = Progress("sft", total, start, cfg.trainer.progress, enabled=self.rank == 0)
-        for step in range(start, total):
-            examples = self._shard(self.source.batch("sft", step, cfg.trainer.sft_batch_size))
-            m = sft_step(engine, self.tokenizer, examples, loss_fn)
-            self._record("sft", step + 1, step + 1, m, progress)
-            if self._due(step + 1, total):
-                self._checkpoint(engine, "sft", step + 1, step + 1)
-        progress.close()
-        if cfg.algo.name == "grpo":
-            self._evaluate(engine, "after_sft", total)
-            self._export(engine, sft_dir, state={"metrics_lines": self.metrics.lines, "global_step": total})
-        else:
-            self._evaluate(engine, "final", total)
-            if cfg.trainer.export:
-                self._export(engine, self.out / "final")
-        del engine
-
-    def _run_grpo(self, sft_dir: Path, resume: ResumePoint | None, fresh_metrics: bool) -> None:
-        cfg = self.cfg
-        g = cfg.algo.grpo
-        total, offset = cfg.trainer.grpo_steps, cfg.trainer.sft_steps
-        policy = self._engine("grpo", str(sft_dir))
-        # The reference is the GRPO starting point, frozen: a second engine, never stepped.
-        ref = self._engine("grpo", str(sft_dir)) if g.kl_coef > 0 else None
-        start = 0
+    def _restore(self, engine: FSDPEngine, phase: Phase, resume: ResumePoint | None, fresh_metrics: bool) -> int:
+        """Position the engine and the metrics file where ``phase`` continues; returns its first step."""
         if resume is not None and resume.checkpoint is not None:
-            _, extra = _load(policy, resume.checkpoint)
-            start = int(extra["phase_step"])
+            _, extra = load_resume_checkpoint(engine, resume.checkpoint)
             self._start_metrics(resume, int(extra["metrics_lines"]))
-        elif resume is not None:
-            state = json.loads((sft_dir / STATE_FILE).read_text())
+            return int(extra["phase_step"])
+        if resume is not None:
+            # Continuing at the phase's start: the exported start model says where the records end.
+            state = json.loads((Path(phase.start_dir) / STATE_FILE).read_text())
             self._start_metrics(resume, int(state["metrics_lines"]))
         elif fresh_metrics:
             self._start_metrics(None, None)
-            self._evaluate(policy, "initial", 0)
-        loss_fn = g.loss()
-        progress = Progress("grpo", total, start, cfg.trainer.progress, enabled=self.rank == 0)
-        for step in range(start, total):
-            examples = self._shard(self.source.batch("grpo", step, cfg.trainer.prompts_per_step))
+            self._evaluate(engine, "initial", 0)
+        return 0
+
+    def _step_function(self, phase: Phase, engine: FSDPEngine) -> Callable[[int, list], dict]:
+        """``(phase step, this rank's examples) -> metrics`` for one training step of ``phase``."""
+        cfg = self.cfg
+        if phase.name == "sft":
+            sft_loss = SFTLoss(agg_mode=cfg.algo.sft.agg_mode)
+            return lambda step, examples: sft_step(engine, self.tokenizer, examples, sft_loss)
+        g = cfg.algo.grpo
+        # The reference is the GRPO starting point, frozen: a second engine, never stepped.
+        ref = self._engine("grpo", phase.start_dir) if g.kl_coef > 0 else None
+        ppo_loss = g.loss()
+
+        def step_fn(step: int, examples: list) -> dict:
             seed = (cfg.trainer.seed * 1_000_003 + step) * 1024 + self.rank
-            m = grpo_step(policy, ref, self.tokenizer, examples, g, loss_fn, sample_seed=seed)
-            self._record("grpo", step + 1, offset + step + 1, m, progress)
-            every = cfg.trainer.eval_interval
-            if every and (step + 1) % every == 0 and step + 1 != total:
-                self._evaluate(policy, "step", offset + step + 1)
-            if self._due(step + 1, total):
-                self._checkpoint(policy, "grpo", step + 1, offset + step + 1)
+            return grpo_step(engine, ref, self.tokenizer, examples, g, ppo_loss, sample_seed=seed)
+        return step_fn
+
+    def _run_phase(self, phase: Phase, resume: ResumePoint | None, fresh_metrics: bool) -> None:
+        """Train ``phase`` from its start (or ``resume``), with evaluations, checkpoints, export."""
+        engine = self._engine(phase.name, phase.start_dir)
+        step_fn = self._step_function(phase, engine)  # builds GRPO's reference before a checkpoint sets the RNG
+        start = self._restore(engine, phase, resume, fresh_metrics)
+        every = self.cfg.trainer.eval_interval if phase.mid_evaluations else 0
+        progress = Progress(phase.name, phase.steps, start, self.cfg.trainer.progress, enabled=self.rank == 0)
+        for step in range(start, phase.steps):
+            examples = self._shard(self.source.batch(phase.name, step, phase.batch_size))
+            global_step = phase.step_offset + step + 1
+            self._record(phase.name, step + 1, global_step, step_fn(step, examples), progress)
+            if every and (step + 1) % every == 0 and step + 1 != phase.steps:
+                self._evaluate(engine, "step", global_step)
+            if self._due(step + 1, phase.steps):
+                self._checkpoint(engine, phase.name, step + 1, global_step)
         progress.close()
-        self._evaluate(policy, "final", offset + total)
-        if cfg.trainer.export:
-            self._export(policy, self.out / "final")
-        del policy, ref
+        end_step = phase.step_offset + phase.steps
+        self._evaluate(engine, phase.end_tag, end_step)
+        if phase.export_dir is not None:
+            state = {"metrics_lines": self.metrics.lines, "global_step": end_step} if phase.export_state else None
+            self._export(engine, phase.export_dir, state=state)
+        del engine, step_fn
 
     def _finish(self) -> dict:
         rewards = {}

@@ -2,7 +2,7 @@
 import torch
 
 from engine_reference import prompt_lengths
-from polyfsdp.engines.config import EngineConfig
+from polyfsdp.engines.config import EngineConfig, OptimConfig
 from polyfsdp.engines.losses import SFTLoss
 
 PRESET = "qwen2-tiny-tied"
@@ -31,8 +31,13 @@ def rank_share(num_seqs, rank, world, how):
 
 
 def engine_config(**overrides):
-    """The training config of the engine tests (AdamW, lr 1e-3, wd 0.01, clip 1.0)."""
-    return EngineConfig(lr=LR, weight_decay=0.01, grad_clip=1.0, **overrides)
+    """The engine config of the engine tests (modes from ``overrides``)."""
+    return EngineConfig(**overrides)
+
+
+def optim_config():
+    """The optimizer of the engine tests (AdamW, lr 1e-3, wd 0.01, clip 1.0)."""
+    return OptimConfig(lr=LR, weight_decay=0.01, grad_clip=1.0)
 
 
 def masks_for(seqs):

@@ -16,7 +16,7 @@ import torch
 from tensordict import TensorDict
 from torch.distributed.tensor import DTensor
 
-from polyfsdp.engines.config import EngineConfig, ModelConfig
+from polyfsdp.engines.config import EngineConfig, ModelConfig, OptimConfig
 from polyfsdp.engines.engine import FSDPEngine
 from polyfsdp.engines.losses import PPOLoss
 
@@ -66,8 +66,9 @@ def main():
 
     engine = FSDPEngine(
         ModelConfig(preset="qwen2-tiny", seed=3),
-        EngineConfig(lr=5e-3, weight_decay=0.01, grad_clip=1.0, lr_scheduler="warmup_cosine",
-                     warmup_steps=2, total_steps=args.steps, max_tokens_per_micro_batch=24),
+        EngineConfig(max_tokens_per_micro_batch=24),
+        OptimConfig(lr=5e-3, weight_decay=0.01, grad_clip=1.0, lr_scheduler="warmup_cosine",
+                    warmup_steps=2, total_steps=args.steps),
     ).initialize()
     loss_fn = PPOLoss(clip_ratio_low=0.2, clip_ratio_high=0.28, entropy_coef=0.01)
     torch.manual_seed(1234)

@@ -189,11 +189,12 @@ def test_export_hf_loads_with_from_pretrained_and_gives_same_logits(mesh, tmp_pa
 def test_engine_export_hf_gives_the_same_log_probs_as_infer_batch(tmp_path):
     from tensordict import TensorDict
 
-    from polyfsdp.engines.config import EngineConfig, ModelConfig
+    from polyfsdp.engines.config import EngineConfig, ModelConfig, OptimConfig
     from polyfsdp.engines.engine import FSDPEngine
     from polyfsdp.engines.losses import SFTLoss
 
-    engine = FSDPEngine(ModelConfig(preset="qwen2-tiny-tied", seed=4), EngineConfig(lr=1e-2)).initialize()
+    engine = FSDPEngine(ModelConfig(preset="qwen2-tiny-tied", seed=4), EngineConfig(),
+                        OptimConfig(lr=1e-2)).initialize()
     g = torch.Generator().manual_seed(5)
     seqs = [torch.randint(0, 128, (n,), generator=g) for n in (7, 1, 12, 4)]
 

@@ -9,7 +9,7 @@ from transformers import AutoModelForCausalLM, CohereConfig
 from engine_reference import (full_state_dict, left_right_batch, no_padding_batch, reference_logprobs,
                               reference_model, sequences)
 from polyfsdp.engines.attention import VARLEN_SDPA, varlen_sdpa_mask
-from polyfsdp.engines.config import EngineConfig, ModelConfig
+from polyfsdp.engines.config import EngineConfig, ModelConfig, OptimConfig
 from polyfsdp.engines.engine import FSDPEngine
 from polyfsdp.engines.micro_batch import plan_micro_batches
 
@@ -133,40 +133,46 @@ def test_micro_batch_plan_respects_budget_and_covers_every_sequence_once():
     assert len(loads) == 3 and max(loads) - min(loads) <= max(lengths)
 
 
-@pytest.mark.parametrize("kwargs,match", [
-    ({"pad_mode": "right"}, r"EngineConfig.pad_mode: got 'right'; allowed values: 'no_padding', 'left_right'"),
-    ({"param_dtype": "fp8"}, r"EngineConfig.param_dtype: got 'fp8'; allowed values: 'float32'"),
-    ({"lr_scheduler": "linear"}, r"EngineConfig.lr_scheduler: got 'linear'; allowed values: 'constant'"),
-    ({"lr_scheduler": "warmup_cosine"}, r"EngineConfig.total_steps: lr_scheduler='warmup_cosine' needs"),
-    ({"max_tokens_per_micro_batch": 0}, r"EngineConfig.max_tokens_per_micro_batch: expected >= 1"),
-    ({"betas": (0.9, 1.5)}, r"EngineConfig.betas"),
+@pytest.mark.parametrize("cls,kwargs,match", [
+    ("EngineConfig", {"pad_mode": "right"}, r"EngineConfig.pad_mode: got 'right'; allowed values: 'no_padding', 'left_right'"),
+    ("EngineConfig", {"param_dtype": "fp8"}, r"EngineConfig.param_dtype: got 'fp8'; allowed values: 'float32'"),
+    ("EngineConfig", {"reshard_policy": "sometimes"}, r"EngineConfig.reshard_policy: got 'sometimes'; allowed values: 'default', 'always', 'never'"),
+    ("EngineConfig", {"max_tokens_per_micro_batch": 0}, r"EngineConfig.max_tokens_per_micro_batch: expected >= 1"),
+    ("OptimConfig", {"lr_scheduler": "linear"}, r"OptimConfig.lr_scheduler: got 'linear'; allowed values: 'constant'"),
+    ("OptimConfig", {"lr_scheduler": "warmup_cosine"}, r"OptimConfig.total_steps: lr_scheduler='warmup_cosine' needs"),
+    ("OptimConfig", {"betas": (0.9, 1.5)}, r"OptimConfig.betas"),
 ])
-def test_engine_config_rejects_bad_values_naming_field_and_choices(kwargs, match):
+def test_configs_reject_bad_values_naming_field_and_choices(cls, kwargs, match):
     with pytest.raises(ValueError, match=match):
-        EngineConfig(**kwargs)
+        {"EngineConfig": EngineConfig, "OptimConfig": OptimConfig}[cls](**kwargs)
 
 
 @pytest.mark.parametrize("kwargs,error,match", [
     # NaN passes "< 0"/"<= 0" checks and then silently turns every parameter into NaN.
-    ({"lr": float("nan")}, ValueError, r"EngineConfig.lr: expected a finite number >= 0, got nan"),
-    ({"grad_clip": float("nan")}, ValueError, r"EngineConfig.grad_clip: expected a finite number > 0 or None"),
-    ({"grad_clip": float("inf")}, ValueError, r"EngineConfig.grad_clip: expected a finite number > 0 or None"),
-    ({"weight_decay": -0.1}, ValueError, r"EngineConfig.weight_decay: expected a finite number >= 0, got -0.1"),
-    ({"min_lr_ratio": "0.1"}, TypeError, r"EngineConfig.min_lr_ratio: expected a number"),
-    ({"lr_scheduler": "warmup_cosine", "total_steps": 10.5}, TypeError, r"EngineConfig.total_steps: expected"),
-    ({"lr_scheduler": "warmup_cosine", "total_steps": "10"}, TypeError, r"EngineConfig.total_steps: expected"),
-    ({"betas": 0.9}, ValueError, r"EngineConfig.betas: expected two numbers in \[0, 1\), got 0.9"),
-    ({"betas": ("a", "b")}, ValueError, r"EngineConfig.betas: expected two numbers in \[0, 1\)"),
+    ({"lr": float("nan")}, ValueError, r"OptimConfig.lr: expected a finite number >= 0, got nan"),
+    ({"grad_clip": float("nan")}, ValueError, r"OptimConfig.grad_clip: expected a finite number > 0 or None"),
+    ({"grad_clip": float("inf")}, ValueError, r"OptimConfig.grad_clip: expected a finite number > 0 or None"),
+    ({"weight_decay": -0.1}, ValueError, r"OptimConfig.weight_decay: expected a finite number >= 0, got -0.1"),
+    ({"eps": 0.0}, ValueError, r"OptimConfig.eps: expected a finite number > 0, got 0.0"),
+    ({"min_lr_ratio": "0.1"}, TypeError, r"OptimConfig.min_lr_ratio: expected a number"),
+    ({"lr_scheduler": "warmup_cosine", "total_steps": 10.5}, TypeError, r"OptimConfig.total_steps: expected"),
+    ({"lr_scheduler": "warmup_cosine", "total_steps": "10"}, TypeError, r"OptimConfig.total_steps: expected"),
+    ({"betas": 0.9}, ValueError, r"OptimConfig.betas: expected two numbers in \[0, 1\), got 0.9"),
+    ({"betas": ("a", "b")}, ValueError, r"OptimConfig.betas: expected two numbers in \[0, 1\)"),
 ])
-def test_engine_config_rejects_non_finite_or_mistyped_numbers_naming_the_field(kwargs, error, match):
+def test_optim_config_rejects_non_finite_or_mistyped_numbers_naming_the_field(kwargs, error, match):
     with pytest.raises(error, match=match):
-        EngineConfig(**kwargs)
+        OptimConfig(**kwargs)
 
 
-def test_config_from_dict_rejects_unknown_keys_and_model_needs_one_source():
-    with pytest.raises(ValueError, match=r"EngineConfig: unknown keys \['use_rmpad'\]; known keys: \["):
+def test_config_from_dict_rejects_unknown_keys_and_names_fields_by_the_callers_path():
+    with pytest.raises(ValueError, match=r"EngineConfig.use_rmpad: unknown key; known keys: "):
         EngineConfig.from_dict({"use_rmpad": True})
-    assert EngineConfig.from_dict({"betas": [0.8, 0.9]}).betas == (0.8, 0.9)
+    with pytest.raises(ValueError, match=r"^algo.sft.optim.lr: expected a finite number >= 0, got -1"):
+        OptimConfig.from_dict({"lr": -1.0}, where="algo.sft.optim")
+    with pytest.raises(TypeError, match=r"^engine.use_fused_kernels: expected a bool"):
+        EngineConfig.from_dict({"use_fused_kernels": "yes"}, where="engine")
+    assert OptimConfig.from_dict({"betas": [0.8, 0.9]}).betas == (0.8, 0.9)
     with pytest.raises(ValueError, match="set exactly one of preset or path"):
         ModelConfig()
     with pytest.raises(ValueError, match=r"ModelConfig.preset: got 'gpt5'; allowed values:"):
@@ -180,8 +186,8 @@ def test_lr_schedules_follow_warmup_and_cosine():
 
     from polyfsdp.engines.optim import lr_factor
 
-    cfg = EngineConfig(lr_scheduler="warmup_cosine", warmup_steps=2, total_steps=6, min_lr_ratio=0.1)
+    cfg = OptimConfig(lr_scheduler="warmup_cosine", warmup_steps=2, total_steps=6, min_lr_ratio=0.1)
     got = [lr_factor(s, cfg) for s in range(7)]
     cosine = [0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * k / 4)) for k in range(5)]
     assert got == pytest.approx([0.5, 1.0] + cosine)
-    assert [lr_factor(s, EngineConfig(warmup_steps=2)) for s in range(4)] == [0.5, 1.0, 1.0, 1.0]
+    assert [lr_factor(s, OptimConfig(warmup_steps=2)) for s in range(4)] == [0.5, 1.0, 1.0, 1.0]

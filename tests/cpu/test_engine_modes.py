@@ -129,7 +129,7 @@ def test_calculate_entropy_false_returns_only_log_probs(family):
 
 def _grads(engine, batch, mask_key="response_mask"):
     flat = batch_to_flat(batch, engine.engine_config.pad_mode)
-    log_probs, _ = engine.forward_flat(flat, 1.0, return_entropy=False)
+    log_probs, _ = engine.forward_flat(flat, return_entropy=False)
     (log_probs * flat.fields[mask_key]).sum().backward()
     grads = {}
     for name, p in engine.module.named_parameters():
@@ -210,17 +210,18 @@ def test_fused_per_sample_temperature_with_empty_sequences_under_a_small_budget(
 
 
 def test_no_padding_outputs_are_rewrapped_without_reading_offsets_back():
-    # Meta tensors have no data: any host read of the offsets (a device sync on an
-    # accelerator) raises. The caller's seqlen bounds are known on the host and must be reused.
+    # The edge reads the host batch's lengths once; after the batch moved to a device, no
+    # output conversion may read its offsets back. Meta tensors have no data: any host read
+    # of them (a device sync on an accelerator) raises.
     from tensordict import TensorDict
 
     from polyfsdp.engines import jagged
     from polyfsdp.engines.flat_batch import flat_to_caller
 
-    offsets = torch.tensor([0, 3, 4, 8]).to("meta")
-    ids = jagged.make_jagged(torch.zeros(8, dtype=torch.long, device="meta"), offsets, min_seqlen=1, max_seqlen=4)
+    ids = jagged.make_jagged(torch.zeros(8, dtype=torch.long), torch.tensor([0, 3, 4, 8]))
     batch = TensorDict({"input_ids": ids}, batch_size=[3])
-    flat = batch_to_flat(batch, "no_padding")
+    flat = batch_to_flat(batch, "no_padding").to(torch.device("meta"))
+    assert flat.offsets.is_meta and flat.seq_lens == [3, 1, 4]
     out = flat_to_caller(torch.zeros(8, device="meta"), flat, batch, "no_padding")
     assert out.is_nested and out.shape[0] == 3
     assert (out._min_seqlen, out._max_seqlen) == (1, 4)

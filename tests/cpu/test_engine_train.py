@@ -5,7 +5,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from engine_cases import LENGTHS, LR, PRESET, engine_config, masks_for, reference_sft_step
+from engine_cases import LENGTHS, LR, PRESET, engine_config, masks_for, optim_config, reference_sft_step
 from engine_reference import (assert_params_close_after_adam_step, full_state_dict, left_right_batch,
                               no_padding_batch, sequences)
 from polyfsdp.engines.config import ModelConfig
@@ -20,7 +20,7 @@ GRAD_TOL = 1e-7
 
 
 def _engine(**overrides):
-    return FSDPEngine(ModelConfig(preset=PRESET, seed=5), engine_config(**overrides)).initialize()
+    return FSDPEngine(ModelConfig(preset=PRESET, seed=5), engine_config(**overrides), optim_config()).initialize()
 
 
 def _params(engine):
@@ -142,7 +142,7 @@ def test_training_float16_master_weights_is_a_clear_error(data):
     # AdamW on float16 parameters: eps=1e-8 rounds to 0 in float16, so a zero gradient
     # gives 0/0 and the weights turn NaN after one "successful" step. Refuse it up front.
     seqs, masks = data
-    engine = FSDPEngine(ModelConfig(preset=PRESET, seed=5, dtype="float16"), engine_config()).initialize()
+    engine = FSDPEngine(ModelConfig(preset=PRESET, seed=5, dtype="float16"), engine_config(), optim_config()).initialize()
     before = _params(engine)
     with pytest.raises(ValueError, match=r"ModelConfig.dtype='float16'.*param_dtype='float16'"):
         engine.train_batch(no_padding_batch(seqs, per_token={"response_mask": masks}), SFTLoss())
@@ -153,7 +153,7 @@ def test_training_bfloat16_master_weights_warns_once(data, caplog):
     # bf16 weights are fine for inference, but lr-sized AdamW updates mostly round away:
     # say so once instead of training silently slowly.
     seqs, masks = data
-    engine = FSDPEngine(ModelConfig(preset=PRESET, seed=5, dtype="bfloat16"), engine_config()).initialize()
+    engine = FSDPEngine(ModelConfig(preset=PRESET, seed=5, dtype="bfloat16"), engine_config(), optim_config()).initialize()
     batch = no_padding_batch(seqs, per_token={"response_mask": masks})
     caplog.set_level("WARNING", logger="polyfsdp.engines.engine")
     engine.train_batch(batch, SFTLoss())

@@ -250,7 +250,7 @@ def test_bad_inputs_raise_clear_errors(kwargs, exc, match):
 
 def test_unfused_helper_rejects_labels_outside_the_vocabulary():
     # clamp(min=0) used to turn a stray -1 into class 0's log-prob silently.
-    from polyfsdp.engines.token_logprob import logprob_entropy_from_logits
+    from polyfsdp.engines.forward_logprobs import logprob_entropy_from_logits
 
     logits = torch.zeros(3, 7)
     for bad in (torch.tensor([0, -1, 1]), torch.tensor([0, 7, 1])):

@@ -140,6 +140,12 @@ def test_parquet_without_a_reader_says_what_to_install(tmp_path, monkeypatch):
     (["algo.grpo.kl_type=k9"], "algo.grpo.kl_type: got 'k9'; allowed values: k1, k3"),
     (["trainer.sft_steps=many"], "trainer.sft_steps: expected int, got 'many'"),
     (["engine.lr=1"], "engine.lr: unknown key"),
+    (["algo.sft.optim.lr=-1"], "algo.sft.optim.lr: expected a finite number >= 0, got -1"),
+    (["algo.grpo.optim.lr_scheduler=linear"], "algo.grpo.optim.lr_scheduler: got 'linear'; allowed values"),
+    (["algo.grpo.optim.lr_scheduler=warmup_cosine", "algo.grpo.optim.warmup_steps=500"],
+     "algo.grpo.optim.warmup_steps: expected <= total_steps=150"),
+    (["+algo.grpo.optim.momentum=0.9"], "algo.grpo.optim.momentum: unknown key"),
+    (["engine.reshard_policy=sometimes"], "engine.reshard_policy: got 'sometimes'; allowed values"),
     (["data=jsonl"], "data.path: a value is required"),
     (["patches.disable=[qwen2.nope]"], "patches.disable: unknown patch 'qwen2.nope'"),
     (["model.dtype=float16"], "model.dtype=float16: training keeps master weights in float16"),
@@ -161,8 +167,13 @@ def test_bad_overrides_raise_one_line_config_errors(overrides, expected):
 def test_default_config_converts_to_engine_dataclasses():
     cfg = load_config([])
     assert cfg.algo.name == "grpo" and cfg.trainer.sft_steps > 0 and cfg.trainer.grpo_steps > 0
-    engine = cfg.phase_engine_config("grpo")
-    assert engine.lr == cfg.algo.grpo.lr and engine.pad_mode == "no_padding"
+    from polyfsdp.engines import EngineConfig, OptimConfig
+
+    assert isinstance(cfg.engine, EngineConfig) and cfg.engine.pad_mode == "no_padding"
+    assert isinstance(cfg.algo.grpo.optim, OptimConfig) and cfg.algo.grpo.optim.lr == 1e-3
+    # total_steps: null means the phase's own length (the cosine schedule's horizon).
+    assert (cfg.algo.sft.optim.total_steps, cfg.algo.grpo.optim.total_steps) == (cfg.trainer.sft_steps,
+                                                                                  cfg.trainer.grpo_steps)
     assert cfg.model.model_config(vocab_size=50).vocab_size == 50
 
 
@@ -230,7 +241,7 @@ def test_initial_model_from_unusable_overrides_is_a_value_error(overrides, expec
 
 
 def test_resuming_a_grpo_checkpoint_with_algo_sft_is_a_config_error(tmp_path):
-    from polyfsdp.trainer.job import find_resume
+    from polyfsdp.trainer.resume import find_resume
 
     step = tmp_path / "run" / "checkpoints" / "grpo" / "step_000002"
     step.mkdir(parents=True)
@@ -303,7 +314,7 @@ def test_continuing_a_run_with_another_model_is_a_config_error(tmp_path):
     # config.yaml was rewritten to claim llama.
     from omegaconf import OmegaConf
 
-    from polyfsdp.trainer.job import check_same_run
+    from polyfsdp.trainer.resume import check_same_run
 
     run = tmp_path / "run"
     (run / "init_model").mkdir(parents=True)
@@ -321,7 +332,7 @@ def test_continuing_a_run_with_another_model_is_a_config_error(tmp_path):
 @pytest.mark.parametrize("override,name,before,now", [
     ("data.max_len=7", "data.max_len", "5", "7"),
     ("algo.grpo.kl_coef=0.5", "algo.grpo.kl_coef", "0.01", "0.5"),
-    ("algo.sft.lr=0.1", "algo.sft.lr", "0.003", "0.1"),
+    ("algo.sft.optim.lr=0.1", "algo.sft.optim.lr", "0.003", "0.1"),
     ("trainer.seed=3", "trainer.seed", "0", "3"),
     ("trainer.prompts_per_step=16", "trainer.prompts_per_step", "32", "16"),
 ])
@@ -330,7 +341,7 @@ def test_continuing_a_run_with_other_data_or_algo_settings_is_a_config_error(tmp
     # silently would train a run that config.yaml does not describe.
     from omegaconf import OmegaConf
 
-    from polyfsdp.trainer.job import check_same_run
+    from polyfsdp.trainer.resume import check_same_run
 
     run = tmp_path / "run"
     (run / "checkpoints").mkdir(parents=True)
@@ -346,14 +357,14 @@ def test_an_sft_run_may_continue_into_grpo(tmp_path):
     # algo=sft wrote no GRPO settings; algo=grpo continuing it has none to clash with.
     from omegaconf import OmegaConf
 
-    from polyfsdp.trainer.job import check_same_run
+    from polyfsdp.trainer.resume import check_same_run
 
     run = tmp_path / "run"
     (run / "checkpoints").mkdir(parents=True)
     OmegaConf.save(OmegaConf.create(load_config(["algo=sft"]).raw), run / "config.yaml")
     check_same_run(load_config(["algo.grpo.kl_coef=0.5"]), run)
-    with pytest.raises(ConfigError, match=r"algo.sft.lr"):
-        check_same_run(load_config(["algo.sft.lr=0.1"]), run)
+    with pytest.raises(ConfigError, match=r"algo.sft.optim.lr"):
+        check_same_run(load_config(["algo.sft.optim.lr=0.1"]), run)
 
 
 def test_prompt_without_tokens_is_a_data_error_for_a_tokenizer_without_bos(tmp_path):

@@ -6,7 +6,8 @@ import random
 import pytest
 import torch
 
-from polyfsdp.engines.losses import AGG_MODES, PPOLoss, loss_inputs_from_sequences
+from polyfsdp.engines.losses import AGG_MODES, PPOLoss  # noqa: E402
+from loss_cases import loss_inputs_from_sequences
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 

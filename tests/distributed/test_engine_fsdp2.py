@@ -14,7 +14,7 @@ import pytest
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "cpu"))
-from engine_cases import (DIST_CASES, LENGTHS, LR, PRESET, engine_config, masks_for,  # noqa: E402
+from engine_cases import (DIST_CASES, LENGTHS, LR, PRESET, engine_config, optim_config, masks_for,  # noqa: E402
                           reference_sft_step, train_loss)
 from engine_reference import (assert_params_close_after_adam_step, full_state_dict, left_right_batch,  # noqa: E402
                               no_padding_batch, sequences)
@@ -42,7 +42,7 @@ def test_two_process_fsdp_matches_one_process(world2, name, rmpad, fused, pad_mo
     masks = masks_for(seqs)
     engine = FSDPEngine(ModelConfig(preset=PRESET, seed=5),
                         engine_config(use_remove_padding=rmpad, use_fused_kernels=fused, pad_mode=pad_mode,
-                                      max_tokens_per_micro_batch=budget)).initialize()
+                                      max_tokens_per_micro_batch=budget), optim_config()).initialize()
     initial = full_state_dict(engine.module)
     build = no_padding_batch if pad_mode == "no_padding" else left_right_batch
     out = engine.infer_batch(build(seqs), temperature=torch.linspace(0.6, 1.4, len(seqs)))

@@ -6,7 +6,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "cpu"))
-from engine_cases import DIST_CASES, LENGTHS, PRESET, engine_config, masks_for, rank_share, train_loss  # noqa: E402
+from engine_cases import DIST_CASES, LENGTHS, PRESET, engine_config, optim_config, masks_for, rank_share, train_loss  # noqa: E402
 from engine_reference import full_state_dict, left_right_batch, no_padding_batch, sequences  # noqa: E402
 
 from polyfsdp.backends import destroy_distributed  # noqa: E402
@@ -23,7 +23,7 @@ def main(out_dir):
     for name, rmpad, fused, pad_mode, budget, how in DIST_CASES:
         engine = FSDPEngine(ModelConfig(preset=PRESET, seed=5),
                             engine_config(use_remove_padding=rmpad, use_fused_kernels=fused, pad_mode=pad_mode,
-                                          max_tokens_per_micro_batch=budget)).initialize()
+                                          max_tokens_per_micro_batch=budget), optim_config()).initialize()
         build = no_padding_batch if pad_mode == "no_padding" else left_right_batch
         out = engine.infer_batch(build(seqs), temperature=torch.linspace(0.6, 1.4, len(seqs)))
         results[f"infer_{name}"] = {k: (v.values() if v.is_nested else v) for k, v in out.items()}

@@ -1,0 +1,131 @@
+"""Where a run continues (``trainer.resume``) and whether it may: the rules in one place.
+
+``find_resume`` turns ``auto`` / ``never`` / a checkpoint path into a :class:`ResumePoint`;
+``check_same_run`` refuses to continue a run with settings that decide the model, the data
+stream or the updates (its checkpoints would be loaded while config.yaml claimed others).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from omegaconf import OmegaConf
+
+from polyfsdp.engines.checkpoint import latest_checkpoint
+
+from .config import ConfigError, JobConfig
+from .metrics import METRICS_FILE
+
+# Written next to the SFT-end export: how many metrics records precede GRPO's start.
+STATE_FILE = "polyfsdp_state.json"
+# Settings a continued run must share with the run it continues: they decide the model, the
+# data each step draws (a function of seed, phase, step and batch size) and the updates. The
+# rest (step counts, intervals, logging, engine modes, patches, backend) may change on resume.
+SAME_RUN_SECTIONS = ("model", "data", "algo.sft", "algo.grpo")
+SAME_RUN_TRAINER_KEYS = ("seed", "sft_batch_size", "prompts_per_step")
+
+
+@dataclass
+class ResumePoint:
+    """Where a run continues: ``phase`` from ``checkpoint`` (None: the phase's start) of ``run_dir``."""
+
+    phase: str
+    checkpoint: Path | None
+    run_dir: Path
+
+
+def sft_complete(run_dir: Path) -> bool:
+    """Whether ``run_dir`` holds the SFT phase's finished export."""
+    return (run_dir / "sft_model" / STATE_FILE).is_file()
+
+
+def _explicit_point(cfg: JobConfig, mode: str) -> ResumePoint:
+    path = Path(mode).resolve()
+    # PATH is .../checkpoints/<phase>[/step_N] of a polyfsdp-train run.
+    phase_dir = path if path.name in ("sft", "grpo") else path.parent
+    if phase_dir.name not in ("sft", "grpo") or phase_dir.parent.name != "checkpoints":
+        raise ConfigError(f"trainer.resume: {mode!r} is not a polyfsdp-train checkpoint "
+                          f"(expected OUTPUT_DIR/checkpoints/sft|grpo[/step_N])")
+    if phase_dir.name == "grpo" and cfg.algo.name == "sft":
+        raise ConfigError(f"trainer.resume: {mode!r} is a GRPO checkpoint, but algo=sft runs no GRPO phase; "
+                          f"resume with algo=grpo or from OUTPUT_DIR/checkpoints/sft")
+    found = path if path.name.startswith("step_") else latest_checkpoint(path)
+    if found is None:
+        raise ConfigError(f"trainer.resume: no complete checkpoint in {mode!r}")
+    return ResumePoint(phase_dir.name, found, phase_dir.parent.parent)
+
+
+def find_resume(cfg: JobConfig, out: Path) -> ResumePoint | None:
+    """The point ``trainer.resume`` asks to continue from, or None for a fresh run."""
+    mode = cfg.trainer.resume
+    if mode == "never":
+        for name in ("checkpoints", "sft_model", METRICS_FILE):
+            if (out / name).exists():
+                raise ConfigError(f"trainer.resume=never but {out} already holds a run ({name}); "
+                                  f"choose another trainer.output_dir or use trainer.resume=auto")
+        return None
+    if mode != "auto":
+        return _explicit_point(cfg, mode)
+    ckpt_root = out / "checkpoints"
+    grpo_ckpt = latest_checkpoint(ckpt_root / "grpo")
+    if cfg.algo.name == "sft" and (sft_complete(out) or grpo_ckpt is not None):
+        # Resuming its SFT checkpoints would cut the GRPO records and overwrite final/.
+        raise ConfigError(f"trainer.resume=auto: {out} holds an algo=grpo run, but algo=sft was asked for; "
+                          f"choose another trainer.output_dir or resume with algo=grpo")
+    if cfg.algo.name == "grpo" and grpo_ckpt is not None:
+        return ResumePoint("grpo", grpo_ckpt, out)
+    if cfg.algo.name == "grpo" and cfg.trainer.sft_steps > 0 and sft_complete(out):
+        return ResumePoint("grpo", None, out)
+    sft_ckpt = latest_checkpoint(ckpt_root / "sft")
+    return ResumePoint("sft", sft_ckpt, out) if sft_ckpt is not None else None
+
+
+def _section(raw: dict, dotted: str) -> dict | None:
+    for part in dotted.split("."):
+        raw = raw.get(part) if isinstance(raw, dict) else None
+    return raw
+
+
+def _leaves(tree, prefix: str) -> dict:
+    """``{"a.b.c": value}`` for every leaf of a nested mapping (a non-mapping is one leaf)."""
+    if not isinstance(tree, dict):
+        return {prefix: tree}
+    out = {}
+    for key, value in tree.items():
+        out.update(_leaves(value, f"{prefix}.{key}"))
+    return out
+
+
+def check_same_run(cfg: JobConfig, run_dir: Path) -> None:
+    """A run continued in (or from) ``run_dir`` must ask for the model, data and algorithm
+    it was started with: its init_model and checkpoints would be loaded and the data stream
+    continued, while config.yaml claimed the new settings."""
+    saved = run_dir / "config.yaml"
+    started = any((run_dir / name).exists() for name in ("init_model", "checkpoints", "sft_model"))
+    if not (started and saved.is_file()):
+        return
+    before_raw = OmegaConf.to_container(OmegaConf.load(saved))
+    before, now = {}, {}
+    for dotted in SAME_RUN_SECTIONS:
+        old, new = _section(before_raw, dotted), _section(cfg.raw, dotted)
+        if dotted == "algo.grpo" and (old is None or new is None):
+            continue  # an SFT run continued into GRPO: no GRPO settings to keep yet
+        before.update(_leaves(old or {}, dotted))
+        now.update(_leaves(new or {}, dotted))
+    trainer_before = before_raw.get("trainer") or {}
+    for key in SAME_RUN_TRAINER_KEYS:
+        before[f"trainer.{key}"], now[f"trainer.{key}"] = trainer_before.get(key), cfg.raw["trainer"].get(key)
+    for name in list(now) + [k for k in before if k not in now]:
+        if before.get(name) != now.get(name):
+            raise ConfigError(f"trainer.resume={cfg.trainer.resume}: {run_dir} holds a run of {name}="
+                              f"{before.get(name)!r}, but this run asks for {name}={now.get(name)!r}; keep "
+                              f"the model, data and algo settings (and trainer.seed, sft_batch_size, "
+                              f"prompts_per_step) or choose another trainer.output_dir")
+
+
+def load_resume_checkpoint(engine, checkpoint: Path) -> tuple[int, dict]:
+    """Load a resume checkpoint; one that is incomplete or unreadable is a ConfigError."""
+    try:
+        return engine.load_checkpoint(str(checkpoint))
+    except (OSError, ValueError, KeyError) as exc:
+        raise ConfigError(f"trainer.resume: cannot load {checkpoint}: {type(exc).__name__}: {exc}") from None
