@@ -2,8 +2,10 @@
 
 Packed input (one row holding several sequences, announced by ``cu_seq_lens_q`` or by
 ``position_ids`` restarting) runs SDPA once per sequence with ``is_causal=True``: on CPU
-this is 1.65x faster than padded SDPA with backward (DESIGN.md), and it never builds the
-dense total x total block-diagonal mask that transformers' sdpa path would.
+this is 1.65x faster than padded SDPA with backward (measured at 71% fill, B=8, L=1024),
+and it never builds the dense total x total block-diagonal mask that transformers' sdpa
+path would. The boundaries come from the engine's host copy (``polyfsdp_host_cu_seq_lens``)
+when given, else from ``cu_seq_lens_q`` (read once per forward) or the position ids.
 """
 from __future__ import annotations
 

@@ -82,7 +82,7 @@ def reference_model(preset, state_dict):
 
 def reference_logprobs(model, seqs, temperatures):
     """Per sequence, alone: log_softmax(logits / T) at the next token and the entropy,
-    last position 0 (DESIGN.md convention). Returns lists of float64 tensors."""
+    last position 0 (docs/architecture.md convention). Returns lists of float64 tensors."""
     lps, ents = [], []
     for s, t in zip(seqs, temperatures):
         if len(s) == 0:
