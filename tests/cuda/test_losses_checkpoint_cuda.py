@@ -1,13 +1,16 @@
 """Losses and checkpoints on a GPU: same loss values as on the CPU, exact checkpoint round trip."""
 from __future__ import annotations
 
+import os
 import random
+import sys
 
 import pytest
 import torch
 
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "cpu"))
+from loss_cases import loss_inputs_from_sequences  # noqa: E402
 from polyfsdp.engines.losses import AGG_MODES, PPOLoss  # noqa: E402
-from loss_cases import loss_inputs_from_sequences
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -36,14 +39,19 @@ def test_ppo_loss_on_gpu_matches_cpu(agg_mode):
     torch.testing.assert_close(gpu_loss.cpu(), cpu_loss, atol=1e-6, rtol=1e-6)
     assert gpu_metrics.keys() == cpu_metrics.keys()
     for key in cpu_metrics:
-        assert gpu_metrics[key] == pytest.approx(cpu_metrics[key], abs=1e-6), key
+        assert float(gpu_metrics[key]) == pytest.approx(float(cpu_metrics[key]), abs=1e-6), key
 
 
 def test_non_finite_advantage_on_gpu_names_the_index():
+    # Values are checked once per batch at the engine's edge (engines/batch_checks.py).
+    from polyfsdp.engines.batch_checks import BatchChecks
+
     inputs = _inputs("cuda")
     inputs.fields["advantages"][6] = float("nan")
+    checks = BatchChecks()
+    checks.finite("advantages", inputs.fields["advantages"], inputs.offsets)
     with pytest.raises(ValueError, match=r"'advantages' must be finite.*flat index 6 \(sequence 2, position 0\)"):
-        PPOLoss()(inputs)
+        checks.read()
 
 
 def test_fsdp2_checkpoint_round_trip_on_gpu_restores_params_and_gpu_rng(tmp_path):
