@@ -26,10 +26,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 from omegaconf import OmegaConf
 
-from polyfsdp.backends.distributed import current_rank, current_world_size, init_distributed
+from polyfsdp.backends.distributed import barrier, broadcast_object, current_rank, current_world_size, init_distributed
 from polyfsdp.backends.registry import get_backend
 from polyfsdp.engines.checkpoint import latest_checkpoint
 from polyfsdp.engines.engine import FSDPEngine
@@ -165,14 +164,6 @@ def _load(engine: FSDPEngine, checkpoint: Path) -> tuple[int, dict]:
         raise ConfigError(f"trainer.resume: cannot load {checkpoint}: {type(exc).__name__}: {exc}") from None
 
 
-def _broadcast(value):
-    if current_world_size() == 1:
-        return value
-    holder = [value]
-    dist.broadcast_object_list(holder, src=0)
-    return holder[0]
-
-
 class Job:
     """One run of ``polyfsdp-train`` (every rank builds one)."""
 
@@ -184,7 +175,7 @@ class Job:
         init_distributed(self.backend)
         self.rank, self.world = current_rank(), current_world_size()
         # Rank 0's output_dir wins: "${now:...}" may resolve differently on each rank.
-        self.out = Path(_broadcast(cfg.trainer.output_dir)).resolve()
+        self.out = Path(broadcast_object(cfg.trainer.output_dir)).resolve()
         self.metrics = MetricsLogger(str(self.out / METRICS_FILE), enabled=self.rank == 0)
         try:
             self.tokenizer = load_tokenizer(cfg.model.path)
@@ -263,8 +254,7 @@ class Job:
             if directory.exists():
                 shutil.rmtree(directory)
             os.replace(tmp, directory)
-        if dist.is_initialized():
-            dist.barrier()
+        barrier()
 
     # ------------------------------------------------------------------ phases
     def run(self) -> dict:
@@ -281,7 +271,7 @@ class Job:
                 OmegaConf.save(OmegaConf.create(cfg.raw), out / "config.yaml")
             except OSError as exc:
                 raise ConfigError(f"trainer.output_dir: cannot create {out}: {exc.strerror or exc}") from None
-        resume = _broadcast(resume)
+        resume = broadcast_object(resume)
         if cfg.model.path:
             start_dir = cfg.model.path
         else:
