@@ -41,9 +41,6 @@ class FakeNpuRuntime(types.SimpleNamespace):
     def is_available(self):
         return self.count > 0
 
-    def device_count(self):
-        return self.count
-
     def set_device(self, index):
         self.calls.append(("set_device", index))
 

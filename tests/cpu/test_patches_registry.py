@@ -30,9 +30,6 @@ class ReferenceOpsBackend(Backend):
     def availability(self):
         return None
 
-    def device_count(self):
-        return 1
-
     def fused_ops(self):
         return {"rms_norm": ref.npu_rms_norm, "rotary_mul": ref.npu_rotary_mul, "swiglu": ref.npu_swiglu,
                 "fusion_attention": ref.npu_fusion_attention}

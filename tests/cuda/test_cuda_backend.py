@@ -1,4 +1,5 @@
-"""On a GPU: a tensor round-trips through the device and init_distributed binds it."""
+"""On a GPU: a tensor round-trips through the device, the device RNG state restores, and
+init_distributed binds it."""
 import torch
 import torch.distributed as dist
 
@@ -12,7 +13,16 @@ def test_tensor_round_trip_through_the_gpu():
     backend.synchronize()
     assert on_device.device.type == "cuda"
     assert torch.equal(on_device.cpu(), x * 2)
-    assert backend.memory_allocated() > 0
+
+
+def test_device_rng_state_restores_the_same_draws():
+    backend = get_backend("cuda")
+    backend.manual_seed(11)
+    state = backend.get_rng_state()
+    assert set(state) == {"cuda"}
+    first = torch.rand(4, device=backend.device(0))
+    backend.set_rng_state(state)
+    assert torch.equal(torch.rand(4, device=backend.device(0)), first)
 
 
 def test_init_distributed_single_process_uses_nccl(monkeypatch):
