@@ -50,6 +50,12 @@ class FakeNpuRuntime(types.SimpleNamespace):
     def synchronize(self):
         self.calls.append(("synchronize",))
 
+    def get_rng_state_all(self):
+        return ["npu rng state"]
+
+    def set_rng_state_all(self, states):
+        self.calls.append(("set_rng_state_all", states))
+
 
 def working_torch_npu(version: str | None = None) -> types.ModuleType:
     """A module object standing in for an importable torch_npu of the given version."""

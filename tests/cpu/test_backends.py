@@ -51,7 +51,9 @@ def test_auto_picks_npu_when_torch_npu_loads_and_a_device_is_present(fake_npu):
     backend.set_device(1)
     backend.manual_seed(3)
     backend.synchronize()
-    assert fake_npu.calls == [("set_device", 1), ("manual_seed_all", 3), ("synchronize",)]
+    backend.set_rng_state(backend.get_rng_state())
+    assert fake_npu.calls == [("set_device", 1), ("manual_seed_all", 3), ("synchronize",),
+                              ("set_rng_state_all", ["npu rng state"])]
     assert "rms_norm" in backend.fused_ops()
 
 

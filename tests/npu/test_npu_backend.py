@@ -4,6 +4,7 @@ import torch
 import torch.distributed as dist
 
 from polyfsdp.backends import destroy_distributed, get_backend, init_distributed
+from tests.device_checks import assert_rng_state_restores_draws
 
 
 def test_tensor_round_trip_through_the_npu():
@@ -17,13 +18,7 @@ def test_tensor_round_trip_through_the_npu():
 
 
 def test_device_rng_state_restores_the_same_draws():
-    backend = get_backend("npu")
-    backend.manual_seed(11)
-    state = backend.get_rng_state()
-    assert set(state) == {"npu"}
-    first = torch.rand(4, device=backend.device(0))
-    backend.set_rng_state(state)
-    assert torch.equal(torch.rand(4, device=backend.device(0)), first)
+    assert_rng_state_restores_draws(get_backend("npu"))
 
 
 def test_init_distributed_single_process_uses_hccl(monkeypatch):
