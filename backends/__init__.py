@@ -1,7 +1,9 @@
 """Device abstraction: the only package in polyfsdp that names a device.
 
 ``get_backend()`` picks npu, cuda or cpu; ``available_backends()`` says which can run
-here and why not; ``init_distributed()`` sets up torch.distributed and the device mesh.
+here and why not; ``init_distributed()`` sets up torch.distributed and the device mesh;
+``all_reduce_sum``/``all_reduce_max``/``all_gather_object``/``broadcast_object``/``barrier``
+are collectives that are no-ops on a single rank.
 """
 import os
 
@@ -12,7 +14,17 @@ import os
 os.environ.setdefault("TORCH_DEVICE_BACKEND_AUTOLOAD", "0")
 
 from .base import Backend, BackendUnavailableError  # noqa: E402  (after the guard above)
-from .distributed import current_rank, current_world_size, destroy_distributed, init_distributed
+from .distributed import (
+    all_gather_object,
+    all_reduce_max,
+    all_reduce_sum,
+    barrier,
+    broadcast_object,
+    current_rank,
+    current_world_size,
+    destroy_distributed,
+    init_distributed,
+)
 from .registry import AUTO_ORDER, BACKEND_NAMES, ENV_OVERRIDE, BackendStatus, available_backends, get_backend
 
 __all__ = [
@@ -22,7 +34,12 @@ __all__ = [
     "Backend",
     "BackendStatus",
     "BackendUnavailableError",
+    "all_gather_object",
+    "all_reduce_max",
+    "all_reduce_sum",
     "available_backends",
+    "barrier",
+    "broadcast_object",
     "current_rank",
     "current_world_size",
     "destroy_distributed",

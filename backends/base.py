@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from types import ModuleType
 from typing import Callable
 
 import torch
@@ -12,72 +13,67 @@ class BackendUnavailableError(RuntimeError):
 
 
 class Backend(ABC):
-    """One device family (cpu, cuda, npu). Subclasses are the only code naming a device."""
+    """One device family (cpu, cuda, npu). Subclasses are the only code naming a device.
+
+    Calls every device runtime has (bind, synchronize, seed, RNG state) are written once
+    here against torch's per-device module (``torch.cuda``, ``torch.npu``, ``torch.cpu``);
+    subclasses hold only what differs: availability, attention choice, fused ops.
+    """
 
     name: str
     device_type: str
     dist_backend: str
-    visible_devices_env: str | None = None
     # Attention implementation name passed to transformers; the engine registers
     # polyfsdp's own implementations before building a model.
     default_attn_implementation: str = "sdpa"
+    # Whether the device module keeps generators of its own (torch.cpu has none: the CPU
+    # generator is torch's default one, which torch.manual_seed and checkpoints cover).
+    has_device_generators: bool = True
 
     @abstractmethod
     def availability(self) -> str | None:
         """Return None when usable, else a plain-words reason why not."""
 
-    def is_available(self) -> bool:
-        """True when this backend can run here."""
-        return self.availability() is None
+    def _device_module(self) -> ModuleType:
+        """torch's module for this device type (``torch.cuda``, ``torch.npu``, ``torch.cpu``)."""
+        # The lookup torch.get_device_module does, minus two things it adds: it parses the
+        # name as a torch.device (``npu`` is no device type until torch_npu registers it) and
+        # caches the module for good (tests swap torch.npu stand-ins in and out).
+        return getattr(torch, self.device_type)
 
     def device(self, local_rank: int = 0) -> torch.device:
         """The torch device a process with this local rank should use."""
         return torch.device(self.device_type, local_rank)
 
-    @abstractmethod
-    def device_count(self) -> int:
-        """Number of visible devices of this type."""
-
     def set_device(self, local_rank: int = 0) -> None:
-        """Bind the current process to its device (no-op where meaningless)."""
+        """Bind the current process to its device (a no-op on CPU)."""
+        self._device_module().set_device(local_rank)
 
     def synchronize(self) -> None:
         """Wait for all queued device work."""
-
-    def empty_cache(self) -> None:
-        """Release cached device memory back to the driver."""
+        self._device_module().synchronize()
 
     def manual_seed(self, seed: int) -> None:
         """Seed the CPU generator and every device generator of this backend."""
         torch.manual_seed(seed)
+        if self.has_device_generators:
+            self._device_module().manual_seed_all(seed)
 
-    def memory_allocated(self) -> int:
-        """Bytes currently allocated by tensors on the device."""
-        return 0
+    def get_rng_state(self) -> dict:
+        """RNG state of the device generators, keyed by device type (CPU state is saved separately)."""
+        if not self.has_device_generators:
+            return {}
+        return {self.device_type: self._device_module().get_rng_state_all()}
 
-    def max_memory_allocated(self) -> int:
-        """Peak bytes allocated since the last reset."""
-        return 0
-
-    def reset_peak_memory_stats(self) -> None:
-        """Start a new peak-memory measurement window."""
-
-    @property
-    def supports_bf16(self) -> bool:
-        """Whether bfloat16 compute is supported natively."""
-        return True
+    def set_rng_state(self, state: dict) -> None:
+        """Restore what :meth:`get_rng_state` returned."""
+        if self.device_type in state:
+            self._device_module().set_rng_state_all(state[self.device_type])
 
     def fused_ops(self) -> dict[str, Callable]:
         """Fused kernels this backend offers, by op name (``rms_norm``, ``rotary_mul``,
         ``swiglu``, ``fusion_attention``). Patches are written against this table."""
         return {}
-
-    def get_rng_state(self) -> dict:
-        """RNG state of the device generators (CPU state is saved separately)."""
-        return {}
-
-    def set_rng_state(self, state: dict) -> None:
-        """Restore what :meth:`get_rng_state` returned."""
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} name={self.name!r}>"

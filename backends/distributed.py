@@ -1,11 +1,14 @@
-"""torch.distributed set-up from torchrun's environment, on any backend."""
+"""torch.distributed set-up from torchrun's environment, on any backend, and the collectives
+the rest of polyfsdp calls (each one a no-op on a single rank)."""
 from __future__ import annotations
 
 import ctypes
 import logging
 import os
 from datetime import timedelta
+from typing import Any
 
+import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
@@ -24,14 +27,75 @@ def _env_int(name: str, default: int) -> int:
         raise ValueError(f"environment variable {name} must be an integer, got {value!r}") from None
 
 
+def _group_exists() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
 def current_rank() -> int:
     """This process's rank, 0 when no process group is initialised."""
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+    return dist.get_rank() if _group_exists() else 0
 
 
 def current_world_size() -> int:
     """The number of ranks, 1 when no process group is initialised."""
-    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    return dist.get_world_size() if _group_exists() else 1
+
+
+# ----------------------------------------------------------------------------- collectives
+# Each helper is a no-op on one rank (no process group, or a group of one), so callers
+# never guard a collective themselves.
+
+
+def _all_reduce(values: list[float] | torch.Tensor, device, op, caller: str) -> list[float] | torch.Tensor:
+    if isinstance(values, torch.Tensor):
+        if current_world_size() > 1:
+            dist.all_reduce(values, op=op)
+        return values
+    if device is None:
+        # nccl and hccl reduce only device tensors: the caller must say which device.
+        raise TypeError(f"{caller}: a list of values needs device= (the backend's device)")
+    if not values or current_world_size() == 1:
+        return values
+    tensor = torch.tensor(values, dtype=torch.float64, device=device)
+    dist.all_reduce(tensor, op=op)
+    return tensor.tolist()
+
+
+def all_reduce_sum(values: list[float] | torch.Tensor, device: torch.device | str | None = None
+                   ) -> list[float] | torch.Tensor:
+    """Element-wise sum over ranks. A tensor is reduced in place and returned; a list of
+    floats is reduced as float64 on ``device`` and returned as a new list. One rank: the input."""
+    return _all_reduce(values, device, dist.ReduceOp.SUM, "all_reduce_sum")
+
+
+def all_reduce_max(values: list[float] | torch.Tensor, device: torch.device | str | None = None
+                   ) -> list[float] | torch.Tensor:
+    """Element-wise maximum over ranks; same inputs and return as :func:`all_reduce_sum`."""
+    return _all_reduce(values, device, dist.ReduceOp.MAX, "all_reduce_max")
+
+
+def all_gather_object(value: Any) -> list[Any]:
+    """Every rank's ``value`` (picklable), in rank order; ``[value]`` on one rank."""
+    if current_world_size() == 1:
+        return [value]
+    gathered: list[Any] = [None] * current_world_size()
+    dist.all_gather_object(gathered, value)
+    return gathered
+
+
+def broadcast_object(value: Any, src: int = 0) -> Any:
+    """Rank ``src``'s ``value`` (picklable) on every rank; ``value`` itself on one rank."""
+    if current_world_size() == 1:
+        return value
+    holder = [value]
+    dist.broadcast_object_list(holder, src=src)
+    return holder[0]
+
+
+def barrier() -> None:
+    """Wait until every rank arrives; a no-op when no process group is initialised."""
+    if _group_exists():
+        dist.barrier()
 
 
 def init_distributed(backend: Backend, timeout_s: float = 600.0) -> DeviceMesh:

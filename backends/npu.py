@@ -34,7 +34,6 @@ class NPUBackend(Backend):
     name = "npu"
     device_type = "npu"
     dist_backend = "hccl"
-    visible_devices_env = "ASCEND_RT_VISIBLE_DEVICES"
     # The attention patch swaps in npu_fusion_attention (TND for packed batches).
     default_attn_implementation = "sdpa"
 
@@ -81,50 +80,13 @@ class NPUBackend(Backend):
             return "torch_npu loaded but no NPU is visible (check the driver and ASCEND_RT_VISIBLE_DEVICES)"
         return None
 
-    def _npu(self):
+    def _device_module(self):
+        # torch.npu exists only once torch_npu has been imported.
         self._torch_npu()
-        return torch.npu  # type: ignore[attr-defined]
-
-    def device_count(self) -> int:
-        return self._npu().device_count() if self.is_available() else 0
-
-    def set_device(self, local_rank: int = 0) -> None:
-        self._npu().set_device(local_rank)
-
-    def synchronize(self) -> None:
-        self._npu().synchronize()
-
-    def empty_cache(self) -> None:
-        self._npu().empty_cache()
-
-    def manual_seed(self, seed: int) -> None:
-        torch.manual_seed(seed)
-        self._npu().manual_seed_all(seed)
-
-    def memory_allocated(self) -> int:
-        return self._npu().memory_allocated()
-
-    def max_memory_allocated(self) -> int:
-        return self._npu().max_memory_allocated()
-
-    def reset_peak_memory_stats(self) -> None:
-        self._npu().reset_peak_memory_stats()
-
-    @property
-    def supports_bf16(self) -> bool:
-        # Ascend 910B and later compute bf16 natively; torch_npu reports it when it can.
-        check = getattr(self._npu(), "is_bf16_supported", None)
-        return bool(check()) if check is not None else True
+        return super()._device_module()
 
     def fused_ops(self) -> dict[str, Callable]:
         module = self._torch_npu()
         if module is None:
             return {}
         return {op: getattr(module, attr) for op, attr in _FUSED_OP_NAMES.items() if hasattr(module, attr)}
-
-    def get_rng_state(self) -> dict:
-        return {"npu": self._npu().get_rng_state_all()}
-
-    def set_rng_state(self, state: dict) -> None:
-        if "npu" in state:
-            self._npu().set_rng_state_all(state["npu"])

@@ -26,7 +26,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
@@ -36,7 +35,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
-from polyfsdp.backends.distributed import current_rank, current_world_size
+from polyfsdp.backends.distributed import barrier, current_rank, current_world_size
 
 logger = logging.getLogger(__name__)
 
@@ -48,11 +47,6 @@ _STEP_DIR = re.compile(r"^step_(\d+)$")
 
 
 # --------------------------------------------------------------------------- helpers
-
-
-def _barrier() -> None:
-    if dist.is_initialized():
-        dist.barrier()
 
 
 def step_dir_name(step: int) -> str:
@@ -186,7 +180,7 @@ def save_checkpoint(
             logger.warning("removing leftover %s from an interrupted save", tmp)
             shutil.rmtree(tmp)
         tmp.mkdir()
-    _barrier()
+    barrier()
 
     # get_state_dict() initialises an empty optimizer state with a zero-lr step, which would
     # advance Adam's step count of the live run: an optimizer that has not stepped yet is
@@ -204,7 +198,7 @@ def save_checkpoint(
             "has_optimizer_state": "optim" in state,
         }
         _save_torch(trainer_state, tmp / TRAINER_STATE_FILE)
-    _barrier()
+    barrier()
 
     if rank == 0:
         _commit(directory, tmp, final)
@@ -216,7 +210,7 @@ def save_checkpoint(
                 logger.info("deleting old checkpoint %s (keep=%d)", old, keep)
                 shutil.rmtree(old)
         logger.info("saved checkpoint %s", final)
-    _barrier()
+    barrier()
     return final
 
 
@@ -289,7 +283,7 @@ def load_checkpoint(
             "%s has no RNG state for rank %d (saved with world size %d, now %d): RNG not restored",
             path, rank, trainer_state["world_size"], current_world_size(),
         )
-    _barrier()
+    barrier()
     logger.info("loaded checkpoint %s (step %d)", path, trainer_state["step"])
     return trainer_state["step"], trainer_state["extra"]
 
@@ -341,7 +335,7 @@ def export_hf(
         if tokenizer is not None:
             tokenizer.save_pretrained(directory)
         logger.info("exported Hugging Face checkpoint to %s", directory)
-    _barrier()
+    barrier()
     return directory
 
 

@@ -15,6 +15,7 @@ from .registry import (
     patches_for,
     register,
     unregister,
+    validate_toggles,
 )
 from .report import PatchOutcome
 
@@ -31,4 +32,5 @@ __all__ = [
     "patches_for",
     "register",
     "unregister",
+    "validate_toggles",
 ]

@@ -112,6 +112,22 @@ def patches_for(model_type: str | None) -> list[Patch]:
     return [p for p in _PATCHES.values() if model_type in p.model_types]
 
 
+def validate_toggles(toggles: PatchToggles) -> PatchToggles:
+    """Return ``toggles`` if every family and patch it disables is registered; an unknown
+    name is a ValueError listing the known ones (a typo must not silently leave a patch on)."""
+    families = known_families()
+    for family in toggles.disable_families:
+        if family not in families:
+            raise ValueError(
+                f"patches.disable_families: unknown family {family!r}; known families: {', '.join(families)}"
+            )
+    names = known_patch_names()
+    for name in toggles.disable:
+        if name not in names:
+            raise ValueError(f"patches.disable: unknown patch {name!r}; known patches: {', '.join(names)}")
+    return toggles
+
+
 def _skip_reason(patch: Patch, toggles: PatchToggles, ops: Ops, backend_name: str) -> str | None:
     if not toggles.enabled:
         return "all patches off (patches.enabled=false)"
@@ -171,7 +187,7 @@ def apply_patches(model: nn.Module, backend, toggles: PatchToggles | Mapping | N
     Each patch is isolated: a failure is rolled back and reported, the others still apply.
     Returns a :class:`PatchReport`; ``report.undo()`` restores the model exactly.
     """
-    toggles = PatchToggles.from_config(toggles)
+    toggles = validate_toggles(PatchToggles.from_config(toggles))
     if not isinstance(model, nn.Module):
         raise TypeError(f"apply_patches expects a torch.nn.Module, got {type(model).__name__}")
     if getattr(model, _MARKER, None) is not None:

@@ -21,8 +21,8 @@ def _names(field_name: str, value: Any) -> tuple[str, ...]:
 class PatchToggles:
     """Which patches may apply: all on/off, whole families off, single patches off, verify each.
 
-    ``disable`` and ``disable_families`` are checked against the registered patches: an
-    unknown name is a ValueError that lists the known ones.
+    Plain data: construction checks types only. Whether the names exist is the registry's
+    question (``patches.registry.validate_toggles``, which ``apply_patches`` also calls).
     """
 
     enabled: bool = True
@@ -37,18 +37,6 @@ class PatchToggles:
                 raise TypeError(f"patches.{name} must be true or false, got {type(value).__name__} {value!r}")
         self.disable_families = _names("disable_families", self.disable_families)
         self.disable = _names("disable", self.disable)
-        from .registry import known_families, known_patch_names
-
-        families = known_families()
-        for family in self.disable_families:
-            if family not in families:
-                raise ValueError(
-                    f"patches.disable_families: unknown family {family!r}; known families: {', '.join(families)}"
-                )
-        names = known_patch_names()
-        for name in self.disable:
-            if name not in names:
-                raise ValueError(f"patches.disable: unknown patch {name!r}; known patches: {', '.join(names)}")
 
     @classmethod
     def from_config(cls, config: Any) -> "PatchToggles":

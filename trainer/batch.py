@@ -67,12 +67,3 @@ def build_batch(pairs: Sequence[tuple[Sequence[int], Sequence[int]]], pad_mode: 
                 dense_fields[name][i, start:end] = values[i]
         return TensorDict({"input_ids": dense, "attention_mask": attention, **dense_fields}, batch_size=[len(seqs)])
     raise ValueError(f"pad_mode: got {pad_mode!r}; allowed values: 'no_padding', 'left_right'")
-
-
-def per_sequence(values, batch: TensorDict, pad_mode: str) -> list[torch.Tensor]:
-    """Split a per-token engine output (jagged, or dense aligned with ``input_ids``) into
-    one flat tensor per sequence."""
-    if pad_mode == "no_padding":
-        return [t for t in values.unbind()]
-    mask = batch["attention_mask"].bool()
-    return [values[i][mask[i]] for i in range(values.shape[0])]

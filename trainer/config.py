@@ -378,10 +378,11 @@ def build_job_config(raw: dict, world_size: int = 1) -> JobConfig:
     except (ValueError, TypeError) as exc:
         raise ConfigError(str(exc)) from None
 
+    from polyfsdp.patches.registry import validate_toggles
     from polyfsdp.patches.toggles import PatchToggles
 
     try:
-        patches = PatchToggles.from_config(raw["patches"])
+        patches = validate_toggles(PatchToggles.from_config(raw["patches"]))
     except (ValueError, TypeError) as exc:
         raise ConfigError(str(exc) if str(exc).startswith("patches") else f"patches: {exc}") from None
 

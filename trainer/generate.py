@@ -5,9 +5,8 @@ import logging
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 
-from polyfsdp.backends.distributed import current_rank, current_world_size
+from polyfsdp.backends.distributed import all_reduce_sum, current_rank, current_world_size
 
 from .task import Example, reward
 
@@ -88,6 +87,5 @@ def evaluate(engine, tokenizer, examples: list[Example], max_new_tokens: int, ch
         if mine[c * chunk:(c + 1) * chunk]:
             total += sum(result.rewards)
     sums = torch.tensor([total, float(len(mine))], dtype=torch.float64, device=engine.device)
-    if current_world_size() > 1:
-        dist.all_reduce(sums)
+    all_reduce_sum(sums)
     return float(sums[0] / sums[1])

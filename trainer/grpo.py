@@ -6,7 +6,8 @@ from __future__ import annotations
 import time
 
 import torch
-import torch.distributed as dist
+
+from polyfsdp.backends.distributed import all_reduce_sum
 
 from .batch import build_batch
 from .generate import rollout
@@ -24,14 +25,6 @@ def group_advantages(rewards: torch.Tensor, group_size: int, norm_by_std: bool =
     if norm_by_std:
         centred = centred / (groups.std(dim=1, keepdim=True) + eps)
     return centred.view(-1).float()
-
-
-def _sum_over_ranks(values: list[float], device) -> list[float]:
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return values
-    t = torch.tensor(values, dtype=torch.float64, device=device)
-    dist.all_reduce(t)
-    return t.tolist()
 
 
 def grpo_step(policy, ref, tokenizer, examples: list[Example], cfg, loss_fn, sample_seed: int) -> dict:
@@ -58,7 +51,7 @@ def grpo_step(policy, ref, tokenizer, examples: list[Example], cfg, loss_fn, sam
     tokens = float(sum(lengths))
     resp_len = float(sum(len(r) for r in roll.response_ids))
     solved = float(sum(r == 1.0 for r in roll.rewards))
-    reward_sum, reward_sq, count, resp_sum, solved_sum = _sum_over_ranks(
+    reward_sum, reward_sq, count, resp_sum, solved_sum = all_reduce_sum(
         [float(rewards.sum()), float((rewards ** 2).sum()), float(rewards.numel()), resp_len, solved], policy.device)
     mean = reward_sum / count
     metrics.update({

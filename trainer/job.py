@@ -27,10 +27,9 @@ from pathlib import Path
 from typing import Callable
 
 import torch
-import torch.distributed as dist
 from omegaconf import OmegaConf
 
-from polyfsdp.backends.distributed import current_rank, current_world_size, init_distributed
+from polyfsdp.backends.distributed import barrier, broadcast_object, current_rank, current_world_size, init_distributed
 from polyfsdp.backends.registry import get_backend
 from polyfsdp.engines.engine import FSDPEngine
 from polyfsdp.engines.losses import SFTLoss
@@ -61,14 +60,6 @@ def _say(message: str) -> None:
         sys.stdout.flush()
 
 
-def _broadcast(value):
-    if current_world_size() == 1:
-        return value
-    holder = [value]
-    dist.broadcast_object_list(holder, src=0)
-    return holder[0]
-
-
 @dataclass
 class Phase:
     """What differs between the SFT and GRPO phases; :meth:`Job._run_phase` runs either."""
@@ -95,7 +86,7 @@ class Job:
         init_distributed(self.backend)
         self.rank, self.world = current_rank(), current_world_size()
         # Rank 0's output_dir wins: "${now:...}" may resolve differently on each rank.
-        self.out = Path(_broadcast(cfg.trainer.output_dir)).resolve()
+        self.out = Path(broadcast_object(cfg.trainer.output_dir)).resolve()
         self.metrics = MetricsLogger(str(self.out / METRICS_FILE), enabled=self.rank == 0)
         try:
             self.tokenizer = load_tokenizer(cfg.model.path)
@@ -174,8 +165,7 @@ class Job:
             if directory.exists():
                 shutil.rmtree(directory)
             os.replace(tmp, directory)
-        if dist.is_initialized():
-            dist.barrier()
+        barrier()
 
     # ------------------------------------------------------------------ phases
     def run(self) -> dict:
@@ -192,7 +182,7 @@ class Job:
                 OmegaConf.save(OmegaConf.create(cfg.raw), out / "config.yaml")
             except OSError as exc:
                 raise ConfigError(f"trainer.output_dir: cannot create {out}: {exc.strerror or exc}") from None
-        resume = _broadcast(resume)
+        resume = broadcast_object(resume)
         start_dir = cfg.model.path or self._initial_model()
         _say(f"polyfsdp-train: {cfg.algo.name} on {cfg.data.source} data, backend {self.backend.name}, "
              f"{self.world} rank(s), output {out}" + (f" (resuming {resume.phase} from "

@@ -12,9 +12,8 @@ import os
 import shutil
 
 import torch
-import torch.distributed as dist
 
-from polyfsdp.backends.distributed import current_rank
+from polyfsdp.backends.distributed import barrier, current_rank
 from polyfsdp.engines.presets import preset_config
 
 logger = logging.getLogger(__name__)
@@ -48,6 +47,5 @@ def write_initial_model(directory: str, preset: str, overrides: dict, tokenizer,
         n = sum(p.numel() for p in model.parameters())
         sizes = ", ".join(f"{k}={v}" for k, v in dict(overrides).items())
         print(f"initial model: {preset} ({sizes}), {n / 1e6:.2f}M parameters -> {directory}", flush=True)
-    if dist.is_initialized():
-        dist.barrier()
+    barrier()
     return directory

@@ -41,9 +41,6 @@ class FakeNpuRuntime(types.SimpleNamespace):
     def is_available(self):
         return self.count > 0
 
-    def device_count(self):
-        return self.count
-
     def set_device(self, index):
         self.calls.append(("set_device", index))
 
@@ -52,6 +49,12 @@ class FakeNpuRuntime(types.SimpleNamespace):
 
     def synchronize(self):
         self.calls.append(("synchronize",))
+
+    def get_rng_state_all(self):
+        return ["npu rng state"]
+
+    def set_rng_state_all(self, states):
+        self.calls.append(("set_rng_state_all", states))
 
 
 def working_torch_npu(version: str | None = None) -> types.ModuleType:

@@ -62,6 +62,15 @@ def left_right_batch(seqs, per_token=None, per_seq=None):
     return TensorDict(data, batch_size=[len(seqs)])
 
 
+def per_sequence(values, batch, pad_mode):
+    """Split a per-token engine output (jagged, or dense aligned with ``input_ids``) into
+    one flat tensor per sequence."""
+    if pad_mode == "no_padding":
+        return [t for t in values.unbind()]
+    mask = batch["attention_mask"].bool()
+    return [values[i][mask[i]] for i in range(values.shape[0])]
+
+
 def full_state_dict(module):
     """Unsharded copies of every parameter/buffer of an FSDP2 module."""
     out = {}

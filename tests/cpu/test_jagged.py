@@ -14,16 +14,28 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from polyfsdp.engines import jagged as J
+from polyfsdp.engines import jagged_checks, jagged_kernels
 
 SETTINGS = settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 DTYPES = (torch.int64, torch.float32, torch.bfloat16)
 RESTS = ((), (3,), (2, 2))
 
 
+def _host_only_kernel(*args, **kwargs):
+    raise AssertionError("the portable strategy reached a host-only kernel")
+
+
+def _pretend_everything_is_on_an_accelerator(monkeypatch):
+    monkeypatch.setattr(jagged_checks, "on_host", lambda t: False)
+    # Proof the pretence holds: a host-only kernel reached anyway fails the test.
+    for name in ("_PAD_TO_JAGGED", "_JAGGED_TO_PAD", "_pack_host_rows"):
+        monkeypatch.setattr(jagged_kernels, name, _host_only_kernel)
+
+
 @pytest.fixture(params=["native", "portable"])
 def strategy(request, monkeypatch):
     if request.param == "portable":
-        monkeypatch.setattr(J, "_on_host", lambda t: False)
+        _pretend_everything_is_on_an_accelerator(monkeypatch)
     return request.param
 
 
@@ -235,13 +247,13 @@ def test_without_max_seqlen_padding_would_use_total_but_ours_uses_longest():
 
 
 def test_accelerator_sizes_with_total_are_never_read_back(monkeypatch, caplog):
-    monkeypatch.setattr(J, "_on_host", lambda t: False)
-    monkeypatch.setattr(J, "_warned_sync", False)
-    with caplog.at_level(logging.INFO, logger=J.__name__):
+    _pretend_everything_is_on_an_accelerator(monkeypatch)
+    monkeypatch.setattr(jagged_checks, "_warned_sync", False)
+    with caplog.at_level(logging.INFO, logger=jagged_checks.__name__):
         J.dense_to_jagged(torch.ones(2, 3), torch.tensor([1, 3]), total=4)
         J.left_right_to_jagged(torch.ones(2, 3), torch.tensor([[0, 1, 0], [1, 1, 1]]), total=4)
     assert not caplog.records
-    with caplog.at_level(logging.INFO, logger=J.__name__):
+    with caplog.at_level(logging.INFO, logger=jagged_checks.__name__):
         J.dense_to_jagged(torch.ones(2, 3), torch.tensor([1, 3]))
     assert "reading it back once" in caplog.text
 

@@ -11,7 +11,15 @@ from omegaconf import OmegaConf
 
 from polyfsdp.backends.base import Backend
 from polyfsdp.backends.cpu import CPUBackend
-from polyfsdp.patches import Patch, PatchToggles, apply_patches, known_patch_names, register, unregister
+from polyfsdp.patches import (
+    Patch,
+    PatchToggles,
+    apply_patches,
+    known_patch_names,
+    register,
+    unregister,
+    validate_toggles,
+)
 from polyfsdp.patches.verify import ProbeCase
 from tests.npu import patch_harness as h
 from tests.npu import reference_ops as ref
@@ -29,9 +37,6 @@ class ReferenceOpsBackend(Backend):
 
     def availability(self):
         return None
-
-    def device_count(self):
-        return 1
 
     def fused_ops(self):
         return {"rms_norm": ref.npu_rms_norm, "rotary_mul": ref.npu_rotary_mul, "swiglu": ref.npu_swiglu,
@@ -135,9 +140,11 @@ def test_hydra_overrides_disable_a_family_or_everything():
 
 def test_toggles_reject_unknown_names_keys_and_types():
     with pytest.raises(ValueError, match="unknown patch 'qwen2.ropee'.*qwen2.rope"):
-        PatchToggles(disable=["qwen2.ropee"])
+        validate_toggles(PatchToggles(disable=["qwen2.ropee"]))
     with pytest.raises(ValueError, match="unknown family 'qwen9'.*qwen2"):
-        PatchToggles(disable_families=["qwen9"])
+        validate_toggles(PatchToggles(disable_families=["qwen9"]))
+    with pytest.raises(ValueError, match="unknown patch 'qwen2.ropee'"):
+        apply_patches(h.tiny_model("qwen2"), ReferenceOpsBackend(), {"disable": ["qwen2.ropee"]})
     with pytest.raises(ValueError, match="unknown key.*disabled.*allowed keys"):
         PatchToggles.from_config({"disabled": ["qwen2.rope"]})
     with pytest.raises(TypeError, match="list of names"):
@@ -220,7 +227,7 @@ def test_applying_twice_without_undo_is_an_error():
 def test_importing_patches_imports_no_transformers_model_code():
     code = (
         "import sys, polyfsdp.patches as p\n"
-        "p.known_patch_names(); p.PatchToggles(disable=['qwen2.rope'], disable_families=['llama'])\n"
+        "p.validate_toggles(p.PatchToggles(disable=['qwen2.rope'], disable_families=['llama']))\n"
         "print(sorted(m for m in sys.modules if m.startswith('transformers.models')))\n"
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)

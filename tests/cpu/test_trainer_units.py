@@ -7,8 +7,10 @@ import json
 import pytest
 import torch
 
+from engine_reference import per_sequence
+
 from polyfsdp.engines import jagged
-from polyfsdp.trainer.batch import build_batch, per_sequence
+from polyfsdp.trainer.batch import build_batch
 from polyfsdp.trainer.config import ConfigError, load_config
 from polyfsdp.trainer.data import BuiltinSource, DataError, FileSource, read_jsonl, read_parquet
 from polyfsdp.trainer.grpo import group_advantages

@@ -1,8 +1,10 @@
-"""On a GPU: a tensor round-trips through the device and init_distributed binds it."""
+"""On a GPU: a tensor round-trips through the device, the device RNG state restores, and
+init_distributed binds it."""
 import torch
 import torch.distributed as dist
 
 from polyfsdp.backends import destroy_distributed, get_backend, init_distributed
+from tests.device_checks import assert_rng_state_restores_draws
 
 
 def test_tensor_round_trip_through_the_gpu():
@@ -12,7 +14,10 @@ def test_tensor_round_trip_through_the_gpu():
     backend.synchronize()
     assert on_device.device.type == "cuda"
     assert torch.equal(on_device.cpu(), x * 2)
-    assert backend.memory_allocated() > 0
+
+
+def test_device_rng_state_restores_the_same_draws():
+    assert_rng_state_restores_draws(get_backend("cuda"))
 
 
 def test_init_distributed_single_process_uses_nccl(monkeypatch):

@@ -1,8 +1,10 @@
-"""On an Ascend NPU: a tensor round-trips through the device and init_distributed binds it."""
+"""On an Ascend NPU: a tensor round-trips through the device, the device RNG state restores,
+and init_distributed binds it."""
 import torch
 import torch.distributed as dist
 
 from polyfsdp.backends import destroy_distributed, get_backend, init_distributed
+from tests.device_checks import assert_rng_state_restores_draws
 
 
 def test_tensor_round_trip_through_the_npu():
@@ -13,6 +15,10 @@ def test_tensor_round_trip_through_the_npu():
     assert on_device.device.type == "npu"
     assert torch.equal(on_device.cpu(), x * 2)
     assert set(backend.fused_ops()) >= {"rms_norm", "rotary_mul", "swiglu", "fusion_attention"}
+
+
+def test_device_rng_state_restores_the_same_draws():
+    assert_rng_state_restores_draws(get_backend("npu"))
 
 
 def test_init_distributed_single_process_uses_hccl(monkeypatch):
