@@ -17,12 +17,12 @@ import warnings
 from contextlib import contextmanager
 
 import torch
-import torch.distributed as dist
 from tensordict import TensorDict
 from torch.distributed.tensor import DTensor
 
 from polyfsdp.backends.base import Backend
-from polyfsdp.backends.distributed import init_distributed
+from polyfsdp.backends.distributed import (all_gather_object, all_reduce_max, all_reduce_sum, current_world_size,
+                                           init_distributed)
 from polyfsdp.backends.registry import get_backend
 
 from .batch_checks import BatchChecks
@@ -37,10 +37,6 @@ from .optim import build_lr_scheduler, build_optimizer
 from .parallelize import parallelize_model
 
 logger = logging.getLogger(__name__)
-
-
-def _world_size() -> int:
-    return dist.get_world_size() if dist.is_initialized() else 1
 
 
 class FSDPEngine(CheckpointMixin):
@@ -182,10 +178,9 @@ class FSDPEngine(CheckpointMixin):
         """Split by the token budget; every rank runs as many micro-batches as the busiest
         one (FSDP's collectives must pair up), padding with placeholders."""
         budget = self.engine_config.max_tokens_per_micro_batch
-        if _world_size() == 1:
+        if current_world_size() == 1:
             return split(flat, budget)
-        count = torch.tensor([count_micro_batches(flat, budget)], device=self.device)
-        dist.all_reduce(count, op=dist.ReduceOp.MAX)
+        count = all_reduce_max([float(count_micro_batches(flat, budget))], device=self.device)[0]
         return split(flat, budget, num_groups=int(count))
 
     # ------------------------------------------------------------------ training
@@ -213,8 +208,7 @@ class FSDPEngine(CheckpointMixin):
         counts = torch.stack([tokens.to(self.device), torch.tensor(float(flat.num_seqs), dtype=torch.float64,
                                                                     device=self.device),
                               torch.tensor(float(flat.total), dtype=torch.float64, device=self.device)])
-        if _world_size() > 1:
-            dist.all_reduce(counts, op=dist.ReduceOp.SUM)
+        all_reduce_sum(counts)
         global_tokens, global_seqs, global_total = checks.read(counts)
         if global_total == 0:
             raise ValueError("train_batch: the batch holds no tokens (every sequence is empty)")
@@ -287,8 +281,8 @@ class FSDPEngine(CheckpointMixin):
         keys = self._union_keys(self._pending)
         sums = torch.stack([self._pending.get(k, torch.zeros((), dtype=torch.float64, device=self.device))
                             for k in keys]) if keys else torch.zeros(0, dtype=torch.float64, device=self.device)
-        if _world_size() > 1 and keys:
-            dist.all_reduce(sums, op=dist.ReduceOp.SUM)
+        if keys:
+            all_reduce_sum(sums)
         norm = self._grad_norm(params)
         grad_norm, *values = torch.cat([norm.reshape(1).to(sums), sums]).tolist()
         self._pending = {}
@@ -326,12 +320,7 @@ class FSDPEngine(CheckpointMixin):
 
     def _union_keys(self, metrics: dict) -> list[str]:
         """Metric names over all ranks (a rank with only placeholder micro-batches has none)."""
-        keys = set(metrics)
-        if _world_size() > 1:
-            gathered = [None] * dist.get_world_size()
-            dist.all_gather_object(gathered, sorted(keys))
-            keys = set().union(*gathered)
-        return sorted(keys)
+        return sorted(set().union(*all_gather_object(sorted(metrics))))
 
     def _grad_norm(self, params: list[torch.Tensor]) -> torch.Tensor:
         """Global gradient L2 norm over all ranks, as a device tensor (0 without gradients)."""
