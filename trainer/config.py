@@ -1,5 +1,5 @@
-"""The job configuration: Hydra composition of ``pkg://polyfsdp.configs``, then strict
-conversion of every group into validated dataclasses (the engine's where they exist).
+"""The job configuration: Hydra composition (trainer/compose.py), then strict conversion of
+every group into validated dataclasses (the engine's where they exist).
 
 Any mistake a user can make on the command line (unknown key, value outside its choices,
 wrong type, bad override syntax) becomes one :class:`ConfigError` with a one-line message.
@@ -9,32 +9,21 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-import re
 import typing
 from dataclasses import dataclass, field
 from typing import Any
-
-from omegaconf import DictConfig, OmegaConf
 
 from polyfsdp.backends.registry import BACKEND_NAMES
 from polyfsdp.engines.config import EngineConfig, ModelConfig, OptimConfig
 from polyfsdp.engines.losses import AGG_MODES, KL_TYPES, PPOLoss
 
+from .compose import GROUPS, ConfigError, available_options, compose, to_container  # noqa: F401 (re-exported)
+
 logger = logging.getLogger(__name__)
 
-CONFIG_MODULE = "polyfsdp.configs"
-CONFIG_NAME = "train"
-GROUPS = ("backend", "model", "engine", "patches", "algo", "data", "trainer")
 DATA_SOURCES = ("builtin", "jsonl", "parquet")
 TASKS = ("reverse",)
 PROGRESS_MODES = ("auto", "bar", "lines", "off")
-
-
-class ConfigError(ValueError):
-    """A configuration mistake; ``str()`` is one line naming the key and what was expected."""
-
-    def __init__(self, message: str) -> None:
-        super().__init__(" ".join(str(message).split()))
 
 
 # --------------------------------------------------------------------------- sections
@@ -274,78 +263,6 @@ def _validate_data(d: DataSection) -> None:
     elif not d.path:
         raise ConfigError(f"data.path: data={d.source} needs data.path=FILE")
     _check_min("data.eval_size", d.eval_size, 1)
-
-
-# --------------------------------------------------------------------------- compose
-
-
-def _hydra_error(exc: Exception) -> ConfigError:
-    """One line from a Hydra/OmegaConf composition error."""
-    from hydra.errors import MissingConfigException
-
-    text = str(exc)
-    if isinstance(exc, MissingConfigException):
-        match = re.search(r"Could not find '([^/']+)/([^']+)'", text)
-        if match:
-            group, option = match.groups()
-            options = ", ".join(available_options(group))
-            return ConfigError(f"{group}={option}: no such option; choose one of {options}")
-    match = re.search(r"Could not override '([^']+)'", text)
-    if match and "not in struct" in f"{text} {exc.__cause__}":
-        key = match.group(1)
-        return ConfigError(f"{key}: unknown key (check the spelling; `polyfsdp-train --cfg` prints every key)")
-    cause = exc.__cause__
-    first = text.strip().splitlines()[0] if text.strip() else type(exc).__name__
-    if cause is not None and str(cause).strip():
-        first = f"{first} ({str(cause).strip().splitlines()[0]})"
-    return ConfigError(first)
-
-
-def available_options(group: str) -> list[str]:
-    """The option names of a config group (the YAML files in ``configs/<group>/``)."""
-    from importlib.resources import files
-
-    root = files(CONFIG_MODULE).joinpath(group)
-    return sorted(p.name[:-5] for p in root.iterdir() if p.name.endswith(".yaml"))
-
-
-def compose(overrides: list[str]) -> DictConfig:
-    """Compose ``train.yaml`` with ``overrides``; Hydra's errors become one-line ConfigErrors."""
-    from hydra import compose as hydra_compose
-    from hydra import initialize_config_module
-    from hydra.core.global_hydra import GlobalHydra
-    from hydra.errors import HydraException
-    from omegaconf.errors import OmegaConfBaseException
-
-    GlobalHydra.instance().clear()
-    try:
-        with initialize_config_module(config_module=CONFIG_MODULE, version_base=None):
-            return hydra_compose(config_name=CONFIG_NAME, overrides=list(overrides))
-    except (HydraException, OmegaConfBaseException) as exc:
-        raise _hydra_error(exc) from None
-    except ValueError as exc:
-        # Hydra raises a plain ValueError, naming no key, for a group set to null (engine=null).
-        for item in overrides:
-            key, _, value = item.partition("=")
-            if key in GROUPS and value.strip() == "null":
-                raise ConfigError(f"{item}: a config group needs an option; choose one of "
-                                  f"{', '.join(available_options(key))}") from None
-        raise ConfigError(" ".join(str(exc).split()) or type(exc).__name__) from None
-    finally:
-        GlobalHydra.instance().clear()
-
-
-def to_container(cfg: DictConfig) -> dict:
-    """Resolve interpolations into a plain dict; a missing mandatory value is a ConfigError."""
-    from omegaconf.errors import OmegaConfBaseException
-
-    try:
-        return OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)
-    except OmegaConfBaseException as exc:
-        key = getattr(exc, "full_key", None)
-        if key and "Missing mandatory value" in str(exc):
-            raise ConfigError(f"{key}: a value is required (set {key}=...)") from None
-        raise ConfigError(str(exc).strip().splitlines()[0]) from None
 
 
 def build_job_config(raw: dict, world_size: int = 1) -> JobConfig:
