@@ -10,6 +10,7 @@ import torch.distributed as dist
 
 from .batch import build_batch
 from .generate import rollout
+from .rewards import mean_over_ranks
 from .task import Example
 
 
@@ -34,13 +35,14 @@ def _sum_over_ranks(values: list[float], device) -> list[float]:
     return t.tolist()
 
 
-def grpo_step(policy, ref, tokenizer, examples: list[Example], cfg, loss_fn, sample_seed: int) -> dict:
+def grpo_step(policy, ref, tokenizer, examples: list[Example], cfg, loss_fn, sample_seed: int,
+              scorer=None) -> dict:
     """Train one GRPO step on this rank's prompts ``examples``; ``cfg`` is the GRPOSection.
     ``sample_seed`` seeds the sampling so a resumed run draws the same completions."""
     t0 = time.perf_counter()
     policy.backend.manual_seed(sample_seed)
     roll = rollout(policy, tokenizer, examples, cfg.group_size, cfg.max_new_tokens, do_sample=True,
-                   temperature=cfg.temperature)
+                   temperature=cfg.temperature, scorer=scorer)
     t_gen = time.perf_counter() - t0
     rewards = torch.tensor(roll.rewards, dtype=torch.float32)
     adv = group_advantages(rewards, cfg.group_size, cfg.norm_adv_by_std)
@@ -70,4 +72,5 @@ def grpo_step(policy, ref, tokenizer, examples: list[Example], cfg, loss_fn, sam
         "gen_time_s": t_gen,
         "step_time_s": time.perf_counter() - t0,
     })
+    metrics.update(mean_over_ranks(roll.reward_metrics, policy.device))
     return metrics

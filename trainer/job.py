@@ -35,6 +35,7 @@ from polyfsdp.engines.checkpoint import latest_checkpoint
 from polyfsdp.engines.engine import FSDPEngine
 from polyfsdp.engines.losses import SFTLoss
 
+from .chat import PromptEncoder, check_position_budget, model_max_positions
 from .config import ConfigError, JobConfig
 from .data import build_source, check_generation_budget, check_tokenizer_covers, max_answer_tokens
 from .generate import evaluate
@@ -42,6 +43,7 @@ from .grpo import grpo_step
 from .metrics import METRICS_FILE, MetricsLogger
 from .model_init import write_initial_model
 from .progress import Progress
+from .rewards import build_scorer
 from .sft import sft_step
 from .task import load_tokenizer
 
@@ -119,7 +121,7 @@ def find_resume(cfg: JobConfig, out: Path) -> ResumePoint | None:
 # Settings a continued run must share with the run it continues: they decide the model, the
 # data each step draws (a function of seed, phase, step and batch size) and the updates. The
 # rest (step counts, intervals, logging, engine modes, patches, backend) may change on resume.
-SAME_RUN_SECTIONS = ("model", "data", "algo.sft", "algo.grpo")
+SAME_RUN_SECTIONS = ("model", "data", "reward", "algo.sft", "algo.grpo")
 SAME_RUN_TRAINER_KEYS = ("seed", "sft_batch_size", "prompts_per_step")
 
 
@@ -186,17 +188,22 @@ class Job:
         # Rank 0's output_dir wins: "${now:...}" may resolve differently on each rank.
         self.out = Path(_broadcast(cfg.trainer.output_dir)).resolve()
         self.metrics = MetricsLogger(str(self.out / METRICS_FILE), enabled=self.rank == 0)
+        self.scorer = build_scorer(cfg.reward, cfg.data)  # a missing reward file fails before any model
         try:
             self.tokenizer = load_tokenizer(cfg.model.path)
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
-        self.source = build_source(cfg.data, cfg.trainer.seed)
+        encoder = PromptEncoder(self.tokenizer, cfg.data.apply_chat_template, cfg.data.max_prompt_length,
+                                cfg.data.overlong, cfg.model.path)
+        self.source = build_source(cfg.data, cfg.trainer.seed, encoder)
         check_tokenizer_covers(self.source, self.tokenizer)
         grpo = cfg.algo.grpo
         if grpo is not None and self.rank == 0:
             check_generation_budget(self.source, self.tokenizer, grpo.max_new_tokens)
         self.eval_tokens = grpo.max_new_tokens if grpo is not None else \
             max_answer_tokens(self.source, self.tokenizer) + 2
+        check_position_budget(self.source, model_max_positions(cfg.model), self.eval_tokens,
+                              "algo.grpo.max_new_tokens" if grpo is not None else "the longest answer")
         self.t0 = time.perf_counter()
 
     # ------------------------------------------------------------------ helpers
@@ -221,7 +228,7 @@ class Job:
 
     def _evaluate(self, engine: FSDPEngine, tag: str, global_step: int) -> float:
         t = time.perf_counter()
-        value = evaluate(engine, self.tokenizer, self.source.eval_examples, self.eval_tokens)
+        value = evaluate(engine, self.tokenizer, self.source.eval_examples, self.eval_tokens, scorer=self.scorer)
         self.metrics.log({"phase": "eval", "tag": tag, "global_step": global_step, "reward": value,
                           "num_prompts": len(self.source.eval_examples), "time_s": time.perf_counter() - self.t0})
         _say(f"held-out reward ({tag}, global step {global_step}, {len(self.source.eval_examples)} prompts, "
@@ -290,7 +297,8 @@ class Job:
                                                 self.tokenizer, cfg.model.seed)
             except (ValueError, TypeError) as exc:
                 raise ConfigError(f"model.overrides: {exc}") from None
-        _say(f"polyfsdp-train: {cfg.algo.name} on {cfg.data.source} data, backend {self.backend.name}, "
+        _say(f"polyfsdp-train: {cfg.algo.name} on {cfg.data.source} data (reward {self.scorer.name}), "
+             f"backend {self.backend.name}, "
              f"{self.world} rank(s), output {out}" + (f" (resuming {resume.phase} from "
                                                       f"{resume.checkpoint or 'its start'})" if resume else ""))
         sft_steps = cfg.trainer.sft_steps
@@ -364,7 +372,7 @@ class Job:
         for step in range(start, total):
             examples = self._shard(self.source.batch("grpo", step, cfg.trainer.prompts_per_step))
             seed = (cfg.trainer.seed * 1_000_003 + step) * 1024 + self.rank
-            m = grpo_step(policy, ref, self.tokenizer, examples, g, loss_fn, sample_seed=seed)
+            m = grpo_step(policy, ref, self.tokenizer, examples, g, loss_fn, sample_seed=seed, scorer=self.scorer)
             self._record("grpo", step + 1, offset + step + 1, m, progress)
             every = cfg.trainer.eval_interval
             if every and (step + 1) % every == 0 and step + 1 != total:
