@@ -154,7 +154,7 @@ class RewardSection:
     (``auto``: the data's own rule); ``kwargs`` are extra keyword arguments to it."""
 
     fn: str = "auto"
-    kwargs: dict = field(default_factory=dict)
+    kwargs: dict | None = None
 
 
 @dataclass
@@ -335,8 +335,8 @@ def _validate_reward(r: RewardSection) -> None:
     if ":" not in r.fn and r.fn not in ("auto", *BUILTIN_REWARDS):
         raise ConfigError(f"reward.fn: got {r.fn!r}; expected auto, a built-in ({', '.join(BUILTIN_REWARDS)}), "
                           f"path/to/file.py:function or package.module:function")
-    if any(not isinstance(k, str) or not k.isidentifier() for k in r.kwargs):
-        raise ConfigError(f"reward.kwargs: keys must be Python identifiers, got {sorted(map(str, r.kwargs))}")
+    if any(not isinstance(k, str) or not k.isidentifier() for k in r.kwargs or {}):
+        raise ConfigError(f"reward.kwargs: keys must be Python identifiers, got {sorted(map(str, r.kwargs or {}))}")
 
 
 # --------------------------------------------------------------------------- compose
