@@ -95,24 +95,25 @@ class Scorer:
 
     def score(self, example, solution_str: str, response_ids: list[int]) -> tuple[float, dict[str, float]]:
         """The reward of one completion and its extra numeric metrics."""
+        record = example.where or f"with prompt {example.prompt!r}"
         extra_info = dict(example.extra_info or {})
         extra_info["response_ids"] = list(response_ids)
         try:
             result = self.fn(example.data_source, solution_str, example.answer, extra_info, **self.kwargs)
         except Exception as exc:
             raise RewardError(f"reward.fn={self.name} raised {type(exc).__name__}: {_first_line(exc)} "
-                              f"(record {example.where}, completion {solution_str[:80]!r})") from None
+                              f"(record {record}, completion {solution_str[:80]!r})") from None
         extras: dict[str, float] = {}
         value = result
         if isinstance(result, dict):
             if "score" not in result:
                 raise RewardError(f"reward.fn={self.name} returned a dict without 'score' (keys "
-                                  f"{sorted(result)}) for record {example.where}")
+                                  f"{sorted(result)}) for record {record}")
             value = result["score"]
             extras = {k: float(v) for k, v in result.items()
                       if k != "score" and isinstance(v, numbers.Real) and math.isfinite(float(v))}
         if not isinstance(value, numbers.Real) or not math.isfinite(float(value)):
-            raise RewardError(f"reward.fn={self.name} returned {value!r} for record {example.where}; "
+            raise RewardError(f"reward.fn={self.name} returned {value!r} for record {record}; "
                               f"expected a finite number (or a dict with a finite 'score')")
         return float(value), extras
 
