@@ -21,8 +21,9 @@ from .compose import GROUPS, ConfigError, available_options, compose, to_contain
 
 logger = logging.getLogger(__name__)
 
-DATA_SOURCES = ("builtin", "jsonl", "parquet")
-TASKS = ("reverse",)
+DATA_SOURCES = ("builtin", "jsonl", "parquet", "files")
+TASKS = ("reverse", "arith_words")
+OVERLONG_POLICIES = ("filter", "error", "truncate")
 PROGRESS_MODES = ("auto", "bar", "lines", "off")
 
 
@@ -116,8 +117,22 @@ class DataSection:
     max_len: int = 5
     path: str | None = None
     prompt_key: str = "prompt"
-    answer_key: str = "answer"
+    answer_key: str | None = None
     eval_size: int = 128
+    train_files: list | str | None = None
+    val_files: list | str | None = None
+    apply_chat_template: bool = False
+    max_prompt_length: int | None = None
+    overlong: str = "filter"
+
+
+@dataclass
+class RewardSection:
+    """``reward.fn``: a built-in rule, ``path/to/file.py:fn`` or ``package.module:fn``
+    (``auto``: the data's own rule); ``kwargs`` are extra keyword arguments to it."""
+
+    fn: str = "auto"
+    kwargs: dict | None = None
 
 
 @dataclass
@@ -153,6 +168,7 @@ class JobConfig:
     data: DataSection
     trainer: TrainerSection
     raw: dict
+    reward: RewardSection = field(default_factory=RewardSection)
 
 
 # --------------------------------------------------------------------------- checks
@@ -249,8 +265,32 @@ def _validate_trainer(t: TrainerSection, algo: AlgoSection, world_size: int) -> 
         raise ConfigError("trainer.sft_steps: algo=sft needs at least 1 step, got 0")
 
 
+def _file_list(key: str, value) -> list | None:
+    if value is None:
+        return None
+    files = [value] if isinstance(value, str) else value
+    if not isinstance(files, list) or not files or not all(isinstance(f, str) and f for f in files):
+        raise ConfigError(f"{key}: expected a list of file paths, e.g. {key}=[a.parquet,b.jsonl], got {value!r}")
+    return files
+
+
 def _validate_data(d: DataSection) -> None:
     _check_choice("data.source", d.source, DATA_SOURCES)
+    _check_choice("data.overlong", d.overlong, OVERLONG_POLICIES)
+    if d.max_prompt_length is not None:
+        _check_min("data.max_prompt_length", d.max_prompt_length, 1)
+    if not d.prompt_key or (d.answer_key is not None and not d.answer_key):
+        raise ConfigError("data.prompt_key / data.answer_key: expected a (dotted) field name, got an empty one")
+    d.train_files = _file_list("data.train_files", d.train_files)
+    d.val_files = _file_list("data.val_files", d.val_files)
+    if d.source == "builtin" and (d.train_files or d.val_files):
+        raise ConfigError("data.train_files/val_files: data=builtin does not read files; add data=files to train "
+                          "on them")
+    if d.source != "builtin" and d.train_files and d.path:
+        raise ConfigError(f"data.path / data.train_files: give one of them, got both ({d.path!r} and "
+                          f"{d.train_files})")
+    if d.source == "files" and not d.train_files:
+        raise ConfigError("data.train_files: data=files needs data.train_files=[FILE,...]")
     if d.source == "builtin":
         _check_choice("data.task", d.task, TASKS)
         if not d.alphabet.isalpha():
@@ -260,9 +300,20 @@ def _validate_data(d: DataSection) -> None:
         if d.path is not None:
             raise ConfigError(f"data.path: data=builtin does not read a file, got data.path={d.path!r}; "
                               f"add data=jsonl (or data=parquet) to train on it")
-    elif not d.path:
+    elif not d.path and not d.train_files:
         raise ConfigError(f"data.path: data={d.source} needs data.path=FILE")
     _check_min("data.eval_size", d.eval_size, 1)
+
+
+def _validate_reward(r: RewardSection) -> None:
+    from .reward_rules import BUILTIN_REWARDS
+
+    # Files and modules are imported when the job starts (before any model is built).
+    if ":" not in r.fn and r.fn not in ("auto", *BUILTIN_REWARDS):
+        raise ConfigError(f"reward.fn: got {r.fn!r}; expected auto, a built-in ({', '.join(BUILTIN_REWARDS)}), "
+                          f"path/to/file.py:function or package.module:function")
+    if any(not isinstance(k, str) or not k.isidentifier() for k in r.kwargs or {}):
+        raise ConfigError(f"reward.kwargs: keys must be Python identifiers, got {sorted(map(str, r.kwargs or {}))}")
 
 
 def build_job_config(raw: dict, world_size: int = 1) -> JobConfig:
@@ -320,9 +371,11 @@ def build_job_config(raw: dict, world_size: int = 1) -> JobConfig:
     if data.eval_size < world_size:
         raise ConfigError(f"data.eval_size: every rank needs an evaluation prompt; expected >= world size "
                           f"{world_size}, got {data.eval_size}")
+    reward = _section(RewardSection, "reward", raw["reward"])
+    _validate_reward(reward)
     _validate_trainer(trainer, algo, world_size)
     return JobConfig(backend=backend, model=model, engine=engine, patches=patches, algo=algo, data=data,
-                     trainer=trainer, raw=raw)
+                     trainer=trainer, raw=raw, reward=reward)
 
 
 def load_config(overrides: list[str], world_size: int = 1) -> JobConfig:

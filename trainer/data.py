@@ -23,8 +23,8 @@ class DataError(ValueError):
 class BuiltinSource:
     """The built-in task's generator; evaluation prompts are excluded from training."""
 
-    def __init__(self, task: ReverseTask, seed: int, eval_size: int) -> None:
-        self.task, self.seed = task, seed
+    def __init__(self, task: ReverseTask, seed: int, eval_size: int, encoder=None) -> None:
+        self.task, self.seed, self.encoder = task, seed, encoder
         if eval_size >= task.distinct_prompts:
             # Training draws only prompts outside the held-out set: none would be left.
             raise DataError(f"data.eval_size={eval_size} holds out all {task.distinct_prompts} distinct prompts of "
@@ -38,16 +38,28 @@ class BuiltinSource:
                 break
             ex = task.sample(rng)
             seen.setdefault(ex.prompt, ex)
-        self.eval_examples = list(seen.values())
         self._eval_prompts = set(seen)
+        self.eval_examples = list(seen.values())
+        if encoder is not None:
+            self.eval_examples = encoder.encode_split(self.eval_examples, "evaluation")
+            if not self.eval_examples:
+                raise DataError(f"data.max_prompt_length={encoder.max_len}: every prompt of the {task.name} task "
+                                f"is longer; raise it")
 
     def batch(self, phase: str, step: int, count: int) -> list[Example]:
         """The ``count`` training examples of ``step`` in ``phase`` (same on every rank)."""
         rng = random.Random(f"polyfsdp-{phase}-{self.seed}-{step}")
-        out = []
+        out, attempts = [], 0
         while len(out) < count:
+            attempts += 1
+            if attempts > 1000 * count:
+                raise DataError(f"data.max_prompt_length: almost every {self.task.name} prompt is longer; raise it")
             ex = self.task.sample(rng)
-            if ex.prompt not in self._eval_prompts:
+            if ex.prompt in self._eval_prompts:
+                continue
+            if self.encoder is not None:
+                ex = self.encoder.encode(ex)  # None: over data.max_prompt_length, filtered
+            if ex is not None:
                 out.append(ex)
         return out
 
@@ -56,12 +68,20 @@ class FileSource:
     """Records from a local file; the last ``eval_size`` are held out, the rest are
     visited in a seeded random order, epoch after epoch."""
 
-    def __init__(self, records: list[Example], seed: int, eval_size: int, path: str) -> None:
-        if len(records) <= eval_size:
+    def __init__(self, records: list[Example], seed: int, eval_size: int, path: str,
+                 eval_records: list[Example] | None = None) -> None:
+        if eval_records is not None:
+            # Validation files replace the held-out tail; eval_size caps how many are scored.
+            if not eval_records or not records:
+                which = "data.val_files" if not eval_records else f"data.path {path}"
+                raise DataError(f"{which}: no records left to {'evaluate' if not eval_records else 'train'} on")
+            self.train_examples, self.eval_examples = list(records), list(eval_records[:eval_size])
+        elif len(records) <= eval_size:
             raise DataError(f"data.path {path}: {len(records)} records, but data.eval_size={eval_size} are held out "
                             f"and at least one is needed for training")
-        self.train_examples = records[: len(records) - eval_size]
-        self.eval_examples = records[len(records) - eval_size:]
+        else:
+            self.train_examples = records[: len(records) - eval_size]
+            self.eval_examples = records[len(records) - eval_size:]
         self.seed, self.path = seed, path
         self._orders: dict[tuple[str, int], list[int]] = {}
 
@@ -83,24 +103,81 @@ class FileSource:
         return out
 
 
-def _record(raw, where: str, prompt_key: str, answer_key: str) -> Example:
+# Where the reference answer may sit when data.answer_key is not set: verl's layout first.
+AUTO_ANSWER_KEYS = ("reward_model.ground_truth", "answer")
+
+
+def _lookup(raw: dict, dotted: str):
+    """(found, value) of a dotted key path (``reward_model.ground_truth``); a literal
+    top-level key with dots wins."""
+    if dotted in raw:
+        return True, raw[dotted]
+    node = raw
+    for part in dotted.split("."):
+        if not isinstance(node, dict) or part not in node:
+            return False, None
+        node = node[part]
+    return True, node
+
+
+def _plain(value):
+    # pandas hands list columns over as numpy arrays.
+    return value.tolist() if hasattr(value, "tolist") and not isinstance(value, (str, bytes)) else value
+
+
+def _messages(value, where: str, key: str) -> tuple:
+    """A chat prompt: a non-empty list of ``{"role": str, "content": str}``."""
+    if not value:
+        raise DataError(f"{where}: field {key!r} is an empty list of chat messages")
+    out = []
+    for i, message in enumerate(value):
+        message = _plain(message)
+        if not (isinstance(message, dict) and isinstance(message.get("role"), str)
+                and isinstance(message.get("content"), str)):
+            raise DataError(f"{where}: field {key!r} message {i} must be {{\"role\": text, \"content\": text}}, "
+                            f"got {str(message)[:80]}")
+        out.append({"role": message["role"], "content": message["content"]})
+    return tuple(out)
+
+
+def _record(raw, where: str, prompt_key: str, answer_key: str | None) -> Example:
+    """An Example from one record in verl's RL layout (or today's ``{"prompt", "answer"}``)."""
+    answer_keys = (answer_key,) if answer_key else AUTO_ANSWER_KEYS
     if not isinstance(raw, dict):
-        raise DataError(f"{where}: expected an object with fields {prompt_key!r} and {answer_key!r}, "
+        raise DataError(f"{where}: expected an object with fields {prompt_key!r} and {answer_keys[-1]!r}, "
                         f"got {type(raw).__name__}")
-    missing = [k for k in (prompt_key, answer_key) if k not in raw]
-    if missing:
-        raise DataError(f"{where}: missing field {missing[0]!r} (record has {sorted(raw)}); set "
-                        f"data.prompt_key / data.answer_key to the names your file uses")
-    values = []
-    for key in (prompt_key, answer_key):
-        value = raw[key]
+    found, prompt = _lookup(raw, prompt_key)
+    if not found:
+        raise DataError(f"{where}: missing field {prompt_key!r} (record has {sorted(raw)}); set "
+                        f"data.prompt_key to the name your file uses")
+    for key in answer_keys:
+        found, answer = _lookup(raw, key)
+        if found:
+            break
+    else:
+        names = " or ".join(repr(k) for k in reversed(answer_keys))
+        raise DataError(f"{where}: missing field {names} (record has {sorted(raw)}); set "
+                        f"data.answer_key to the name your file uses")
+    prompt, answer = _plain(prompt), _plain(answer)
+    messages = None
+    if isinstance(prompt, list):
+        messages = _messages(prompt, where, prompt_key)
+        prompt = "\n".join(m["content"] for m in messages)
+    for name, value in ((prompt_key, prompt), (key, answer)):
         if isinstance(value, bool) or not isinstance(value, (str, int, float)):
-            raise DataError(f"{where}: field {key!r} must be text, got {type(value).__name__} {value!r}")
-        values.append(str(value))
-    return Example(prompt=values[0], answer=values[1])
+            kind = "text or a list of chat messages" if name == prompt_key else "text"
+            raise DataError(f"{where}: field {name!r} must be {kind}, got {type(value).__name__} {str(value)[:80]}")
+    data_source = _plain(raw.get("data_source")) or ""
+    if not isinstance(data_source, str):
+        raise DataError(f"{where}: field 'data_source' must be text, got {type(data_source).__name__}")
+    extra_info = _plain(raw.get("extra_info"))
+    if extra_info is not None and not isinstance(extra_info, dict):
+        raise DataError(f"{where}: field 'extra_info' must be an object, got {type(extra_info).__name__}")
+    return Example(prompt=str(prompt), answer=str(answer), messages=messages, data_source=data_source,
+                   extra_info=extra_info, where=where)
 
 
-def read_jsonl(path: str, prompt_key: str = "prompt", answer_key: str = "answer") -> list[Example]:
+def read_jsonl(path: str, prompt_key: str = "prompt", answer_key: str | None = None) -> list[Example]:
     """Examples from a JSON-lines file (blank lines skipped)."""
     out = []
     try:
@@ -118,35 +195,73 @@ def read_jsonl(path: str, prompt_key: str = "prompt", answer_key: str = "answer"
     return out
 
 
-def read_parquet(path: str, prompt_key: str = "prompt", answer_key: str = "answer") -> list[Example]:
+def read_parquet(path: str, prompt_key: str = "prompt", answer_key: str | None = None) -> list[Example]:
     """Examples from a parquet file (needs pyarrow, or pandas with a parquet engine)."""
     try:
-        import pyarrow.parquet as pq
+        try:
+            import pyarrow.parquet as pq
 
-        rows = pq.read_table(path).to_pylist()
-    except ImportError:
-        try:
-            import pandas as pd
+            rows = pq.read_table(path).to_pylist()
         except ImportError:
-            raise DataError(f"data=parquet ({path}) needs pyarrow or pandas: pip install pyarrow "
-                            f"(or use a JSONL file with data=jsonl)") from None
-        try:
-            rows = pd.read_parquet(path).to_dict("records")
-        except ImportError as exc:
-            raise DataError(f"data=parquet ({path}): pandas has no parquet engine: {exc}; pip install pyarrow") from None
+            try:
+                import pandas as pd
+            except ImportError:
+                raise DataError(f"data=parquet ({path}) needs pyarrow or pandas: pip install pyarrow "
+                                f"(or use a JSONL file with data=jsonl)") from None
+            try:
+                rows = pd.read_parquet(path).to_dict("records")
+            except ImportError as exc:
+                raise DataError(f"data=parquet ({path}): pandas has no parquet engine: {exc}; "
+                                f"pip install pyarrow") from None
+    except DataError:
+        raise
+    except Exception as exc:  # pyarrow's ArrowInvalid and friends: not a parquet file
+        detail = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise DataError(f"{path}: not a readable parquet file ({detail})") from None
     return [_record(r, f"{path} row {i}", prompt_key, answer_key) for i, r in enumerate(rows)]
 
 
-def build_source(data, seed: int):
-    """The training/evaluation source a DataSection describes."""
+READERS = {".jsonl": read_jsonl, ".json": read_jsonl, ".parquet": read_parquet, ".pq": read_parquet}
+
+
+def read_files(paths, key: str, prompt_key: str, answer_key: str | None, reader=None) -> list[Example]:
+    """The records of ``paths`` in order; each file's reader follows its extension unless
+    ``reader`` is given. ``key`` names the config key in errors."""
+    out: list[Example] = []
+    for path in [paths] if isinstance(paths, str) else list(paths):
+        if not isinstance(path, str) or not os.path.isfile(path):
+            raise DataError(f"{key}: {path!r} is not a file")
+        read = reader or READERS.get(os.path.splitext(path)[1].lower())
+        if read is None:
+            raise DataError(f"{key}: {path!r}: unknown file type; expected {', '.join(READERS)}")
+        out.extend(read(path, prompt_key, answer_key))
+    return out
+
+
+def build_source(data, seed: int, encoder=None):
+    """The training/evaluation source a DataSection describes; ``encoder`` (a
+    chat.PromptEncoder) sets every prompt's tokens and applies the length policy."""
     if data.source == "builtin":
-        task = ReverseTask(alphabet=data.alphabet, min_len=data.min_len, max_len=data.max_len)
-        return BuiltinSource(task, seed, data.eval_size)
-    if not os.path.isfile(data.path):
-        raise DataError(f"data.path: {data.path!r} is not a file")
-    reader = read_jsonl if data.source == "jsonl" else read_parquet
-    records = reader(data.path, data.prompt_key, data.answer_key)
-    return FileSource(records, seed, data.eval_size, data.path)
+        if data.task == "arith_words":
+            from .arith_words import ArithWordsTask
+
+            task = ArithWordsTask()
+        else:
+            task = ReverseTask(alphabet=data.alphabet, min_len=data.min_len, max_len=data.max_len)
+        return BuiltinSource(task, seed, data.eval_size, encoder)
+    if getattr(data, "train_files", None):
+        key, paths, reader = "data.train_files", data.train_files, None
+    else:
+        key, paths, reader = "data.path", data.path, read_jsonl if data.source == "jsonl" else read_parquet
+    records = read_files(paths, key, data.prompt_key, data.answer_key, reader)
+    val = None
+    if getattr(data, "val_files", None):
+        val = read_files(data.val_files, "data.val_files", data.prompt_key, data.answer_key)
+    if encoder is not None:
+        records = encoder.encode_split(records, "train")
+        val = encoder.encode_split(val, "validation") if val is not None else None
+    label = paths if isinstance(paths, str) else ",".join(paths)
+    return FileSource(records, seed, data.eval_size, label, eval_records=val)
 
 
 def check_tokenizer_covers(source, tokenizer) -> None:
@@ -159,7 +274,7 @@ def check_tokenizer_covers(source, tokenizer) -> None:
         return
     if getattr(tokenizer, "bos_token_id", None) is None:
         for ex in source.train_examples + source.eval_examples:
-            if not tokenizer.encode(ex.prompt):
+            if ex.prompt_ids is None and not tokenizer.encode(ex.prompt):
                 raise DataError(f"data.path {source.path}: prompt {ex.prompt!r} has no tokens and the tokenizer has "
                                 f"no bos token to start it; every prompt needs at least one token")
     if not isinstance(tokenizer, CharTokenizer):

@@ -2,13 +2,14 @@
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from polyfsdp.backends.distributed import all_reduce_sum, current_rank, current_world_size
 
-from .task import Example, reward
+from .chat import example_prompt_tokens
+from .task import Example
 
 logger = logging.getLogger(__name__)
 
@@ -21,6 +22,7 @@ class Rollout:
     response_ids: list[list[int]]
     texts: list[str]
     rewards: list[float]
+    reward_metrics: dict[str, list[float]] = field(default_factory=dict)
 
 
 def prompt_tokens(tokenizer, prompt: str) -> list[int]:
@@ -65,17 +67,25 @@ def generate(engine, tokenizer, prompts: list[list[int]], max_new_tokens: int, d
     return completions
 
 
+def _default_scorer():
+    from .rewards import Scorer, load_reward_fn
+
+    return Scorer(load_reward_fn("char_match"), "char_match")
+
+
 def rollout(engine, tokenizer, examples: list[Example], n: int, max_new_tokens: int, do_sample: bool,
-            temperature: float = 1.0) -> Rollout:
-    """``n`` completions per example (grouped: example i owns rows i*n .. i*n+n-1), scored."""
-    prompts = [prompt_tokens(tokenizer, ex.prompt) for ex in examples for _ in range(n)]
+            temperature: float = 1.0, scorer=None) -> Rollout:
+    """``n`` completions per example (grouped: example i owns rows i*n .. i*n+n-1), scored
+    by ``scorer`` (a rewards.Scorer; default the built-in ``char_match``)."""
+    prompts = [example_prompt_tokens(tokenizer, ex) for ex in examples for _ in range(n)]
     responses = generate(engine, tokenizer, prompts, max_new_tokens, do_sample, temperature)
     texts = [tokenizer.decode(r) for r in responses]
-    rewards = [reward(text, examples[i // n].answer) for i, text in enumerate(texts)]
-    return Rollout(prompts, responses, texts, rewards)
+    rewards, extras = (scorer or _default_scorer()).score_all(examples, texts, responses, group=n)
+    return Rollout(prompts, responses, texts, rewards, extras)
 
 
-def evaluate(engine, tokenizer, examples: list[Example], max_new_tokens: int, chunk: int = 256) -> float:
+def evaluate(engine, tokenizer, examples: list[Example], max_new_tokens: int, chunk: int = 256,
+             scorer=None) -> float:
     """Mean greedy reward over ``examples`` (each rank scores its share; summed over ranks)."""
     mine = examples[current_rank()::current_world_size()]
     total = 0.0
@@ -83,7 +93,7 @@ def evaluate(engine, tokenizer, examples: list[Example], max_new_tokens: int, ch
     chunks = max(1, -(-len(examples) // (current_world_size() * chunk)))
     for c in range(chunks):
         part = mine[c * chunk:(c + 1) * chunk] or mine[:1]
-        result = rollout(engine, tokenizer, part, 1, max_new_tokens, do_sample=False)
+        result = rollout(engine, tokenizer, part, 1, max_new_tokens, do_sample=False, scorer=scorer)
         if mine[c * chunk:(c + 1) * chunk]:
             total += sum(result.rewards)
     sums = torch.tensor([total, float(len(mine))], dtype=torch.float64, device=engine.device)

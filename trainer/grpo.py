@@ -11,6 +11,7 @@ from polyfsdp.backends.distributed import all_reduce_sum
 
 from .batch import build_batch
 from .generate import rollout
+from .rewards import mean_over_ranks
 from .task import Example
 
 
@@ -27,13 +28,14 @@ def group_advantages(rewards: torch.Tensor, group_size: int, norm_by_std: bool =
     return centred.view(-1).float()
 
 
-def grpo_step(policy, ref, tokenizer, examples: list[Example], cfg, loss_fn, sample_seed: int) -> dict:
+def grpo_step(policy, ref, tokenizer, examples: list[Example], cfg, loss_fn, sample_seed: int,
+              scorer=None) -> dict:
     """Train one GRPO step on this rank's prompts ``examples``; ``cfg`` is the GRPOSection.
     ``sample_seed`` seeds the sampling so a resumed run draws the same completions."""
     t0 = time.perf_counter()
     policy.backend.manual_seed(sample_seed)
     roll = rollout(policy, tokenizer, examples, cfg.group_size, cfg.max_new_tokens, do_sample=True,
-                   temperature=cfg.temperature)
+                   temperature=cfg.temperature, scorer=scorer)
     t_gen = time.perf_counter() - t0
     rewards = torch.tensor(roll.rewards, dtype=torch.float32)
     adv = group_advantages(rewards, cfg.group_size, cfg.norm_adv_by_std)
@@ -63,4 +65,5 @@ def grpo_step(policy, ref, tokenizer, examples: list[Example], cfg, loss_fn, sam
         "gen_time_s": t_gen,
         "step_time_s": time.perf_counter() - t0,
     })
+    metrics.update(mean_over_ranks(roll.reward_metrics, policy.device))
     return metrics

@@ -34,6 +34,7 @@ from polyfsdp.backends.registry import get_backend
 from polyfsdp.engines.engine import FSDPEngine
 from polyfsdp.engines.losses import SFTLoss
 
+from .chat import PromptEncoder, check_position_budget, model_max_positions
 from .config import ConfigError, JobConfig
 from .data import build_source, check_generation_budget, check_tokenizer_covers, max_answer_tokens
 from .generate import evaluate
@@ -41,6 +42,7 @@ from .grpo import grpo_step
 from .metrics import METRICS_FILE, MetricsLogger
 from .model_init import write_initial_model
 from .progress import Progress
+from .rewards import build_scorer
 from .resume import STATE_FILE, ResumePoint, check_same_run, find_resume, load_resume_checkpoint
 from .sft import sft_step
 from .task import load_tokenizer
@@ -88,17 +90,22 @@ class Job:
         # Rank 0's output_dir wins: "${now:...}" may resolve differently on each rank.
         self.out = Path(broadcast_object(cfg.trainer.output_dir)).resolve()
         self.metrics = MetricsLogger(str(self.out / METRICS_FILE), enabled=self.rank == 0)
+        self.scorer = build_scorer(cfg.reward, cfg.data)  # a missing reward file fails before any model
         try:
             self.tokenizer = load_tokenizer(cfg.model.path)
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
-        self.source = build_source(cfg.data, cfg.trainer.seed)
+        encoder = PromptEncoder(self.tokenizer, cfg.data.apply_chat_template, cfg.data.max_prompt_length,
+                                cfg.data.overlong, cfg.model.path)
+        self.source = build_source(cfg.data, cfg.trainer.seed, encoder)
         check_tokenizer_covers(self.source, self.tokenizer)
         grpo = cfg.algo.grpo
         if grpo is not None and self.rank == 0:
             check_generation_budget(self.source, self.tokenizer, grpo.max_new_tokens)
         self.eval_tokens = grpo.max_new_tokens if grpo is not None else \
             max_answer_tokens(self.source, self.tokenizer) + 2
+        check_position_budget(self.source, model_max_positions(cfg.model), self.eval_tokens,
+                              "algo.grpo.max_new_tokens" if grpo is not None else "the longest answer")
         self.t0 = time.perf_counter()
 
     # ------------------------------------------------------------------ helpers
@@ -123,7 +130,7 @@ class Job:
 
     def _evaluate(self, engine: FSDPEngine, tag: str, global_step: int) -> float:
         t = time.perf_counter()
-        value = evaluate(engine, self.tokenizer, self.source.eval_examples, self.eval_tokens)
+        value = evaluate(engine, self.tokenizer, self.source.eval_examples, self.eval_tokens, scorer=self.scorer)
         self.metrics.log({"phase": "eval", "tag": tag, "global_step": global_step, "reward": value,
                           "num_prompts": len(self.source.eval_examples), "time_s": time.perf_counter() - self.t0})
         _say(f"held-out reward ({tag}, global step {global_step}, {len(self.source.eval_examples)} prompts, "
@@ -184,7 +191,8 @@ class Job:
                 raise ConfigError(f"trainer.output_dir: cannot create {out}: {exc.strerror or exc}") from None
         resume = broadcast_object(resume)
         start_dir = cfg.model.path or self._initial_model()
-        _say(f"polyfsdp-train: {cfg.algo.name} on {cfg.data.source} data, backend {self.backend.name}, "
+        _say(f"polyfsdp-train: {cfg.algo.name} on {cfg.data.source} data (reward {self.scorer.name}), "
+             f"backend {self.backend.name}, "
              f"{self.world} rank(s), output {out}" + (f" (resuming {resume.phase} from "
                                                       f"{resume.checkpoint or 'its start'})" if resume else ""))
         first = True
@@ -254,7 +262,7 @@ class Job:
 
         def step_fn(step: int, examples: list) -> dict:
             seed = (cfg.trainer.seed * 1_000_003 + step) * 1024 + self.rank
-            return grpo_step(engine, ref, self.tokenizer, examples, g, ppo_loss, sample_seed=seed)
+            return grpo_step(engine, ref, self.tokenizer, examples, g, ppo_loss, sample_seed=seed, scorer=self.scorer)
         return step_fn
 
     def _run_phase(self, phase: Phase, resume: ResumePoint | None, fresh_metrics: bool) -> None:

@@ -21,7 +21,7 @@ STATE_FILE = "polyfsdp_state.json"
 # Settings a continued run must share with the run it continues: they decide the model, the
 # data each step draws (a function of seed, phase, step and batch size) and the updates. The
 # rest (step counts, intervals, logging, engine modes, patches, backend) may change on resume.
-SAME_RUN_SECTIONS = ("model", "data", "algo.sft", "algo.grpo")
+SAME_RUN_SECTIONS = ("model", "data", "reward", "algo.sft", "algo.grpo")
 SAME_RUN_TRAINER_KEYS = ("seed", "sft_batch_size", "prompts_per_step")
 
 

@@ -6,13 +6,13 @@ import time
 from polyfsdp.engines.losses import SFTLoss
 
 from .batch import build_batch
-from .generate import prompt_tokens
+from .chat import example_prompt_tokens
 from .task import Example
 
 
 def sft_pairs(tokenizer, examples: list[Example]) -> list[tuple[list[int], list[int]]]:
     """(prompt tokens, answer tokens + eos) per example."""
-    return [(prompt_tokens(tokenizer, ex.prompt), tokenizer.encode(ex.answer) + [tokenizer.eos_token_id])
+    return [(example_prompt_tokens(tokenizer, ex), tokenizer.encode(ex.answer) + [tokenizer.eos_token_id])
             for ex in examples]
 
 

@@ -63,6 +63,17 @@ class CharTokenizer:
             out.append(self.vocab[i] if 0 <= i < len(self.vocab) else self.vocab[self.unk_token_id])
         return "".join(out)
 
+    # Chat prompts are rendered as "[role] content " with characters every CharTokenizer
+    # knows, so chat-format data (data=arith_words) runs on the built-in tokenizer too.
+    has_chat_template = True
+
+    def apply_chat_template(self, messages, add_generation_prompt: bool = True) -> list[int]:
+        """``<bos>`` then ``[role] content `` per message (then ``[assistant] ``), as token ids."""
+        text = "".join(f"[{m['role']}] {m['content']} " for m in messages)
+        if add_generation_prompt:
+            text += "[assistant] "
+        return [self.bos_token_id] + self.encode(text)
+
     def save_pretrained(self, directory: str) -> None:
         """Write ``char_tokenizer.json`` into ``directory``."""
         os.makedirs(directory, exist_ok=True)
@@ -111,6 +122,19 @@ class HFTokenizerAdapter:
             ids = ids[: ids.index(self.eos_token_id)]
         return self.tok.decode(ids, skip_special_tokens=skip_special_tokens)
 
+    @property
+    def has_chat_template(self) -> bool:
+        """Whether the tokenizer can render chat messages."""
+        return bool(getattr(self.tok, "chat_template", None))
+
+    def apply_chat_template(self, messages, add_generation_prompt: bool = True) -> list[int]:
+        """The token ids of ``messages`` rendered by the tokenizer's own chat template."""
+        ids = self.tok.apply_chat_template(list(messages), add_generation_prompt=add_generation_prompt,
+                                           tokenize=True, return_dict=False)
+        if isinstance(ids, dict) or hasattr(ids, "keys"):  # some versions return a BatchEncoding anyway
+            ids = ids["input_ids"]
+        return [int(i) for i in ids]
+
     def save_pretrained(self, directory: str) -> None:
         """Save the wrapped tokenizer's files into ``directory``."""
         self.tok.save_pretrained(directory)
@@ -139,10 +163,17 @@ def load_tokenizer(directory: str | None):
 
 @dataclass(frozen=True)
 class Example:
-    """One prompt and its reference answer."""
+    """One prompt and its reference answer. ``messages`` holds a chat-format prompt (``prompt``
+    is then its text, for messages and coverage checks); ``prompt_ids`` the prompt's tokens
+    once encoded; ``data_source``/``extra_info`` go to the reward; ``where`` names the record."""
 
     prompt: str
     answer: str
+    messages: tuple | None = None
+    prompt_ids: tuple | None = None
+    data_source: str = ""
+    extra_info: dict | None = None
+    where: str = ""
 
 
 class ReverseTask:

@@ -25,6 +25,7 @@ Examples:
   polyfsdp-train
   polyfsdp-train trainer.grpo_steps=50 engine.pad_mode=left_right
   polyfsdp-train model.path=/path/to/hf_checkpoint data=jsonl data.path=train.jsonl
+  polyfsdp-train model.path=DIR data=files data.train_files=[a.parquet] reward.fn=my_reward.py:compute_score
   torchrun --nproc_per_node 2 -m polyfsdp.trainer.train trainer.output_dir=runs/a
   polyfsdp-train trainer.output_dir=runs/a trainer.resume=auto   # continue a stopped run
 """

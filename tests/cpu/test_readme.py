@@ -1,6 +1,8 @@
 """The README's Python example runs as written, and the config keys it names exist."""
 from __future__ import annotations
 
+import json
+import os
 import re
 import subprocess
 import sys
@@ -28,3 +30,41 @@ def test_readme_patch_keys_exist_in_the_patches_config():
     config = (ROOT / "configs" / "patches" / "default.yaml").read_text()
     for key in set(re.findall(r"`patches\.(\w+)", readme)):
         assert re.search(rf"^{key}:", config, flags=re.M), key
+
+
+def _own_data_section(text: str) -> str:
+    return text.split("## Train on your own data", 1)[1].split("\n## ", 1)[0]
+
+
+def test_readme_own_data_example_runs_as_written(tmp_path):
+    # The section's files (```LANG NAME blocks) and its first command, on a tiny BPE chat
+    # model saved as my_model/, with few steps: the command must work exactly as shown.
+    import shlex
+
+    sys.path.insert(0, str(ROOT / "tests" / "cpu"))
+    from own_data_cases import write_model_dir
+
+    section = _own_data_section((ROOT / "README.md").read_text())
+    files = dict((name, body) for name, body in re.findall(r"```\w+ (\S+)\n(.*?)```", section, flags=re.S))
+    assert set(files) == {"train.jsonl", "val.jsonl", "my_reward.py"}
+    for name, body in files.items():
+        (tmp_path / name).write_text(body)
+    write_model_dir(tmp_path / "my_model")
+    command = shlex.split(re.findall(r"```bash\n(.*?)```", section, flags=re.S)[0].replace("\\\n", " "))
+    assert command[0] == "polyfsdp-train"
+    tiny = ["trainer.grpo_steps=2", "trainer.prompts_per_step=2", "algo.grpo.group_size=2", "trainer.progress=off",
+            "trainer.plot=false", "trainer.export=false", "trainer.checkpoint_interval=0", "trainer.output_dir=out"]
+    result = subprocess.run([sys.executable, "-m", "polyfsdp.trainer.train", *command[1:], *tiny], cwd=tmp_path,
+                            capture_output=True, text=True, timeout=300, env={**os.environ, "POLYFSDP_BACKEND": "cpu"})
+    assert result.returncode == 0, result.stderr[-3000:]
+    records = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
+    grpo = [r for r in records if r["phase"] == "grpo"]
+    assert len(grpo) == 2 and all("reward/answered" in r and r["reward/response_tokens"] >= 1 for r in grpo)
+
+
+def test_readme_own_data_keys_exist_in_the_configs():
+    section = _own_data_section((ROOT / "README.md").read_text())
+    configs = (ROOT / "configs" / "data" / "files.yaml").read_text() + (ROOT / "configs" / "reward" /
+                                                                       "default.yaml").read_text()
+    for key in set(re.findall(r"`(?:data|reward)\.(\w+)", section)):
+        assert re.search(rf"^{key}:", configs, flags=re.M), key

@@ -216,7 +216,7 @@ def test_builtin_eval_set_holding_every_prompt_is_a_data_error_not_a_hang():
     (["data.path=train.jsonl"], "data.path: data=builtin does not read a file"),
     (["algo.sft=null"], "algo.sft: expected a mapping"),
     (["engine=null"], "engine=null: a config group needs an option; choose one of default"),
-    (["data=null"], "data=null: a config group needs an option; choose one of builtin, jsonl, parquet"),
+    (["data=null"], "data=null: a config group needs an option; choose one of arith_words, builtin, files, jsonl, parquet"),
     (["engine=[]"], "engine: missing"),
 ])
 def test_ignored_or_missing_sections_are_one_line_config_errors(overrides, expected):

@@ -24,14 +24,14 @@ OVERRIDES = [
 ]
 
 
-def _launch(out, nproc: int) -> subprocess.CompletedProcess:
+def _launch(out, nproc: int, *extra: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "POLYFSDP_BACKEND": "cpu", "OMP_NUM_THREADS": "1"}
     if nproc == 1:
         command = [sys.executable, "-m", "polyfsdp.trainer.train"]
     else:
         command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
                    "--master_addr", "127.0.0.1", "--master_port", str(free_port()), "-m", "polyfsdp.trainer.train"]
-    return subprocess.run([*command, *OVERRIDES, f"trainer.output_dir={out}"], capture_output=True, text=True,
+    return subprocess.run([*command, *OVERRIDES, *extra, f"trainer.output_dir={out}"], capture_output=True, text=True,
                           timeout=400, env=env)
 
 
@@ -55,3 +55,21 @@ def test_two_rank_run_matches_one_rank_sft_curve_and_evaluations(tmp_path):
     assert [r["step"] for r in r2 if r["phase"] == "grpo"] == [1, 2]
     assert (tmp_path / "two" / "final" / "config.json").is_file()
     assert (tmp_path / "two" / "checkpoints" / "grpo" / "latest").is_file()
+
+
+RANK_REWARD = """
+import os
+
+
+def score(data_source, solution_str, ground_truth, extra_info=None):
+    return {"score": 0.5, "rank": float(os.environ["RANK"])}
+"""
+
+
+def test_reward_metrics_are_averaged_over_ranks(tmp_path):
+    (tmp_path / "rank_reward.py").write_text(RANK_REWARD)
+    two = _launch(tmp_path / "two", 2, f"reward.fn={tmp_path / 'rank_reward.py'}:score", "trainer.sft_steps=0",
+                  "trainer.export=false", "trainer.checkpoint_interval=0")
+    assert two.returncode == 0, (two.stdout[-2000:], two.stderr[-3000:])
+    grpo = [r for r in read_metrics(str(tmp_path / "two" / "metrics.jsonl")) if r["phase"] == "grpo"]
+    assert [r["reward/rank"] for r in grpo] == [0.5, 0.5]  # ranks 0 and 1, equal shares

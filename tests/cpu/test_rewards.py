@@ -1,0 +1,119 @@
+"""reward.fn: finding the function (built-in, file, module) and checking what it returns."""
+from __future__ import annotations
+
+import math
+import sys
+
+import pytest
+
+from polyfsdp.trainer.config import ConfigError, load_config
+from polyfsdp.trainer.rewards import RewardError, Scorer, build_scorer, load_reward_fn, mean_over_ranks
+from polyfsdp.trainer.reward_rules import gsm8k
+from polyfsdp.trainer.task import Example
+
+USER_REWARDS = '''
+def compute_score(data_source, solution_str, ground_truth, extra_info=None, bonus=0.0):
+    return {"score": float(solution_str == ground_truth) + bonus, "length": len(solution_str),
+            "eos_seen": float(2 in extra_info["response_ids"]), "note": "not a number"}
+
+def boom(data_source, solution_str, ground_truth, extra_info=None):
+    raise KeyError("no checker for " + data_source)
+
+def nan(data_source, solution_str, ground_truth, extra_info=None):
+    return float("nan")
+
+def text(data_source, solution_str, ground_truth, extra_info=None):
+    return "1.0"
+
+def no_score(data_source, solution_str, ground_truth, extra_info=None):
+    return {"acc": 1.0}
+
+not_a_function = 3
+'''
+
+EXAMPLE = Example(prompt="2+2=", answer="4", data_source="toy", extra_info={"index": 7}, where="train.jsonl line 3")
+
+
+@pytest.fixture
+def reward_file(tmp_path):
+    path = tmp_path / "my_rewards.py"
+    path.write_text(USER_REWARDS)
+    return str(path)
+
+
+def test_builtin_file_and_module_paths_all_resolve(reward_file, tmp_path, monkeypatch):
+    assert load_reward_fn("gsm8k") is gsm8k
+    assert load_reward_fn(f"{reward_file}:compute_score").__name__ == "compute_score"
+    assert load_reward_fn("polyfsdp.trainer.reward_rules:math_boxed").__name__ == "math_boxed"
+    package = tmp_path / "pkg_rewards_12"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "rules.py").write_text(USER_REWARDS)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    try:
+        assert load_reward_fn("pkg_rewards_12.rules:boom").__name__ == "boom"
+    finally:
+        sys.modules.pop("pkg_rewards_12.rules", None)
+        sys.modules.pop("pkg_rewards_12", None)
+
+
+@pytest.mark.parametrize("spec,expected", [
+    ("missing_file.py:f", "reward.fn=missing_file.py:f: no such file 'missing_file.py'"),
+    ("no_such_module_12:f", "reward.fn=no_such_module_12:f: cannot import module 'no_such_module_12'"),
+    ("polyfsdp.trainer.reward_rules:nope", "reward.fn=polyfsdp.trainer.reward_rules:nope: "
+                                           "polyfsdp.trainer.reward_rules has no function 'nope'"),
+    ("{file}:not_a_function", "is not callable"),
+    ("{file}:", "expected a built-in"),
+])
+def test_a_missing_file_module_or_function_is_a_one_line_config_error(spec, expected, reward_file):
+    with pytest.raises(ConfigError) as info:
+        load_reward_fn(spec.format(file=reward_file))
+    assert "\n" not in str(info.value) and expected in str(info.value), str(info.value)
+
+
+def test_unknown_builtin_name_is_refused_by_the_config():
+    with pytest.raises(ConfigError, match=r"^reward.fn: got 'gsm9k'; expected auto, a built-in \(char_match"):
+        load_config(["reward.fn=gsm9k"])
+    with pytest.raises(ConfigError, match=r"reward.kwargs: keys must be Python identifiers"):
+        load_config(["reward.kwargs={1: 2}"])
+
+
+def test_auto_picks_the_datas_rule_and_kwargs_reach_the_function(reward_file):
+    assert build_scorer(load_config([]).reward, load_config([]).data).name == "char_match"
+    cfg = load_config(["data=arith_words"])
+    assert build_scorer(cfg.reward, cfg.data).name == "gsm8k"
+    cfg = load_config([f"reward.fn={reward_file}:compute_score", "reward.kwargs={bonus:0.5}"])
+    scorer = build_scorer(cfg.reward, cfg.data)
+    value, extras = scorer.score(EXAMPLE, "4", [5, 2])
+    assert value == 1.5
+    # Numeric keys become metrics; the text one is ignored; token ids arrive in extra_info.
+    assert extras == {"length": 1.0, "eos_seen": 1.0}
+
+
+def test_dict_metrics_are_averaged_over_what_was_reported(reward_file):
+    scorer = Scorer(load_reward_fn(f"{reward_file}:compute_score"), "f")
+    rewards, extras = scorer.score_all([EXAMPLE], ["4", "44", "x"], [[2], [1], [2]], group=3)
+    assert rewards == [1.0, 0.0, 0.0]
+    assert mean_over_ranks(extras, "cpu") == {"reward/eos_seen": pytest.approx(2 / 3), "reward/length": 4 / 3}
+
+
+@pytest.mark.parametrize("name,expected", [
+    ("boom", "reward.fn=F:boom raised KeyError: 'no checker for toy' (record train.jsonl line 3, completion '4')"),
+    ("nan", "reward.fn=F:nan returned nan for record train.jsonl line 3; expected a finite number"),
+    ("text", "reward.fn=F:text returned '1.0' for record train.jsonl line 3; expected a finite number"),
+    ("no_score", "reward.fn=F:no_score returned a dict without 'score' (keys ['acc']) for record train.jsonl line 3"),
+])
+def test_a_failing_reward_stops_with_one_line_naming_function_record_and_value(name, expected, reward_file):
+    scorer = Scorer(load_reward_fn(f"{reward_file}:{name}"), f"F:{name}")
+    with pytest.raises(RewardError) as info:
+        scorer.score(EXAMPLE, "4", [2])
+    assert "\n" not in str(info.value) and str(info.value).startswith(expected), str(info.value)
+
+
+def test_infinite_and_boolean_results():
+    def inf(*args):
+        return math.inf
+
+    with pytest.raises(RewardError, match="returned inf"):
+        Scorer(inf, "inf").score(EXAMPLE, "4", [])
+    assert Scorer(lambda *a: True, "b").score(EXAMPLE, "4", []) == (1.0, {})

@@ -1,0 +1,152 @@
+"""``reward.fn``: find the reward function (a built-in, ``path/to/file.py:fn`` or
+``package.module:fn``) and score completions with it, verl's way.
+
+The function is called as ``fn(data_source, solution_str, ground_truth, extra_info, **kwargs)``
+and returns a number or a dict holding ``"score"`` (its other numeric keys become metrics).
+Anything else (an exception, NaN/inf, a non-number) stops the run with one line: a silent
+zero would train on a broken signal.
+"""
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import math
+import numbers
+import os
+import sys
+from dataclasses import dataclass, field
+from typing import Callable
+
+from .config import ConfigError
+from .data import DataError
+from .reward_rules import BUILTIN_REWARDS
+
+# The rule each built-in task is scored with when reward.fn=auto.
+TASK_DEFAULT_REWARD = {"reverse": "char_match", "arith_words": "gsm8k"}
+FILE_DEFAULT_REWARD = "char_match"
+
+
+class RewardError(DataError):
+    """A reward function that failed or returned something unusable; one-line message."""
+
+
+def default_reward_name(data) -> str:
+    """The built-in rule ``reward.fn=auto`` means for a DataSection."""
+    return TASK_DEFAULT_REWARD.get(data.task, FILE_DEFAULT_REWARD) if data.source == "builtin" else FILE_DEFAULT_REWARD
+
+
+def _load_file(path: str, spec: str):
+    if not os.path.isfile(path):
+        raise ConfigError(f"reward.fn={spec}: no such file {path!r}")
+    name = "polyfsdp_user_reward_" + os.path.splitext(os.path.basename(path))[0]
+    module_spec = importlib.util.spec_from_file_location(name, path)
+    if module_spec is None or module_spec.loader is None:
+        raise ConfigError(f"reward.fn={spec}: cannot import {path!r} as Python")
+    module = importlib.util.module_from_spec(module_spec)
+    # The file's own directory first, so it can import its neighbours.
+    sys.path.insert(0, os.path.dirname(os.path.abspath(path)))
+    try:
+        module_spec.loader.exec_module(module)
+    except Exception as exc:
+        raise ConfigError(f"reward.fn={spec}: importing {path} raised {type(exc).__name__}: {_first_line(exc)}") from None
+    finally:
+        sys.path.pop(0)
+    return module
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else ""
+
+
+def load_reward_fn(spec: str) -> Callable:
+    """The callable ``spec`` names: a built-in name, ``FILE.py:fn`` or ``module:fn``."""
+    if spec in BUILTIN_REWARDS:
+        return BUILTIN_REWARDS[spec]
+    target, sep, attr = spec.rpartition(":")
+    if not sep or not target or not attr:
+        raise ConfigError(f"reward.fn={spec}: expected a built-in ({', '.join(BUILTIN_REWARDS)}), "
+                          f"path/to/file.py:function or package.module:function")
+    if target.endswith(".py") or os.sep in target or "/" in target:
+        module = _load_file(target, spec)
+    else:
+        try:
+            module = importlib.import_module(target)
+        except ImportError as exc:
+            raise ConfigError(f"reward.fn={spec}: cannot import module {target!r}: {_first_line(exc)}") from None
+        except Exception as exc:
+            raise ConfigError(f"reward.fn={spec}: importing {target} raised {type(exc).__name__}: "
+                              f"{_first_line(exc)}") from None
+    fn = getattr(module, attr, None)
+    if fn is None:
+        raise ConfigError(f"reward.fn={spec}: {target} has no function {attr!r}")
+    if not callable(fn):
+        raise ConfigError(f"reward.fn={spec}: {target}.{attr} is not callable")
+    return fn
+
+
+@dataclass
+class Scorer:
+    """A reward function with its ``reward.kwargs``; ``name`` is how errors cite it."""
+
+    fn: Callable
+    name: str
+    kwargs: dict = field(default_factory=dict)
+
+    def score(self, example, solution_str: str, response_ids: list[int]) -> tuple[float, dict[str, float]]:
+        """The reward of one completion and its extra numeric metrics."""
+        record = example.where or f"with prompt {example.prompt!r}"
+        extra_info = dict(example.extra_info or {})
+        extra_info["response_ids"] = list(response_ids)
+        try:
+            result = self.fn(example.data_source, solution_str, example.answer, extra_info, **self.kwargs)
+        except Exception as exc:
+            raise RewardError(f"reward.fn={self.name} raised {type(exc).__name__}: {_first_line(exc)} "
+                              f"(record {record}, completion {solution_str[:80]!r})") from None
+        extras: dict[str, float] = {}
+        value = result
+        if isinstance(result, dict):
+            if "score" not in result:
+                raise RewardError(f"reward.fn={self.name} returned a dict without 'score' (keys "
+                                  f"{sorted(result)}) for record {record}")
+            value = result["score"]
+            extras = {k: float(v) for k, v in result.items()
+                      if k != "score" and isinstance(v, numbers.Real) and math.isfinite(float(v))}
+        if not isinstance(value, numbers.Real) or not math.isfinite(float(value)):
+            raise RewardError(f"reward.fn={self.name} returned {value!r} for record {record}; "
+                              f"expected a finite number (or a dict with a finite 'score')")
+        return float(value), extras
+
+    def score_all(self, examples, texts: list[str], responses: list[list[int]], group: int = 1):
+        """Rewards of ``texts`` (row i answers ``examples[i // group]``) and, per extra metric,
+        the list of values that were reported."""
+        rewards, extras = [], {}
+        for i, (text, ids) in enumerate(zip(texts, responses)):
+            value, more = self.score(examples[i // group], text, ids)
+            rewards.append(value)
+            for key, v in more.items():
+                extras.setdefault(key, []).append(v)
+        return rewards, extras
+
+
+def build_scorer(reward_section, data) -> Scorer:
+    """The Scorer a RewardSection asks for (``auto``: the data's default rule)."""
+    spec = reward_section.fn if reward_section.fn != "auto" else default_reward_name(data)
+    return Scorer(load_reward_fn(spec), spec, dict(reward_section.kwargs or {}))
+
+
+def mean_over_ranks(extras: dict[str, list[float]], device) -> dict[str, float]:
+    """Per extra metric, the mean over every rank's reported values (``reward/<key>``).
+    Ranks may report different keys, so the key sets are gathered first."""
+    import torch.distributed as dist
+
+    sums = {k: (sum(v), len(v)) for k, v in extras.items()}
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        gathered = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, sums)
+        sums = {}
+        for part in gathered:
+            for key, (total, count) in part.items():
+                before = sums.get(key, (0.0, 0))
+                sums[key] = (before[0] + total, before[1] + count)
+    return {f"reward/{k}": total / count for k, (total, count) in sorted(sums.items()) if count}
