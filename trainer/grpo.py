@@ -65,5 +65,5 @@ def grpo_step(policy, ref, tokenizer, examples: list[Example], cfg, loss_fn, sam
         "gen_time_s": t_gen,
         "step_time_s": time.perf_counter() - t0,
     })
-    metrics.update(mean_over_ranks(roll.reward_metrics, policy.device))
+    metrics.update(mean_over_ranks(roll.reward_metrics))
     return metrics

@@ -17,6 +17,8 @@ import sys
 from dataclasses import dataclass, field
 from typing import Callable
 
+from polyfsdp.backends.distributed import all_gather_object
+
 from .config import ConfigError
 from .data import DataError
 from .reward_rules import BUILTIN_REWARDS
@@ -135,18 +137,12 @@ def build_scorer(reward_section, data) -> Scorer:
     return Scorer(load_reward_fn(spec), spec, dict(reward_section.kwargs or {}))
 
 
-def mean_over_ranks(extras: dict[str, list[float]], device) -> dict[str, float]:
+def mean_over_ranks(extras: dict[str, list[float]]) -> dict[str, float]:
     """Per extra metric, the mean over every rank's reported values (``reward/<key>``).
     Ranks may report different keys, so the key sets are gathered first."""
-    import torch.distributed as dist
-
-    sums = {k: (sum(v), len(v)) for k, v in extras.items()}
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        gathered = [None] * dist.get_world_size()
-        dist.all_gather_object(gathered, sums)
-        sums = {}
-        for part in gathered:
-            for key, (total, count) in part.items():
-                before = sums.get(key, (0.0, 0))
-                sums[key] = (before[0] + total, before[1] + count)
+    sums: dict[str, tuple[float, int]] = {}
+    for part in all_gather_object({k: (sum(v), len(v)) for k, v in extras.items()}):
+        for key, (total, count) in part.items():
+            before = sums.get(key, (0.0, 0))
+            sums[key] = (before[0] + total, before[1] + count)
     return {f"reward/{k}": total / count for k, (total, count) in sorted(sums.items()) if count}

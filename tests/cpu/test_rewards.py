@@ -94,7 +94,7 @@ def test_dict_metrics_are_averaged_over_what_was_reported(reward_file):
     scorer = Scorer(load_reward_fn(f"{reward_file}:compute_score"), "f")
     rewards, extras = scorer.score_all([EXAMPLE], ["4", "44", "x"], [[2], [1], [2]], group=3)
     assert rewards == [1.0, 0.0, 0.0]
-    assert mean_over_ranks(extras, "cpu") == {"reward/eos_seen": pytest.approx(2 / 3), "reward/length": 4 / 3}
+    assert mean_over_ranks(extras) == {"reward/eos_seen": pytest.approx(2 / 3), "reward/length": 4 / 3}
 
 
 @pytest.mark.parametrize("name,expected", [
