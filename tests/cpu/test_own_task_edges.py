@@ -38,3 +38,32 @@ def test_characters_outside_the_tokenizer_name_the_key_the_user_set(tmp_path):
     rows[1]["prompt"][0]["content"] = "Sort 50%"
     with pytest.raises(DataError, match=r"^data.train_files .*train.jsonl: '%' .*not in the character tokenizer"):
         check_tokenizer_covers(_source(tmp_path, rows), CharTokenizer())
+
+
+def test_a_run_that_failed_before_training_may_be_rerun_with_a_fixed_reward(tmp_path, capsys):
+    # The first run's reward raised at the initial evaluation, leaving only init_model and
+    # config.yaml: rerunning in the same directory with the fix must not be refused as a
+    # "continued run" with other reward or data settings (nothing was trained yet).
+    import torch
+
+    from polyfsdp.trainer.train import main
+
+    (tmp_path / "r.py").write_text(
+        "def broken(data_source, solution_str, ground_truth, extra_info=None):\n    return int(solution_str)\n"
+        "def fixed(data_source, solution_str, ground_truth, extra_info=None):\n"
+        "    return float(solution_str.strip() == ground_truth)\n")
+    data = write_jsonl(tmp_path / "train.jsonl", _sort_rows(8))
+    common = ["data=files", f"data.train_files=[{data}]", "data.eval_size=2", "trainer.sft_steps=1",
+              "trainer.grpo_steps=1", "trainer.sft_batch_size=2", "trainer.prompts_per_step=2",
+              "algo.grpo.group_size=2", "trainer.progress=off", "trainer.plot=false", "trainer.export=false",
+              f"trainer.output_dir={tmp_path / 'out'}"]
+    threads = torch.get_num_threads()
+    try:
+        assert main([*common, f"reward.fn={tmp_path / 'r.py'}:broken"]) == 2
+        assert "raised ValueError" in capsys.readouterr().err
+        assert main([*common, f"reward.fn={tmp_path / 'r.py'}:fixed", "data.eval_size=3"]) == 0
+        # What was trained stays protected: a changed model is still refused.
+        assert main([*common, f"reward.fn={tmp_path / 'r.py'}:fixed", "model.seed=1"]) == 2
+    finally:
+        torch.set_num_threads(threads)
+    assert "model.seed=0, but this run asks for model.seed=1" in capsys.readouterr().err
