@@ -67,3 +67,20 @@ def test_a_run_that_failed_before_training_may_be_rerun_with_a_fixed_reward(tmp_
     finally:
         torch.set_num_threads(threads)
     assert "model.seed=0, but this run asks for model.seed=1" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flags", [["--cfg"], ["--cfg", "job"], ["-c", "all"], ["--cfg=job"]])
+def test_cfg_prints_the_reward_and_data_keys_in_hydras_spellings_too(flags, capsys):
+    from polyfsdp.trainer.train import main
+
+    assert main(["data=files", "data.train_files=[t.jsonl]", *flags, "reward.fn=my_reward.py:compute_score"]) == 0
+    out = capsys.readouterr().out
+    assert "fn: my_reward.py:compute_score" in out and "- t.jsonl" in out and "val_files: null" in out
+
+
+def test_cfg_hydra_is_one_line_saying_what_to_use(capsys):
+    from polyfsdp.trainer.train import main
+
+    assert main(["--cfg", "hydra"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "--cfg hydra" in err and "--cfg job" in err
