@@ -32,6 +32,8 @@ Examples:
 
 # Errors a user causes before training starts: printed as one line, exit status 2.
 EXIT_USAGE = 2
+# Stopped by Ctrl-C (SIGINT), the shell's convention 128 + 2.
+EXIT_INTERRUPTED = 130
 
 
 def _rank() -> int:
@@ -138,6 +140,12 @@ def main(argv: list[str] | None = None) -> int:
         finished = True
     except user_errors as exc:
         return _error(exc)
+    except KeyboardInterrupt:
+        # Ctrl-C is how runs are stopped: say how to continue instead of a traceback.
+        if _rank() == 0:
+            print(f"polyfsdp-train: interrupted; continue from the last checkpoint with trainer.output_dir="
+                  f"{job.out} trainer.resume=auto", file=sys.stderr, flush=True)
+        return EXIT_INTERRUPTED
     finally:
         if owned_group:
             destroy_distributed(wait_for_peers=finished)

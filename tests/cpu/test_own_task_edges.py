@@ -84,3 +84,29 @@ def test_cfg_hydra_is_one_line_saying_what_to_use(capsys):
     assert main(["--cfg", "hydra"]) == 2
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and "--cfg hydra" in err and "--cfg job" in err
+
+
+def test_ctrl_c_is_one_line_saying_how_to_continue(tmp_path):
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    out = tmp_path / "out"
+    proc = subprocess.Popen([sys.executable, "-m", "polyfsdp.trainer.train", "trainer.sft_steps=1000",
+                             "trainer.sft_batch_size=4", "trainer.checkpoint_interval=1", "trainer.progress=off",
+                             "data.eval_size=4", f"trainer.output_dir={out}"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "POLYFSDP_BACKEND": "cpu"})
+    try:
+        for line in proc.stdout:
+            if line.startswith("checkpoint saved:"):
+                proc.send_signal(signal.SIGINT)
+                break
+        _, err = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode == 130 and "Traceback" not in err, err
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert lines == [f"polyfsdp-train: interrupted; continue from the last checkpoint with "
+                     f"trainer.output_dir={out} trainer.resume=auto"], err
