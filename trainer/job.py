@@ -239,8 +239,14 @@ class Job:
         """Position the engine and the metrics file where ``phase`` continues; returns its first step."""
         if resume is not None and resume.checkpoint is not None:
             _, extra = load_resume_checkpoint(engine, resume.checkpoint)
+            step = int(extra["phase_step"])
+            if step > phase.steps:
+                # Nothing to run: a "final" evaluation at the lower step count would be mislabelled.
+                key = f"trainer.{phase.name}_steps"
+                raise ConfigError(f"{key}={phase.steps}: {resume.checkpoint} is already at {phase.name} step {step}; "
+                                  f"set {key}>={step} to continue it, or choose another trainer.output_dir")
             self._start_metrics(resume, int(extra["metrics_lines"]))
-            return int(extra["phase_step"])
+            return step
         if resume is not None:
             # Continuing at the phase's start: the exported start model says where the records end.
             state = json.loads((Path(phase.start_dir) / STATE_FILE).read_text())

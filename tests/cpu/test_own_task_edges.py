@@ -110,3 +110,24 @@ def test_ctrl_c_is_one_line_saying_how_to_continue(tmp_path):
     lines = [line for line in err.splitlines() if line.strip()]
     assert lines == [f"polyfsdp-train: interrupted; continue from the last checkpoint with "
                      f"trainer.output_dir={out} trainer.resume=auto"], err
+
+
+def test_continuing_with_fewer_steps_than_were_done_is_one_line(tmp_path, capsys):
+    # It used to run no step and log a "final" evaluation at the lower global step.
+    import torch
+
+    from polyfsdp.trainer.train import main
+
+    common = ["trainer.sft_steps=1", "trainer.sft_batch_size=2", "trainer.prompts_per_step=2",
+              "algo.grpo.group_size=2", "data.eval_size=2", "trainer.progress=off", "trainer.plot=false",
+              "trainer.export=false", "trainer.checkpoint_interval=1", f"trainer.output_dir={tmp_path / 'out'}"]
+    threads = torch.get_num_threads()
+    try:
+        assert main([*common, "trainer.grpo_steps=3"]) == 0
+        capsys.readouterr()
+        assert main([*common, "trainer.grpo_steps=2"]) == 2
+    finally:
+        torch.set_num_threads(threads)
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "trainer.grpo_steps=2: " in err and "is already at grpo step 3; set " \
+        "trainer.grpo_steps>=3 to continue it" in err, err
