@@ -231,7 +231,9 @@ def read_files(paths, key: str, prompt_key: str, answer_key: str | None, reader=
     out: list[Example] = []
     for path in [paths] if isinstance(paths, str) else list(paths):
         if not isinstance(path, str) or not os.path.isfile(path):
-            raise DataError(f"{key}: {path!r} is not a file")
+            where = "" if not isinstance(path, str) or os.path.isabs(path) else \
+                f" in the working directory {os.getcwd()}"  # relative paths start where the run started
+            raise DataError(f"{key}: {path!r} is not a file{where}")
         read = reader or READERS.get(os.path.splitext(path)[1].lower())
         if read is None:
             raise DataError(f"{key}: {path!r}: unknown file type; expected {', '.join(READERS)}")

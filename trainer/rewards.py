@@ -38,7 +38,9 @@ def default_reward_name(data) -> str:
 
 def _load_file(path: str, spec: str):
     if not os.path.isfile(path):
-        raise ConfigError(f"reward.fn={spec}: no such file {path!r}")
+        # Relative paths are read from where polyfsdp-train was started, not from the data's folder.
+        where = "" if os.path.isabs(path) else f" in the working directory {os.getcwd()}"
+        raise ConfigError(f"reward.fn={spec}: no such file {path!r}{where}")
     name = "polyfsdp_user_reward_" + os.path.splitext(os.path.basename(path))[0]
     module_spec = importlib.util.spec_from_file_location(name, path)
     if module_spec is None or module_spec.loader is None:

@@ -131,3 +131,16 @@ def test_continuing_with_fewer_steps_than_were_done_is_one_line(tmp_path, capsys
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and "trainer.grpo_steps=2: " in err and "is already at grpo step 3; set " \
         "trainer.grpo_steps>=3 to continue it" in err, err
+
+
+def test_relative_paths_that_miss_say_which_directory_they_were_read_from(tmp_path, monkeypatch):
+    from polyfsdp.trainer.config import ConfigError
+    from polyfsdp.trainer.rewards import load_reward_fn
+
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ConfigError, match=rf"no such file 'r.py' in the working directory {tmp_path}$"):
+        load_reward_fn("r.py:compute_score")
+    cfg = load_config(["data=files", "data.train_files=[t.jsonl]"])
+    with pytest.raises(DataError, match=rf"^data.train_files: 't.jsonl' is not a file in the working directory "
+                                        rf"{tmp_path}$"):
+        build_source(cfg.data, 0)

@@ -59,7 +59,7 @@ def test_builtin_file_and_module_paths_all_resolve(reward_file, tmp_path, monkey
 
 
 @pytest.mark.parametrize("spec,expected", [
-    ("missing_file.py:f", "reward.fn=missing_file.py:f: no such file 'missing_file.py'"),
+    ("missing_file.py:f", "reward.fn=missing_file.py:f: no such file 'missing_file.py' in the working directory "),
     ("no_such_module_12:f", "reward.fn=no_such_module_12:f: cannot import module 'no_such_module_12'"),
     ("polyfsdp.trainer.reward_rules:nope", "reward.fn=polyfsdp.trainer.reward_rules:nope: "
                                            "polyfsdp.trainer.reward_rules has no function 'nope'"),
