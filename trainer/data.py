@@ -69,20 +69,21 @@ class FileSource:
     visited in a seeded random order, epoch after epoch."""
 
     def __init__(self, records: list[Example], seed: int, eval_size: int, path: str,
-                 eval_records: list[Example] | None = None) -> None:
+                 eval_records: list[Example] | None = None, key: str = "data.path") -> None:
         if eval_records is not None:
             # Validation files replace the held-out tail; eval_size caps how many are scored.
             if not eval_records or not records:
-                which = "data.val_files" if not eval_records else f"data.path {path}"
+                which = "data.val_files" if not eval_records else f"{key} {path}"
                 raise DataError(f"{which}: no records left to {'evaluate' if not eval_records else 'train'} on")
             self.train_examples, self.eval_examples = list(records), list(eval_records[:eval_size])
         elif len(records) <= eval_size:
-            raise DataError(f"data.path {path}: {len(records)} records, but data.eval_size={eval_size} are held out "
+            raise DataError(f"{key} {path}: {len(records)} records, but data.eval_size={eval_size} are held out "
                             f"and at least one is needed for training")
         else:
             self.train_examples = records[: len(records) - eval_size]
             self.eval_examples = records[len(records) - eval_size:]
-        self.seed, self.path = seed, path
+        # ``key`` is the config key the user set (data.path or data.train_files): errors name it.
+        self.seed, self.path, self.key = seed, path, key
         self._orders: dict[tuple[str, int], list[int]] = {}
 
     def _order(self, phase: str, epoch: int) -> list[int]:
@@ -230,7 +231,9 @@ def read_files(paths, key: str, prompt_key: str, answer_key: str | None, reader=
     out: list[Example] = []
     for path in [paths] if isinstance(paths, str) else list(paths):
         if not isinstance(path, str) or not os.path.isfile(path):
-            raise DataError(f"{key}: {path!r} is not a file")
+            where = "" if not isinstance(path, str) or os.path.isabs(path) else \
+                f" in the working directory {os.getcwd()}"  # relative paths start where the run started
+            raise DataError(f"{key}: {path!r} is not a file{where}")
         read = reader or READERS.get(os.path.splitext(path)[1].lower())
         if read is None:
             raise DataError(f"{key}: {path!r}: unknown file type; expected {', '.join(READERS)}")
@@ -261,7 +264,7 @@ def build_source(data, seed: int, encoder=None):
         records = encoder.encode_split(records, "train")
         val = encoder.encode_split(val, "validation") if val is not None else None
     label = paths if isinstance(paths, str) else ",".join(paths)
-    return FileSource(records, seed, data.eval_size, label, eval_records=val)
+    return FileSource(records, seed, data.eval_size, label, eval_records=val, key=key)
 
 
 def check_tokenizer_covers(source, tokenizer) -> None:
@@ -275,20 +278,23 @@ def check_tokenizer_covers(source, tokenizer) -> None:
     if getattr(tokenizer, "bos_token_id", None) is None:
         for ex in source.train_examples + source.eval_examples:
             if ex.prompt_ids is None and not tokenizer.encode(ex.prompt):
-                raise DataError(f"data.path {source.path}: prompt {ex.prompt!r} has no tokens and the tokenizer has "
+                raise DataError(f"{source.key} {source.path}: prompt {ex.prompt!r} has no tokens and the tokenizer has "
                                 f"no bos token to start it; every prompt needs at least one token")
     if not isinstance(tokenizer, CharTokenizer):
         return
     known = set(tokenizer.chars)
     unknown: dict[str, str] = {}
     for ex in source.train_examples + source.eval_examples:
-        for ch in (ex.prompt + ex.answer):
+        # A chat prompt is tokenized as its rendered messages ("[role] content "), not as
+        # ex.prompt (the contents joined by newlines, which the tokenizer never sees).
+        text = "".join(m["role"] + m["content"] for m in ex.messages) if ex.messages else ex.prompt
+        for ch in (text + ex.answer):
             if ch not in known:
                 unknown.setdefault(ch, ex.prompt)
     if unknown:
         chars = ", ".join(repr(ch) for ch in sorted(unknown))
         first = next(iter(unknown.values()))
-        raise DataError(f"data.path {source.path}: {chars} (first in prompt {first!r}) not in the character "
+        raise DataError(f"{source.key} {source.path}: {chars} (first in prompt {first!r}) not in the character "
                         f"tokenizer; use model.path=DIR with a tokenizer that covers them")
 
 

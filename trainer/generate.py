@@ -87,8 +87,17 @@ def rollout(engine, tokenizer, examples: list[Example], n: int, max_new_tokens: 
 def evaluate(engine, tokenizer, examples: list[Example], max_new_tokens: int, chunk: int = 256,
              scorer=None) -> float:
     """Mean greedy reward over ``examples`` (each rank scores its share; summed over ranks)."""
+    return evaluate_with_metrics(engine, tokenizer, examples, max_new_tokens, chunk, scorer)[0]
+
+
+def evaluate_with_metrics(engine, tokenizer, examples: list[Example], max_new_tokens: int, chunk: int = 256,
+                          scorer=None) -> tuple[float, dict[str, float]]:
+    """Mean greedy reward over ``examples`` and the reward function's extra metrics
+    (``reward/<key>``, as in training records), both over all ranks."""
+    from .rewards import mean_over_ranks
+
     mine = examples[current_rank()::current_world_size()]
-    total = 0.0
+    total, extras = 0.0, {}
     # Every rank runs the same number of generate calls, as synced generation needs.
     chunks = max(1, -(-len(examples) // (current_world_size() * chunk)))
     for c in range(chunks):
@@ -96,6 +105,8 @@ def evaluate(engine, tokenizer, examples: list[Example], max_new_tokens: int, ch
         result = rollout(engine, tokenizer, part, 1, max_new_tokens, do_sample=False, scorer=scorer)
         if mine[c * chunk:(c + 1) * chunk]:
             total += sum(result.rewards)
+            for key, values in result.reward_metrics.items():
+                extras.setdefault(key, []).extend(values)
     sums = torch.tensor([total, float(len(mine))], dtype=torch.float64, device=engine.device)
     all_reduce_sum(sums)
-    return float(sums[0] / sums[1])
+    return float(sums[0] / sums[1]), mean_over_ranks(extras, engine.device)

@@ -37,7 +37,7 @@ from polyfsdp.engines.losses import SFTLoss
 from .chat import PromptEncoder, check_position_budget, model_max_positions
 from .config import ConfigError, JobConfig
 from .data import build_source, check_generation_budget, check_tokenizer_covers, max_answer_tokens
-from .generate import evaluate
+from .generate import evaluate_with_metrics
 from .grpo import grpo_step
 from .metrics import METRICS_FILE, MetricsLogger
 from .model_init import write_initial_model
@@ -130,8 +130,9 @@ class Job:
 
     def _evaluate(self, engine: FSDPEngine, tag: str, global_step: int) -> float:
         t = time.perf_counter()
-        value = evaluate(engine, self.tokenizer, self.source.eval_examples, self.eval_tokens, scorer=self.scorer)
-        self.metrics.log({"phase": "eval", "tag": tag, "global_step": global_step, "reward": value,
+        value, extras = evaluate_with_metrics(engine, self.tokenizer, self.source.eval_examples, self.eval_tokens,
+                                              scorer=self.scorer)
+        self.metrics.log({"phase": "eval", "tag": tag, "global_step": global_step, "reward": value, **extras,
                           "num_prompts": len(self.source.eval_examples), "time_s": time.perf_counter() - self.t0})
         _say(f"held-out reward ({tag}, global step {global_step}, {len(self.source.eval_examples)} prompts, "
              f"greedy): {value:.3f} "
@@ -238,8 +239,14 @@ class Job:
         """Position the engine and the metrics file where ``phase`` continues; returns its first step."""
         if resume is not None and resume.checkpoint is not None:
             _, extra = load_resume_checkpoint(engine, resume.checkpoint)
+            step = int(extra["phase_step"])
+            if step > phase.steps:
+                # Nothing to run: a "final" evaluation at the lower step count would be mislabelled.
+                key = f"trainer.{phase.name}_steps"
+                raise ConfigError(f"{key}={phase.steps}: {resume.checkpoint} is already at {phase.name} step {step}; "
+                                  f"set {key}>={step} to continue it, or choose another trainer.output_dir")
             self._start_metrics(resume, int(extra["metrics_lines"]))
-            return int(extra["phase_step"])
+            return step
         if resume is not None:
             # Continuing at the phase's start: the exported start model says where the records end.
             state = json.loads((Path(phase.start_dir) / STATE_FILE).read_text())

@@ -101,19 +101,23 @@ def check_same_run(cfg: JobConfig, run_dir: Path) -> None:
     it was started with: its init_model and checkpoints would be loaded and the data stream
     continued, while config.yaml claimed the new settings."""
     saved = run_dir / "config.yaml"
-    started = any((run_dir / name).exists() for name in ("init_model", "checkpoints", "sft_model"))
-    if not (started and saved.is_file()):
+    trained = any((run_dir / name).exists() for name in ("checkpoints", "sft_model"))
+    if not ((trained or (run_dir / "init_model").exists()) and saved.is_file()):
         return
+    # A run that stopped before its first checkpoint (a reward that raised at the first
+    # evaluation, say) left only init_model, which the next run reuses: only the model must
+    # match, so the user can fix the reward or the data and run again in the same directory.
+    sections = SAME_RUN_SECTIONS if trained else ("model",)
     before_raw = OmegaConf.to_container(OmegaConf.load(saved))
     before, now = {}, {}
-    for dotted in SAME_RUN_SECTIONS:
+    for dotted in sections:
         old, new = _section(before_raw, dotted), _section(cfg.raw, dotted)
         if dotted == "algo.grpo" and (old is None or new is None):
             continue  # an SFT run continued into GRPO: no GRPO settings to keep yet
         before.update(_leaves(old or {}, dotted))
         now.update(_leaves(new or {}, dotted))
     trainer_before = before_raw.get("trainer") or {}
-    for key in SAME_RUN_TRAINER_KEYS:
+    for key in SAME_RUN_TRAINER_KEYS if trained else ():
         before[f"trainer.{key}"], now[f"trainer.{key}"] = trainer_before.get(key), cfg.raw["trainer"].get(key)
     for name in list(now) + [k for k in before if k not in now]:
         if before.get(name) != now.get(name):

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import inspect
 import math
 import numbers
 import os
@@ -39,20 +40,23 @@ def default_reward_name(data) -> str:
 
 def _load_file(path: str, spec: str):
     if not os.path.isfile(path):
-        raise ConfigError(f"reward.fn={spec}: no such file {path!r}")
+        # Relative paths are read from where polyfsdp-train was started, not from the data's folder.
+        where = "" if os.path.isabs(path) else f" in the working directory {os.getcwd()}"
+        raise ConfigError(f"reward.fn={spec}: no such file {path!r}{where}")
     name = "polyfsdp_user_reward_" + os.path.splitext(os.path.basename(path))[0]
     module_spec = importlib.util.spec_from_file_location(name, path)
     if module_spec is None or module_spec.loader is None:
         raise ConfigError(f"reward.fn={spec}: cannot import {path!r} as Python")
     module = importlib.util.module_from_spec(module_spec)
-    # The file's own directory first, so it can import its neighbours.
-    sys.path.insert(0, os.path.dirname(os.path.abspath(path)))
+    # The file's own directory first, so it can import its neighbours; it stays there because
+    # reward functions often import them lazily, inside the function, at call time.
+    directory = os.path.dirname(os.path.abspath(path))
+    if directory not in sys.path:
+        sys.path.insert(0, directory)
     try:
         module_spec.loader.exec_module(module)
     except Exception as exc:
         raise ConfigError(f"reward.fn={spec}: importing {path} raised {type(exc).__name__}: {_first_line(exc)}") from None
-    finally:
-        sys.path.pop(0)
     return module
 
 
@@ -131,10 +135,29 @@ class Scorer:
         return rewards, extras
 
 
+def check_signature(fn: Callable, spec: str, kwargs: dict) -> None:
+    """Refuse a function that cannot take verl's four arguments plus ``reward.kwargs`` now,
+    before any model is built, rather than at the first evaluation."""
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):
+        return  # no signature to read (some C functions): a mismatch shows at the first call
+    try:
+        signature.bind("data_source", "solution_str", "ground_truth", {}, **kwargs)
+    except TypeError as exc:
+        extra = "".join(f", {key}=..." for key in kwargs)
+        raise ConfigError(f"reward.fn={spec}: {getattr(fn, '__name__', 'the function')}{signature} cannot be called "
+                          f"as fn(data_source, solution_str, ground_truth, extra_info{extra}) ({exc}); give it "
+                          f"verl's signature (data_source, solution_str, ground_truth, extra_info=None"
+                          f"{', **kwargs' if kwargs else ''})") from None
+
+
 def build_scorer(reward_section, data) -> Scorer:
     """The Scorer a RewardSection asks for (``auto``: the data's default rule)."""
     spec = reward_section.fn if reward_section.fn != "auto" else default_reward_name(data)
-    return Scorer(load_reward_fn(spec), spec, dict(reward_section.kwargs or {}))
+    fn, kwargs = load_reward_fn(spec), dict(reward_section.kwargs or {})
+    check_signature(fn, spec, kwargs)
+    return Scorer(fn, spec, kwargs)
 
 
 def mean_over_ranks(extras: dict[str, list[float]]) -> dict[str, float]:

@@ -17,7 +17,7 @@ from .config import GROUPS, ConfigError, available_options, load_config
 USAGE = """usage: polyfsdp-train [GROUP=OPTION] [KEY=VALUE ...] [--cfg] [--help]
 
 Runs SFT warm-up then GRPO on the built-in task (defaults), or what the overrides say.
-  --cfg      print the composed configuration and exit
+  --cfg      print the composed configuration and exit (also Hydra's --cfg job)
   --help     this text
 Config groups (pick with GROUP=OPTION):
 {groups}
@@ -32,6 +32,8 @@ Examples:
 
 # Errors a user causes before training starts: printed as one line, exit status 2.
 EXIT_USAGE = 2
+# Stopped by Ctrl-C (SIGINT), the shell's convention 128 + 2.
+EXIT_INTERRUPTED = 130
 
 
 def _rank() -> int:
@@ -69,6 +71,31 @@ def _usage() -> str:
     return USAGE.format(groups=groups)
 
 
+# Hydra's own spelling is ``--cfg job`` (or all/hydra): accepted, so Hydra habits work.
+CFG_FLAGS = ("--cfg", "-c")
+CFG_VALUES = ("job", "all")
+
+
+def _take_cfg_flag(args: list[str]) -> tuple[bool, list[str]]:
+    """(whether to print the config, the remaining overrides): ``--cfg``, ``--cfg job``,
+    ``--cfg=all``; a Hydra section this entry point does not have is one ConfigError."""
+    show, rest, i = False, [], 0
+    while i < len(args):
+        arg = args[i]
+        name, eq, value = arg.partition("=")
+        if arg in CFG_FLAGS or (eq and name in CFG_FLAGS):
+            show = True
+            if not eq and i + 1 < len(args) and args[i + 1] in (*CFG_VALUES, "hydra"):
+                i, value = i + 1, args[i + 1]
+            if value and value not in CFG_VALUES:
+                raise ConfigError(f"--cfg {value}: polyfsdp-train composes no Hydra section of its own; "
+                                  f"--cfg (or --cfg job) prints the job's configuration")
+        else:
+            rest.append(arg)
+        i += 1
+    return show, rest
+
+
 def main(argv: list[str] | None = None) -> int:
     """Parse overrides, validate, run the job; returns the process exit status."""
     from polyfsdp.backends import BackendUnavailableError
@@ -80,8 +107,10 @@ def main(argv: list[str] | None = None) -> int:
     if "-h" in args or "--help" in args:
         print(_usage())
         return 0
-    show_cfg = "--cfg" in args
-    overrides = [a for a in args if a != "--cfg"]
+    try:
+        show_cfg, overrides = _take_cfg_flag(args)
+    except ConfigError as exc:
+        return _error(exc)
     unknown_flags = [a for a in overrides if a.startswith("-")]
     if unknown_flags:
         return _error(ConfigError(f"unknown option {unknown_flags[0]!r}; arguments are KEY=VALUE overrides "
@@ -111,6 +140,12 @@ def main(argv: list[str] | None = None) -> int:
         finished = True
     except user_errors as exc:
         return _error(exc)
+    except KeyboardInterrupt:
+        # Ctrl-C is how runs are stopped: say how to continue instead of a traceback.
+        if _rank() == 0:
+            print(f"polyfsdp-train: interrupted; continue from the last checkpoint with trainer.output_dir="
+                  f"{job.out} trainer.resume=auto", file=sys.stderr, flush=True)
+        return EXIT_INTERRUPTED
     finally:
         if owned_group:
             destroy_distributed(wait_for_peers=finished)

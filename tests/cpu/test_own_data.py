@@ -231,6 +231,10 @@ def test_grpo_on_verl_files_with_a_bpe_chat_model_and_a_reward_file(tmp_path, mo
     for record in grpo:
         assert 0.0 <= record["reward"] <= 0.5
         assert record["reward/chars"] >= 0 and 0 <= record["reward/index"] <= 5  # train records only
+    # Held-out evaluations log the reward's extra metrics too, averaged over the validation records.
+    evals = [r for r in read_metrics(str(out / "metrics.jsonl")) if r["phase"] == "eval"]
+    assert [r["tag"] for r in evals] == ["initial", "after_sft", "final"]
+    assert all(r["reward/index"] == 20.5 and "reward/chars" in r for r in evals)
 
 
 def test_arith_words_runs_the_chat_and_gsm8k_path_on_a_bpe_model(tmp_path, model_dir):

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import math
+import re
 import sys
 
 import pytest
@@ -58,7 +59,7 @@ def test_builtin_file_and_module_paths_all_resolve(reward_file, tmp_path, monkey
 
 
 @pytest.mark.parametrize("spec,expected", [
-    ("missing_file.py:f", "reward.fn=missing_file.py:f: no such file 'missing_file.py'"),
+    ("missing_file.py:f", "reward.fn=missing_file.py:f: no such file 'missing_file.py' in the working directory "),
     ("no_such_module_12:f", "reward.fn=no_such_module_12:f: cannot import module 'no_such_module_12'"),
     ("polyfsdp.trainer.reward_rules:nope", "reward.fn=polyfsdp.trainer.reward_rules:nope: "
                                            "polyfsdp.trainer.reward_rules has no function 'nope'"),
@@ -117,3 +118,32 @@ def test_infinite_and_boolean_results():
     with pytest.raises(RewardError, match="returned inf"):
         Scorer(inf, "inf").score(EXAMPLE, "4", [])
     assert Scorer(lambda *a: True, "b").score(EXAMPLE, "4", []) == (1.0, {})
+
+
+def test_a_reward_file_may_import_its_neighbour_inside_the_function(tmp_path, monkeypatch):
+    # A lazy import runs at call time, after loading: the file's directory must still be importable.
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    monkeypatch.delitem(sys.modules, "qa_neighbour_grader", raising=False)
+    (tmp_path / "qa_neighbour_grader.py").write_text("def grade(a, b):\n    return float(a == b)\n")
+    (tmp_path / "lazy.py").write_text("def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+                                      "    from qa_neighbour_grader import grade\n"
+                                      "    return grade(solution_str, ground_truth)\n")
+    scorer = Scorer(load_reward_fn(f"{tmp_path / 'lazy.py'}:compute_score"), "lazy")
+    assert scorer.score(EXAMPLE, "4", [2]) == (1.0, {})
+
+
+@pytest.mark.parametrize("source,kwargs,expected", [
+    ("def f(data_source, solution_str, ground_truth):\n    return 1.0\n", None,
+     r"^reward.fn=F: f\(data_source, solution_str, ground_truth\) cannot be called as fn\(data_source, "
+     r"solution_str, ground_truth, extra_info\) \(too many positional arguments\); give it verl's signature"),
+    ("def f(data_source, solution_str, ground_truth, extra_info=None):\n    return 1.0\n", "{scale:2}",
+     r"cannot be called as fn\(data_source, solution_str, ground_truth, extra_info, scale=...\) "
+     r"\(got an unexpected keyword argument 'scale'\)"),
+])
+def test_a_reward_that_cannot_take_the_arguments_is_refused_before_any_model(tmp_path, source, kwargs, expected):
+    # Found when the scorer is built (the job does so first), not at the first evaluation.
+    (tmp_path / "r.py").write_text(source)
+    cfg = load_config([f"reward.fn={tmp_path / 'r.py'}:f"] + ([f"reward.kwargs={kwargs}"] if kwargs else []))
+    with pytest.raises(ConfigError, match=expected.replace("F", re.escape(f"{tmp_path / 'r.py'}:f"), 1)) as info:
+        build_scorer(cfg.reward, cfg.data)
+    assert "\n" not in str(info.value)

@@ -1,0 +1,146 @@
+"""Rough edges a user meets training GRPO on a task of their own (found by trying one:
+"sort these digits" with a system + user chat prompt and a reward file)."""
+from __future__ import annotations
+
+import pytest
+
+from own_data_cases import write_jsonl
+from polyfsdp.trainer.config import load_config
+from polyfsdp.trainer.data import DataError, build_source, check_tokenizer_covers
+from polyfsdp.trainer.task import CharTokenizer
+
+
+def _sort_rows(n, system=True):
+    rows = []
+    for i in range(n):
+        messages = [{"role": "user", "content": f"Sort {i}{9 - i % 10}1"}]
+        if system:
+            messages.insert(0, {"role": "system", "content": "You sort digits."})
+        rows.append({"data_source": "sort_digits", "prompt": messages,
+                     "reward_model": {"ground_truth": "".join(sorted(f"{i}{9 - i % 10}1"))}, "extra_info": {"i": i}})
+    return rows
+
+
+def _source(tmp_path, rows, *overrides):
+    path = write_jsonl(tmp_path / "train.jsonl", rows)
+    cfg = load_config(["data=files", f"data.train_files=[{path}]", "data.eval_size=2", *overrides])
+    return build_source(cfg.data, 0)
+
+
+def test_a_multi_message_chat_prompt_passes_the_character_tokenizer_check(tmp_path):
+    # The messages are rendered "[role] content "; the newline joining them in Example.prompt
+    # is never tokenized, so it must not be reported as a character the tokenizer lacks.
+    check_tokenizer_covers(_source(tmp_path, _sort_rows(6)), CharTokenizer())
+
+
+def test_characters_outside_the_tokenizer_name_the_key_the_user_set(tmp_path):
+    rows = _sort_rows(6, system=False)
+    rows[1]["prompt"][0]["content"] = "Sort 50%"
+    with pytest.raises(DataError, match=r"^data.train_files .*train.jsonl: '%' .*not in the character tokenizer"):
+        check_tokenizer_covers(_source(tmp_path, rows), CharTokenizer())
+
+
+def test_a_run_that_failed_before_training_may_be_rerun_with_a_fixed_reward(tmp_path, capsys):
+    # The first run's reward raised at the initial evaluation, leaving only init_model and
+    # config.yaml: rerunning in the same directory with the fix must not be refused as a
+    # "continued run" with other reward or data settings (nothing was trained yet).
+    import torch
+
+    from polyfsdp.trainer.train import main
+
+    (tmp_path / "r.py").write_text(
+        "def broken(data_source, solution_str, ground_truth, extra_info=None):\n    return int(solution_str)\n"
+        "def fixed(data_source, solution_str, ground_truth, extra_info=None):\n"
+        "    return float(solution_str.strip() == ground_truth)\n")
+    data = write_jsonl(tmp_path / "train.jsonl", _sort_rows(8))
+    common = ["data=files", f"data.train_files=[{data}]", "data.eval_size=2", "trainer.sft_steps=1",
+              "trainer.grpo_steps=1", "trainer.sft_batch_size=2", "trainer.prompts_per_step=2",
+              "algo.grpo.group_size=2", "trainer.progress=off", "trainer.plot=false", "trainer.export=false",
+              f"trainer.output_dir={tmp_path / 'out'}"]
+    threads = torch.get_num_threads()
+    try:
+        assert main([*common, f"reward.fn={tmp_path / 'r.py'}:broken"]) == 2
+        assert "raised ValueError" in capsys.readouterr().err
+        assert main([*common, f"reward.fn={tmp_path / 'r.py'}:fixed", "data.eval_size=3"]) == 0
+        # What was trained stays protected: a changed model is still refused.
+        assert main([*common, f"reward.fn={tmp_path / 'r.py'}:fixed", "model.seed=1"]) == 2
+    finally:
+        torch.set_num_threads(threads)
+    assert "model.seed=0, but this run asks for model.seed=1" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flags", [["--cfg"], ["--cfg", "job"], ["-c", "all"], ["--cfg=job"]])
+def test_cfg_prints_the_reward_and_data_keys_in_hydras_spellings_too(flags, capsys):
+    from polyfsdp.trainer.train import main
+
+    assert main(["data=files", "data.train_files=[t.jsonl]", *flags, "reward.fn=my_reward.py:compute_score"]) == 0
+    out = capsys.readouterr().out
+    assert "fn: my_reward.py:compute_score" in out and "- t.jsonl" in out and "val_files: null" in out
+
+
+def test_cfg_hydra_is_one_line_saying_what_to_use(capsys):
+    from polyfsdp.trainer.train import main
+
+    assert main(["--cfg", "hydra"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "--cfg hydra" in err and "--cfg job" in err
+
+
+def test_ctrl_c_is_one_line_saying_how_to_continue(tmp_path):
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    out = tmp_path / "out"
+    proc = subprocess.Popen([sys.executable, "-m", "polyfsdp.trainer.train", "trainer.sft_steps=1000",
+                             "trainer.sft_batch_size=4", "trainer.checkpoint_interval=1", "trainer.progress=off",
+                             "data.eval_size=4", f"trainer.output_dir={out}"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "POLYFSDP_BACKEND": "cpu"})
+    try:
+        for line in proc.stdout:
+            if line.startswith("checkpoint saved:"):
+                proc.send_signal(signal.SIGINT)
+                break
+        _, err = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode == 130 and "Traceback" not in err, err
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert lines == [f"polyfsdp-train: interrupted; continue from the last checkpoint with "
+                     f"trainer.output_dir={out} trainer.resume=auto"], err
+
+
+def test_continuing_with_fewer_steps_than_were_done_is_one_line(tmp_path, capsys):
+    # It used to run no step and log a "final" evaluation at the lower global step.
+    import torch
+
+    from polyfsdp.trainer.train import main
+
+    common = ["trainer.sft_steps=1", "trainer.sft_batch_size=2", "trainer.prompts_per_step=2",
+              "algo.grpo.group_size=2", "data.eval_size=2", "trainer.progress=off", "trainer.plot=false",
+              "trainer.export=false", "trainer.checkpoint_interval=1", f"trainer.output_dir={tmp_path / 'out'}"]
+    threads = torch.get_num_threads()
+    try:
+        assert main([*common, "trainer.grpo_steps=3"]) == 0
+        capsys.readouterr()
+        assert main([*common, "trainer.grpo_steps=2"]) == 2
+    finally:
+        torch.set_num_threads(threads)
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "trainer.grpo_steps=2: " in err and "is already at grpo step 3; set " \
+        "trainer.grpo_steps>=3 to continue it" in err, err
+
+
+def test_relative_paths_that_miss_say_which_directory_they_were_read_from(tmp_path, monkeypatch):
+    from polyfsdp.trainer.config import ConfigError
+    from polyfsdp.trainer.rewards import load_reward_fn
+
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ConfigError, match=rf"no such file 'r.py' in the working directory {tmp_path}$"):
+        load_reward_fn("r.py:compute_score")
+    cfg = load_config(["data=files", "data.train_files=[t.jsonl]"])
+    with pytest.raises(DataError, match=rf"^data.train_files: 't.jsonl' is not a file in the working directory "
+                                        rf"{tmp_path}$"):
+        build_source(cfg.data, 0)
