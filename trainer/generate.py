@@ -109,4 +109,4 @@ def evaluate_with_metrics(engine, tokenizer, examples: list[Example], max_new_to
                 extras.setdefault(key, []).extend(values)
     sums = torch.tensor([total, float(len(mine))], dtype=torch.float64, device=engine.device)
     all_reduce_sum(sums)
-    return float(sums[0] / sums[1]), mean_over_ranks(extras, engine.device)
+    return float(sums[0] / sums[1]), mean_over_ranks(extras)

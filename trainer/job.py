@@ -113,7 +113,8 @@ class Job:
         per = len(examples) // self.world
         return examples[self.rank * per:(self.rank + 1) * per]
 
-    def _engine(self, phase: str, model_dir: str) -> FSDPEngine:
+    def _engine(self, phase: str, model_dir: str, role: str = "policy") -> FSDPEngine:
+        """An initialised engine for ``phase`` on ``model_dir``; ``role`` names it in the patch summary."""
         section = self.cfg.algo.sft if phase == "sft" else self.cfg.algo.grpo
         engine = FSDPEngine(self.cfg.model.model_config(path=model_dir), self.cfg.engine, section.optim,
                             backend=self.backend, patch_toggles=self.cfg.patches)
@@ -125,7 +126,7 @@ class Job:
         if engine.patch_report is not None and engine.patch_report.failed:
             _say(str(engine.patch_report))  # a failed patch is worth the whole table
         elif engine.patch_report is not None:
-            _say(f"[{phase}] {engine.patch_report.summary()}")
+            _say(f"[{phase} {role}] {engine.patch_report.summary()}")
         return engine
 
     def _evaluate(self, engine: FSDPEngine, tag: str, global_step: int) -> float:
@@ -264,7 +265,7 @@ class Job:
             return lambda step, examples: sft_step(engine, self.tokenizer, examples, sft_loss)
         g = cfg.algo.grpo
         # The reference is the GRPO starting point, frozen: a second engine, never stepped.
-        ref = self._engine("grpo", phase.start_dir) if g.kl_coef > 0 else None
+        ref = self._engine("grpo", phase.start_dir, role="reference") if g.kl_coef > 0 else None
         ppo_loss = g.loss()
 
         def step_fn(step: int, examples: list) -> dict:
