@@ -3,7 +3,6 @@ advantages (trainer/advantages.py), and feed the rollout to one or more clipped
 policy-gradient steps (trainer/grpo_updates.py) with a KL penalty towards the reference."""
 from __future__ import annotations
 
-import logging
 import time
 from typing import Callable
 
@@ -18,7 +17,6 @@ from .grpo_updates import mini_batch_plan, run_updates, summarise_updates
 from .rewards import mean_over_ranks
 from .task import Example
 
-logger = logging.getLogger(__name__)
 
 __all__ = ["grpo_step", "group_advantages"]
 
