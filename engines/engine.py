@@ -39,6 +39,18 @@ from .parallelize import parallelize_model
 logger = logging.getLogger(__name__)
 
 
+# Loss metrics whose name ends with this are maxima: combined by max over micro-batches,
+# batches and ranks instead of summed (engines/losses.py).
+MAX_SUFFIX = "_max"
+
+
+def _combine(key: str, total: torch.Tensor | None, value: torch.Tensor) -> torch.Tensor:
+    """Accumulate one metric: a sum of shares, or a maximum for ``*_max`` keys."""
+    if total is None:
+        return value
+    return torch.maximum(total, value) if key.endswith(MAX_SUFFIX) else total + value
+
+
 class FSDPEngine(CheckpointMixin):
     """One policy (or reference) model under FSDP2. Modes are read from ``engine_config``
     at every call, so one engine can serve every mode combination; ``optim_config``
@@ -264,10 +276,10 @@ class FSDPEngine(CheckpointMixin):
                 loss.backward()
                 for key, value in {"loss": loss, **metrics}.items():
                     value = torch.as_tensor(value).detach().to(device=self.device, dtype=torch.float64)
-                    sums[key] = sums[key] + value if key in sums else value
+                    sums[key] = _combine(key, sums.get(key), value)
         model.set_requires_gradient_sync(True)
         for key, value in sums.items():
-            self._pending[key] = self._pending[key] + value if key in self._pending else value
+            self._pending[key] = _combine(key, self._pending.get(key), value)
         return sums
 
     def optimizer_step(self) -> dict[str, float]:
@@ -279,12 +291,18 @@ class FSDPEngine(CheckpointMixin):
         """
         params = [p for p in self.module.parameters() if p.grad is not None]
         keys = self._union_keys(self._pending)
-        sums = torch.stack([self._pending.get(k, torch.zeros((), dtype=torch.float64, device=self.device))
-                            for k in keys]) if keys else torch.zeros(0, dtype=torch.float64, device=self.device)
-        if keys:
-            all_reduce_sum(sums)
+        # Metrics named *_max are maxima (of non-negative values), reduced by max; the rest are shares, summed.
+        reduced = []
+        for maxima, reduce in ((False, all_reduce_sum), (True, all_reduce_max)):
+            group = [k for k in keys if k.endswith(MAX_SUFFIX) == maxima]
+            values = torch.stack([self._pending.get(k, torch.zeros((), dtype=torch.float64, device=self.device))
+                                  for k in group]) if group else torch.zeros(0, dtype=torch.float64, device=self.device)
+            if group:
+                reduce(values)
+            reduced.append((group, values))
+        keys = reduced[0][0] + reduced[1][0]
         norm = self._grad_norm(params)
-        grad_norm, *values = torch.cat([norm.reshape(1).to(sums), sums]).tolist()
+        grad_norm, *values = torch.cat([norm.reshape(1).to(torch.float64), reduced[0][1], reduced[1][1]]).tolist()
         self._pending = {}
         skipped = not math.isfinite(grad_norm)
         lr = self.optimizer.param_groups[0]["lr"]

@@ -23,6 +23,8 @@ from .loss_inputs import LossInputs
 logger = logging.getLogger(__name__)
 
 AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean")
+# seq-mean-token-sum-norm divides by a constant token count (Dr. GRPO): PPOLoss's agg_norm_tokens.
+PPO_AGG_MODES = AGG_MODES + ("seq-mean-token-sum-norm",)
 KL_TYPES = ("k1", "k3")
 # exp() of a log-ratio beyond this overflows fp32 long before it carries information;
 # the same guard verl applies.
@@ -46,16 +48,22 @@ def segment_sum(values: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
     return torch.zeros(num_seqs, dtype=values.dtype, device=values.device).index_add_(0, seg, values)
 
 
-def aggregate(values: torch.Tensor, mask: torch.Tensor, inputs: LossInputs, agg_mode: str) -> torch.Tensor:
+def aggregate(values: torch.Tensor, mask: torch.Tensor, inputs: LossInputs, agg_mode: str,
+              norm_tokens: float | None = None) -> torch.Tensor:
     """Reduce per-token ``values`` over ``mask`` into this micro-batch's share of the step loss.
 
     token-mean: sum / global_num_tokens. seq-mean-token-sum: sum of per-sequence sums /
     global_num_seqs. seq-mean-token-mean: sum of per-sequence means / global_num_seqs
     (a sequence without masked tokens contributes 0 but still counts in global_num_seqs).
+    seq-mean-token-sum-norm: sum / (global_num_seqs * norm_tokens), a constant per token.
     """
     masked = values * mask
     if agg_mode == "token-mean":
         return masked.sum() / inputs.global_num_tokens
+    if agg_mode == "seq-mean-token-sum-norm":
+        if norm_tokens is None:
+            raise ValueError("agg_mode seq-mean-token-sum-norm needs norm_tokens (a constant token count)")
+        return masked.sum() / (inputs.global_num_seqs * norm_tokens)
     per_seq = segment_sum(masked, inputs.offsets)
     if agg_mode == "seq-mean-token-sum":
         return per_seq.sum() / inputs.global_num_seqs
@@ -176,6 +184,10 @@ class PPOLoss:
     1 - clip_ratio_low, 1 + clip_ratio_high))``; with dual-clip (``dual_clip_c > 1``) the
     loss of a negative-advantage token is also capped at ``-A * c``. Adds
     ``kl_coef * KL(policy || ref)`` (k1 or k3) and subtracts ``entropy_coef * entropy``.
+    ``on_policy``: old log-probs are the current ones, detached (one update per rollout).
+    ``report_mismatch`` reads ``rollout_log_probs`` (the sampler's) and reports how far they
+    are from the old ones; ``tis_cap`` also weights each token's policy-gradient term by
+    ``min(exp(old - rollout), tis_cap)`` (truncated importance sampling).
     """
 
     def __init__(
@@ -188,6 +200,10 @@ class PPOLoss:
         entropy_coef: float = 0.0,
         agg_mode: str = "token-mean",
         report_entropy: bool = False,
+        on_policy: bool = False,
+        tis_cap: float | None = None,
+        report_mismatch: bool = False,
+        agg_norm_tokens: float | None = None,
     ):
         if not 0.0 <= clip_ratio_low < 1.0:
             raise ValueError(f"clip_ratio_low must lie in [0, 1), got {clip_ratio_low}")
@@ -199,27 +215,42 @@ class PPOLoss:
             raise ValueError(f"kl_coef must be >= 0, got {kl_coef}")
         if kl_type not in KL_TYPES:
             raise ValueError(f"unknown kl_type {kl_type!r}; choose one of {', '.join(KL_TYPES)}")
+        if tis_cap is not None and not tis_cap > 0.0:
+            raise ValueError(f"tis_cap must be > 0 (or None to disable), got {tis_cap}")
+        self.on_policy = on_policy
+        self.tis_cap = tis_cap
+        self.report_mismatch = report_mismatch or tis_cap is not None
         self.clip_ratio_low = clip_ratio_low
         self.clip_ratio_high = clip_ratio_high
         self.dual_clip_c = dual_clip_c
         self.kl_coef = kl_coef
         self.kl_type = kl_type
         self.entropy_coef = entropy_coef
-        self.agg_mode = _check_agg_mode(agg_mode)
+        if agg_mode not in PPO_AGG_MODES:
+            raise ValueError(f"unknown agg_mode {agg_mode!r}; choose one of {', '.join(PPO_AGG_MODES)}")
+        if agg_mode == "seq-mean-token-sum-norm" and not (agg_norm_tokens or 0) > 0:
+            raise ValueError(f"agg_mode seq-mean-token-sum-norm needs agg_norm_tokens > 0, got {agg_norm_tokens}")
+        self.agg_mode = agg_mode
+        self.agg_norm_tokens = agg_norm_tokens
         # Entropy costs a vocab-wide pass; ask for it only when it changes the loss or is reported.
         self.requires_entropy = entropy_coef != 0.0 or report_entropy
-        fields = ["response_mask", "old_log_probs", "advantages"]
+        # on_policy: one update per rollout, so the sampling policy IS the current one and
+        # old_log_probs would equal log_probs (ratio == 1); the loss uses log_probs.detach().
+        fields = ["response_mask"] + ([] if on_policy else ["old_log_probs"]) + ["advantages"]
         if kl_coef > 0.0:
             fields.append("ref_log_probs")
+        if self.report_mismatch:
+            fields.append("rollout_log_probs")
         self.required_fields = tuple(fields)
 
     def __call__(self, inputs: LossInputs) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """Return ``(loss, metrics)``: pg_loss, clip_frac, [clip_frac_lower], approx_kl, [kl], [entropy]."""
+        """Return ``(loss, metrics)``: pg_loss, clip fractions, ratio mean/max, approx_kl,
+        [clip_frac_lower], [kl], [entropy], [rollout_mismatch_*, tis_weight_mean]."""
         _check_inputs(inputs, self.required_fields, need_entropy=self.requires_entropy, loss_name="PPOLoss")
         fields = inputs.fields
         log_probs = inputs.log_probs.float()
         mask = fields["response_mask"].to(log_probs.dtype)
-        old = fields["old_log_probs"].to(log_probs.dtype)
+        old = log_probs.detach() if self.on_policy else fields["old_log_probs"].to(log_probs.dtype)
         adv = fields["advantages"].to(log_probs.dtype)
 
         log_ratio = torch.clamp(log_probs - old, -_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP)
@@ -227,13 +258,27 @@ class PPOLoss:
         loss_unclipped = -adv * ratio
         loss_clipped = -adv * torch.clamp(ratio, 1.0 - self.clip_ratio_low, 1.0 + self.clip_ratio_high)
         pg = torch.maximum(loss_unclipped, loss_clipped)
-        metrics = {"clip_frac": _token_share((loss_clipped > loss_unclipped).float(), mask, inputs)}
+        clipped = loss_clipped > loss_unclipped  # = (A > 0, ratio > 1 + high) or (A < 0, ratio < 1 - low)
+        metrics = {"clip_frac": _token_share(clipped.float(), mask, inputs),
+                   "clip_frac_high": _token_share((clipped & (adv > 0)).float(), mask, inputs),
+                   "clip_frac_low": _token_share((clipped & (adv < 0)).float(), mask, inputs),
+                   "ratio_mean": _token_share(ratio, mask, inputs),
+                   "ratio_max": _masked_max(ratio, mask)}
         if self.dual_clip_c is not None:
             cap = -adv * self.dual_clip_c
             negative = adv < 0
             metrics["clip_frac_lower"] = _token_share(((pg > cap) & negative).float(), mask, inputs)
             pg = torch.where(negative, torch.minimum(pg, cap), pg)
-        pg_loss = aggregate(pg, mask, inputs, self.agg_mode)
+        if self.report_mismatch:
+            rollout = fields["rollout_log_probs"].to(log_probs.dtype)
+            metrics.update(_mismatch_metrics(old, rollout, mask, inputs))
+            if self.tis_cap is not None:
+                # Truncated importance sampling: the rollout came from the sampler's
+                # distribution, the gradient is taken under the trainer's.
+                weight = torch.clamp(torch.exp(torch.clamp(old - rollout, max=_LOG_RATIO_CLAMP)), max=self.tis_cap)
+                metrics["tis_weight_mean"] = _token_share(weight, mask, inputs)
+                pg = pg * weight.detach()
+        pg_loss = aggregate(pg, mask, inputs, self.agg_mode, self.agg_norm_tokens)
         loss = pg_loss
         metrics["pg_loss"] = pg_loss.detach()
         # k1 estimate of KL(old || new), the usual PPO diagnostic.
@@ -242,12 +287,29 @@ class PPOLoss:
         if self.kl_coef > 0.0:
             ref = fields["ref_log_probs"].to(log_probs.dtype)
             kl = kl_penalty(log_probs, ref, self.kl_type)
-            kl_loss = aggregate(kl, mask, inputs, self.agg_mode)
+            kl_loss = aggregate(kl, mask, inputs, self.agg_mode, self.agg_norm_tokens)
             loss = loss + self.kl_coef * kl_loss
             metrics["kl"] = kl_loss.detach()
         if self.requires_entropy:
             entropy = inputs.entropy.float()
             metrics["entropy"] = _token_share(entropy, mask, inputs)
             if self.entropy_coef != 0.0:
-                loss = loss - self.entropy_coef * aggregate(entropy, mask, inputs, self.agg_mode)
+                loss = loss - self.entropy_coef * aggregate(entropy, mask, inputs, self.agg_mode, self.agg_norm_tokens)
         return loss, metrics
+
+
+def _masked_max(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Largest non-negative ``values`` over ``mask`` (0 without masked tokens). Metric names
+    ending in ``_max`` are reduced by maximum, not summed, in the engine."""
+    return torch.where(mask > 0, values.detach(), torch.zeros_like(values)).max() if values.numel() else \
+        torch.zeros((), device=values.device)
+
+
+def _mismatch_metrics(train: torch.Tensor, rollout: torch.Tensor, mask: torch.Tensor,
+                      inputs: LossInputs) -> dict[str, torch.Tensor]:
+    """How far the sampler's log-probs are from the trainer's for the same tokens: mean and
+    max |difference| and the k3 estimate of KL(sampler || trainer) (samples are the sampler's)."""
+    diff = (train - rollout).detach()
+    return {"rollout_mismatch_abs_mean": _token_share(diff.abs(), mask, inputs),
+            "rollout_mismatch_abs_max": _masked_max(diff.abs(), mask),
+            "rollout_mismatch_kl": _token_share(torch.expm1(diff) - diff, mask, inputs)}

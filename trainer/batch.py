@@ -67,3 +67,25 @@ def build_batch(pairs: Sequence[tuple[Sequence[int], Sequence[int]]], pad_mode: 
                 dense_fields[name][i, start:end] = values[i]
         return TensorDict({"input_ids": dense, "attention_mask": attention, **dense_fields}, batch_size=[len(seqs)])
     raise ValueError(f"pad_mode: got {pad_mode!r}; allowed values: 'no_padding', 'left_right'")
+
+
+def response_mask(prompt: Sequence[int], response: Sequence[int]) -> torch.Tensor:
+    """The per-token response mask of ``prompt + response`` (engine alignment), flat."""
+    return torch.tensor(_seq_values(prompt, response)[1], dtype=torch.float32)
+
+
+def response_field(prompt: Sequence[int], values: Sequence[float]) -> torch.Tensor:
+    """Per-response-token ``values`` placed in ``prompt + response``'s alignment (position
+    ``len(prompt) - 1 + k`` holds response token ``k``'s value), zeros elsewhere."""
+    out = torch.zeros(len(prompt) + len(values))
+    out[len(prompt) - 1:len(prompt) - 1 + len(values)] = torch.tensor(list(values), dtype=torch.float32)
+    return out
+
+
+def per_sequence(values: torch.Tensor, batch: TensorDict, pad_mode: str) -> list[torch.Tensor]:
+    """Split an engine output in ``batch``'s layout (jagged, or dense aligned with
+    ``input_ids``) into one flat tensor per sequence."""
+    if pad_mode == "no_padding":
+        return [t.clone() for t in values.unbind()]
+    mask = batch["attention_mask"].bool()
+    return [values[i][mask[i]] for i in range(values.shape[0])]

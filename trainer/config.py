@@ -15,8 +15,9 @@ from typing import Any
 
 from polyfsdp.backends.registry import BACKEND_NAMES
 from polyfsdp.engines.config import EngineConfig, ModelConfig, OptimConfig
-from polyfsdp.engines.losses import AGG_MODES, KL_TYPES, PPOLoss
 
+from .algo_config import (AlgoSection, GRPOSection, RolloutCorrectionSection, SFTSection,  # noqa: F401 (re-exported)
+                          check_choice, check_min)
 from .compose import GROUPS, ConfigError, available_options, compose, to_container  # noqa: F401 (re-exported)
 
 logger = logging.getLogger(__name__)
@@ -28,62 +29,6 @@ PROGRESS_MODES = ("auto", "bar", "lines", "off")
 
 
 # --------------------------------------------------------------------------- sections
-
-
-@dataclass
-class SFTSection:
-    """SFT phase: its optimizer (``optim``, the engine's OptimConfig) and the loss aggregation."""
-
-    optim: OptimConfig = field(default_factory=OptimConfig)
-    agg_mode: str = "token-mean"
-
-    def validate(self, where: str) -> None:
-        _check_choice(f"{where}.agg_mode", self.agg_mode, AGG_MODES)
-
-
-@dataclass
-class GRPOSection:
-    """GRPO phase: its optimizer (``optim``), sampling, advantage normalisation, PPO loss terms."""
-
-    optim: OptimConfig = field(default_factory=OptimConfig)
-    group_size: int = 8
-    temperature: float = 1.0
-    max_new_tokens: int = 8
-    clip_ratio_low: float = 0.2
-    clip_ratio_high: float = 0.28
-    dual_clip_c: float | None = None
-    kl_coef: float = 0.01
-    kl_type: str = "k3"
-    entropy_coef: float = 0.01
-    agg_mode: str = "token-mean"
-    norm_adv_by_std: bool = True
-
-    def validate(self, where: str) -> None:
-        _check_min(f"{where}.group_size", self.group_size, 2)
-        _check_min(f"{where}.max_new_tokens", self.max_new_tokens, 1)
-        if not self.temperature > 0:
-            raise ConfigError(f"{where}.temperature: expected > 0, got {self.temperature}")
-        _check_choice(f"{where}.agg_mode", self.agg_mode, AGG_MODES)
-        _check_choice(f"{where}.kl_type", self.kl_type, KL_TYPES)
-        try:
-            self.loss()
-        except ValueError as exc:
-            raise ConfigError(f"{where}: {exc}") from None
-
-    def loss(self) -> PPOLoss:
-        """The PPO loss these settings describe (entropy always reported)."""
-        return PPOLoss(clip_ratio_low=self.clip_ratio_low, clip_ratio_high=self.clip_ratio_high,
-                       dual_clip_c=self.dual_clip_c, kl_coef=self.kl_coef, kl_type=self.kl_type,
-                       entropy_coef=self.entropy_coef, agg_mode=self.agg_mode, report_entropy=True)
-
-
-@dataclass
-class AlgoSection:
-    """``algo=grpo`` (SFT warm-up then GRPO) or ``algo=sft`` (SFT only)."""
-
-    name: str = "grpo"
-    sft: SFTSection = field(default_factory=SFTSection)
-    grpo: GRPOSection | None = None
 
 
 @dataclass
@@ -174,16 +119,6 @@ class JobConfig:
 # --------------------------------------------------------------------------- checks
 
 
-def _check_choice(key: str, value: Any, allowed) -> None:
-    if value not in allowed:
-        raise ConfigError(f"{key}: got {value!r}; allowed values: {', '.join(map(str, allowed))}")
-
-
-def _check_min(key: str, value: int, minimum: int) -> None:
-    if value < minimum:
-        raise ConfigError(f"{key}: expected an int >= {minimum}, got {value}")
-
-
 def _type_ok(value: Any, hint: Any) -> bool:
     origin = typing.get_origin(hint)
     if origin in (typing.Union, getattr(__import__("types"), "UnionType", None)):
@@ -248,16 +183,16 @@ def _optim(where: str, data: Any, phase_steps: int) -> OptimConfig:
 
 def _validate_trainer(t: TrainerSection, algo: AlgoSection, world_size: int) -> None:
     for key in ("sft_steps", "grpo_steps", "eval_interval", "checkpoint_interval"):
-        _check_min(f"trainer.{key}", getattr(t, key), 0)
+        check_min(f"trainer.{key}", getattr(t, key), 0)
     for key in ("sft_batch_size", "prompts_per_step", "log_interval", "keep_checkpoints"):
-        _check_min(f"trainer.{key}", getattr(t, key), 1)
+        check_min(f"trainer.{key}", getattr(t, key), 1)
     for key in ("sft_batch_size", "prompts_per_step"):
         if getattr(t, key) % world_size:
             raise ConfigError(f"trainer.{key}: must be a multiple of the world size {world_size}, "
                               f"got {getattr(t, key)}")
-    _check_choice("trainer.progress", t.progress, PROGRESS_MODES)
+    check_choice("trainer.progress", t.progress, PROGRESS_MODES)
     if t.cpu_threads is not None:
-        _check_min("trainer.cpu_threads", t.cpu_threads, 1)
+        check_min("trainer.cpu_threads", t.cpu_threads, 1)
     if t.resume not in ("auto", "never") and not os.path.isdir(t.resume):
         raise ConfigError(f"trainer.resume: expected auto, never or an existing checkpoint directory, "
                           f"got {t.resume!r}")
@@ -275,10 +210,10 @@ def _file_list(key: str, value) -> list | None:
 
 
 def _validate_data(d: DataSection) -> None:
-    _check_choice("data.source", d.source, DATA_SOURCES)
-    _check_choice("data.overlong", d.overlong, OVERLONG_POLICIES)
+    check_choice("data.source", d.source, DATA_SOURCES)
+    check_choice("data.overlong", d.overlong, OVERLONG_POLICIES)
     if d.max_prompt_length is not None:
-        _check_min("data.max_prompt_length", d.max_prompt_length, 1)
+        check_min("data.max_prompt_length", d.max_prompt_length, 1)
     if not d.prompt_key or (d.answer_key is not None and not d.answer_key):
         raise ConfigError("data.prompt_key / data.answer_key: expected a (dotted) field name, got an empty one")
     d.train_files = _file_list("data.train_files", d.train_files)
@@ -292,7 +227,7 @@ def _validate_data(d: DataSection) -> None:
     if d.source == "files" and not d.train_files:
         raise ConfigError("data.train_files: data=files needs data.train_files=[FILE,...]")
     if d.source == "builtin":
-        _check_choice("data.task", d.task, TASKS)
+        check_choice("data.task", d.task, TASKS)
         if not d.alphabet.isalpha():
             raise ConfigError(f"data.alphabet: expected letters, got {d.alphabet!r}")
         if not 1 <= d.min_len <= d.max_len:
@@ -302,7 +237,7 @@ def _validate_data(d: DataSection) -> None:
                               f"add data=jsonl (or data=parquet) to train on it")
     elif not d.path and not d.train_files:
         raise ConfigError(f"data.path: data={d.source} needs data.path=FILE")
-    _check_min("data.eval_size", d.eval_size, 1)
+    check_min("data.eval_size", d.eval_size, 1)
 
 
 def _validate_reward(r: RewardSection) -> None:
@@ -327,7 +262,7 @@ def build_job_config(raw: dict, world_size: int = 1) -> JobConfig:
                           f"({', '.join(available_options(missing[0]))})")
     backend = _section(dataclasses.make_dataclass("BackendSection", [("name", str)]), "backend",
                        raw.get("backend", {})).name
-    _check_choice("backend", backend, BACKEND_NAMES)
+    check_choice("backend", backend, BACKEND_NAMES)
 
     model = _section(ModelSection, "model", raw["model"])
     try:
@@ -355,17 +290,21 @@ def build_job_config(raw: dict, world_size: int = 1) -> JobConfig:
         raise ConfigError(str(exc) if str(exc).startswith("patches") else f"patches: {exc}") from None
 
     trainer = _section(TrainerSection, "trainer", raw["trainer"])
-    algo = _section(AlgoSection, "algo", raw["algo"], nested={"sft": SFTSection, "grpo": GRPOSection})
-    _check_choice("algo.name", algo.name, ("grpo", "sft"))
+    algo = _section(AlgoSection, "algo", raw["algo"], nested={"sft": SFTSection, "grpo": GRPOSection,
+                                                              "rollout_correction": RolloutCorrectionSection})
+    check_choice("algo.name", algo.name, ("grpo", "sft"))
     if algo.sft is None:
         raise ConfigError("algo.sft: expected a mapping (every algo has an SFT section), got None")
     algo.sft.optim = _optim("algo.sft.optim", algo.sft.optim, trainer.sft_steps)
     algo.sft.validate("algo.sft")
+    _validate_trainer(trainer, algo, world_size)
     if algo.name == "grpo":
         if algo.grpo is None:
             raise ConfigError("algo.grpo: algo=grpo needs its grpo section")
-        algo.grpo.optim = _optim("algo.grpo.optim", algo.grpo.optim, trainer.grpo_steps)
-        algo.grpo.validate("algo.grpo")
+        # The schedule counts optimizer steps: several per rollout with mini-batches or epochs.
+        updates = algo.grpo.updates_per_rollout(trainer.prompts_per_step)
+        algo.grpo.optim = _optim("algo.grpo.optim", algo.grpo.optim, trainer.grpo_steps * max(updates, 1))
+        algo.validate_grpo(trainer.prompts_per_step, world_size)
     data = _section(DataSection, "data", raw["data"])
     _validate_data(data)
     if data.eval_size < world_size:
@@ -373,7 +312,6 @@ def build_job_config(raw: dict, world_size: int = 1) -> JobConfig:
                           f"{world_size}, got {data.eval_size}")
     reward = _section(RewardSection, "reward", raw["reward"])
     _validate_reward(reward)
-    _validate_trainer(trainer, algo, world_size)
     return JobConfig(backend=backend, model=model, engine=engine, patches=patches, algo=algo, data=data,
                      trainer=trainer, raw=raw, reward=reward)
 

@@ -23,6 +23,8 @@ class Rollout:
     texts: list[str]
     rewards: list[float]
     reward_metrics: dict[str, list[float]] = field(default_factory=dict)
+    # The sampler's log-prob of each response token (at the sampling temperature), when asked.
+    log_probs: list[list[float]] | None = None
 
 
 def prompt_tokens(tokenizer, prompt: str) -> list[int]:
@@ -33,8 +35,10 @@ def prompt_tokens(tokenizer, prompt: str) -> list[int]:
 
 @torch.no_grad()
 def generate(engine, tokenizer, prompts: list[list[int]], max_new_tokens: int, do_sample: bool,
-             temperature: float = 1.0) -> list[list[int]]:
-    """Completions (ending at and including ``<eos>`` when produced) for left-padded prompts.
+             temperature: float = 1.0, return_log_probs: bool = False):
+    """Completions (ending at and including ``<eos>`` when produced) for left-padded prompts;
+    with ``return_log_probs``, also each completion token's log-prob under the distribution
+    it was drawn from (``generate``'s processed scores: logits / temperature).
 
     With several ranks ``synced_gpus=True`` keeps every rank calling forward until all are
     done, as FSDP's all-gathers require.
@@ -54,7 +58,13 @@ def generate(engine, tokenizer, prompts: list[list[int]], max_new_tokens: int, d
     device = engine.device
     with engine.eval_mode():
         out = engine.module.generate(input_ids=ids.to(device), attention_mask=mask.to(device),
-                                     generation_config=config, synced_gpus=current_world_size() > 1)
+                                     generation_config=config, synced_gpus=current_world_size() > 1,
+                                     return_dict_in_generate=return_log_probs, output_scores=return_log_probs)
+    token_log_probs = None
+    if return_log_probs:
+        steps = torch.stack(out.scores, dim=1).float()  # (B, new tokens, vocab)
+        out = out.sequences
+        token_log_probs = torch.log_softmax(steps, -1).gather(-1, out[:, width:, None])[..., 0].tolist()
     completions = []
     for row in out[:, width:].tolist():
         if eos in row:
@@ -64,6 +74,8 @@ def generate(engine, tokenizer, prompts: list[list[int]], max_new_tokens: int, d
             while row and row[-1] == pad:
                 row.pop()
         completions.append(row)
+    if return_log_probs:
+        return completions, [lp[:len(row)] for lp, row in zip(token_log_probs, completions)]
     return completions
 
 
@@ -74,14 +86,17 @@ def _default_scorer():
 
 
 def rollout(engine, tokenizer, examples: list[Example], n: int, max_new_tokens: int, do_sample: bool,
-            temperature: float = 1.0, scorer=None) -> Rollout:
+            temperature: float = 1.0, scorer=None, return_log_probs: bool = False) -> Rollout:
     """``n`` completions per example (grouped: example i owns rows i*n .. i*n+n-1), scored
     by ``scorer`` (a rewards.Scorer; default the built-in ``char_match``)."""
     prompts = [example_prompt_tokens(tokenizer, ex) for ex in examples for _ in range(n)]
-    responses = generate(engine, tokenizer, prompts, max_new_tokens, do_sample, temperature)
+    responses = generate(engine, tokenizer, prompts, max_new_tokens, do_sample, temperature, return_log_probs)
+    log_probs = None
+    if return_log_probs:
+        responses, log_probs = responses
     texts = [tokenizer.decode(r) for r in responses]
     rewards, extras = (scorer or _default_scorer()).score_all(examples, texts, responses, group=n)
-    return Rollout(prompts, responses, texts, rewards, extras)
+    return Rollout(prompts, responses, texts, rewards, extras, log_probs)
 
 
 def evaluate(engine, tokenizer, examples: list[Example], max_new_tokens: int, chunk: int = 256,

@@ -155,10 +155,15 @@ class Job:
 
     def _record(self, phase: str, step: int, global_step: int, m: dict, progress: Progress) -> None:
         m = dict(m)
+        updates = m.pop("update_metrics", None)
         m["tokens_per_s"] = m.pop("tokens") * self.world / max(m["step_time_s"], 1e-9)
         record = {"phase": phase, "step": step, "global_step": global_step, **m,
                   "time_s": time.perf_counter() - self.t0}
         if step % self.cfg.trainer.log_interval == 0 or step == 1:
+            # Several optimizer steps per rollout: one record each, then the rollout's summary.
+            for k, u in enumerate(updates or []):
+                self.metrics.log({"phase": f"{phase}_update", "step": step, "update": k + 1,
+                                  "global_step": global_step, **u})
             self.metrics.log(record)
         progress.update(m)
 
@@ -266,11 +271,16 @@ class Job:
         g = cfg.algo.grpo
         # The reference is the GRPO starting point, frozen: a second engine, never stepped.
         ref = self._engine("grpo", phase.start_dir, role="reference") if g.kl_coef > 0 else None
-        ppo_loss = g.loss()
+        ppo_loss = cfg.algo.ppo_loss(phase.batch_size)
+        mini_batches = g.mini_batches(phase.batch_size)
 
         def step_fn(step: int, examples: list) -> dict:
-            seed = (cfg.trainer.seed * 1_000_003 + step) * 1024 + self.rank
-            return grpo_step(engine, ref, self.tokenizer, examples, g, ppo_loss, sample_seed=seed, scorer=self.scorer)
+            # Sampling (per rank) and mini-batch shuffles (same on all ranks) are seeded per step: exact resume.
+            step_seed = cfg.trainer.seed * 1_000_003 + step
+            more = lambda k: self._shard(self.source.batch(f"{phase.name}-refill{k}", step, phase.batch_size))  # noqa: E731
+            return grpo_step(engine, ref, self.tokenizer, examples, cfg.algo, ppo_loss,
+                             sample_seed=step_seed * 1024 + self.rank, shuffle_seed=step_seed,
+                             mini_batches=mini_batches, scorer=self.scorer, more_examples=more)
         return step_fn
 
     def _run_phase(self, phase: Phase, resume: ResumePoint | None, fresh_metrics: bool) -> None:

@@ -186,9 +186,16 @@ def _comparable(records):
     return [{k: v for k, v in r.items() if k not in TIMING_KEYS} for r in records]
 
 
-def test_resume_after_sigkill_continues_the_same_curve(tmp_path):
+# Update-many with shuffled mini-batches, group filtering (extra sampling rounds) and TIS:
+# every new source of randomness must be seeded per step for the resumed curve to match.
+UPDATE_MANY = ["algo.grpo.epochs=2", "algo.grpo.mini_batch_size=2", "algo.grpo.filter_groups=true",
+               "algo.adv_estimator=rloo", "algo.rollout_correction.tis_cap=2.0"]
+
+
+@pytest.mark.parametrize("algo", [[], UPDATE_MANY], ids=["default", "update_many"])
+def test_resume_after_sigkill_continues_the_same_curve(tmp_path, algo):
     overrides = [*TINY, *TINY_GRPO, "trainer.sft_steps=4", "trainer.grpo_steps=4", "trainer.checkpoint_interval=2",
-                 "trainer.plot=false", "trainer.export=false"]
+                 "trainer.plot=false", "trainer.export=false", *algo]
     # Uninterrupted reference run.
     _, reference = _run(tmp_path, "full", *overrides[len(TINY) + len(TINY_GRPO):])
 

@@ -190,8 +190,9 @@ def test_sum_of_micro_batch_losses_with_global_counts_equals_whole_batch_loss(ag
     assert sum(p[0] for p in parts) == pytest.approx(whole_loss, abs=1e-6)
     torch.testing.assert_close(torch.cat([p[2] for p in parts]), whole_grad, atol=1e-7, rtol=0)
     for key, value in whole_metrics.items():
-        # float(): pytest 9.2's approx iterates a 0-d tensor expected value and raises TypeError.
-        assert sum(p[1][key] for p in parts) == pytest.approx(float(value), abs=1e-6), key
+        # Shares add up; *_max metrics are maxima (the engine reduces them by max).
+        combine = max if key.endswith("_max") else sum
+        assert float(combine(p[1][key] for p in parts)) == pytest.approx(float(value), abs=1e-6), key
 
 
 def test_segment_sum_handles_empty_sequences():
@@ -249,3 +250,51 @@ def test_loss_inputs_type_is_checked():
     with pytest.raises(TypeError, match="LossInputs"):
         SFTLoss()({"log_probs": torch.zeros(3)})
     assert isinstance(_ppo_inputs(), LossInputs)
+
+
+def _tis_inputs(rollout_gaps):
+    """Two response tokens with ratio 1 (log_probs == old) and advantages +1, -1;
+    rollout_log_probs = old - gap (the sampler gave the token a different log-prob)."""
+    old = [[-1.0, -0.5, -2.0, 0.0]]
+    rollout = [[o - g for o, g in zip(old[0], rollout_gaps)]]
+    fields = {"response_mask": [[0.0, 1.0, 1.0, 0.0]], "old_log_probs": old, "advantages": [[0.0, 1.0, -1.0, 0.0]],
+              "rollout_log_probs": rollout}
+    return loss_inputs_from_sequences(old, fields)
+
+
+def test_truncated_importance_sampling_weights_the_policy_gradient_by_the_capped_ratio():
+    # Token 1: exp(old - rollout) = exp(1.0) = 2.72, capped at 2. Token 2: exp(-0.5) = 0.61.
+    gaps = [0.0, 1.0, -0.5, 0.0]
+    inputs = _tis_inputs(gaps)
+    inputs.log_probs.requires_grad_(True)
+    loss, metrics = PPOLoss(tis_cap=2.0)(inputs)
+    w1, w2 = 2.0, math.exp(-0.5)
+    assert loss.item() == pytest.approx((-1.0 * w1 + 1.0 * w2) / 2, abs=1e-6)
+    loss.backward()
+    assert inputs.log_probs.grad.tolist() == pytest.approx([0.0, -w1 / 2, w2 / 2, 0.0], abs=1e-6)
+    assert metrics["tis_weight_mean"] == pytest.approx((w1 + w2) / 2, abs=1e-6)
+    assert metrics["rollout_mismatch_abs_mean"] == pytest.approx(0.75, abs=1e-6)
+    assert metrics["rollout_mismatch_abs_max"] == pytest.approx(1.0, abs=1e-6)
+    # k3 of KL(sampler || trainer) per token: exp(d) - 1 - d with d = train - rollout.
+    expected_kl = ((math.exp(1.0) - 2.0) + (math.exp(-0.5) - 0.5)) / 2
+    assert metrics["rollout_mismatch_kl"] == pytest.approx(expected_kl, abs=1e-6)
+    # Without the cap the loss is the plain one; with equal log-probs the weights are 1.
+    assert PPOLoss(report_mismatch=True)(_tis_inputs(gaps))[0].item() == pytest.approx(0.0, abs=1e-7)
+    same = PPOLoss(tis_cap=2.0)(_tis_inputs([0.0] * 4))[1]
+    assert same["tis_weight_mean"] == pytest.approx(1.0) and same["rollout_mismatch_abs_max"] == 0.0
+
+
+def test_on_policy_loss_reads_no_old_log_probs_and_has_ratio_one():
+    loss_fn = PPOLoss(on_policy=True)
+    assert "old_log_probs" not in loss_fn.required_fields
+    inputs = _tis_inputs([0.0] * 4)
+    inputs.fields["old_log_probs"] = torch.full_like(inputs.log_probs, 99.0)  # ignored
+    loss, metrics = loss_fn(inputs)
+    assert metrics["ratio_mean"] == pytest.approx(1.0) and metrics["clip_frac"] == 0.0 and loss.item() == 0.0
+
+
+def test_seq_mean_token_sum_norm_divides_by_a_constant_token_count():
+    loss, _ = PPOLoss(agg_mode="seq-mean-token-sum-norm", agg_norm_tokens=4.0)(_ppo_inputs())
+    assert loss.item() == pytest.approx(sum(sum(s) for s in PG_TOKENS) / (len(PG_TOKENS) * 4.0), abs=1e-6)
+    with pytest.raises(ValueError, match="agg_norm_tokens"):
+        PPOLoss(agg_mode="seq-mean-token-sum-norm")

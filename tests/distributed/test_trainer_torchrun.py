@@ -73,3 +73,37 @@ def test_reward_metrics_are_averaged_over_ranks(tmp_path):
     assert two.returncode == 0, (two.stdout[-2000:], two.stderr[-3000:])
     grpo = [r for r in read_metrics(str(tmp_path / "two" / "metrics.jsonl")) if r["phase"] == "grpo"]
     assert [r["reward/rank"] for r in grpo] == [0.5, 0.5]  # ranks 0 and 1, equal shares
+
+
+UNEVEN_REWARD = """
+import os
+
+
+def score(data_source, solution_str, ground_truth, extra_info=None):
+    # Rank 0's groups are all constant (filtered out), rank 1's carry signal: the ranks
+    # disagree on how many groups they keep, yet must take the same optimizer steps.
+    if os.environ["RANK"] == "0":
+        return 0.5
+    return float(len(solution_str) % 2)
+"""
+
+
+def test_update_many_with_group_filtering_keeps_ranks_in_step(tmp_path):
+    (tmp_path / "uneven.py").write_text(UNEVEN_REWARD)
+    two = _launch(tmp_path / "two", 2, "algo.grpo.epochs=2", "algo.grpo.mini_batch_size=2",
+                  "algo.adv_estimator=rloo", "trainer.sft_steps=0", "trainer.export=false",
+                  "trainer.checkpoint_interval=0")
+    assert two.returncode == 0, (two.stdout[-2000:], two.stderr[-3000:])
+    records = read_metrics(str(tmp_path / "two" / "metrics.jsonl"))
+    # 4 prompts per step, 2 per optimizer step, 2 epochs: 4 updates per rollout, on both ranks.
+    assert [r["updates"] for r in records if r["phase"] == "grpo"] == [4, 4]
+    assert [(r["step"], r["update"]) for r in records if r["phase"] == "grpo_update"] == \
+        [(s, u) for s in (1, 2) for u in (1, 2, 3, 4)]
+    filtered = _launch(tmp_path / "filtered", 2, "algo.grpo.epochs=2", "algo.grpo.mini_batch_size=2",
+                       "algo.grpo.filter_groups=true", "algo.grpo.max_sample_batches=2",
+                       f"reward.fn={tmp_path / 'uneven.py'}:score", "trainer.sft_steps=0", "trainer.export=false",
+                       "trainer.checkpoint_interval=0")
+    assert filtered.returncode == 0, (filtered.stdout[-2000:], filtered.stderr[-3000:])
+    grpo = [r for r in read_metrics(str(tmp_path / "filtered" / "metrics.jsonl")) if r["phase"] == "grpo"]
+    # Rank 0 keeps no group, so neither rank trains (the smallest count wins): no hang, a metric.
+    assert [(r["filter/groups"], r["filter/short"], r["filter/sample_rounds"]) for r in grpo] == [(0.0, 1.0, 2.0)] * 2
