@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import logging
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 
 import torch
@@ -31,30 +32,60 @@ def prompt_tokens(tokenizer, prompt: str) -> list[int]:
     return ([bos] if bos is not None else []) + tokenizer.encode(prompt)
 
 
+UNSHARD_CHOICES = ("auto", True, False)
+
+
+def use_gather_once(engine, unshard) -> bool:
+    """``rollout.unshard``: True gathers the model once per rollout, False gathers each layer
+    at every decoding step (least memory), ``auto`` gathers once when the full model fits.
+    Every rank must decide alike (synced decoding pairs collectives), so ``auto`` agrees
+    over ranks."""
+    if unshard not in UNSHARD_CHOICES:
+        raise ValueError(f"rollout.unshard: got {unshard!r}; allowed values: auto, true, false")
+    if unshard != "auto":
+        return bool(unshard)
+    fits = engine.gather_fits()
+    if current_world_size() == 1:
+        return fits
+    return all_reduce_sum([0.0 if fits else 1.0], engine.device)[0] == 0.0
+
+
+def _left_padded(prompts: list[list[int]], pad: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(ids, attention_mask)`` of left-padded prompts, built without a per-row tensor."""
+    width = max(len(p) for p in prompts)
+    flat = [pad] * (width * len(prompts))
+    mask = [0] * (width * len(prompts))
+    for i, p in enumerate(prompts):
+        start = i * width + width - len(p)
+        flat[start:start + len(p)] = p
+        mask[start:start + len(p)] = [1] * len(p)
+    shape = (len(prompts), width)
+    return torch.tensor(flat, dtype=torch.long).view(shape), torch.tensor(mask, dtype=torch.long).view(shape)
+
+
 @torch.no_grad()
 def generate(engine, tokenizer, prompts: list[list[int]], max_new_tokens: int, do_sample: bool,
-             temperature: float = 1.0) -> list[list[int]]:
+             temperature: float = 1.0, unshard="auto") -> list[list[int]]:
     """Completions (ending at and including ``<eos>`` when produced) for left-padded prompts.
 
-    With several ranks ``synced_gpus=True`` keeps every rank calling forward until all are
-    done, as FSDP's all-gathers require.
+    Gathered once (``unshard``, see :func:`use_gather_once`), forwards run no collectives and
+    each rank stops when its own rows are done. Otherwise, with several ranks,
+    ``synced_gpus=True`` keeps every rank calling forward until all are done, as FSDP's
+    per-layer all-gathers require.
     """
     from transformers import GenerationConfig
 
     pad, eos = tokenizer.pad_token_id, tokenizer.eos_token_id
-    width = max(len(p) for p in prompts)
-    ids = torch.full((len(prompts), width), pad, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for i, p in enumerate(prompts):
-        ids[i, width - len(p):] = torch.tensor(p, dtype=torch.long)
-        mask[i, width - len(p):] = 1
+    ids, mask = _left_padded(prompts, pad)
+    width = ids.shape[1]
     config = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=do_sample, pad_token_id=pad,
                               eos_token_id=eos, use_cache=True,
                               **({"temperature": temperature, "top_k": 0, "top_p": 1.0} if do_sample else {}))
     device = engine.device
-    with engine.eval_mode():
+    once = use_gather_once(engine, unshard)
+    with engine.eval_mode(), (engine.gathered() if once else nullcontext()):
         out = engine.module.generate(input_ids=ids.to(device), attention_mask=mask.to(device),
-                                     generation_config=config, synced_gpus=current_world_size() > 1)
+                                     generation_config=config, synced_gpus=current_world_size() > 1 and not once)
     completions = []
     for row in out[:, width:].tolist():
         if eos in row:
@@ -74,18 +105,18 @@ def _default_scorer():
 
 
 def rollout(engine, tokenizer, examples: list[Example], n: int, max_new_tokens: int, do_sample: bool,
-            temperature: float = 1.0, scorer=None) -> Rollout:
+            temperature: float = 1.0, scorer=None, unshard="auto") -> Rollout:
     """``n`` completions per example (grouped: example i owns rows i*n .. i*n+n-1), scored
     by ``scorer`` (a rewards.Scorer; default the built-in ``char_match``)."""
     prompts = [example_prompt_tokens(tokenizer, ex) for ex in examples for _ in range(n)]
-    responses = generate(engine, tokenizer, prompts, max_new_tokens, do_sample, temperature)
+    responses = generate(engine, tokenizer, prompts, max_new_tokens, do_sample, temperature, unshard)
     texts = [tokenizer.decode(r) for r in responses]
     rewards, extras = (scorer or _default_scorer()).score_all(examples, texts, responses, group=n)
     return Rollout(prompts, responses, texts, rewards, extras)
 
 
 def evaluate(engine, tokenizer, examples: list[Example], max_new_tokens: int, chunk: int = 256,
-             scorer=None) -> float:
+             scorer=None, unshard="auto") -> float:
     """Mean greedy reward over ``examples`` (each rank scores its share; summed over ranks)."""
     mine = examples[current_rank()::current_world_size()]
     total = 0.0
@@ -93,7 +124,8 @@ def evaluate(engine, tokenizer, examples: list[Example], max_new_tokens: int, ch
     chunks = max(1, -(-len(examples) // (current_world_size() * chunk)))
     for c in range(chunks):
         part = mine[c * chunk:(c + 1) * chunk] or mine[:1]
-        result = rollout(engine, tokenizer, part, 1, max_new_tokens, do_sample=False, scorer=scorer)
+        result = rollout(engine, tokenizer, part, 1, max_new_tokens, do_sample=False, scorer=scorer,
+                         unshard=unshard)
         if mine[c * chunk:(c + 1) * chunk]:
             total += sum(result.rewards)
     sums = torch.tensor([total, float(len(mine))], dtype=torch.float64, device=engine.device)

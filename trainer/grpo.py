@@ -29,13 +29,14 @@ def group_advantages(rewards: torch.Tensor, group_size: int, norm_by_std: bool =
 
 
 def grpo_step(policy, ref, tokenizer, examples: list[Example], cfg, loss_fn, sample_seed: int,
-              scorer=None) -> dict:
+              scorer=None, unshard="auto") -> dict:
     """Train one GRPO step on this rank's prompts ``examples``; ``cfg`` is the GRPOSection.
-    ``sample_seed`` seeds the sampling so a resumed run draws the same completions."""
+    ``sample_seed`` seeds the sampling so a resumed run draws the same completions;
+    ``unshard`` is ``rollout.unshard`` (trainer/generate.py)."""
     t0 = time.perf_counter()
     policy.backend.manual_seed(sample_seed)
     roll = rollout(policy, tokenizer, examples, cfg.group_size, cfg.max_new_tokens, do_sample=True,
-                   temperature=cfg.temperature, scorer=scorer)
+                   temperature=cfg.temperature, scorer=scorer, unshard=unshard)
     t_gen = time.perf_counter() - t0
     rewards = torch.tensor(roll.rewards, dtype=torch.float32)
     adv = group_advantages(rewards, cfg.group_size, cfg.norm_adv_by_std)

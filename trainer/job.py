@@ -130,7 +130,8 @@ class Job:
 
     def _evaluate(self, engine: FSDPEngine, tag: str, global_step: int) -> float:
         t = time.perf_counter()
-        value = evaluate(engine, self.tokenizer, self.source.eval_examples, self.eval_tokens, scorer=self.scorer)
+        value = evaluate(engine, self.tokenizer, self.source.eval_examples, self.eval_tokens, scorer=self.scorer,
+                         unshard=self.cfg.rollout.unshard)
         self.metrics.log({"phase": "eval", "tag": tag, "global_step": global_step, "reward": value,
                           "num_prompts": len(self.source.eval_examples), "time_s": time.perf_counter() - self.t0})
         _say(f"held-out reward ({tag}, global step {global_step}, {len(self.source.eval_examples)} prompts, "
@@ -262,7 +263,8 @@ class Job:
 
         def step_fn(step: int, examples: list) -> dict:
             seed = (cfg.trainer.seed * 1_000_003 + step) * 1024 + self.rank
-            return grpo_step(engine, ref, self.tokenizer, examples, g, ppo_loss, sample_seed=seed, scorer=self.scorer)
+            return grpo_step(engine, ref, self.tokenizer, examples, g, ppo_loss, sample_seed=seed, scorer=self.scorer,
+                             unshard=self.cfg.rollout.unshard)
         return step_fn
 
     def _run_phase(self, phase: Phase, resume: ResumePoint | None, fresh_metrics: bool) -> None:
