@@ -28,3 +28,11 @@ def test_profile_step_quick_prints_the_op_table(capsys, tmp_path, monkeypatch):
     phases = profile_step.main(["--quick", "--threads", "1", "--rows", "5"])
     assert set(phases) == {"rollout", "old_log_probs", "train"}
     assert "Self CPU" in capsys.readouterr().out
+
+
+def test_generate_ranks_quick_runs_both_settings_on_one_rank(capsys):
+    import generate_ranks
+
+    per = generate_ranks.main(["--quick"])
+    assert set(per) == {False, True} and all(v > 0 for v in per.values())
+    assert "speed-up" in capsys.readouterr().out
