@@ -70,6 +70,12 @@ class Backend(ABC):
         if self.device_type in state:
             self._device_module().set_rng_state_all(state[self.device_type])
 
+    def free_memory_bytes(self) -> int | None:
+        """Free memory on this process's device, or None when the runtime cannot say (the
+        CPU: host memory, not worth guarding here)."""
+        info = getattr(self._device_module(), "mem_get_info", None)
+        return None if info is None else int(info()[0])
+
     def fused_ops(self) -> dict[str, Callable]:
         """Fused kernels this backend offers, by op name (``rms_norm``, ``rotary_mul``,
         ``swiglu``, ``fusion_attention``). Patches are written against this table."""

@@ -1,7 +1,8 @@
 """``polyfsdp_varlen_sdpa``: per-sequence SDPA over packed rows, plain SDPA otherwise.
 
 Packed input (one row holding several sequences, announced by ``cu_seq_lens_q`` or by
-``position_ids`` restarting) runs SDPA once per sequence with ``is_causal=True``: on CPU
+``position_ids`` restarting) runs SDPA once per sequence length with ``is_causal=True``
+(sequences of equal length batched into one call): on CPU
 this is 1.65x faster than padded SDPA with backward (measured at 71% fill, B=8, L=1024),
 and it never builds the dense total x total block-diagonal mask that transformers' sdpa
 path would. The boundaries come from the engine's host copy (``polyfsdp_host_cu_seq_lens``)
@@ -105,11 +106,43 @@ def varlen_sdpa_attention_forward(
     gqa = key.shape[1] != query.shape[1]
     # Written straight into the (1, total, H, D) layout the caller wants: no cat, no transpose copy.
     out = query.new_empty(1, query.shape[2], query.shape[1], value.shape[-1])
-    for s, e in zip(bounds[:-1], bounds[1:]):
-        if e > s:
+    for length, starts, index in _length_buckets(tuple(bounds), query.device):
+        if index is None:
+            s, e = starts[0], starts[0] + length
             out[:, s:e] = _segment_attention(query[:, :, s:e], key[:, :, s:e], value[:, :, s:e], scaling, dropout,
                                              sliding_window, gqa).transpose(1, 2)
+            continue
+        # Sequences of one length run as one batched SDPA call: (k, H, length, D).
+        k = len(starts)
+        q, kk, vv = (t[0][:, index].unflatten(1, (k, length)).transpose(0, 1) for t in (query, key, value))
+        seg = _segment_attention(q, kk, vv, scaling, dropout, sliding_window, gqa)
+        out[0, index] = seg.transpose(1, 2).reshape(k * length, seg.shape[1], seg.shape[-1])
     return out, None
+
+
+# Every layer of one forward sees the same boundaries: plan the length buckets once.
+_last_buckets: tuple = (None, None, None)
+
+
+def _length_buckets(bounds: tuple, device) -> list[tuple[int, list[int], torch.Tensor | None]]:
+    """``(length, starts, token index)`` per distinct sequence length of a packed row; the
+    index (flat positions of those sequences, in order) is None for a lone sequence.
+    Per-sequence SDPA calls cost more than their arithmetic for short sequences."""
+    global _last_buckets
+    if _last_buckets[0] == bounds and _last_buckets[1] == device:
+        return _last_buckets[2]
+    starts_by_length: dict[int, list[int]] = {}
+    for s, e in zip(bounds[:-1], bounds[1:]):
+        if e > s:
+            starts_by_length.setdefault(e - s, []).append(s)
+    buckets = []
+    for length, starts in starts_by_length.items():
+        index = None
+        if len(starts) > 1:
+            index = (torch.tensor(starts)[:, None] + torch.arange(length)).reshape(-1).to(device)
+        buckets.append((length, starts, index))
+    _last_buckets = (bounds, device, buckets)
+    return buckets
 
 
 def varlen_sdpa_mask(batch_size: int, q_length: int, kv_length: int, q_offset: int = 0, kv_offset: int = 0,

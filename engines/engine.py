@@ -34,7 +34,7 @@ from .loss_inputs import LossInputs
 from .micro_batch import count_micro_batches, is_placeholder, merge, split
 from .model_builder import build_model
 from .optim import build_lr_scheduler, build_optimizer
-from .parallelize import parallelize_model
+from .parallelize import gathered, parallelize_model
 
 logger = logging.getLogger(__name__)
 
@@ -125,6 +125,22 @@ class FSDPEngine(CheckpointMixin):
             yield self
         finally:
             self.module.train(previous)
+
+    def gathered(self):
+        """Run the block with the whole model all-gathered once (engines/parallelize.py):
+        for many small forwards in a row, e.g. decoding steps."""
+        return gathered(self.module, self.engine_config.reshard_policy)
+
+    def gather_fits(self) -> bool:
+        """Whether holding the full parameters on this rank fits the device's free memory
+        (with 20% to spare); True when the backend cannot tell (CPU)."""
+        free = self.backend.free_memory_bytes()
+        if free is None:
+            return True
+        extra = sum(p.numel() * p.element_size() for p in self.module.parameters())
+        extra -= sum(p.to_local().numel() * p.element_size() if isinstance(p, DTensor) else 0
+                     for p in self.module.parameters())
+        return extra * 1.2 <= free
 
     # ------------------------------------------------------------------ forward
     def _use_fused(self) -> bool:

@@ -10,10 +10,13 @@ from .config import OptimConfig
 
 
 def build_optimizer(model: torch.nn.Module, config: OptimConfig) -> torch.optim.Optimizer:
-    """AdamW over every trainable parameter (weight decay applied to all of them)."""
+    """AdamW over every trainable parameter (weight decay applied to all of them), with the
+    kernel ``config.impl`` names."""
     params = [p for p in model.parameters() if p.requires_grad]
+    kernel = {"auto": {}, "for_loop": {"foreach": False}, "foreach": {"foreach": True},
+              "fused": {"fused": True}}[config.impl]
     return torch.optim.AdamW(params, lr=config.lr, betas=tuple(config.betas), eps=config.eps,
-                             weight_decay=config.weight_decay)
+                             weight_decay=config.weight_decay, **kernel)
 
 
 def lr_factor(step: int, config: OptimConfig) -> float:

@@ -5,6 +5,7 @@ and creating the optimizer."""
 from __future__ import annotations
 
 import logging
+from contextlib import contextmanager
 
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -73,3 +74,24 @@ def parallelize_model(model: nn.Module, mesh: DeviceMesh, config: EngineConfig,
     logger.debug("fully_shard applied to %d layers + root on a %d-rank mesh (reshard %s)",
                  len(layers), mesh.size(), config.reshard_policy)
     return model
+
+
+@contextmanager
+def gathered(model: nn.Module, policy: str):
+    """Run the block with every FSDP2 parameter group all-gathered once and kept (no
+    per-forward gather or reshard), then reshard and restore ``policy``'s flags. For
+    generation: one gather per rollout instead of one per layer per decoding step; the
+    cost is the full (unsharded) parameters held on every rank meanwhile."""
+    modules = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    layer_reshard, root_reshard = reshard_after_forward(policy)
+    for module in modules:
+        module.set_reshard_after_forward(False, recurse=False)
+        module.unshard()
+    try:
+        yield model
+    finally:
+        for module in modules:
+            # FSDP2's automatic root choice (None) keeps the root gathered after forward.
+            flag = bool(root_reshard) if module is model else layer_reshard
+            module.set_reshard_after_forward(flag, recurse=False)
+            module.reshard()

@@ -81,6 +81,14 @@ class RewardSection:
 
 
 @dataclass
+class RolloutSection:
+    """Generation: ``unshard`` (auto | true | false) gathers the model once per rollout
+    instead of once per layer per decoding step (trainer/generate.py)."""
+
+    unshard: bool | str = "auto"
+
+
+@dataclass
 class TrainerSection:
     """Steps, batch sizes, logging, checkpoints, output directory, resume."""
 
@@ -114,6 +122,7 @@ class JobConfig:
     trainer: TrainerSection
     raw: dict
     reward: RewardSection = field(default_factory=RewardSection)
+    rollout: RolloutSection = field(default_factory=RolloutSection)
 
 
 # --------------------------------------------------------------------------- checks
@@ -256,7 +265,8 @@ def build_job_config(raw: dict, world_size: int = 1) -> JobConfig:
     unknown = [k for k in raw if k not in GROUPS]
     if unknown:
         raise ConfigError(f"{unknown[0]}: unknown top-level key; known: {', '.join(GROUPS)}")
-    missing = [g for g in GROUPS if raw.get(g) is None]
+    # rollout came later: configs saved before it (resumed runs) default it.
+    missing = [g for g in GROUPS if raw.get(g) is None and g != "rollout"]
     if missing:
         raise ConfigError(f"{missing[0]}: missing; choose an option with {missing[0]}=OPTION "
                           f"({', '.join(available_options(missing[0]))})")
@@ -312,8 +322,11 @@ def build_job_config(raw: dict, world_size: int = 1) -> JobConfig:
                           f"{world_size}, got {data.eval_size}")
     reward = _section(RewardSection, "reward", raw["reward"])
     _validate_reward(reward)
+    rollout = _section(RolloutSection, "rollout", raw.get("rollout") or {})
+    if rollout.unshard not in ("auto", True, False):
+        raise ConfigError(f"rollout.unshard: got {rollout.unshard!r}; allowed values: auto, true, false")
     return JobConfig(backend=backend, model=model, engine=engine, patches=patches, algo=algo, data=data,
-                     trainer=trainer, raw=raw, reward=reward)
+                     trainer=trainer, raw=raw, reward=reward, rollout=rollout)
 
 
 def load_config(overrides: list[str], world_size: int = 1) -> JobConfig:

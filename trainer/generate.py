@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import logging
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 
 import torch
@@ -33,32 +34,62 @@ def prompt_tokens(tokenizer, prompt: str) -> list[int]:
     return ([bos] if bos is not None else []) + tokenizer.encode(prompt)
 
 
+UNSHARD_CHOICES = ("auto", True, False)
+
+
+def use_gather_once(engine, unshard) -> bool:
+    """``rollout.unshard``: True gathers the model once per rollout, False gathers each layer
+    at every decoding step (least memory), ``auto`` gathers once when the full model fits.
+    Every rank must decide alike (synced decoding pairs collectives), so ``auto`` agrees
+    over ranks."""
+    if unshard not in UNSHARD_CHOICES:
+        raise ValueError(f"rollout.unshard: got {unshard!r}; allowed values: auto, true, false")
+    if unshard != "auto":
+        return bool(unshard)
+    fits = engine.gather_fits()
+    if current_world_size() == 1:
+        return fits
+    return all_reduce_sum([0.0 if fits else 1.0], engine.device)[0] == 0.0
+
+
+def _left_padded(prompts: list[list[int]], pad: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(ids, attention_mask)`` of left-padded prompts, built without a per-row tensor."""
+    width = max(len(p) for p in prompts)
+    flat = [pad] * (width * len(prompts))
+    mask = [0] * (width * len(prompts))
+    for i, p in enumerate(prompts):
+        start = i * width + width - len(p)
+        flat[start:start + len(p)] = p
+        mask[start:start + len(p)] = [1] * len(p)
+    shape = (len(prompts), width)
+    return torch.tensor(flat, dtype=torch.long).view(shape), torch.tensor(mask, dtype=torch.long).view(shape)
+
+
 @torch.no_grad()
 def generate(engine, tokenizer, prompts: list[list[int]], max_new_tokens: int, do_sample: bool,
-             temperature: float = 1.0, return_log_probs: bool = False):
+             temperature: float = 1.0, return_log_probs: bool = False, unshard="auto"):
     """Completions (ending at and including ``<eos>`` when produced) for left-padded prompts;
     with ``return_log_probs``, also each completion token's log-prob under the distribution
     it was drawn from (``generate``'s processed scores: logits / temperature).
 
-    With several ranks ``synced_gpus=True`` keeps every rank calling forward until all are
-    done, as FSDP's all-gathers require.
+    Gathered once (``unshard``, see :func:`use_gather_once`), forwards run no collectives and
+    each rank stops when its own rows are done. Otherwise, with several ranks,
+    ``synced_gpus=True`` keeps every rank calling forward until all are done, as FSDP's
+    per-layer all-gathers require.
     """
     from transformers import GenerationConfig
 
     pad, eos = tokenizer.pad_token_id, tokenizer.eos_token_id
-    width = max(len(p) for p in prompts)
-    ids = torch.full((len(prompts), width), pad, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for i, p in enumerate(prompts):
-        ids[i, width - len(p):] = torch.tensor(p, dtype=torch.long)
-        mask[i, width - len(p):] = 1
+    ids, mask = _left_padded(prompts, pad)
+    width = ids.shape[1]
     config = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=do_sample, pad_token_id=pad,
                               eos_token_id=eos, use_cache=True,
                               **({"temperature": temperature, "top_k": 0, "top_p": 1.0} if do_sample else {}))
     device = engine.device
-    with engine.eval_mode():
+    once = use_gather_once(engine, unshard)
+    with engine.eval_mode(), (engine.gathered() if once else nullcontext()):
         out = engine.module.generate(input_ids=ids.to(device), attention_mask=mask.to(device),
-                                     generation_config=config, synced_gpus=current_world_size() > 1,
+                                     generation_config=config, synced_gpus=current_world_size() > 1 and not once,
                                      return_dict_in_generate=return_log_probs, output_scores=return_log_probs)
     token_log_probs = None
     if return_log_probs:
@@ -86,11 +117,13 @@ def _default_scorer():
 
 
 def rollout(engine, tokenizer, examples: list[Example], n: int, max_new_tokens: int, do_sample: bool,
-            temperature: float = 1.0, scorer=None, return_log_probs: bool = False) -> Rollout:
+            temperature: float = 1.0, scorer=None, return_log_probs: bool = False, unshard="auto") -> Rollout:
     """``n`` completions per example (grouped: example i owns rows i*n .. i*n+n-1), scored
-    by ``scorer`` (a rewards.Scorer; default the built-in ``char_match``)."""
+    by ``scorer`` (a rewards.Scorer; default the built-in ``char_match``); ``unshard`` is
+    ``rollout.unshard`` (see :func:`use_gather_once`)."""
     prompts = [example_prompt_tokens(tokenizer, ex) for ex in examples for _ in range(n)]
-    responses = generate(engine, tokenizer, prompts, max_new_tokens, do_sample, temperature, return_log_probs)
+    responses = generate(engine, tokenizer, prompts, max_new_tokens, do_sample, temperature, return_log_probs,
+                         unshard)
     log_probs = None
     if return_log_probs:
         responses, log_probs = responses
@@ -100,13 +133,13 @@ def rollout(engine, tokenizer, examples: list[Example], n: int, max_new_tokens: 
 
 
 def evaluate(engine, tokenizer, examples: list[Example], max_new_tokens: int, chunk: int = 256,
-             scorer=None) -> float:
+             scorer=None, unshard="auto") -> float:
     """Mean greedy reward over ``examples`` (each rank scores its share; summed over ranks)."""
-    return evaluate_with_metrics(engine, tokenizer, examples, max_new_tokens, chunk, scorer)[0]
+    return evaluate_with_metrics(engine, tokenizer, examples, max_new_tokens, chunk, scorer, unshard)[0]
 
 
 def evaluate_with_metrics(engine, tokenizer, examples: list[Example], max_new_tokens: int, chunk: int = 256,
-                          scorer=None) -> tuple[float, dict[str, float]]:
+                          scorer=None, unshard="auto") -> tuple[float, dict[str, float]]:
     """Mean greedy reward over ``examples`` and the reward function's extra metrics
     (``reward/<key>``, as in training records), both over all ranks."""
     from .rewards import mean_over_ranks
@@ -117,7 +150,8 @@ def evaluate_with_metrics(engine, tokenizer, examples: list[Example], max_new_to
     chunks = max(1, -(-len(examples) // (current_world_size() * chunk)))
     for c in range(chunks):
         part = mine[c * chunk:(c + 1) * chunk] or mine[:1]
-        result = rollout(engine, tokenizer, part, 1, max_new_tokens, do_sample=False, scorer=scorer)
+        result = rollout(engine, tokenizer, part, 1, max_new_tokens, do_sample=False, scorer=scorer,
+                         unshard=unshard)
         if mine[c * chunk:(c + 1) * chunk]:
             total += sum(result.rewards)
             for key, values in result.reward_metrics.items():

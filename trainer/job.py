@@ -132,7 +132,7 @@ class Job:
     def _evaluate(self, engine: FSDPEngine, tag: str, global_step: int) -> float:
         t = time.perf_counter()
         value, extras = evaluate_with_metrics(engine, self.tokenizer, self.source.eval_examples, self.eval_tokens,
-                                              scorer=self.scorer)
+                                              scorer=self.scorer, unshard=self.cfg.rollout.unshard)
         self.metrics.log({"phase": "eval", "tag": tag, "global_step": global_step, "reward": value, **extras,
                           "num_prompts": len(self.source.eval_examples), "time_s": time.perf_counter() - self.t0})
         _say(f"held-out reward ({tag}, global step {global_step}, {len(self.source.eval_examples)} prompts, "
@@ -280,7 +280,8 @@ class Job:
             more = lambda k: self._shard(self.source.batch(f"{phase.name}-refill{k}", step, phase.batch_size))  # noqa: E731
             return grpo_step(engine, ref, self.tokenizer, examples, cfg.algo, ppo_loss,
                              sample_seed=step_seed * 1024 + self.rank, shuffle_seed=step_seed,
-                             mini_batches=mini_batches, scorer=self.scorer, more_examples=more)
+                             mini_batches=mini_batches, scorer=self.scorer, more_examples=more,
+                             unshard=self.cfg.rollout.unshard)
         return step_fn
 
     def _run_phase(self, phase: Phase, resume: ResumePoint | None, fresh_metrics: bool) -> None:

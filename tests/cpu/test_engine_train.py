@@ -65,6 +65,17 @@ def test_every_mode_trains_one_step_to_the_reference_parameters(data, reference_
     assert engine.global_step == 1
 
 
+@pytest.mark.parametrize("impl", ["for_loop", "foreach", "fused"])
+def test_every_adamw_kernel_trains_one_step_to_the_reference_parameters(data, reference_step, impl):
+    seqs, masks = data
+    initial, expected, grads, ref_loss, ref_norm = reference_step
+    engine = FSDPEngine(ModelConfig(preset=PRESET, seed=5), engine_config(),
+                        replace(optim_config(), impl=impl)).initialize()
+    metrics = engine.train_batch(no_padding_batch(seqs, per_token={"response_mask": masks}), SFTLoss())
+    assert math.isclose(metrics["grad_norm"], ref_norm, rel_tol=1e-4)
+    assert_params_close_after_adam_step(_params(engine), expected, grads, LR, GRAD_TOL)
+
+
 def test_one_micro_batch_or_four_give_the_same_parameters(data, reference_step):
     seqs, masks = data
     grads = reference_step[2]

@@ -1,0 +1,87 @@
+"""polyfsdp's side of the GRPO benchmarks: the trainer's own ``grpo_step`` on a checkpoint
+from bench_task.py, with a per-phase timer (rollout, old log-probs, train)."""
+from __future__ import annotations
+
+import time
+from contextlib import contextmanager
+
+from bench_task import addition_reward
+from polyfsdp.engines import EngineConfig, FSDPEngine, ModelConfig, OptimConfig
+from polyfsdp.trainer import generate as gen_mod
+from polyfsdp.trainer import grpo as grpo_mod
+from polyfsdp.trainer.config import GRPOSection
+from polyfsdp.trainer.rewards import Scorer
+from polyfsdp.trainer.task import Example, load_tokenizer
+
+
+def _reward(data_source, solution_str, ground_truth, extra_info=None) -> float:
+    return addition_reward(solution_str, ground_truth)
+
+
+class PhaseTimer:
+    """Wall seconds per phase: wraps rollout, the engine's infer_batch and train_batch."""
+
+    def __init__(self) -> None:
+        self.times: dict[str, float] = {}
+
+    def wrap(self, name: str, fn):
+        def timed(*args, **kwargs):
+            t = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.times[name] = self.times.get(name, 0.0) + time.perf_counter() - t
+        return timed
+
+
+@contextmanager
+def timed_phases(engine, timer: PhaseTimer):
+    """Time grpo_step's phases without editing trainer/grpo.py."""
+    saved = grpo_mod.rollout, engine.infer_batch, engine.train_batch
+    grpo_mod.rollout = timer.wrap("rollout", gen_mod.rollout)
+    engine.infer_batch = timer.wrap("old_log_probs", engine.infer_batch)
+    engine.train_batch = timer.wrap("train", engine.train_batch)
+    try:
+        yield timer
+    finally:
+        grpo_mod.rollout = saved[0]
+        del engine.infer_batch, engine.train_batch
+
+
+class PolyfsdpGRPO:
+    """One polyfsdp policy (no reference model: kl_coef=0, as TRL's default beta=0)."""
+
+    def __init__(self, path: str, group_size: int, max_new_tokens: int, lr: float = 1e-5,
+                 engine_kwargs: dict | None = None, optim_kwargs: dict | None = None,
+                 grpo_kwargs: dict | None = None) -> None:
+        self.tokenizer = load_tokenizer(path)
+        self.engine = FSDPEngine(ModelConfig(path=path), EngineConfig(**(engine_kwargs or {})),
+                                 OptimConfig(lr=lr, grad_clip=1.0, **(optim_kwargs or {}))).initialize()
+        self.cfg = GRPOSection(group_size=group_size, max_new_tokens=max_new_tokens, temperature=1.0,
+                               kl_coef=0.0, entropy_coef=0.0, clip_ratio_low=0.2, clip_ratio_high=0.28,
+                               **(grpo_kwargs or {}))
+        self.loss = self.cfg.loss()
+        self.scorer = Scorer(_reward, "addition")
+
+    def step(self, prompts: list[dict], seed: int) -> dict:
+        """One GRPO step on ``prompts`` (dicts with prompt/answer); returns its metrics."""
+        examples = [Example(prompt=p["prompt"], answer=p["answer"]) for p in prompts]
+        return grpo_mod.grpo_step(self.engine, None, self.tokenizer, examples, self.cfg, self.loss,
+                                  sample_seed=seed, scorer=self.scorer)
+
+    def run(self, batches: list[list[dict]], seed: int, warmup: int) -> tuple[list[float], list[float], dict]:
+        """Step through ``batches``; per timed step its wall seconds and tokens, and the
+        phase totals over the timed steps."""
+        times, tokens = [], []
+        timer = PhaseTimer()
+        for i, prompts in enumerate(batches):
+            if i == warmup:
+                timer.times.clear()
+            with timed_phases(self.engine, timer):
+                t = time.perf_counter()
+                m = self.step(prompts, seed * 100_003 + i)
+                dt = time.perf_counter() - t
+            if i >= warmup:
+                times.append(dt)
+                tokens.append(m["tokens"])
+        return times, tokens, dict(timer.times)

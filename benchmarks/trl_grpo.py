@@ -1,0 +1,74 @@
+"""TRL's side of the GRPO benchmarks: GRPOTrainer on the same checkpoint and settings,
+timed per optimizer step by a callback. Needs the optional extra ``[bench]`` (trl)."""
+from __future__ import annotations
+
+import logging
+import os
+import tempfile
+import time
+import warnings
+
+from bench_task import addition_reward
+
+
+def available() -> bool:
+    """Whether trl can be imported (the ``[bench]`` extra)."""
+    try:
+        import trl  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _reward(completions, answer, **kwargs) -> list[float]:
+    return [addition_reward(c, a) for c, a in zip(completions, answer)]
+
+
+def run_trl(path: str, batches: list[list[dict]], group_size: int, max_new_tokens: int, seed: int, warmup: int,
+            lr: float = 1e-5) -> tuple[list[float], list[float]]:
+    """Train ``len(batches)`` GRPO steps (one batch of prompts each); per timed step its wall
+    seconds and real tokens (prompt + completion, as polyfsdp counts them)."""
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    logging.getLogger("trl").setLevel(logging.ERROR)
+    logging.getLogger("transformers").setLevel(logging.ERROR)
+    rows = [p for prompts in batches for p in prompts]
+    per_step = len(batches[0])
+    tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True)
+    args = GRPOConfig(
+        output_dir=os.path.join(tempfile.gettempdir(), "polyfsdp_bench_trl"), use_cpu=True, seed=seed,
+        per_device_train_batch_size=per_step * group_size, num_generations=group_size,
+        gradient_accumulation_steps=1, max_completion_length=max_new_tokens, max_steps=len(batches),
+        learning_rate=lr, lr_scheduler_type="constant", warmup_steps=0, max_grad_norm=1.0, beta=0.0,
+        epsilon=0.2, epsilon_high=0.28, temperature=1.0, top_k=0, top_p=1.0, loss_type="dapo",
+        shuffle_dataset=False, logging_steps=10**6, save_strategy="no", report_to=[], bf16=False, fp16=False,
+        dataloader_num_workers=0, disable_tqdm=True, log_completions=False)
+    times: list[float] = []
+    tokens: list[float] = []
+
+    class StepTimer(TrainerCallback):
+        def on_step_begin(self, args, state, control, **kwargs):
+            self.t = time.perf_counter()
+
+        def on_step_end(self, args, state, control, **kwargs):
+            if state.global_step > warmup:
+                times.append(time.perf_counter() - self.t)
+
+    timer = StepTimer()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer = GRPOTrainer(model=model, reward_funcs=_reward, args=args, processing_class=tokenizer,
+                              train_dataset=Dataset.from_list(rows), callbacks=[timer])
+        original = trainer._generate_and_score_completions
+
+        def counted(inputs):
+            out = original(inputs)
+            if trainer.state.global_step >= warmup:
+                tokens.append(float(out["prompt_mask"].sum() + out["completion_mask"].sum()))
+            return out
+        trainer._generate_and_score_completions = counted
+        trainer.train()
+    return times, tokens

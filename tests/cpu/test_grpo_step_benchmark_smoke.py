@@ -1,0 +1,38 @@
+"""The GRPO step benchmark and the step profiler run end to end (--quick); the TRL side
+runs only when trl (the [bench] extra) is installed."""
+import os
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks"))
+
+
+def test_grpo_step_benchmark_quick_prints_the_table(capsys, tmp_path, monkeypatch):
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    import grpo_step
+    import trl_grpo
+
+    res = grpo_step.main(["--quick", "--threads", "1"])
+    out = capsys.readouterr().out
+    row = res["rows"][0]
+    assert row["polyfsdp"] > 0 and set(row["phases"]) == {"rollout", "old_log_probs", "train"}
+    if trl_grpo.available():
+        assert row["trl"] > 0 and "polyfsdp/TRL step time" in out
+    else:
+        assert "trl not installed" in out
+
+
+def test_profile_step_quick_prints_the_op_table(capsys, tmp_path, monkeypatch):
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    import profile_step
+
+    phases = profile_step.main(["--quick", "--threads", "1", "--rows", "5"])
+    assert set(phases) == {"rollout", "old_log_probs", "train"}
+    assert "Self CPU" in capsys.readouterr().out
+
+
+def test_generate_ranks_quick_runs_both_settings_on_one_rank(capsys):
+    import generate_ranks
+
+    per = generate_ranks.main(["--quick"])
+    assert set(per) == {False, True} and all(v > 0 for v in per.values())
+    assert "speed-up" in capsys.readouterr().out
