@@ -9,7 +9,8 @@ from bench_task import addition_reward
 from polyfsdp.engines import EngineConfig, FSDPEngine, ModelConfig, OptimConfig
 from polyfsdp.trainer import generate as gen_mod
 from polyfsdp.trainer import grpo as grpo_mod
-from polyfsdp.trainer.config import GRPOSection
+from polyfsdp.trainer import grpo_sampling
+from polyfsdp.trainer.algo_config import AlgoSection, GRPOSection
 from polyfsdp.trainer.rewards import Scorer
 from polyfsdp.trainer.task import Example, load_tokenizer
 
@@ -37,14 +38,14 @@ class PhaseTimer:
 @contextmanager
 def timed_phases(engine, timer: PhaseTimer):
     """Time grpo_step's phases without editing trainer/grpo.py."""
-    saved = grpo_mod.rollout, engine.infer_batch, engine.train_batch
-    grpo_mod.rollout = timer.wrap("rollout", gen_mod.rollout)
+    saved = grpo_sampling.rollout, engine.infer_batch, engine.train_batch
+    grpo_sampling.rollout = timer.wrap("rollout", gen_mod.rollout)
     engine.infer_batch = timer.wrap("old_log_probs", engine.infer_batch)
     engine.train_batch = timer.wrap("train", engine.train_batch)
     try:
         yield timer
     finally:
-        grpo_mod.rollout = saved[0]
+        grpo_sampling.rollout = saved[0]
         del engine.infer_batch, engine.train_batch
 
 
@@ -57,17 +58,18 @@ class PolyfsdpGRPO:
         self.tokenizer = load_tokenizer(path)
         self.engine = FSDPEngine(ModelConfig(path=path), EngineConfig(**(engine_kwargs or {})),
                                  OptimConfig(lr=lr, grad_clip=1.0, **(optim_kwargs or {}))).initialize()
-        self.cfg = GRPOSection(group_size=group_size, max_new_tokens=max_new_tokens, temperature=1.0,
-                               kl_coef=0.0, entropy_coef=0.0, clip_ratio_low=0.2, clip_ratio_high=0.28,
-                               **(grpo_kwargs or {}))
-        self.loss = self.cfg.loss()
+        self.cfg = AlgoSection(grpo=GRPOSection(group_size=group_size, max_new_tokens=max_new_tokens,
+                                                temperature=1.0, kl_coef=0.0, entropy_coef=0.0, clip_ratio_low=0.2,
+                                                clip_ratio_high=0.28, **(grpo_kwargs or {})))
+        self.loss = None  # built per step: the loss normalises over the step's prompt count
         self.scorer = Scorer(_reward, "addition")
 
     def step(self, prompts: list[dict], seed: int) -> dict:
         """One GRPO step on ``prompts`` (dicts with prompt/answer); returns its metrics."""
         examples = [Example(prompt=p["prompt"], answer=p["answer"]) for p in prompts]
-        return grpo_mod.grpo_step(self.engine, None, self.tokenizer, examples, self.cfg, self.loss,
-                                  sample_seed=seed, scorer=self.scorer)
+        loss = self.cfg.ppo_loss(len(prompts))
+        return grpo_mod.grpo_step(self.engine, None, self.tokenizer, examples, self.cfg, loss, sample_seed=seed,
+                                  scorer=self.scorer, mini_batches=self.cfg.grpo.mini_batches(len(prompts)))
 
     def run(self, batches: list[list[dict]], seed: int, warmup: int) -> tuple[list[float], list[float], dict]:
         """Step through ``batches``; per timed step its wall seconds and tokens, and the

@@ -84,13 +84,13 @@ def generate(engine, tokenizer, prompts: list[list[int]], max_new_tokens: int, d
     width = ids.shape[1]
     config = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=do_sample, pad_token_id=pad,
                               eos_token_id=eos, use_cache=True,
+                              return_dict_in_generate=return_log_probs, output_scores=return_log_probs,
                               **({"temperature": temperature, "top_k": 0, "top_p": 1.0} if do_sample else {}))
     device = engine.device
     once = use_gather_once(engine, unshard)
     with engine.eval_mode(), (engine.gathered() if once else nullcontext()):
         out = engine.module.generate(input_ids=ids.to(device), attention_mask=mask.to(device),
-                                     generation_config=config, synced_gpus=current_world_size() > 1 and not once,
-                                     return_dict_in_generate=return_log_probs, output_scores=return_log_probs)
+                                     generation_config=config, synced_gpus=current_world_size() > 1 and not once)
     token_log_probs = None
     if return_log_probs:
         steps = torch.stack(out.scores, dim=1).float()  # (B, new tokens, vocab)
