@@ -23,12 +23,23 @@ class PromptEncoder:
     as ``<bos>`` + its tokens, or as one user message when ``apply_chat_template``."""
 
     def __init__(self, tokenizer, apply_chat_template: bool = False, max_prompt_length: int | None = None,
-                 overlong: str = "filter", model_path: str | None = None) -> None:
+                 overlong: str = "filter", model_path: str | None = None, grow_vocabulary: bool = False) -> None:
         if overlong not in OVERLONG_POLICIES:
             raise ValueError(f"data.overlong: got {overlong!r}; allowed values: {', '.join(OVERLONG_POLICIES)}")
         self.tokenizer, self.chat = tokenizer, apply_chat_template
         self.max_len, self.overlong = max_prompt_length, overlong
         self.model_path = model_path
+        self.grow_vocabulary = grow_vocabulary
+        self.added_characters = ""
+
+    def learn_characters(self, examples) -> None:
+        """With ``grow_vocabulary`` (a preset's character tokenizer, before its model is
+        built), add every character the data uses that the tokenizer lacks: a file's text
+        is then never cut to ``<unk>``, and the model's vocabulary is sized to match."""
+        if self.grow_vocabulary and hasattr(self.tokenizer, "add_chars"):
+            from .data import tokenized_text
+
+            self.added_characters = self.tokenizer.add_chars("".join(tokenized_text(ex) for ex in examples))
 
     def ids(self, example: Example) -> list[int]:
         """The prompt's token ids, before the length policy."""

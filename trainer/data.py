@@ -261,10 +261,18 @@ def build_source(data, seed: int, encoder=None):
     if getattr(data, "val_files", None):
         val = read_files(data.val_files, "data.val_files", data.prompt_key, data.answer_key)
     if encoder is not None:
+        encoder.learn_characters(records + (val or []))
         records = encoder.encode_split(records, "train")
         val = encoder.encode_split(val, "validation") if val is not None else None
     label = paths if isinstance(paths, str) else ",".join(paths)
     return FileSource(records, seed, data.eval_size, label, eval_records=val, key=key)
+
+
+def tokenized_text(ex: Example) -> str:
+    """The text of ``ex`` a tokenizer sees: a chat prompt as its rendered messages ("[role]
+    content "), not ``ex.prompt`` (the contents joined by newlines), plus the answer."""
+    text = "".join(m["role"] + m["content"] for m in ex.messages) if ex.messages else ex.prompt
+    return text + ex.answer
 
 
 def check_tokenizer_covers(source, tokenizer) -> None:
@@ -285,10 +293,7 @@ def check_tokenizer_covers(source, tokenizer) -> None:
     known = set(tokenizer.chars)
     unknown: dict[str, str] = {}
     for ex in source.train_examples + source.eval_examples:
-        # A chat prompt is tokenized as its rendered messages ("[role] content "), not as
-        # ex.prompt (the contents joined by newlines, which the tokenizer never sees).
-        text = "".join(m["role"] + m["content"] for m in ex.messages) if ex.messages else ex.prompt
-        for ch in (text + ex.answer):
+        for ch in tokenized_text(ex):
             if ch not in known:
                 unknown.setdefault(ch, ex.prompt)
     if unknown:

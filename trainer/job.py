@@ -36,7 +36,7 @@ from polyfsdp.engines.losses import SFTLoss
 
 from .chat import PromptEncoder, check_position_budget, model_max_positions
 from .config import ConfigError, JobConfig
-from .data import build_source, check_generation_budget, check_tokenizer_covers, max_answer_tokens
+from .data import DataError, build_source, check_generation_budget, check_tokenizer_covers, max_answer_tokens
 from .generate import evaluate_with_metrics
 from .grpo import grpo_step
 from .metrics import METRICS_FILE, MetricsLogger
@@ -45,7 +45,7 @@ from .progress import Progress
 from .rewards import build_scorer
 from .resume import STATE_FILE, ResumePoint, check_same_run, find_resume, load_resume_checkpoint
 from .sft import sft_step
-from .task import load_tokenizer
+from .task import TOKENIZER_FILE, load_tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -91,14 +91,28 @@ class Job:
         self.out = Path(broadcast_object(cfg.trainer.output_dir)).resolve()
         self.metrics = MetricsLogger(str(self.out / METRICS_FILE), enabled=self.rank == 0)
         self.scorer = build_scorer(cfg.reward, cfg.data)  # a missing reward file fails before any model
+        # A preset's character tokenizer: the one the run's initial model was built with, when
+        # it exists (a continued run); else a fresh one that learns the data's characters.
+        saved = self.out / "init_model" / TOKENIZER_FILE
+        tokenizer_dir = cfg.model.path or (str(saved.parent) if saved.is_file() else None)
         try:
-            self.tokenizer = load_tokenizer(cfg.model.path)
+            self.tokenizer = load_tokenizer(tokenizer_dir)
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
         encoder = PromptEncoder(self.tokenizer, cfg.data.apply_chat_template, cfg.data.max_prompt_length,
-                                cfg.data.overlong, cfg.model.path)
+                                cfg.data.overlong, cfg.model.path, grow_vocabulary=tokenizer_dir is None)
         self.source = build_source(cfg.data, cfg.trainer.seed, encoder)
-        check_tokenizer_covers(self.source, self.tokenizer)
+        if encoder.added_characters:
+            _say(f"character tokenizer: added the data's characters {encoder.added_characters!r} to its "
+                 f"vocabulary ({self.tokenizer.vocab_size} tokens)")
+        try:
+            check_tokenizer_covers(self.source, self.tokenizer)
+        except DataError as exc:
+            if tokenizer_dir != str(saved.parent):
+                raise
+            raise DataError(f"{str(exc).split('; use model.path')[0]}; this run's initial model ({saved.parent}) "
+                            f"was built for the characters of the data it started with: continue with that data, "
+                            f"or start a new trainer.output_dir") from None
         grpo = cfg.algo.grpo
         if grpo is not None and self.rank == 0:
             check_generation_budget(self.source, self.tokenizer, grpo.max_new_tokens)

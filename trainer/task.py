@@ -39,6 +39,16 @@ class CharTokenizer:
         self._ids = {tok: i for i, tok in enumerate(self.vocab)}
         self.pad_token_id, self.bos_token_id, self.eos_token_id, self.unk_token_id = range(4)
 
+    def add_chars(self, chars) -> str:
+        """Append the characters of ``chars`` it lacks (sorted, so the result depends only on
+        the set); returns what was added. Only for a tokenizer no model was built for yet."""
+        missing = "".join(sorted(set(chars) - set(self.chars)))
+        if missing:
+            self.chars += missing
+            self.vocab += list(missing)
+            self._ids = {tok: i for i, tok in enumerate(self.vocab)}
+        return missing
+
     @property
     def vocab_size(self) -> int:
         """Number of token ids (special tokens included)."""
