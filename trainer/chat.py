@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 
-from .data import DataError
+from .data import DataError, tokenized_text
 from .task import Example
 
 logger = logging.getLogger(__name__)
@@ -37,8 +37,6 @@ class PromptEncoder:
         built), add every character the data uses that the tokenizer lacks: a file's text
         is then never cut to ``<unk>``, and the model's vocabulary is sized to match."""
         if self.grow_vocabulary and hasattr(self.tokenizer, "add_chars"):
-            from .data import tokenized_text
-
             self.added_characters = self.tokenizer.add_chars("".join(tokenized_text(ex) for ex in examples))
 
     def ids(self, example: Example) -> list[int]:
@@ -47,8 +45,7 @@ class PromptEncoder:
         if messages is None and self.chat:
             messages = ({"role": "user", "content": example.prompt},)
         if messages is None:
-            bos = getattr(self.tokenizer, "bos_token_id", None)
-            ids = ([bos] if bos is not None else []) + self.tokenizer.encode(example.prompt)
+            ids = text_prompt_tokens(self.tokenizer, example.prompt)
         else:
             if not getattr(self.tokenizer, "has_chat_template", False):
                 which = f"model.path={self.model_path}" if self.model_path else "the model"
@@ -84,12 +81,17 @@ class PromptEncoder:
         return kept
 
 
+def text_prompt_tokens(tokenizer, text: str) -> list[int]:
+    """``<bos>`` (when the tokenizer has one) followed by ``text``'s tokens."""
+    bos = getattr(tokenizer, "bos_token_id", None)
+    return ([bos] if bos is not None else []) + tokenizer.encode(text)
+
+
 def example_prompt_tokens(tokenizer, example: Example) -> list[int]:
     """The prompt ids an Example carries, else ``<bos>`` + its text's tokens (built-in task)."""
     if example.prompt_ids is not None:
         return list(example.prompt_ids)
-    bos = getattr(tokenizer, "bos_token_id", None)
-    return ([bos] if bos is not None else []) + tokenizer.encode(example.prompt)
+    return text_prompt_tokens(tokenizer, example.prompt)
 
 
 def model_max_positions(model_section) -> int | None:

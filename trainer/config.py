@@ -19,6 +19,7 @@ from polyfsdp.engines.config import EngineConfig, ModelConfig, OptimConfig
 from .algo_config import (AlgoSection, GRPOSection, RolloutCorrectionSection, SFTSection,  # noqa: F401 (re-exported)
                           check_choice, check_min)
 from .compose import GROUPS, ConfigError, available_options, compose, to_container  # noqa: F401 (re-exported)
+from .generate import check_unshard
 
 logger = logging.getLogger(__name__)
 
@@ -323,8 +324,10 @@ def build_job_config(raw: dict, world_size: int = 1) -> JobConfig:
     reward = _section(RewardSection, "reward", raw["reward"])
     _validate_reward(reward)
     rollout = _section(RolloutSection, "rollout", raw.get("rollout") or {})
-    if rollout.unshard not in ("auto", True, False):
-        raise ConfigError(f"rollout.unshard: got {rollout.unshard!r}; allowed values: auto, true, false")
+    try:
+        check_unshard(rollout.unshard)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
     return JobConfig(backend=backend, model=model, engine=engine, patches=patches, algo=algo, data=data,
                      trainer=trainer, raw=raw, reward=reward, rollout=rollout)
 

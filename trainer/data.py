@@ -11,7 +11,7 @@ import logging
 import os
 import random
 
-from .task import Example, ReverseTask
+from .task import CharTokenizer, Example, ReverseTask
 
 logger = logging.getLogger(__name__)
 
@@ -269,18 +269,19 @@ def build_source(data, seed: int, encoder=None):
 
 
 def tokenized_text(ex: Example) -> str:
-    """The text of ``ex`` a tokenizer sees: a chat prompt as its rendered messages ("[role]
-    content "), not ``ex.prompt`` (the contents joined by newlines), plus the answer."""
-    text = "".join(m["role"] + m["content"] for m in ex.messages) if ex.messages else ex.prompt
-    return text + ex.answer
+    """The text of ``ex`` the character tokenizer sees: a chat prompt as it renders the
+    messages, not ``ex.prompt`` (the contents joined by newlines), plus the answer."""
+    return (CharTokenizer.chat_text(ex.messages) if ex.messages else ex.prompt) + ex.answer
 
 
-def check_tokenizer_covers(source, tokenizer) -> None:
+NEW_TOKENIZER_FIX = "use model.path=DIR with a tokenizer that covers them"
+
+
+def check_tokenizer_covers(source, tokenizer, fix: str = NEW_TOKENIZER_FIX) -> None:
     """A file's text must use only characters the character tokenizer knows: others become
     ``<unk>``, which decoding drops, so an answer holding one could never earn full reward.
-    Without a ``<bos>`` token every prompt must encode to at least one token."""
-    from .task import CharTokenizer
-
+    Without a ``<bos>`` token every prompt must encode to at least one token. ``fix`` says
+    what the user can do about missing characters."""
     if not isinstance(source, FileSource):
         return
     if getattr(tokenizer, "bos_token_id", None) is None:
@@ -300,7 +301,7 @@ def check_tokenizer_covers(source, tokenizer) -> None:
         chars = ", ".join(repr(ch) for ch in sorted(unknown))
         first = next(iter(unknown.values()))
         raise DataError(f"{source.key} {source.path}: {chars} (first in prompt {first!r}) not in the character "
-                        f"tokenizer; use model.path=DIR with a tokenizer that covers them")
+                        f"tokenizer; {fix}")
 
 
 def max_answer_tokens(source, tokenizer) -> int:

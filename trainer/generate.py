@@ -28,13 +28,13 @@ class Rollout:
     log_probs: list[list[float]] | None = None
 
 
-def prompt_tokens(tokenizer, prompt: str) -> list[int]:
-    """``<bos>`` (when the tokenizer has one) followed by the prompt's tokens."""
-    bos = getattr(tokenizer, "bos_token_id", None)
-    return ([bos] if bos is not None else []) + tokenizer.encode(prompt)
-
-
 UNSHARD_CHOICES = ("auto", True, False)
+
+
+def check_unshard(unshard) -> None:
+    """Raise ValueError unless ``unshard`` is one of ``rollout.unshard``'s values."""
+    if unshard not in UNSHARD_CHOICES:
+        raise ValueError(f"rollout.unshard: got {unshard!r}; allowed values: auto, true, false")
 
 
 def use_gather_once(engine, unshard) -> bool:
@@ -42,8 +42,7 @@ def use_gather_once(engine, unshard) -> bool:
     at every decoding step (least memory), ``auto`` gathers once when the full model fits.
     Every rank must decide alike (synced decoding pairs collectives), so ``auto`` agrees
     over ranks."""
-    if unshard not in UNSHARD_CHOICES:
-        raise ValueError(f"rollout.unshard: got {unshard!r}; allowed values: auto, true, false")
+    check_unshard(unshard)
     if unshard != "auto":
         return bool(unshard)
     fits = engine.gather_fits()
@@ -130,12 +129,6 @@ def rollout(engine, tokenizer, examples: list[Example], n: int, max_new_tokens: 
     texts = [tokenizer.decode(r) for r in responses]
     rewards, extras = (scorer or _default_scorer()).score_all(examples, texts, responses, group=n)
     return Rollout(prompts, responses, texts, rewards, extras, log_probs)
-
-
-def evaluate(engine, tokenizer, examples: list[Example], max_new_tokens: int, chunk: int = 256,
-             scorer=None, unshard="auto") -> float:
-    """Mean greedy reward over ``examples`` (each rank scores its share; summed over ranks)."""
-    return evaluate_with_metrics(engine, tokenizer, examples, max_new_tokens, chunk, scorer, unshard)[0]
 
 
 def evaluate_with_metrics(engine, tokenizer, examples: list[Example], max_new_tokens: int, chunk: int = 256,

@@ -36,7 +36,7 @@ from polyfsdp.engines.losses import SFTLoss
 
 from .chat import PromptEncoder, check_position_budget, model_max_positions
 from .config import ConfigError, JobConfig
-from .data import DataError, build_source, check_generation_budget, check_tokenizer_covers, max_answer_tokens
+from .data import build_source, check_generation_budget, check_tokenizer_covers, max_answer_tokens
 from .generate import evaluate_with_metrics
 from .grpo import grpo_step
 from .metrics import METRICS_FILE, MetricsLogger
@@ -105,14 +105,13 @@ class Job:
         if encoder.added_characters:
             _say(f"character tokenizer: added the data's characters {encoder.added_characters!r} to its "
                  f"vocabulary ({self.tokenizer.vocab_size} tokens)")
-        try:
+        if tokenizer_dir == str(saved.parent):
+            check_tokenizer_covers(self.source, self.tokenizer,
+                                   fix=f"this run's initial model ({saved.parent}) was built for the characters of "
+                                       f"the data it started with: continue with that data, or start a new "
+                                       f"trainer.output_dir")
+        else:
             check_tokenizer_covers(self.source, self.tokenizer)
-        except DataError as exc:
-            if tokenizer_dir != str(saved.parent):
-                raise
-            raise DataError(f"{str(exc).split('; use model.path')[0]}; this run's initial model ({saved.parent}) "
-                            f"was built for the characters of the data it started with: continue with that data, "
-                            f"or start a new trainer.output_dir") from None
         grpo = cfg.algo.grpo
         if grpo is not None and self.rank == 0:
             check_generation_budget(self.source, self.tokenizer, grpo.max_new_tokens)

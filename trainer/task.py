@@ -77,12 +77,15 @@ class CharTokenizer:
     # knows, so chat-format data (data=arith_words) runs on the built-in tokenizer too.
     has_chat_template = True
 
-    def apply_chat_template(self, messages, add_generation_prompt: bool = True) -> list[int]:
-        """``<bos>`` then ``[role] content `` per message (then ``[assistant] ``), as token ids."""
+    @staticmethod
+    def chat_text(messages, add_generation_prompt: bool = True) -> str:
+        """The text chat ``messages`` render to: ``[role] content `` per message (then ``[assistant] ``)."""
         text = "".join(f"[{m['role']}] {m['content']} " for m in messages)
-        if add_generation_prompt:
-            text += "[assistant] "
-        return [self.bos_token_id] + self.encode(text)
+        return text + "[assistant] " if add_generation_prompt else text
+
+    def apply_chat_template(self, messages, add_generation_prompt: bool = True) -> list[int]:
+        """``<bos>`` then the tokens of :meth:`chat_text`."""
+        return [self.bos_token_id] + self.encode(self.chat_text(messages, add_generation_prompt))
 
     def save_pretrained(self, directory: str) -> None:
         """Write ``char_tokenizer.json`` into ``directory``."""
