@@ -13,6 +13,12 @@ from typing import Callable
 import torch
 
 
+def check_integer_ids(ids: torch.Tensor) -> None:
+    """Token ids must be an integer tensor (a dtype check: no read of the values)."""
+    if ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool:
+        raise TypeError(f"input_ids must be an integer tensor; got {ids.dtype}")
+
+
 def describe_position(flat_index: int, offsets: torch.Tensor) -> str:
     """``flat index i (sequence s, position t)`` for a flat token index."""
     off = offsets.cpu()
@@ -35,8 +41,7 @@ class BatchChecks:
     def token_ids(self, ids: torch.Tensor, vocab_size: int) -> None:
         """Integer ids in ``[0, vocab_size)`` (else the embedding fails deep inside, or with a
         device-side assert on an accelerator)."""
-        if ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool:
-            raise TypeError(f"input_ids must be an integer tensor; got {ids.dtype}")
+        check_integer_ids(ids)
         if ids.numel() == 0:
             return
 

@@ -25,7 +25,7 @@ from polyfsdp.backends.distributed import (all_gather_object, all_reduce_max, al
                                            init_distributed)
 from polyfsdp.backends.registry import get_backend
 
-from .batch_checks import BatchChecks
+from .batch_checks import BatchChecks, check_integer_ids
 from .checkpoint import CheckpointMixin
 from .config import EngineConfig, ModelConfig, OptimConfig
 from .flat_batch import FlatBatch, batch_to_flat, flat_to_caller
@@ -180,8 +180,8 @@ class FSDPEngine(CheckpointMixin):
             checks.token_ids(flat.input_ids, self.module.get_input_embeddings().num_embeddings)
             if torch.is_tensor(flat.temperature):
                 checks.temperatures(flat.temperature)
-        elif flat.input_ids.is_floating_point():
-            raise TypeError(f"input_ids must be an integer tensor; got {flat.input_ids.dtype}")
+        else:
+            check_integer_ids(flat.input_ids)
         return flat
 
     def infer_batch(self, batch: TensorDict, temperature=1.0, calculate_entropy: bool = True) -> TensorDict:
@@ -233,9 +233,8 @@ class FSDPEngine(CheckpointMixin):
             tokens = mask.sum(dtype=torch.float64)
         else:
             tokens = torch.tensor(float(flat.total - sum(1 for n in flat.seq_lens if n > 0)), dtype=torch.float64)
-        counts = torch.stack([tokens.to(self.device), torch.tensor(float(flat.num_seqs), dtype=torch.float64,
-                                                                    device=self.device),
-                              torch.tensor(float(flat.total), dtype=torch.float64, device=self.device)])
+        counts = torch.cat([tokens.reshape(1).to(self.device),
+                            torch.tensor([flat.num_seqs, flat.total], dtype=torch.float64, device=self.device)])
         all_reduce_sum(counts)
         global_tokens, global_seqs, global_total = checks.read(counts)
         if global_total == 0:
