@@ -92,6 +92,77 @@ def broadcast_object(value: Any, src: int = 0) -> Any:
     return holder[0]
 
 
+def all_gather_object_in(value: Any, group) -> list[Any]:
+    """Every rank's ``value`` (picklable) within ``group``, in group-rank order."""
+    size = dist.get_world_size(group)
+    if size == 1:
+        return [value]
+    gathered: list[Any] = [None] * size
+    dist.all_gather_object(gathered, value, group=group)
+    return gathered
+
+
+class _AllToAll(torch.autograd.Function):
+    """Chunk ``i`` of dim 0 goes to group rank ``i``; the result's chunk ``j`` came from rank ``j``.
+    Its own transpose, so the backward is the same exchange of the gradient."""
+
+    @staticmethod
+    def forward(ctx, tensor: torch.Tensor, group) -> torch.Tensor:
+        ctx.group = group
+        tensor = tensor.contiguous()
+        out = torch.empty_like(tensor)
+        dist.all_to_all_single(out, tensor, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return _AllToAll.apply(grad, ctx.group), None
+
+
+class _AllGather(torch.autograd.Function):
+    """``(size, *shape)``: every group rank's tensor. Backward: each rank's gradient of every
+    copy is sent to the copy's owner (an all-to-all, which gloo has, unlike reduce-scatter) and summed."""
+
+    @staticmethod
+    def forward(ctx, tensor: torch.Tensor, group) -> torch.Tensor:
+        ctx.group = group
+        parts = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(parts, tensor.contiguous(), group=group)
+        return torch.stack(parts)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return _AllToAll.apply(grad, ctx.group).sum(0), None
+
+
+def all_to_all(tensor: torch.Tensor, group) -> torch.Tensor:
+    """Differentiable all-to-all within ``group`` (any backend: gloo, nccl, hccl): ``tensor``'s
+    dim 0 has the group's size; chunk ``i`` is sent to group rank ``i`` and the result's chunk
+    ``j`` is the one rank ``j`` sent here. The input itself on a group of one."""
+    size = dist.get_world_size(group) if _group_exists() else 1
+    if tensor.shape[0] != size:
+        raise ValueError(f"all_to_all: dim 0 must be the group size {size}, got shape {tuple(tensor.shape)}")
+    return tensor if size == 1 else _AllToAll.apply(tensor, group)
+
+
+def all_gather_differentiable(tensor: torch.Tensor, group) -> torch.Tensor:
+    """``(group size, *tensor.shape)`` holding every group rank's ``tensor`` in rank order,
+    with gradients flowing back to each owner (summed over the ranks that used it)."""
+    if not _group_exists() or dist.get_world_size(group) == 1:
+        return tensor.unsqueeze(0)
+    return _AllGather.apply(tensor, group)
+
+
+def sequence_parallel_mesh(device_type: str, sp_size: int) -> DeviceMesh:
+    """A ``(dp, sp)`` mesh over all ranks: consecutive ranks form one sequence-parallel group
+    (``mesh.get_group("sp")``), and ranks with equal position in their group one data-parallel
+    group (``"dp"``). Every rank must call it (it creates process groups)."""
+    world = current_world_size()
+    if sp_size < 1 or world % sp_size:
+        raise ValueError(f"ulysses_sp_size={sp_size} must divide the world size {world}")
+    return init_device_mesh(device_type, (world // sp_size, sp_size), mesh_dim_names=("dp", "sp"))
+
+
 def barrier() -> None:
     """Wait until every rank arrives; a no-op when no process group is initialised."""
     if _group_exists():

@@ -136,6 +136,7 @@ class EngineConfig(_FromDict):
     gradient_checkpointing: bool = False
     max_tokens_per_micro_batch: int | None = None
     check_inputs: bool = True
+    ulysses_sp_size: int = 1
 
     def __post_init__(self) -> None:
         for name in ("use_remove_padding", "use_fused_kernels", "gradient_checkpointing", "check_inputs"):
@@ -150,6 +151,9 @@ class EngineConfig(_FromDict):
             if self.max_tokens_per_micro_batch < 1:
                 raise ConfigFieldError("EngineConfig", "max_tokens_per_micro_batch",
                                        f"expected >= 1 or None, got {self.max_tokens_per_micro_batch}")
+        _check_type("EngineConfig", "ulysses_sp_size", self.ulysses_sp_size, (int,), "a positive int")
+        if self.ulysses_sp_size < 1:
+            raise ConfigFieldError("EngineConfig", "ulysses_sp_size", f"expected >= 1, got {self.ulysses_sp_size}")
 
 
 @dataclass

@@ -35,6 +35,7 @@ from .micro_batch import count_micro_batches, is_placeholder, merge, split
 from .model_builder import build_model
 from .optim import build_lr_scheduler, build_optimizer
 from .parallelize import gathered, parallelize_model
+from .sequence_parallel import check_same_batch, setup_sequence_parallel, sp_forward_logprobs
 
 logger = logging.getLogger(__name__)
 
@@ -79,6 +80,7 @@ class FSDPEngine(CheckpointMixin):
         self.global_step = 0
         self._model = None
         self._fused_unsupported: str | None = None
+        self._sp = None  # this rank's sequence-parallel group (engines/sequence_parallel.py), or None
         self._softcap: float | None = None
         self._warned_fallback = False
         self._warned_bf16_master = False
@@ -96,6 +98,7 @@ class FSDPEngine(CheckpointMixin):
         model, self.patch_report = build_model(self.model_config, self.backend, self.patch_toggles)
         self._softcap, self._fused_unsupported = fused_head_support(model)
         install_fused_head(model)
+        self._sp = setup_sequence_parallel(model, self.backend.device_type, self.engine_config.ulysses_sp_size)
         model.to(self.device)
         self._model = parallelize_model(model, self.mesh, self.engine_config, forward_methods=(FUSED_HEAD_METHOD,))
         self.optimizer = build_optimizer(model, self.optim_config)
@@ -156,7 +159,12 @@ class FSDPEngine(CheckpointMixin):
 
     def forward_flat(self, flat: FlatBatch, return_entropy: bool = True):
         """Per-token ``(log_probs, entropy)`` of a flat batch on the engine's device (flat
-        ``(total,)``, float32), with autograd when enabled (engines/forward_logprobs.py)."""
+        ``(total,)``, float32), with autograd when enabled (engines/forward_logprobs.py;
+        split over the sequence-parallel group with ``ulysses_sp_size > 1``)."""
+        if self._sp is not None:
+            return sp_forward_logprobs(self.module, flat, use_remove_padding=self.engine_config.use_remove_padding,
+                                       fused=self._use_fused(), softcap=self._softcap, return_entropy=return_entropy,
+                                       sp=self._sp)
         return forward_logprobs(self.module, flat, use_remove_padding=self.engine_config.use_remove_padding,
                                 fused=self._use_fused(), softcap=self._softcap, return_entropy=return_entropy)
 
@@ -165,6 +173,8 @@ class FSDPEngine(CheckpointMixin):
         if not isinstance(batch, TensorDict):
             raise TypeError(f"batch: expected a tensordict.TensorDict, got {type(batch).__name__}")
         flat = batch_to_flat(batch, self.engine_config.pad_mode, keys=keys)
+        if self._sp is not None:
+            check_same_batch(flat, self._sp)
         if torch.is_tensor(temperature):
             if temperature.shape != (flat.num_seqs,):
                 raise ValueError(f"temperature: expected a float or a ({flat.num_seqs},) tensor, "

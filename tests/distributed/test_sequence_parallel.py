@@ -1,0 +1,128 @@
+"""Ulysses sequence parallelism (gloo, torchrun) against an unsharded per-sequence Hugging
+Face reference and the sp=1 engine: every mode's log-probs and entropy (1e-5), gradients
+after one forward_backward (1e-5), with sequences ending exactly on a shard boundary,
+shorter than sp, of length 1, and a padded (odd) total. Also the attention function alone
+(GQA key/value heads split over ranks, and repeated when fewer than ranks) and SP ranks
+holding different batches. sp=2 runs in the suite; sp=2 x dp=2 (4 processes) is marked slow."""
+import os
+import sys
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "cpu"))
+from engine_cases import PRESET, engine_config, masks_for  # noqa: E402
+from engine_reference import (full_state_dict, left_right_batch, no_padding_batch, reference_logprobs,  # noqa: E402
+                              reference_model, sequences)
+from sequence_parallel_cases import INFER_LENGTHS, MODES, TRAIN_LENGTHS, temperatures  # noqa: E402
+from torchrun_launcher import run_torchrun  # noqa: E402
+
+from polyfsdp.engines.config import ModelConfig  # noqa: E402
+from polyfsdp.engines.engine import FSDPEngine  # noqa: E402
+
+HERE = os.path.dirname(__file__)
+
+
+def _launch(tmp_path_factory, nproc, sp_size):
+    out = tmp_path_factory.mktemp(f"sp{sp_size}_world{nproc}")
+    result = run_torchrun(os.path.join(HERE, "worker_sequence_parallel.py"), nproc=nproc,
+                          args=(str(out), str(sp_size)), timeout=900)
+    causes = [line for line in result.stderr.splitlines() if "Error" in line or "error" in line][:20]
+    assert result.returncode == 0, "\n".join(causes) + "\n" + result.stderr[-3000:]
+    return torch.load(out / "sp.pt")
+
+
+@pytest.fixture(scope="module")
+def sp2(tmp_path_factory):
+    return _launch(tmp_path_factory, 2, 2)
+
+
+@pytest.fixture(scope="module")
+def reference():
+    """Plain HF model (per sequence, eager attention) holding the engines' initial weights."""
+    engine = FSDPEngine(ModelConfig(preset=PRESET, seed=5), engine_config()).initialize()
+    return reference_model(PRESET, full_state_dict(engine.module))
+
+
+def _flat(values, batch, pad_mode):
+    if pad_mode == "no_padding":
+        return values
+    return values[batch["attention_mask"].bool()]
+
+
+def _reference_grads(model, seqs, masks):
+    model.zero_grad(set_to_none=True)
+    lps, _ = reference_logprobs(model.train(), seqs, [1.0] * len(seqs))
+    loss = -sum(lp.dot(m.double()) for lp, m in zip(lps, masks)) / sum(m.sum() for m in masks)
+    loss.backward()
+    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+    model.eval()
+    return grads, float(loss.detach())
+
+
+def check_modes(ranks, reference):
+    """Every rank's results of every mode against the reference."""
+    train_seqs = sequences(TRAIN_LENGTHS, seed=3)
+    ref_grads, ref_loss = _reference_grads(reference, train_seqs, masks_for(train_seqs))
+    for name, rmpad, fused, pad_mode, extra in MODES:
+        build = no_padding_batch if pad_mode == "no_padding" else left_right_batch
+        for which, lengths in enumerate((INFER_LENGTHS, TRAIN_LENGTHS)):
+            seqs = sequences(lengths, seed=3)
+            temps = temperatures(len(seqs))
+            with torch.no_grad():
+                ref_lp, ref_ent = reference_logprobs(reference, seqs, temps.tolist())
+            batch = build(seqs)
+            for rank, results in enumerate(ranks):
+                got = results[f"infer_{name}_{which}"]
+                for key, ref in (("log_probs", ref_lp), ("entropy", ref_ent)):
+                    values = _flat(got[key], batch, pad_mode)
+                    diff = (values.double() - torch.cat(ref)).abs().max().item()
+                    assert diff <= 1e-5, f"{name} rank {rank} {key} lengths {lengths}: max |diff| {diff:.3g}"
+        for rank, results in enumerate(ranks):
+            assert abs(results[f"loss_{name}"] - ref_loss) <= 1e-5 * abs(ref_loss), name
+            grads = results[f"grads_{name}"]
+            for pname, ref in ref_grads.items():
+                diff = (grads[pname].double() - ref.double()).abs().max().item()
+                assert diff <= 1e-5, f"{name} rank {rank} grad {pname}: max |diff| {diff:.3g}"
+
+
+def check_attention(ranks):
+    for kv_heads in (1, 2):
+        for rank, results in enumerate(ranks):
+            got, ref = results[f"attention_kv{kv_heads}"]["out"]
+            assert (got - ref).abs().max().item() <= 1e-5, (kv_heads, rank)
+            for i, (g, r) in enumerate(results[f"attention_kv{kv_heads}"]["grads"]):
+                assert g.shape == r.shape and (g - r).abs().max().item() <= 1e-5, (kv_heads, rank, "qkv"[i])
+
+
+def test_sp2_every_mode_matches_the_reference(sp2, reference):
+    check_modes(sp2, reference)
+
+
+def test_sp2_matches_the_sp1_engine(sp2):
+    seqs = sequences(INFER_LENGTHS, seed=3)
+    for name, rmpad, fused, pad_mode, extra in MODES[:4]:
+        engine = FSDPEngine(ModelConfig(preset=PRESET, seed=5),
+                            engine_config(use_remove_padding=rmpad, use_fused_kernels=fused, pad_mode=pad_mode,
+                                          **extra)).initialize()
+        build = no_padding_batch if pad_mode == "no_padding" else left_right_batch
+        out = engine.infer_batch(build(seqs), temperature=temperatures(len(seqs)))
+        for key in ("log_probs", "entropy"):
+            one = out[key].values() if out[key].is_nested else out[key]
+            assert (one - sp2[0][f"infer_{name}_0"][key]).abs().max().item() <= 1e-5
+
+
+def test_sp2_attention_alone_matches_plain_attention_with_gqa(sp2):
+    check_attention(sp2)
+
+
+def test_sp_ranks_with_different_batches_are_refused(sp2):
+    for results in sp2:
+        assert "must pass the same batch" in results["different_batches"]
+
+
+@pytest.mark.slow
+def test_sp2_dp2_four_processes_every_mode_matches_the_reference(tmp_path_factory, reference):
+    ranks = _launch(tmp_path_factory, 4, 2)
+    check_modes(ranks, reference)
+    check_attention(ranks)

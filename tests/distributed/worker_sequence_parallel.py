@@ -1,0 +1,88 @@
+"""torchrun worker: Ulysses sequence parallelism (sp = world size / dp). Per mode: infer_batch
+on two batches and one forward_backward (gradients gathered in full); the Ulysses attention
+function alone against plain attention (GQA split and repeated); SP ranks with different
+batches. Rank 0 saves the results."""
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "cpu"))
+from engine_cases import PRESET, engine_config, masks_for, train_loss  # noqa: E402
+from engine_reference import left_right_batch, no_padding_batch, sequences  # noqa: E402
+from sequence_parallel_cases import INFER_LENGTHS, MODES, TRAIN_LENGTHS, temperatures  # noqa: E402
+
+from polyfsdp.backends import destroy_distributed  # noqa: E402
+from polyfsdp.backends.distributed import sequence_parallel_mesh  # noqa: E402
+from polyfsdp.engines.attention import varlen_sdpa_attention_forward  # noqa: E402
+from polyfsdp.engines.config import ModelConfig  # noqa: E402
+from polyfsdp.engines.engine import FSDPEngine  # noqa: E402
+from polyfsdp.engines.ulysses_attention import SP_KWARG, UlyssesContext, ulysses_attention  # noqa: E402
+from polyfsdp.patches.fused_attention import HOST_CU_SEQ_LENS  # noqa: E402
+
+
+def full_grads(module):
+    out = {}
+    for name, p in module.named_parameters():
+        g = p.grad
+        out[name] = (g.full_tensor() if hasattr(g, "full_tensor") else g).detach().clone()
+    return out
+
+
+def attention_alone(sp, rank, kv_heads):
+    """Ulysses attention on this rank's positions vs plain varlen attention on all of them."""
+    g = torch.Generator().manual_seed(kv_heads)
+    bounds = [0, 3, 4, 8, 15, 16]  # sequences 3, 1, 4, 7, 1: one ends on the shard boundary
+    q = torch.randn(1, 4, 16, 8, generator=g, requires_grad=True)
+    k = torch.randn(1, kv_heads, 16, 8, generator=g, requires_grad=True)
+    v = torch.randn(1, kv_heads, 16, 8, generator=g, requires_grad=True)
+    weight = torch.randn(1, 16, 4, 8, generator=g)
+    ref, _ = varlen_sdpa_attention_forward(None, q, k, v, None, scaling=0.3, **{HOST_CU_SEQ_LENS: bounds})
+    (ref * weight).sum().backward()
+    ref_grads = [t.grad.clone() for t in (q, k, v)]
+    shard = 16 // sp.size()
+    cols = slice(rank * shard, (rank + 1) * shard)
+    local = [t.detach()[:, :, cols].clone().requires_grad_(True) for t in (q, k, v)]
+    ctx = UlyssesContext(sp.get_group(), sp.size(), {HOST_CU_SEQ_LENS: bounds})
+    out, _ = ulysses_attention(varlen_sdpa_attention_forward, None, *local, None, scaling=0.3, **{SP_KWARG: ctx})
+    (out * weight[:, cols]).sum().backward()
+    return {"out": (out.detach(), ref[:, cols].detach()),
+            "grads": [(t.grad, r[:, :, cols]) for t, r in zip(local, ref_grads)]}
+
+
+def main(out_dir, sp_size):
+    rank = int(os.environ["RANK"])
+    results = {}
+    masks_seqs = sequences(TRAIN_LENGTHS, seed=3)
+    masks = masks_for(masks_seqs)
+    for name, rmpad, fused, pad_mode, extra in MODES:
+        engine = FSDPEngine(ModelConfig(preset=PRESET, seed=5),
+                            engine_config(use_remove_padding=rmpad, use_fused_kernels=fused, pad_mode=pad_mode,
+                                          ulysses_sp_size=sp_size, **extra)).initialize()
+        build = no_padding_batch if pad_mode == "no_padding" else left_right_batch
+        for which, lengths in enumerate((INFER_LENGTHS, TRAIN_LENGTHS)):
+            seqs = sequences(lengths, seed=3)
+            out = engine.infer_batch(build(seqs), temperature=temperatures(len(seqs)))
+            results[f"infer_{name}_{which}"] = {k: (v.values() if v.is_nested else v) for k, v in out.items()}
+        engine.forward_backward(build(masks_seqs, per_token={"response_mask": masks}), train_loss())
+        results[f"grads_{name}"] = full_grads(engine.module)
+        results[f"loss_{name}"] = engine.optimizer_step()["loss"]
+    mesh = sequence_parallel_mesh("cpu", sp_size)
+    for kv_heads in (1, 2):
+        results[f"attention_kv{kv_heads}"] = attention_alone(mesh["sp"], mesh.get_local_rank("sp"), kv_heads)
+    engine = FSDPEngine(ModelConfig(preset=PRESET, seed=5), engine_config(ulysses_sp_size=sp_size)).initialize()
+    try:
+        engine.infer_batch(no_padding_batch(sequences([3 + rank, 2], seed=3)))
+        results["different_batches"] = None
+    except ValueError as exc:
+        results["different_batches"] = str(exc)
+    all_results = [None] * int(os.environ["WORLD_SIZE"])
+    torch.distributed.all_gather_object(all_results, results)
+    if rank == 0:
+        torch.save(all_results, os.path.join(out_dir, "sp.pt"))
+    print(f"rank={rank} done", flush=True)
+    destroy_distributed()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], int(sys.argv[2]))
