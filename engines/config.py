@@ -137,9 +137,11 @@ class EngineConfig(_FromDict):
     max_tokens_per_micro_batch: int | None = None
     check_inputs: bool = True
     ulysses_sp_size: int = 1
+    balance_dp_tokens: bool = False
 
     def __post_init__(self) -> None:
-        for name in ("use_remove_padding", "use_fused_kernels", "gradient_checkpointing", "check_inputs"):
+        for name in ("use_remove_padding", "use_fused_kernels", "gradient_checkpointing", "check_inputs",
+                     "balance_dp_tokens"):
             _check_type("EngineConfig", name, getattr(self, name), (bool,), "a bool")
         _choice("EngineConfig", "pad_mode", self.pad_mode, PAD_MODES)
         _choice("EngineConfig", "param_dtype", self.param_dtype, DTYPES)

@@ -28,6 +28,7 @@ from polyfsdp.backends.registry import get_backend
 from .batch_checks import BatchChecks, check_integer_ids
 from .checkpoint import CheckpointMixin
 from .config import EngineConfig, ModelConfig, OptimConfig
+from .dp_balance import Balanced, balance, replicas, restore
 from .flat_batch import FlatBatch, batch_to_flat, flat_to_caller
 from .forward_logprobs import FUSED_HEAD_METHOD, forward_logprobs, fused_head_support, install_fused_head
 from .loss_inputs import LossInputs
@@ -200,17 +201,33 @@ class FSDPEngine(CheckpointMixin):
         checks = BatchChecks()
         flat = self._to_flat(batch, temperature, (), checks)
         checks.read()
+        balanced = self._balance(flat)
+        work = flat if balanced is None else balanced.flat
         lp_parts, ent_parts = [], []
         with torch.no_grad(), self.eval_mode():
-            for micro, index in self._micro_batches(flat):
+            for micro, index in self._micro_batches(work):
                 log_probs, entropy = self.forward_flat(micro, calculate_entropy)
                 lp_parts.append((log_probs, index))
                 ent_parts.append((entropy, index))
-        pad_mode = self.engine_config.pad_mode
-        out = {"log_probs": flat_to_caller(merge(lp_parts, flat.total), flat, batch, pad_mode)}
+
+        def to_caller(parts):
+            values = merge(parts, work.total)
+            if balanced is not None:
+                values = restore(values, balanced, flat, self.engine_config.ulysses_sp_size)
+            return flat_to_caller(values, flat, batch, self.engine_config.pad_mode)
+
+        out = {"log_probs": to_caller(lp_parts)}
         if calculate_entropy:
-            out["entropy"] = flat_to_caller(merge(ent_parts, flat.total), flat, batch, pad_mode)
+            out["entropy"] = to_caller(ent_parts)
         return TensorDict(out, batch_size=[flat.num_seqs])
+
+    def _balance(self, flat: FlatBatch) -> Balanced | None:
+        """With ``balance_dp_tokens`` and several data-parallel replicas: this replica's share
+        of the step's sequences, balanced by tokens (engines/dp_balance.py); else None."""
+        sp_size = self.engine_config.ulysses_sp_size
+        if not self.engine_config.balance_dp_tokens or replicas(sp_size) == 1:
+            return None
+        return balance(flat, sp_size)
 
     def _micro_batches(self, flat: FlatBatch):
         """Split by the token budget; every rank runs as many micro-batches as the busiest
@@ -277,6 +294,9 @@ class FSDPEngine(CheckpointMixin):
                 elif value is not None:
                     checks.finite(name, value, flat.offsets)
         global_tokens, global_seqs = self._global_counts(flat, mask_field, checks)
+        balanced = self._balance(flat)
+        if balanced is not None:
+            flat = balanced.flat
 
         model = self.module
         micro_batches = self._micro_batches(flat)
@@ -303,6 +323,11 @@ class FSDPEngine(CheckpointMixin):
                     value = torch.as_tensor(value).detach().to(device=self.device, dtype=torch.float64)
                     sums[key] = _combine(key, sums.get(key), value)
         model.set_requires_gradient_sync(True)
+        if balanced is not None:
+            # max / mean tokens per data-parallel replica (the same on every rank): maxima over the step.
+            for key, value in (("before", balanced.before), ("after", balanced.after)):
+                sums[f"dp_token_imbalance_{key}{MAX_SUFFIX}"] = torch.tensor(value, dtype=torch.float64,
+                                                                             device=self.device)
         for key, value in sums.items():
             self._pending[key] = _combine(key, self._pending.get(key), value)
         return sums

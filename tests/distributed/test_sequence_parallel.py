@@ -2,7 +2,8 @@
 Face reference and the sp=1 engine: every mode's log-probs and entropy (1e-5), gradients
 after one forward_backward (1e-5), with sequences ending exactly on a shard boundary,
 shorter than sp, of length 1, and a padded (odd) total. Also the attention function alone
-(GQA key/value heads split over ranks, and repeated when fewer than ranks) and SP ranks
+(GQA key/value heads split over ranks, and repeated when fewer than ranks; polyfsdp's varlen
+SDPA and the NPU fusion attention in TND layout on the plain-torch reference op) and SP ranks
 holding different batches. sp=2 runs in the suite; sp=2 x dp=2 (4 processes) is marked slow."""
 import os
 import sys
@@ -15,7 +16,7 @@ from engine_cases import PRESET, engine_config, masks_for  # noqa: E402
 from engine_reference import (full_state_dict, left_right_batch, no_padding_batch, reference_logprobs,  # noqa: E402
                               reference_model, sequences)
 from sequence_parallel_cases import INFER_LENGTHS, MODES, TRAIN_LENGTHS, temperatures  # noqa: E402
-from torchrun_launcher import run_torchrun  # noqa: E402
+from torchrun_launcher import run_and_load  # noqa: E402
 
 from polyfsdp.engines.config import ModelConfig  # noqa: E402
 from polyfsdp.engines.engine import FSDPEngine  # noqa: E402
@@ -24,12 +25,8 @@ HERE = os.path.dirname(__file__)
 
 
 def _launch(tmp_path_factory, nproc, sp_size):
-    out = tmp_path_factory.mktemp(f"sp{sp_size}_world{nproc}")
-    result = run_torchrun(os.path.join(HERE, "worker_sequence_parallel.py"), nproc=nproc,
-                          args=(str(out), str(sp_size)), timeout=900)
-    causes = [line for line in result.stderr.splitlines() if "Error" in line or "error" in line][:20]
-    assert result.returncode == 0, "\n".join(causes) + "\n" + result.stderr[-3000:]
-    return torch.load(out / "sp.pt")
+    return run_and_load(os.path.join(HERE, "worker_sequence_parallel.py"),
+                        tmp_path_factory.mktemp(f"sp{sp_size}_world{nproc}"), nproc, (str(sp_size),), "sp.pt")
 
 
 @pytest.fixture(scope="module")
@@ -87,12 +84,12 @@ def check_modes(ranks, reference):
 
 
 def check_attention(ranks):
-    for kv_heads in (1, 2):
+    for case in ("varlen_kv1", "varlen_kv2", "fusion_kv1", "fusion_kv2"):
         for rank, results in enumerate(ranks):
-            got, ref = results[f"attention_kv{kv_heads}"]["out"]
-            assert (got - ref).abs().max().item() <= 1e-5, (kv_heads, rank)
-            for i, (g, r) in enumerate(results[f"attention_kv{kv_heads}"]["grads"]):
-                assert g.shape == r.shape and (g - r).abs().max().item() <= 1e-5, (kv_heads, rank, "qkv"[i])
+            got, ref = results[f"attention_{case}"]["out"]
+            assert (got - ref).abs().max().item() <= 1e-5, (case, rank)
+            for i, (g, r) in enumerate(results[f"attention_{case}"]["grads"]):
+                assert g.shape == r.shape and (g - r).abs().max().item() <= 1e-5, (case, rank, "qkv"[i])
 
 
 def test_sp2_every_mode_matches_the_reference(sp2, reference):
@@ -112,7 +109,7 @@ def test_sp2_matches_the_sp1_engine(sp2):
             assert (one - sp2[0][f"infer_{name}_0"][key]).abs().max().item() <= 1e-5
 
 
-def test_sp2_attention_alone_matches_plain_attention_with_gqa(sp2):
+def test_sp2_attention_alone_matches_plain_attention_with_gqa_and_npu_tnd(sp2):
     check_attention(sp2)
 
 

@@ -4,13 +4,17 @@ function alone against plain attention (GQA split and repeated); SP ranks with d
 batches. Rank 0 saves the results."""
 import os
 import sys
+import types
 
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "cpu"))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "npu"))
 from engine_cases import PRESET, engine_config, masks_for, train_loss  # noqa: E402
 from engine_reference import left_right_batch, no_padding_batch, sequences  # noqa: E402
 from sequence_parallel_cases import INFER_LENGTHS, MODES, TRAIN_LENGTHS, temperatures  # noqa: E402
+
+from rank_results import full_grads, save_every_rank  # noqa: E402
 
 from polyfsdp.backends import destroy_distributed  # noqa: E402
 from polyfsdp.backends.distributed import sequence_parallel_mesh  # noqa: E402
@@ -18,18 +22,16 @@ from polyfsdp.engines.attention import varlen_sdpa_attention_forward  # noqa: E4
 from polyfsdp.engines.config import ModelConfig  # noqa: E402
 from polyfsdp.engines.engine import FSDPEngine  # noqa: E402
 from polyfsdp.engines.ulysses_attention import SP_KWARG, UlyssesContext, ulysses_attention  # noqa: E402
-from polyfsdp.patches.fused_attention import HOST_CU_SEQ_LENS  # noqa: E402
+from polyfsdp.patches.fused_attention import HOST_CU_SEQ_LENS, OP_ATTR, fusion_attention_forward  # noqa: E402
+from reference_ops import npu_fusion_attention  # noqa: E402
+
+# The Ulysses wrapper around each inner attention: polyfsdp's varlen SDPA, and the NPU
+# fusion attention (TND layout) running Ascend's documented op in plain torch.
+INNERS = {"varlen": (varlen_sdpa_attention_forward, None),
+          "fusion": (fusion_attention_forward, types.SimpleNamespace(**{OP_ATTR: npu_fusion_attention}))}
 
 
-def full_grads(module):
-    out = {}
-    for name, p in module.named_parameters():
-        g = p.grad
-        out[name] = (g.full_tensor() if hasattr(g, "full_tensor") else g).detach().clone()
-    return out
-
-
-def attention_alone(sp, rank, kv_heads):
+def attention_alone(sp, rank, kv_heads, inner, module):
     """Ulysses attention on this rank's positions vs plain varlen attention on all of them."""
     g = torch.Generator().manual_seed(kv_heads)
     bounds = [0, 3, 4, 8, 15, 16]  # sequences 3, 1, 4, 7, 1: one ends on the shard boundary
@@ -43,8 +45,10 @@ def attention_alone(sp, rank, kv_heads):
     shard = 16 // sp.size()
     cols = slice(rank * shard, (rank + 1) * shard)
     local = [t.detach()[:, :, cols].clone().requires_grad_(True) for t in (q, k, v)]
-    ctx = UlyssesContext(sp.get_group(), sp.size(), {HOST_CU_SEQ_LENS: bounds})
-    out, _ = ulysses_attention(varlen_sdpa_attention_forward, None, *local, None, scaling=0.3, **{SP_KWARG: ctx})
+    cu = torch.tensor(bounds, dtype=torch.int32)
+    kwargs = {"cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": 7, "max_length_k": 7, HOST_CU_SEQ_LENS: bounds}
+    ctx = UlyssesContext(sp.get_group(), sp.size(), kwargs)
+    out, _ = ulysses_attention(inner, module, *local, None, scaling=0.3, **{SP_KWARG: ctx})
     (out * weight[:, cols]).sum().backward()
     return {"out": (out.detach(), ref[:, cols].detach()),
             "grads": [(t.grad, r[:, :, cols]) for t, r in zip(local, ref_grads)]}
@@ -69,17 +73,16 @@ def main(out_dir, sp_size):
         results[f"loss_{name}"] = engine.optimizer_step()["loss"]
     mesh = sequence_parallel_mesh("cpu", sp_size)
     for kv_heads in (1, 2):
-        results[f"attention_kv{kv_heads}"] = attention_alone(mesh["sp"], mesh.get_local_rank("sp"), kv_heads)
+        for inner_name, (inner, module) in INNERS.items():
+            results[f"attention_{inner_name}_kv{kv_heads}"] = attention_alone(
+                mesh["sp"], mesh.get_local_rank("sp"), kv_heads, inner, module)
     engine = FSDPEngine(ModelConfig(preset=PRESET, seed=5), engine_config(ulysses_sp_size=sp_size)).initialize()
     try:
         engine.infer_batch(no_padding_batch(sequences([3 + rank, 2], seed=3)))
         results["different_batches"] = None
     except ValueError as exc:
         results["different_batches"] = str(exc)
-    all_results = [None] * int(os.environ["WORLD_SIZE"])
-    torch.distributed.all_gather_object(all_results, results)
-    if rank == 0:
-        torch.save(all_results, os.path.join(out_dir, "sp.pt"))
+    save_every_rank(results, os.path.join(out_dir, "sp.pt"))
     print(f"rank={rank} done", flush=True)
     destroy_distributed()
 
