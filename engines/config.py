@@ -124,7 +124,10 @@ class EngineConfig(_FromDict):
 
     ``check_inputs`` validates batch values (token ids inside the vocabulary, 0/1 masks,
     finite per-token fields, positive temperatures) once per batch at the edge, in one
-    device-to-host read; turn it off only for batches you trust.
+    device-to-host read; turn it off only for batches you trust. ``ulysses_sp_size`` splits
+    each sequence over that many consecutive ranks (engines/sequence_parallel.py);
+    ``balance_dp_tokens`` re-assigns sequences over data-parallel replicas by token count
+    (engines/dp_balance.py).
     """
 
     use_remove_padding: bool = True

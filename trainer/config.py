@@ -291,6 +291,11 @@ def build_job_config(raw: dict, world_size: int = 1) -> JobConfig:
         engine = EngineConfig.from_dict(raw["engine"], where="engine")
     except (ValueError, TypeError) as exc:
         raise ConfigError(str(exc)) from None
+    if engine.ulysses_sp_size != 1:
+        # The ranks of a sequence-parallel group must hold one batch; the trainer samples per rank.
+        raise ConfigError(f"engine.ulysses_sp_size={engine.ulysses_sp_size}: polyfsdp-train gives every rank its "
+                          f"own prompts, but the ranks of a sequence-parallel group must share one batch; "
+                          f"sequence parallelism is available through FSDPEngine only for now")
 
     from polyfsdp.patches.registry import validate_toggles
     from polyfsdp.patches.toggles import PatchToggles

@@ -151,6 +151,7 @@ def test_parquet_without_a_reader_says_what_to_install(tmp_path, monkeypatch):
     (["data=jsonl"], "data.path: a value is required"),
     (["patches.disable=[qwen2.nope]"], "patches.disable: unknown patch 'qwen2.nope'"),
     (["model.dtype=float16"], "model.dtype=float16: training keeps master weights in float16"),
+    (["engine.ulysses_sp_size=2"], "engine.ulysses_sp_size=2: polyfsdp-train gives every rank its own prompts"),
     (["trainer.prompts_per_step=3"], None),  # fine for one rank ...
 ])
 def test_bad_overrides_raise_one_line_config_errors(overrides, expected):
