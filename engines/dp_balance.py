@@ -60,10 +60,8 @@ def _assemble(sequences: list[dict], like: FlatBatch, device) -> FlatBatch:
     fields = {k: cat([s["fields"][k] for s in sequences], v[:0].cpu()) for k, v in like.fields.items()}
     seq_fields = {k: torch.stack([s["seq_fields"][k] for s in sequences]) if sequences else v[:0].cpu()
                   for k, v in like.seq_fields.items()}
-    if torch.is_tensor(like.temperature):
-        temperature = torch.stack([s["temperature"] for s in sequences]) if sequences else like.temperature[:0].cpu()
-    else:
-        temperature = like.temperature
+    # One value per sequence: replicas may have called with different temperatures.
+    temperature = torch.stack([s["temperature"].float() for s in sequences]) if sequences else like.temperature
     flat = FlatBatch(cat([s["input_ids"] for s in sequences], like.input_ids[:0].cpu()), offsets, lengths,
                      fields, seq_fields, temperature)
     return flat.to(device) if device.type != "cpu" else flat
