@@ -93,6 +93,9 @@ def test_ranks_share_the_whitening_statistics():
         halves += gae_advantages(scores[part], masks[part], values[part], 0.9, 0.9, sum_over_ranks=add_other)[0]
     for a, b in zip(whole, halves):
         assert torch.allclose(a, b, atol=1e-5)
+    # Negative control: each rank whitening alone gives other advantages.
+    alone = gae_advantages(scores[:2], masks[:2], values[:2], 0.9, 0.9)[0]
+    assert not all(torch.allclose(a, b, atol=1e-3) for a, b in zip(alone, whole[:2]))
 
 
 def test_explained_variance():
