@@ -92,7 +92,9 @@ class ModelConfig(_FromDict):
     """Which model to build: a tiny ``preset`` (config-built) or a local HF checkpoint ``path``.
 
     ``attn_implementation=None`` uses the backend's choice; ``vocab_size`` overrides a preset's
-    vocabulary (e.g. for the trainer's character tokenizer).
+    vocabulary (e.g. for the trainer's character tokenizer). ``value_head=True`` builds a
+    critic: the LM head is replaced by a scalar head with weights ``N(0, value_head_init_std)``
+    (seeded by ``seed``) and zero bias (engines/value_head.py).
     """
 
     preset: str | None = None
@@ -101,6 +103,8 @@ class ModelConfig(_FromDict):
     attn_implementation: str | None = None
     vocab_size: int | None = None
     seed: int = 0
+    value_head: bool = False
+    value_head_init_std: float = 0.01
 
     def __post_init__(self) -> None:
         if (self.preset is None) == (self.path is None):
@@ -116,6 +120,9 @@ class ModelConfig(_FromDict):
             if self.vocab_size < 2:
                 raise ConfigFieldError("ModelConfig", "vocab_size", f"expected >= 2, got {self.vocab_size}")
         _check_type("ModelConfig", "seed", self.seed, (int,), "an int")
+        _check_type("ModelConfig", "value_head", self.value_head, (bool,), "a bool")
+        _finite_at_least("ModelConfig", "value_head_init_std", self.value_head_init_std, 0.0, False,
+                         "a finite number >= 0")
 
 
 @dataclass

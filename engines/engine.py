@@ -37,6 +37,7 @@ from .model_builder import build_model
 from .optim import build_lr_scheduler, build_optimizer
 from .parallelize import gathered, parallelize_model
 from .sequence_parallel import check_same_batch, setup_sequence_parallel, sp_forward_logprobs
+from .value_head import VALUE_HEAD_METHOD, forward_values, install_value_head
 
 logger = logging.getLogger(__name__)
 
@@ -54,7 +55,9 @@ def _combine(key: str, total: torch.Tensor | None, value: torch.Tensor) -> torch
 
 
 class FSDPEngine(CheckpointMixin):
-    """One policy (or reference) model under FSDP2. Modes are read from ``engine_config``
+    """One policy (or reference) model under FSDP2, or a critic with
+    ``ModelConfig(value_head=True)`` (per-token values instead of log-probs:
+    :meth:`infer_values`, and ``LossInputs.values`` in training). Modes are read from ``engine_config``
     at every call, so one engine can serve every mode combination; ``optim_config``
     (default ``OptimConfig()``) sets AdamW and its schedule. Checkpoint methods
     (``save_checkpoint``, ``load_checkpoint``, ``export_hf``) come from CheckpointMixin."""
@@ -97,14 +100,28 @@ class FSDPEngine(CheckpointMixin):
         self.mesh = init_distributed(self.backend)
         self.device = self.backend.device(int(os.environ.get("LOCAL_RANK", "0")))
         model, self.patch_report = build_model(self.model_config, self.backend, self.patch_toggles)
-        self._softcap, self._fused_unsupported = fused_head_support(model)
-        install_fused_head(model)
+        if self.is_critic:
+            if self.engine_config.ulysses_sp_size > 1:
+                # The value head runs on whole sequences; its sequence-parallel split is not built.
+                raise ValueError("EngineConfig.ulysses_sp_size > 1 is not supported for a critic "
+                                 "(ModelConfig.value_head=True); use ulysses_sp_size=1")
+            install_value_head(model, self.model_config.value_head_init_std, self.model_config.seed)
+            head_method = VALUE_HEAD_METHOD
+        else:
+            self._softcap, self._fused_unsupported = fused_head_support(model)
+            install_fused_head(model)
+            head_method = FUSED_HEAD_METHOD
         self._sp = setup_sequence_parallel(model, self.backend.device_type, self.engine_config.ulysses_sp_size)
         model.to(self.device)
-        self._model = parallelize_model(model, self.mesh, self.engine_config, forward_methods=(FUSED_HEAD_METHOD,))
+        self._model = parallelize_model(model, self.mesh, self.engine_config, forward_methods=(head_method,))
         self.optimizer = build_optimizer(model, self.optim_config)
         self.lr_scheduler = build_lr_scheduler(self.optimizer, self.optim_config)
         return self
+
+    @property
+    def is_critic(self) -> bool:
+        """Whether the model has a scalar value head instead of the LM head."""
+        return self.model_config.value_head
 
     @property
     def module(self) -> torch.nn.Module:
@@ -161,7 +178,10 @@ class FSDPEngine(CheckpointMixin):
     def forward_flat(self, flat: FlatBatch, return_entropy: bool = True):
         """Per-token ``(log_probs, entropy)`` of a flat batch on the engine's device (flat
         ``(total,)``, float32), with autograd when enabled (engines/forward_logprobs.py;
-        split over the sequence-parallel group with ``ulysses_sp_size > 1``)."""
+        split over the sequence-parallel group with ``ulysses_sp_size > 1``); a critic
+        returns ``(values, None)`` (engines/value_head.py)."""
+        if self.is_critic:
+            return forward_values(self.module, flat, use_remove_padding=self.engine_config.use_remove_padding), None
         if self._sp is not None:
             return sp_forward_logprobs(self.module, flat, use_remove_padding=self.engine_config.use_remove_padding,
                                        fused=self._use_fused(), softcap=self._softcap, return_entropy=return_entropy,
@@ -198,27 +218,40 @@ class FSDPEngine(CheckpointMixin):
     def infer_batch(self, batch: TensorDict, temperature=1.0, calculate_entropy: bool = True) -> TensorDict:
         """``log_probs`` (and ``entropy``) per token, in the caller's layout: jagged with the
         input's offsets for ``no_padding``; dense ``(B, L)`` zero-padded for ``left_right``."""
+        if self.is_critic:
+            raise ValueError("infer_batch: this engine is a critic (ModelConfig.value_head=True); use infer_values")
+        names = ("log_probs", "entropy") if calculate_entropy else ("log_probs",)
+        return self._infer(batch, temperature, names, calculate_entropy)
+
+    def infer_values(self, batch: TensorDict) -> TensorDict:
+        """A critic's ``values`` per token, in the caller's layout (as :meth:`infer_batch`'s
+        log-probs): ``values[i][t]`` is the value of the state before token ``t + 1``, the
+        last position of every sequence is 0 (engines/value_head.py)."""
+        if not self.is_critic:
+            raise ValueError("infer_values: this engine has no value head; build it with ModelConfig(value_head=True)")
+        return self._infer(batch, 1.0, ("values",), False)
+
+    def _infer(self, batch: TensorDict, temperature, names: tuple[str, ...], calculate_entropy: bool) -> TensorDict:
+        """The forward's outputs ``names`` (in forward_flat's order) under no_grad, per
+        micro-batch, merged and returned in the caller's layout."""
         checks = BatchChecks()
         flat = self._to_flat(batch, temperature, (), checks)
         checks.read()
         balanced = self._balance(flat)
         work = flat if balanced is None else balanced.flat
-        lp_parts, ent_parts = [], []
+        parts = {name: [] for name in names}
         with torch.no_grad(), self.eval_mode():
             for micro, index in self._micro_batches(work):
-                log_probs, entropy = self.forward_flat(micro, calculate_entropy)
-                lp_parts.append((log_probs, index))
-                ent_parts.append((entropy, index))
+                for name, value in zip(names, self.forward_flat(micro, calculate_entropy)):
+                    parts[name].append((value, index))
 
-        def to_caller(parts):
-            values = merge(parts, work.total)
+        def to_caller(part):
+            values = merge(part, work.total)
             if balanced is not None:
                 values = restore(values, balanced, flat, self.engine_config.ulysses_sp_size)
             return flat_to_caller(values, flat, batch, self.engine_config.pad_mode)
 
-        out = {"log_probs": to_caller(lp_parts)}
-        if calculate_entropy:
-            out["entropy"] = to_caller(ent_parts)
+        out = {name: to_caller(part) for name, part in parts.items()}
         return TensorDict(out, batch_size=[flat.num_seqs])
 
     def _balance(self, flat: FlatBatch) -> Balanced | None:
@@ -312,7 +345,9 @@ class FSDPEngine(CheckpointMixin):
                     continue
                 if micro.total == 0:
                     continue
-                inputs = LossInputs(log_probs=log_probs, entropy=entropy, fields=dict(micro.fields),
+                # A critic's forward gives values where a policy's gives log-probs.
+                inputs = LossInputs(log_probs=None if self.is_critic else log_probs, entropy=entropy,
+                                    values=log_probs if self.is_critic else None, fields=dict(micro.fields),
                                     offsets=micro.offsets, global_num_tokens=global_tokens,
                                     global_num_seqs=global_seqs,
                                     extras={"seq_fields": micro.seq_fields, "micro_batch": i,

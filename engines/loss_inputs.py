@@ -23,13 +23,15 @@ class LossInputs:
     them sums to the same value however the batch was split.
     """
 
-    log_probs: torch.Tensor
+    log_probs: torch.Tensor | None
     entropy: torch.Tensor | None
     fields: dict[str, torch.Tensor]
     offsets: torch.Tensor
     global_num_tokens: float
     global_num_seqs: int
     extras: dict = field(default_factory=dict)
+    # A critic's per-token value predictions (same alignment); its log_probs are None.
+    values: torch.Tensor | None = None
 
 
 # A loss function: ``loss_fn(inputs: LossInputs) -> (loss: scalar Tensor, metrics: dict[str, Tensor])``,

@@ -59,19 +59,39 @@ def reinforce_plus_plus_advantages(rewards: Sequence[float], masks: Sequence[tor
     over ranks so every rank uses the same statistics.
     """
     returns = []
+    for token_rewards, mask in zip(token_level_rewards(rewards, masks, kl, kl_coef), masks):
+        # Reward-to-go (gamma = 1): the sum over this and every later response token.
+        returns.append(torch.flip(torch.cumsum(torch.flip(token_rewards, [0]), 0), [0]) * mask.double())
+    return whiten(returns, masks, sum_over_ranks)
+
+
+def token_level_rewards(rewards: Sequence[float], masks: Sequence[torch.Tensor],
+                        kl: Sequence[torch.Tensor] | None, kl_coef: float) -> list[torch.Tensor]:
+    """Per-token rewards (float64, one flat tensor per sequence): ``-kl_coef * kl`` on every
+    response position (no KL term when ``kl`` is None) plus the sequence's score at its
+    last response position."""
+    out = []
     for i, (score, mask) in enumerate(zip(rewards, masks)):
         mask = mask.double()
         token_rewards = -kl_coef * kl[i].double() * mask if kl is not None else torch.zeros_like(mask)
         positions = mask.nonzero()
         if positions.numel():
             token_rewards[positions[-1, 0]] += float(score)
-        # Reward-to-go (gamma = 1): the sum over this and every later response token.
-        returns.append(torch.flip(torch.cumsum(torch.flip(token_rewards, [0]), 0), [0]) * mask)
-    total = sum(float(r.sum()) for r in returns)
-    squares = sum(float((r ** 2).sum()) for r in returns)
+        out.append(token_rewards)
+    return out
+
+
+def whiten(values: Sequence[torch.Tensor], masks: Sequence[torch.Tensor],
+           sum_over_ranks: Callable[[list[float]], list[float]] = _sum_over_ranks) -> list[torch.Tensor]:
+    """``(v - mean) / sqrt(var + eps)`` over every masked token of the batch (verl's
+    masked_whiten: unbiased variance), zero off the masks; ``sum_over_ranks`` sums the
+    moments over ranks so every rank uses the same statistics. One float32 tensor per sequence."""
+    values = [v.double() * m.double() for v, m in zip(values, masks)]
+    total = sum(float(v.sum()) for v in values)
+    squares = sum(float((v ** 2).sum()) for v in values)
     count = sum(float(m.sum()) for m in masks)
     total, squares, count = sum_over_ranks([total, squares, count])
     mean = total / max(count, 1.0)
     var = max(squares - count * mean ** 2, 0.0) / max(count - 1.0, 1.0)
     scale = (var + WHITEN_EPS) ** -0.5
-    return [((r - mean) * scale * m.double()).float() for r, m in zip(returns, masks)]
+    return [((v - mean) * scale * m.double()).float() for v, m in zip(values, masks)]

@@ -1,5 +1,6 @@
 """The ``algo`` group's sections: SFT, GRPO (update-many, advantage estimators, group
-filtering) and the rollout/train mismatch correction; mirrored by configs/algo/*.yaml."""
+filtering), PPO's critic and GAE, and the rollout/train mismatch correction; mirrored by
+configs/algo/*.yaml."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -7,12 +8,16 @@ from typing import Any
 
 from polyfsdp.engines.config import OptimConfig
 from polyfsdp.engines.losses import AGG_MODES, KL_TYPES, PPO_AGG_MODES, PPOLoss
+from polyfsdp.engines.value_loss import ValueLoss
 
 from .advantages import ADV_ESTIMATORS
 from .compose import ConfigError
 
 # Dr. GRPO sums each sequence's token losses and divides by a constant (the generation budget).
 DR_GRPO_AGG_MODE = "seq-mean-token-sum-norm"
+# Algorithms with an RL phase after the SFT warm-up, and PPO's advantage estimator.
+RL_ALGOS = ("grpo", "ppo")
+PPO_ADV_ESTIMATORS = ("gae",)
 
 
 def check_choice(key: str, value: Any, allowed) -> None:
@@ -89,6 +94,38 @@ class GRPOSection:
 
 
 @dataclass
+class PPOSection:
+    """algo=ppo: the critic (its optimizer ``optim``, value-head init, clipped value loss)
+    and GAE. The rollout and the actor's loss are ``algo.grpo``'s."""
+
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    gamma: float = 1.0
+    lam: float = 1.0
+    kl_in_reward: bool = False
+    critic_warmup: int = 0
+    cliprange_value: float | None = 0.5
+    value_agg_mode: str = "token-mean"
+    value_head_init_std: float = 0.01
+
+    def validate(self, where: str) -> None:
+        for key in ("gamma", "lam"):
+            if not 0.0 <= getattr(self, key) <= 1.0:
+                raise ConfigError(f"{where}.{key}: expected a number in [0, 1], got {getattr(self, key)}")
+        check_min(f"{where}.critic_warmup", self.critic_warmup, 0)
+        check_choice(f"{where}.value_agg_mode", self.value_agg_mode, AGG_MODES)
+        if not self.value_head_init_std >= 0:
+            raise ConfigError(f"{where}.value_head_init_std: expected >= 0, got {self.value_head_init_std}")
+        try:
+            self.value_loss()
+        except ValueError as exc:
+            raise ConfigError(f"{where}: {exc}") from None
+
+    def value_loss(self) -> ValueLoss:
+        """The critic's clipped value loss."""
+        return ValueLoss(cliprange_value=self.cliprange_value, agg_mode=self.value_agg_mode)
+
+
+@dataclass
 class RolloutCorrectionSection:
     """The sampler's log-probs vs the trainer's: report the mismatch, and optionally weight
     the policy gradient by min(exp(logp_train - logp_rollout), tis_cap)."""
@@ -108,17 +145,35 @@ class RolloutCorrectionSection:
 
 @dataclass
 class AlgoSection:
-    """``algo=grpo`` (SFT warm-up then GRPO) or ``algo=sft`` (SFT only)."""
+    """``algo=grpo`` (SFT warm-up then GRPO), ``algo=ppo`` (SFT warm-up then PPO with a
+    critic: the RL phase keeps GRPO's names and rollout settings) or ``algo=sft`` (SFT only)."""
 
     name: str = "grpo"
     adv_estimator: str = "grpo"
     sft: SFTSection = field(default_factory=SFTSection)
     grpo: GRPOSection | None = None
+    ppo: PPOSection | None = None
     rollout_correction: RolloutCorrectionSection = field(default_factory=RolloutCorrectionSection)
 
+    @property
+    def rl(self) -> bool:
+        """Whether an RL phase follows the SFT warm-up (grpo or ppo)."""
+        return self.name in RL_ALGOS
+
+    @property
+    def kl_in_reward(self) -> bool:
+        """Whether the KL penalty goes into the per-token reward instead of the actor's loss."""
+        return self.adv_estimator == "reinforce_plus_plus" or (self.ppo is not None and self.ppo.kl_in_reward)
+
     def validate_grpo(self, prompts_per_step: int, world_size: int) -> None:
-        """The GRPO settings, together (estimator, loss, correction)."""
-        check_choice("algo.adv_estimator", self.adv_estimator, ADV_ESTIMATORS)
+        """The RL settings, together (estimator, loss, correction, PPO's critic)."""
+        if self.name == "ppo":
+            check_choice("algo.adv_estimator", self.adv_estimator, PPO_ADV_ESTIMATORS)
+            if self.ppo is None:
+                raise ConfigError("algo.ppo: algo=ppo needs its ppo section (the critic and GAE settings)")
+            self.ppo.validate("algo.ppo")
+        else:
+            check_choice("algo.adv_estimator", self.adv_estimator, ADV_ESTIMATORS)
         self.grpo.validate("algo.grpo", prompts_per_step, world_size)
         self.rollout_correction.validate("algo.rollout_correction")
         if self.adv_estimator == "dr_grpo" and self.grpo.agg_mode not in ("token-mean", DR_GRPO_AGG_MODE):
@@ -132,12 +187,13 @@ class AlgoSection:
     def ppo_loss(self, prompts_per_step: int) -> PPOLoss:
         """The PPO loss these settings describe (entropy always reported). With one update
         per rollout the old log-probs are the current ones (ratio == 1), never computed.
-        reinforce_plus_plus puts the KL penalty into the reward, so not into the loss."""
+        reinforce_plus_plus (and algo.ppo.kl_in_reward) put the KL penalty into the reward,
+        so not into the loss."""
         g = self.grpo
         agg_mode = DR_GRPO_AGG_MODE if self.adv_estimator == "dr_grpo" else g.agg_mode
         return PPOLoss(clip_ratio_low=g.clip_ratio_low, clip_ratio_high=g.clip_ratio_high,
                        dual_clip_c=g.dual_clip_c,
-                       kl_coef=0.0 if self.adv_estimator == "reinforce_plus_plus" else g.kl_coef,
+                       kl_coef=0.0 if self.kl_in_reward else g.kl_coef,
                        kl_type=g.kl_type, entropy_coef=g.entropy_coef, agg_mode=agg_mode, report_entropy=True,
                        on_policy=g.updates_per_rollout(prompts_per_step) == 1,
                        tis_cap=self.rollout_correction.tis_cap,

@@ -16,8 +16,8 @@ from typing import Any
 from polyfsdp.backends.registry import BACKEND_NAMES
 from polyfsdp.engines.config import EngineConfig, ModelConfig, OptimConfig
 
-from .algo_config import (AlgoSection, GRPOSection, RolloutCorrectionSection, SFTSection,  # noqa: F401 (re-exported)
-                          check_choice, check_min)
+from .algo_config import (RL_ALGOS, AlgoSection, GRPOSection, PPOSection,  # noqa: F401 (re-exported)
+                          RolloutCorrectionSection, SFTSection, check_choice, check_min)
 from .compose import GROUPS, ConfigError, available_options, compose, to_container  # noqa: F401 (re-exported)
 from .generate import check_unshard
 
@@ -307,19 +307,22 @@ def build_job_config(raw: dict, world_size: int = 1) -> JobConfig:
 
     trainer = _section(TrainerSection, "trainer", raw["trainer"])
     algo = _section(AlgoSection, "algo", raw["algo"], nested={"sft": SFTSection, "grpo": GRPOSection,
+                                                              "ppo": PPOSection,
                                                               "rollout_correction": RolloutCorrectionSection})
-    check_choice("algo.name", algo.name, ("grpo", "sft"))
+    check_choice("algo.name", algo.name, RL_ALGOS + ("sft",))
     if algo.sft is None:
         raise ConfigError("algo.sft: expected a mapping (every algo has an SFT section), got None")
     algo.sft.optim = _optim("algo.sft.optim", algo.sft.optim, trainer.sft_steps)
     algo.sft.validate("algo.sft")
     _validate_trainer(trainer, algo, world_size)
-    if algo.name == "grpo":
+    if algo.rl:
         if algo.grpo is None:
-            raise ConfigError("algo.grpo: algo=grpo needs its grpo section")
+            raise ConfigError(f"algo.grpo: algo={algo.name} needs its grpo section")
         # The schedule counts optimizer steps: several per rollout with mini-batches or epochs.
         updates = algo.grpo.updates_per_rollout(trainer.prompts_per_step)
         algo.grpo.optim = _optim("algo.grpo.optim", algo.grpo.optim, trainer.grpo_steps * max(updates, 1))
+        if algo.ppo is not None:
+            algo.ppo.optim = _optim("algo.ppo.optim", algo.ppo.optim, trainer.grpo_steps * max(updates, 1))
         algo.validate_grpo(trainer.prompts_per_step, world_size)
     data = _section(DataSection, "data", raw["data"])
     _validate_data(data)

@@ -6,7 +6,8 @@ Output directory layout::
     metrics.jsonl        one record per step / evaluation (rank 0)
     init_model/          the preset's starting weights + tokenizer (presets only)
     checkpoints/sft/     engine checkpoints of the SFT phase (step_*/, latest)
-    checkpoints/grpo/    engine checkpoints of the GRPO phase
+    checkpoints/grpo/    engine checkpoints of the GRPO phase (the PPO phase's actor under algo=ppo)
+    checkpoints/critic/  algo=ppo: the critic's checkpoints, at the same steps as the actor's
     sft_model/           the SFT-end weights: GRPO's starting point and its KL reference
     final/               Hugging Face export of the trained model + tokenizer
     curves.png           reward and loss curves
@@ -22,7 +23,7 @@ import os
 import shutil
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable
 
@@ -39,6 +40,7 @@ from .config import ConfigError, JobConfig
 from .data import build_source, check_generation_budget, check_tokenizer_covers, max_answer_tokens
 from .generate import evaluate_with_metrics
 from .grpo import grpo_step
+from .ppo import ppo_step
 from .metrics import METRICS_FILE, MetricsLogger
 from .model_init import write_initial_model
 from .progress import Progress
@@ -50,6 +52,7 @@ from .task import TOKENIZER_FILE, load_tokenizer
 logger = logging.getLogger(__name__)
 
 CHECKPOINT_MARKER = "checkpoint saved:"
+CRITIC_DIR = "critic"  # checkpoints/critic/: algo=ppo's critic, next to checkpoints/grpo/
 
 
 def _say(message: str) -> None:
@@ -119,6 +122,7 @@ class Job:
             max_answer_tokens(self.source, self.tokenizer) + 2
         check_position_budget(self.source, model_max_positions(cfg.model), self.eval_tokens,
                               "algo.grpo.max_new_tokens" if grpo is not None else "the longest answer")
+        self.critic: FSDPEngine | None = None  # algo=ppo's critic, during the RL phase
         self.t0 = time.perf_counter()
 
     # ------------------------------------------------------------------ helpers
@@ -127,9 +131,14 @@ class Job:
         return examples[self.rank * per:(self.rank + 1) * per]
 
     def _engine(self, phase: str, model_dir: str, role: str = "policy") -> FSDPEngine:
-        """An initialised engine for ``phase`` on ``model_dir``; ``role`` names it in the patch summary."""
+        """An initialised engine for ``phase`` on ``model_dir``; ``role`` names it in the patch
+        summary (``critic``: algo=ppo's value model, with its own optimizer)."""
         section = self.cfg.algo.sft if phase == "sft" else self.cfg.algo.grpo
-        engine = FSDPEngine(self.cfg.model.model_config(path=model_dir), self.cfg.engine, section.optim,
+        model_config = self.cfg.model.model_config(path=model_dir)
+        if role == "critic":
+            section = self.cfg.algo.ppo
+            model_config = replace(model_config, value_head=True, value_head_init_std=section.value_head_init_std)
+        engine = FSDPEngine(model_config, self.cfg.engine, section.optim,
                             backend=self.backend, patch_toggles=self.cfg.patches)
         try:
             engine.initialize()
@@ -158,6 +167,11 @@ class Job:
                  "metrics_lines": self.metrics.lines, "metrics_path": self.metrics.path,
                  "data_position": step * (self.cfg.trainer.sft_batch_size if phase == "sft"
                                           else self.cfg.trainer.prompts_per_step)}
+        if self.critic is not None and phase != "sft":
+            # Before the actor's: the actor's `latest` decides where a run resumes, so the
+            # critic's checkpoint of that step must already be complete.
+            self.critic.save_checkpoint(str(self.out / "checkpoints" / CRITIC_DIR), step=step, extra=extra,
+                                        keep=self.cfg.trainer.keep_checkpoints)
         path = engine.save_checkpoint(str(self.out / "checkpoints" / phase), step=step, extra=extra,
                                       keep=self.cfg.trainer.keep_checkpoints)
         _say(f"{CHECKPOINT_MARKER} {path} (phase {phase}, step {step}, global step {global_step})")
@@ -232,7 +246,7 @@ class Job:
     def _phases(self, start_dir: str, resume: ResumePoint | None) -> list[Phase]:
         """The phases still to run: SFT (unless skipped, or already done when resuming GRPO), then GRPO."""
         cfg, t = self.cfg, self.cfg.trainer
-        grpo = cfg.algo.name == "grpo"
+        grpo = cfg.algo.rl
         sft_dir = self.out / "sft_model" if t.sft_steps > 0 else Path(start_dir)
         if resume is not None and resume.run_dir != self.out and resume.phase == "grpo" and t.sft_steps > 0:
             sft_dir = resume.run_dir / "sft_model"
@@ -259,6 +273,8 @@ class Job:
         if resume is not None and resume.checkpoint is not None:
             _, extra = load_resume_checkpoint(engine, resume.checkpoint)
             step = int(extra["phase_step"])
+            if self.critic is not None and phase.name != "sft":
+                self._restore_critic(resume.checkpoint)
             if step > phase.steps:
                 # Nothing to run: a "final" evaluation at the lower step count would be mislabelled.
                 key = f"trainer.{phase.name}_steps"
@@ -275,6 +291,14 @@ class Job:
             self._evaluate(engine, "initial", 0)
         return 0
 
+    def _restore_critic(self, actor_checkpoint: Path) -> None:
+        """Load the critic's checkpoint of the actor's step (checkpoints/critic/step_N)."""
+        path = actor_checkpoint.parent.parent / CRITIC_DIR / actor_checkpoint.name
+        if not path.is_dir():
+            raise ConfigError(f"trainer.resume: algo=ppo needs the critic's checkpoint {path} next to "
+                              f"{actor_checkpoint} (was the run algo={self.cfg.algo.name}?)")
+        load_resume_checkpoint(self.critic, path)
+
     def _step_function(self, phase: Phase, engine: FSDPEngine) -> Callable[[int, list], dict]:
         """``(phase step, this rank's examples) -> metrics`` for one training step of ``phase``."""
         cfg = self.cfg
@@ -286,11 +310,20 @@ class Job:
         ref = self._engine("grpo", phase.start_dir, role="reference") if g.kl_coef > 0 else None
         ppo_loss = cfg.algo.ppo_loss(phase.batch_size)
         mini_batches = g.mini_batches(phase.batch_size)
+        if cfg.algo.name == "ppo":
+            # The critic starts from the same model as the actor, with a fresh value head.
+            self.critic = self._engine("grpo", phase.start_dir, role="critic")
+            value_loss = cfg.algo.ppo.value_loss()
 
         def step_fn(step: int, examples: list) -> dict:
             # Sampling (per rank) and mini-batch shuffles (same on all ranks) are seeded per step: exact resume.
             step_seed = cfg.trainer.seed * 1_000_003 + step
             more = lambda k: self._shard(self.source.batch(f"{phase.name}-refill{k}", step, phase.batch_size))  # noqa: E731
+            if self.critic is not None:
+                return ppo_step(engine, self.critic, ref, self.tokenizer, examples, cfg.algo, ppo_loss, value_loss,
+                                sample_seed=step_seed * 1024 + self.rank, shuffle_seed=step_seed,
+                                mini_batches=mini_batches, train_actor=step >= cfg.algo.ppo.critic_warmup,
+                                scorer=self.scorer, more_examples=more, unshard=self.cfg.rollout.unshard)
             return grpo_step(engine, ref, self.tokenizer, examples, cfg.algo, ppo_loss,
                              sample_seed=step_seed * 1024 + self.rank, shuffle_seed=step_seed,
                              mini_batches=mini_batches, scorer=self.scorer, more_examples=more,
@@ -318,6 +351,7 @@ class Job:
         if phase.export_dir is not None:
             state = {"metrics_lines": self.metrics.lines, "global_step": end_step} if phase.export_state else None
             self._export(engine, phase.export_dir, state=state)
+        self.critic = None
         del engine, step_fn
 
     def _finish(self) -> dict:

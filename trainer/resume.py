@@ -21,7 +21,7 @@ STATE_FILE = "polyfsdp_state.json"
 # Settings a continued run must share with the run it continues: they decide the model, the
 # data each step draws (a function of seed, phase, step and batch size) and the updates. The
 # rest (step counts, intervals, logging, engine modes, patches, backend) may change on resume.
-SAME_RUN_SECTIONS = ("model", "data", "reward", "algo.sft", "algo.grpo")
+SAME_RUN_SECTIONS = ("model", "data", "reward", "algo.sft", "algo.grpo", "algo.ppo")
 SAME_RUN_TRAINER_KEYS = ("seed", "sft_batch_size", "prompts_per_step")
 
 
@@ -72,9 +72,9 @@ def find_resume(cfg: JobConfig, out: Path) -> ResumePoint | None:
         # Resuming its SFT checkpoints would cut the GRPO records and overwrite final/.
         raise ConfigError(f"trainer.resume=auto: {out} holds an algo=grpo run, but algo=sft was asked for; "
                           f"choose another trainer.output_dir or resume with algo=grpo")
-    if cfg.algo.name == "grpo" and grpo_ckpt is not None:
+    if cfg.algo.rl and grpo_ckpt is not None:
         return ResumePoint("grpo", grpo_ckpt, out)
-    if cfg.algo.name == "grpo" and cfg.trainer.sft_steps > 0 and sft_complete(out):
+    if cfg.algo.rl and cfg.trainer.sft_steps > 0 and sft_complete(out):
         return ResumePoint("grpo", None, out)
     sft_ckpt = latest_checkpoint(ckpt_root / "sft")
     return ResumePoint("sft", sft_ckpt, out) if sft_ckpt is not None else None
@@ -112,8 +112,8 @@ def check_same_run(cfg: JobConfig, run_dir: Path) -> None:
     before, now = {}, {}
     for dotted in sections:
         old, new = _section(before_raw, dotted), _section(cfg.raw, dotted)
-        if dotted == "algo.grpo" and (old is None or new is None):
-            continue  # an SFT run continued into GRPO: no GRPO settings to keep yet
+        if dotted in ("algo.grpo", "algo.ppo") and (old is None or new is None):
+            continue  # an SFT run continued into GRPO/PPO: no RL settings to keep yet
         before.update(_leaves(old or {}, dotted))
         now.update(_leaves(new or {}, dotted))
     trainer_before = before_raw.get("trainer") or {}

@@ -192,7 +192,11 @@ UPDATE_MANY = ["algo.grpo.epochs=2", "algo.grpo.mini_batch_size=2", "algo.grpo.f
                "algo.adv_estimator=rloo", "algo.rollout_correction.tis_cap=2.0"]
 
 
-@pytest.mark.parametrize("algo", [[], UPDATE_MANY], ids=["default", "update_many"])
+# PPO: the critic's checkpoint must resume too (its values decide the advantages after the kill).
+PPO_CRITIC = ["algo=ppo", "algo.grpo.epochs=2", "algo.grpo.mini_batch_size=2", "algo.ppo.critic_warmup=1"]
+
+
+@pytest.mark.parametrize("algo", [[], UPDATE_MANY, PPO_CRITIC], ids=["default", "update_many", "ppo_critic"])
 def test_resume_after_sigkill_continues_the_same_curve(tmp_path, algo):
     overrides = [*TINY, *TINY_GRPO, "trainer.sft_steps=4", "trainer.grpo_steps=4", "trainer.checkpoint_interval=2",
                  "trainer.plot=false", "trainer.export=false", *algo]

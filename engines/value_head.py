@@ -1,0 +1,60 @@
+"""The critic's scalar value head: the causal LM's body with ``lm_head`` replaced by a
+``hidden -> 1`` linear layer (``ModelConfig(value_head=True)``), and the forward that turns
+a FlatBatch into one value per token.
+
+Position convention (the log-prob convention, docs/architecture.md): ``values[i][t]`` is the
+value of the state ``x[i][:t+1]``, i.e. the state before token ``t + 1`` is generated, so it
+lines up with ``log_probs[i][t]`` and ``response_mask[i][t]``; the last position of every
+sequence is 0 (no next token, no state to value).
+
+The head is installed in ``lm_head``'s place so FSDP2 shards and gathers it with the root,
+like the LM head it replaces, and checkpoints save it under ``lm_head.*``.
+"""
+from __future__ import annotations
+
+import types
+
+import torch
+
+from .flat_batch import FlatBatch
+from .forward_logprobs import row_inputs
+from .labels import IGNORE_INDEX, next_token_labels_flat
+
+VALUE_HEAD_METHOD = "polyfsdp_value_head"
+
+
+def install_value_head(model, init_std: float, seed: int) -> None:
+    """Replace ``model.lm_head`` by a ``hidden -> 1`` linear layer with bias: weight
+    ``N(0, init_std)`` (seeded, so every rank builds the same head), bias 0; and attach
+    the value forward as a method of this instance (registered as an FSDP forward method)."""
+    old = model.get_output_embeddings()
+    if not isinstance(old, torch.nn.Linear):
+        raise ValueError(f"ModelConfig.value_head: {type(model).__name__}'s output layer is not a plain nn.Linear")
+    head = torch.nn.Linear(old.in_features, 1, bias=True, dtype=old.weight.dtype)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        torch.nn.init.normal_(head.weight, std=init_std)
+    torch.nn.init.zeros_(head.bias)
+    # A tied LM head shares the embedding matrix; the value head must not.
+    model.config.tie_word_embeddings = False
+    model.lm_head = head
+    setattr(model, VALUE_HEAD_METHOD, types.MethodType(_value_head, model))
+
+
+def _value_head(self, model_inputs: dict, to_flat) -> torch.Tensor:
+    """Decoder body -> hidden states of the real tokens ``(total, hidden)`` -> head ``(total, 1)``.
+    Called through the root so FSDP2 gathers the embeddings, final norm and head; the
+    caller takes column 0 (an FSDP forward should not return a view)."""
+    hidden = self.model(**model_inputs, use_cache=False).last_hidden_state
+    return self.lm_head(to_flat(hidden))
+
+
+def forward_values(model, flat: FlatBatch, *, use_remove_padding: bool) -> torch.Tensor:
+    """Per-token values of ``flat`` (flat ``(total,)``, float32, last position of each
+    sequence 0), with autograd when enabled; packed or padded rows as for log-probs."""
+    if flat.total == 0:
+        return flat.input_ids.new_zeros(0, dtype=torch.float32)
+    layout = row_inputs(use_remove_padding)
+    values = getattr(model, VALUE_HEAD_METHOD)(layout.model_inputs(flat), lambda h: layout.to_flat(h, flat))[:, 0]
+    has_next = next_token_labels_flat(flat.input_ids, flat.offsets, fill=IGNORE_INDEX) != IGNORE_INDEX
+    return torch.where(has_next, values.float(), torch.zeros((), dtype=torch.float32, device=values.device))

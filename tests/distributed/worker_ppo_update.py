@@ -1,0 +1,61 @@
+"""torchrun worker: PPO's updates on one fixed rollout (trainer/ppo.py's _train: old, ref and
+critic values, GAE whitened over ranks, two epochs of critic and actor steps), each rank
+holding its share of the groups. Rank 0 saves the metrics and the trained weights."""
+import os
+import sys
+from types import SimpleNamespace
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "cpu"))
+from engine_reference import full_state_dict  # noqa: E402
+
+from polyfsdp.backends import destroy_distributed  # noqa: E402
+from polyfsdp.engines.config import EngineConfig, ModelConfig  # noqa: E402
+from polyfsdp.engines.engine import FSDPEngine  # noqa: E402
+from polyfsdp.trainer.config import load_config  # noqa: E402
+from polyfsdp.trainer.generate import Rollout  # noqa: E402
+from polyfsdp.trainer.ppo import _train  # noqa: E402
+
+PROMPTS = 4
+GROUP = 2
+OVERRIDES = ["algo=ppo", f"algo.grpo.group_size={GROUP}", "algo.grpo.epochs=2", f"trainer.prompts_per_step={PROMPTS}",
+             "algo.ppo.gamma=0.95", "algo.ppo.lam=0.9", "algo.ppo.kl_in_reward=true", "algo.grpo.kl_coef=0.1",
+             "algo.ppo.cliprange_value=0.2"]
+
+
+def rollout():
+    """Fixed prompts and completions (varied lengths, a length-1 response) and rewards."""
+    g = torch.Generator().manual_seed(17)
+    prompts, responses = [], []
+    for i in range(PROMPTS * GROUP):
+        prompts.append(torch.randint(1, 128, (2 + i % 3,), generator=g).tolist())
+        responses.append(torch.randint(1, 128, (1 + (i * 5) % 7,), generator=g).tolist())
+    rewards = torch.rand(PROMPTS * GROUP, generator=g).tolist()
+    return Rollout(prompts, responses, [""] * len(prompts), rewards)
+
+
+def main(out_dir):
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    algo = load_config(OVERRIDES, world_size=world).algo
+    engine = EngineConfig(pad_mode="left_right" if "left_right" in sys.argv else "no_padding")
+    policy = FSDPEngine(ModelConfig(preset="qwen2-tiny", seed=5), engine, algo.grpo.optim).initialize()
+    ref = FSDPEngine(ModelConfig(preset="qwen2-tiny", seed=6), engine, algo.grpo.optim).initialize()
+    critic = FSDPEngine(ModelConfig(preset="qwen2-tiny", seed=5, value_head=True, value_head_init_std=0.3), engine,
+                        algo.ppo.optim).initialize()
+    full = rollout()
+    per = len(full.rewards) // world
+    mine = slice(rank * per, (rank + 1) * per)
+    roll = Rollout(full.prompt_ids[mine], full.response_ids[mine], full.texts[mine], full.rewards[mine])
+    pairs = list(zip(roll.prompt_ids, roll.response_ids))
+    metrics = _train(policy, critic, ref, SimpleNamespace(pad_token_id=0), roll, pairs, algo,
+                     algo.ppo_loss(PROMPTS), algo.ppo.value_loss(), mini_batches=1, shuffle_seed=0, train_actor=True)
+    results = {"metrics": metrics, "policy": full_state_dict(policy.module), "critic": full_state_dict(critic.module)}
+    if rank == 0:
+        torch.save(results, os.path.join(out_dir, f"world{world}.pt"))
+    print(f"rank={rank} done", flush=True)
+    destroy_distributed()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
