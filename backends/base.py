@@ -76,6 +76,11 @@ class Backend(ABC):
         info = getattr(self._device_module(), "mem_get_info", None)
         return None if info is None else int(info()[0])
 
+    def attn_implementation(self, compute_dtype: torch.dtype) -> str:
+        """The attention implementation for a model computing in ``compute_dtype`` (the FSDP
+        ``param_dtype``): ``default_attn_implementation`` unless a backend's kernels depend on it."""
+        return self.default_attn_implementation
+
     def fused_ops(self) -> dict[str, Callable]:
         """Fused kernels this backend offers, by op name (``rms_norm``, ``rotary_mul``,
         ``swiglu``, ``fusion_attention``). Patches are written against this table."""

@@ -93,7 +93,8 @@ class FSDPEngine(CheckpointMixin):
         self.backend = self.backend or get_backend("auto")
         self.mesh = init_distributed(self.backend)
         self.device = self.backend.device(int(os.environ.get("LOCAL_RANK", "0")))
-        model, self.patch_report = build_model(self.model_config, self.backend, self.patch_toggles)
+        model, self.patch_report = build_model(self.model_config, self.backend, self.patch_toggles,
+                                               compute_dtype=self.engine_config.param_dtype)
         self._softcap, self._fused_unsupported = fused_head_support(model)
         install_fused_head(model)
         model.to(self.device)
