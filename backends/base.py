@@ -45,6 +45,10 @@ class Backend(ABC):
         """The torch device a process with this local rank should use."""
         return torch.device(self.device_type, local_rank)
 
+    def device_count(self) -> int:
+        """How many devices of this type the host has (how many local ranks can each own one)."""
+        return int(self._device_module().device_count())
+
     def set_device(self, local_rank: int = 0) -> None:
         """Bind the current process to its device (a no-op on CPU)."""
         self._device_module().set_device(local_rank)
