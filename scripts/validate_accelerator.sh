@@ -46,9 +46,9 @@ part() {
 }
 
 if [ "$quick" -eq 1 ]; then
-  limits=(180 60 60 90); pf_args=(--reps 1 --warmup 1); fl_args=(--quick)
+  limits=(150 45 45 60); pf_args=(--reps 1 --warmup 1); fl_args=(--quick)
 else
-  limits=(210 60 90 120); pf_args=(); fl_args=()
+  limits=(200 60 90 120); pf_args=(); fl_args=()
 fi
 start_all=$SECONDS
 part "pytest tests/$backend" "${limits[0]}" "$python" -m pytest -q -rs -p no:cacheprovider "tests/$backend"
