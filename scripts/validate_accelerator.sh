@@ -3,7 +3,7 @@
 # device's collective library, and the device benchmarks with their checks; write ONE markdown
 # report (device, versions, each part's counts/time/result, each benchmark's table) and exit
 # non-zero if any part failed or ran out of time. Every part has a time limit, so the whole run
-# stays under 8 minutes (about 6 with --quick, for a 15-minute device lease that includes start-up).
+# stays under 8 minutes (5 with --quick, for a 15-minute device lease that includes start-up).
 # Usage: bash scripts/validate_accelerator.sh [--quick] [REPORT_PATH]   (default accelerator-report.md)
 set -uo pipefail
 cd "$(dirname "$0")/.."
