@@ -45,6 +45,10 @@ class Backend(ABC):
         """The torch device a process with this local rank should use."""
         return torch.device(self.device_type, local_rank)
 
+    def device_count(self) -> int:
+        """How many devices of this type the host has (how many local ranks can each own one)."""
+        return int(self._device_module().device_count())
+
     def set_device(self, local_rank: int = 0) -> None:
         """Bind the current process to its device (a no-op on CPU)."""
         self._device_module().set_device(local_rank)
@@ -75,6 +79,11 @@ class Backend(ABC):
         CPU: host memory, not worth guarding here)."""
         info = getattr(self._device_module(), "mem_get_info", None)
         return None if info is None else int(info()[0])
+
+    def attn_implementation(self, compute_dtype: torch.dtype) -> str:
+        """The attention implementation for a model computing in ``compute_dtype`` (the FSDP
+        ``param_dtype``): ``default_attn_implementation`` unless a backend's kernels depend on it."""
+        return self.default_attn_implementation
 
     def fused_ops(self) -> dict[str, Callable]:
         """Fused kernels this backend offers, by op name (``rms_norm``, ``rotary_mul``,

@@ -1,6 +1,8 @@
 """The CPU backend: first-class, what CI and every developer machine run on."""
 from __future__ import annotations
 
+import os
+
 import torch
 
 from .base import Backend
@@ -19,6 +21,10 @@ class CPUBackend(Backend):
 
     def availability(self) -> str | None:
         return None
+
+    def device_count(self) -> int:
+        # Any number of local ranks can share the host; one per core is the useful limit.
+        return os.cpu_count() or 1
 
     def device(self, local_rank: int = 0) -> torch.device:
         return torch.device("cpu")

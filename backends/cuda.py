@@ -7,6 +7,8 @@ import torch
 
 from .base import Backend
 
+FLASH_ATTN_DTYPES = (torch.bfloat16, torch.float16)
+
 
 class CUDABackend(Backend):
     """NVIDIA GPUs through torch.cuda."""
@@ -14,6 +16,8 @@ class CUDABackend(Backend):
     name = "cuda"
     device_type = "cuda"
     dist_backend = "nccl"
+    # Without flash-attn, or for fp32 compute: polyfsdp's per-sequence SDPA (varlen-equivalent).
+    default_attn_implementation = "polyfsdp_varlen_sdpa"
 
     def availability(self) -> str | None:
         if not torch.cuda.is_available():
@@ -22,9 +26,9 @@ class CUDABackend(Backend):
             return "torch has CUDA support but no GPU is visible (check the driver and CUDA_VISIBLE_DEVICES)"
         return None
 
-    @property
-    def default_attn_implementation(self) -> str:  # type: ignore[override]
-        # Varlen flash attention where installed; else polyfsdp's per-sequence SDPA.
-        if importlib.util.find_spec("flash_attn") is not None:
+    def attn_implementation(self, compute_dtype: torch.dtype) -> str:
+        # Varlen flash attention where installed, but only for half-precision compute: FA2
+        # kernels take fp16/bf16 only, and transformers would hand them fp32 tensors.
+        if compute_dtype in FLASH_ATTN_DTYPES and importlib.util.find_spec("flash_attn") is not None:
             return "flash_attention_2"
-        return "polyfsdp_varlen_sdpa"
+        return self.default_attn_implementation

@@ -99,7 +99,8 @@ class FSDPEngine(CheckpointMixin):
         self.backend = self.backend or get_backend("auto")
         self.mesh = init_distributed(self.backend)
         self.device = self.backend.device(int(os.environ.get("LOCAL_RANK", "0")))
-        model, self.patch_report = build_model(self.model_config, self.backend, self.patch_toggles)
+        model, self.patch_report = build_model(self.model_config, self.backend, self.patch_toggles,
+                                               compute_dtype=self.engine_config.param_dtype)
         if self.is_critic:
             if self.engine_config.ulysses_sp_size > 1:
                 # The value head runs on whole sequences; its sequence-parallel split is not built.

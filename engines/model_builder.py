@@ -31,15 +31,18 @@ def _check_checkpoint_dir(path: str) -> None:
                                 f"checkpoint directory (config.json + weights)")
 
 
-def build_model(config: ModelConfig, backend: Backend, patch_toggles=None):
+def build_model(config: ModelConfig, backend: Backend, patch_toggles=None, compute_dtype: str | None = None):
     """Build the causal LM on the CPU in ``config.dtype`` with the chosen attention, apply
-    the backend's patches, and return ``(model, patch_report)``."""
+    the backend's patches, and return ``(model, patch_report)``. ``compute_dtype`` (the FSDP
+    ``param_dtype``; default ``config.dtype``) picks the backend's attention: the weights are
+    cast to it before attention runs."""
     register_attention()
     dtype = torch_dtype(config.dtype)
     if config.attn_implementation is not None:
         return _build(config, dtype, config.attn_implementation, backend, patch_toggles)
+    attn = backend.attn_implementation(torch_dtype(compute_dtype or config.dtype))
     try:
-        return _build(config, dtype, backend.default_attn_implementation, backend, patch_toggles)
+        return _build(config, dtype, attn, backend, patch_toggles)
     except ValueError as exc:
         # The backend's choice is SDPA-based; families without SDPA support (e.g. Gemma-2,
         # for its attention soft-cap) run eager attention instead.

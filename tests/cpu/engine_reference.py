@@ -132,3 +132,57 @@ def assert_params_close_after_adam_step(actual, expected, grads, lr, grad_tol):
         assert bool((diff <= tol).all()), (
             f"{name}: |diff| {diff.flatten()[worst].item():.3g} > tol {tol.flatten()[worst].item():.3g} "
             f"(grad {grad.flatten()[worst].item():.3g})")
+
+
+# Peaked outputs for precision tests. The random presets are near-uniform (entropy 4.844-4.848
+# vs ln 128 = 4.852), so a constant-entropy or wrong-temperature bug hides inside any bf16
+# tolerance. Scaling the final norm's weight by 4 scales every logit by 4: entropies spread
+# to 2.3-4.83 (temperatures 0.5-2.0) and a 10% temperature error moves log-probs by >= 0.23.
+SHARPEN_FACTOR = 4.0
+SHARP_LENGTHS = [6, 1, 12, 6, 6, 3]
+SHARP_TEMPS = [1.0, 0.7, 1.3, 0.5, 2.0, 0.9]
+# bf16 compute vs the fp32 reference on the sharpened presets (seed 3, SHARP_LENGTHS with seed 11,
+# SHARP_TEMPS), worst over the remove-padding x fused modes, measured on CPU (torch 2.13):
+#   qwen2-tiny       log-probs 5.7e-3  entropy 1.5e-3
+#   qwen2-tiny-tied  log-probs 1.2e-2  entropy 9.7e-3
+#   llama-tiny       log-probs 6.6e-3  entropy 7.6e-4
+# Tolerances are 3x those (rounded up): bf16 error grows with the logit scale, so the tied preset
+# (the most peaked, entropies down to 2.3) needs the widest. The wrong-temperature control sits
+# 20-65x above them (log-probs 0.23-0.55, entropy 0.11-0.64).
+BF16_TOLERANCE = {"qwen2-tiny": {"log_probs": 1.8e-2, "entropy": 5e-3},
+                  "qwen2-tiny-tied": {"log_probs": 3.6e-2, "entropy": 3e-2},
+                  "llama-tiny": {"log_probs": 2e-2, "entropy": 2.5e-3}}
+
+
+def sharpen_outputs(module, factor=SHARPEN_FACTOR):
+    """Scale the final norm's weight of an (FSDP2) causal LM in place, so logits grow by ``factor``."""
+    with torch.no_grad():
+        module.model.norm.weight.mul_(factor)
+
+
+def sharp_reference(preset, module, seqs, temperatures, device="cpu"):
+    """fp32 reference log-probs and entropy (flat float64 on the CPU) of ``module``'s weights at
+    ``temperatures``, and the same at 0.9 x temperatures (the negative control)."""
+    reference = reference_model(preset, {k: v.cpu() for k, v in full_state_dict(module).items()}).to(device)
+    seqs = [s.to(device) for s in seqs]
+    out = {}
+    with torch.no_grad():
+        for name, temps in (("right", temperatures), ("wrong", [0.9 * t for t in temperatures])):
+            lps, ents = reference_logprobs(reference, seqs, temps)
+            out[name] = {"log_probs": torch.cat(lps).cpu(), "entropy": torch.cat(ents).cpu()}
+    return out
+
+
+def assert_matches_and_rejects_wrong_temperature(got, reference, key, tol, label=""):
+    """``got`` (flat) is within ``tol`` of the reference, and NOT within it of the 0.9 x T reference
+    (so the tolerance could catch an ignored or wrong temperature). For entropy, no constant
+    (e.g. ln(vocab)) could pass either: the reference's spread must exceed twice the tolerance."""
+    got = got.detach().double().cpu()
+    diff = (got - reference["right"][key]).abs().max().item()
+    assert diff <= tol, f"{label} {key}: max |diff| {diff:.3g} > tol {tol:.3g}"
+    wrong = (got - reference["wrong"][key]).abs().max().item()
+    assert wrong > tol, f"{label} {key}: a 0.9 x temperature reference is within tol ({wrong:.3g} <= {tol:.3g})"
+    if key == "entropy":
+        real = reference["right"][key][reference["right"][key] != 0]
+        spread = (real.max() - real.min()).item()
+        assert spread > 2 * tol, f"{label} entropy spread {spread:.3g} <= 2 x tol: a constant would pass"

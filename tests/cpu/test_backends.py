@@ -206,3 +206,31 @@ def test_report_survives_torchs_extension_autoload_of_a_broken_torch_npu(tmp_pat
     assert result.returncode == 1
     assert "Traceback" not in result.stderr
     assert "torch_npu is installed but failed to load: libhccl.so" in result.stderr
+
+
+def _installed_flash_attn():
+    """A stand-in ``flash_attn`` that ``importlib.util.find_spec`` reports as installed."""
+    import importlib.machinery
+    import types
+
+    module = types.ModuleType("flash_attn")
+    module.__spec__ = importlib.machinery.ModuleSpec("flash_attn", None)
+    return module
+
+
+@pytest.mark.parametrize("dtype,expected", [(torch.bfloat16, "flash_attention_2"), (torch.float16, "flash_attention_2"),
+                                            (torch.float32, "polyfsdp_varlen_sdpa")])
+def test_cuda_picks_flash_attention_only_for_half_precision_compute(monkeypatch, dtype, expected):
+    from polyfsdp.backends.cuda import CUDABackend
+
+    monkeypatch.setitem(sys.modules, "flash_attn", _installed_flash_attn())
+    assert CUDABackend().attn_implementation(dtype) == expected
+
+
+def test_cuda_without_flash_attn_uses_varlen_sdpa_in_every_dtype(monkeypatch):
+    from polyfsdp.backends.cuda import CUDABackend
+
+    monkeypatch.delitem(sys.modules, "flash_attn", raising=False)
+    monkeypatch.setattr(sys, "meta_path", [])  # no finder: flash_attn is absent even where installed
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        assert CUDABackend().attn_implementation(dtype) == "polyfsdp_varlen_sdpa"

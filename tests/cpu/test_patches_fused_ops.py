@@ -131,6 +131,19 @@ def test_reference_rotary_mul_rotates_pairs_and_demands_4d():
         ref.npu_rotary_mul(x, cos * 2, sin)
 
 
+def test_reference_rotary_mul_limits_b_times_n_when_cos_sin_need_gradients():
+    # Ascend's documented half-mode limit: B*N <= 1024 when cos/sin need gradients (not otherwise).
+    x = torch.randn(33, 32, 2, 8)  # BNSD, B*N = 1056
+    cos = torch.full((1, 1, 2, 8), 0.5, requires_grad=True)
+    sin = torch.full((1, 1, 2, 8), 0.5)
+    with pytest.raises(ValueError, match="B\\*N .* <= 1024, got 1056"):
+        ref.npu_rotary_mul(x, cos, sin)
+    ref.npu_rotary_mul(x, cos.detach(), sin)
+    with torch.no_grad():
+        ref.npu_rotary_mul(x, cos, sin)
+    ref.npu_rotary_mul(x[:32], cos, sin)  # B*N = 1024
+
+
 def test_reference_swiglu_rejects_non_contiguous_input():
     x = torch.randn(4, 6)
     torch.testing.assert_close(ref.npu_swiglu(x), F.silu(x[:, :3]) * x[:, 3:])

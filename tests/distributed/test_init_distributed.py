@@ -1,4 +1,5 @@
-"""init_distributed on gloo: two torchrun processes, and the single-process fallback."""
+"""init_distributed: two torchrun processes per backend (gloo always; nccl/hccl with two devices), and
+the single-process fallback on gloo."""
 import os
 
 import torch
@@ -10,14 +11,13 @@ from torchrun_launcher import run_torchrun
 HERE = os.path.dirname(__file__)
 
 
-def test_two_process_gloo_group_all_reduces():
-    result = run_torchrun(os.path.join(HERE, "worker_init_distributed.py"), nproc=2)
+def test_two_process_group_all_reduces(dist_backend):
+    result = run_torchrun(os.path.join(HERE, "worker_init_distributed.py"), nproc=2, backend=dist_backend)
     assert result.returncode == 0, result.stderr[-3000:]
     lines = sorted(line for line in result.stdout.splitlines() if line.startswith("rank="))
-    assert lines == [
-        "rank=0 world=2 mesh=2 backend=gloo sum=3.0",
-        "rank=1 world=2 mesh=2 backend=gloo sum=3.0",
-    ]
+    backend = get_backend(dist_backend)
+    tail = f"world=2 mesh=2 backend={backend.dist_backend} device={backend.device_type} sum=3.0"
+    assert lines == [f"rank=0 {tail}", f"rank=1 {tail}"]
 
 
 def test_single_process_without_torchrun_environment(monkeypatch):

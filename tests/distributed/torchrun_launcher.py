@@ -1,4 +1,5 @@
-"""Run a worker script under torchrun on CPU (gloo) from a test, with a free port."""
+"""Run a worker script under torchrun from a test, with a free port, on the CPU (gloo) unless a
+test names another backend (``backend=``, from the ``dist_backend`` fixture in conftest.py)."""
 from __future__ import annotations
 
 import os
@@ -15,10 +16,11 @@ def free_port() -> int:
 
 
 def run_torchrun(script: str, nproc: int = 2, args: tuple[str, ...] = (), timeout: float = 300,
-                 env_extra: dict | None = None) -> subprocess.CompletedProcess:
-    """Launch ``script`` on ``nproc`` local processes; returns the finished process."""
+                 env_extra: dict | None = None, backend: str = "cpu") -> subprocess.CompletedProcess:
+    """Launch ``script`` on ``nproc`` local processes with ``POLYFSDP_BACKEND=backend`` (the
+    workers' ``get_backend()``); returns the finished process."""
     env = dict(os.environ)
-    env.update({"POLYFSDP_BACKEND": "cpu", "OMP_NUM_THREADS": "1"})
+    env.update({"POLYFSDP_BACKEND": backend, "OMP_NUM_THREADS": "1"})
     env.update(env_extra or {})
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
                "--master_addr", "127.0.0.1", "--master_port", str(free_port()), script, *args]

@@ -1,4 +1,4 @@
-"""torchrun worker: FSDPEngine at world size 2 — infer_batch on the whole batch, then one
+"""torchrun worker: FSDPEngine at world size 2 (on the backend POLYFSDP_BACKEND names) — infer_batch on the whole batch, then one
 train_batch step with each rank holding its share of it. Rank 0 saves the results."""
 import os
 import sys

@@ -63,6 +63,15 @@ def npu_rotary_mul(x: torch.Tensor, r1: torch.Tensor, r2: torch.Tensor, rotary_m
         raise ValueError(f"npu_rotary_mul: D must be even, got {x.shape[-1]}")
     if rotary_mode not in ("half", "interleave"):
         raise ValueError(f"npu_rotary_mul: rotary_mode must be 'half' or 'interleave', got {rotary_mode!r}")
+    if torch.is_grad_enabled() and (r1.requires_grad or r2.requires_grad):
+        # Documented (half mode): when cos/sin need gradients, B*N <= 1024, B*N being the axes
+        # r1/r2 broadcast over (11SD for BNSD, 1S1D for BSND, S11D for SBND).
+        broadcast = 1
+        for r, s in zip(r1.shape, x.shape):
+            broadcast *= s if r == 1 else 1
+        if broadcast > 1024:
+            raise ValueError(f"npu_rotary_mul: with gradients for r1/r2, B*N (the broadcast axes) must be "
+                             f"<= 1024, got {broadcast}")
     for name, t in (("r1", r1), ("r2", r2)):
         if t.numel() and t.abs().max().item() > 1.0 + 1e-6:
             raise ValueError(f"npu_rotary_mul: {name} values must lie in [-1, 1]")
