@@ -14,7 +14,7 @@ import logging
 import math
 import os
 import warnings
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 
 import torch
 from tensordict import TensorDict
@@ -30,9 +30,11 @@ from .checkpoint import CheckpointMixin
 from .config import EngineConfig, ModelConfig, OptimConfig
 from .flat_batch import FlatBatch, batch_to_flat, flat_to_caller
 from .forward_logprobs import FUSED_HEAD_METHOD, forward_logprobs, fused_head_support, install_fused_head
+from .lora import add_adapters, adapters_disabled, export_lora
 from .loss_inputs import LossInputs
 from .micro_batch import count_micro_batches, is_placeholder, merge, split
 from .model_builder import build_model
+from .offload import offload_policy
 from .optim import build_lr_scheduler, build_optimizer
 from .parallelize import gathered, parallelize_model
 
@@ -94,10 +96,16 @@ class FSDPEngine(CheckpointMixin):
         self.mesh = init_distributed(self.backend)
         self.device = self.backend.device(int(os.environ.get("LOCAL_RANK", "0")))
         model, self.patch_report = build_model(self.model_config, self.backend, self.patch_toggles)
+        if self.model_config.lora.enabled:
+            # After the patches: they edit the base modules, which peft then wraps.
+            add_adapters(model, self.model_config.lora)
         self._softcap, self._fused_unsupported = fused_head_support(model)
         install_fused_head(model)
-        model.to(self.device)
-        self._model = parallelize_model(model, self.mesh, self.engine_config, forward_methods=(FUSED_HEAD_METHOD,))
+        offload = offload_policy(self.engine_config.offload, self.backend)
+        if offload is None:
+            model.to(self.device)  # with CPU offload FSDP2 keeps the shards on the host
+        self._model = parallelize_model(model, self.mesh, self.engine_config, forward_methods=(FUSED_HEAD_METHOD,),
+                                        offload_policy=offload)
         self.optimizer = build_optimizer(model, self.optim_config)
         self.lr_scheduler = build_lr_scheduler(self.optimizer, self.optim_config)
         return self
@@ -142,6 +150,16 @@ class FSDPEngine(CheckpointMixin):
                      for p in self.module.parameters())
         return extra * 1.2 <= free
 
+    def export_hf(self, directory, tokenizer=None, dtype: torch.dtype | None = None, lora: str = "merged"):
+        """Write a Hugging Face checkpoint of the model. With LoRA, ``lora`` picks ``merged``
+        (adapters folded into the weights) or ``adapter`` (a peft adapter directory)."""
+        if self.model_config.lora.enabled:
+            return export_lora(directory, model=self.module, config=self.model_config.lora, mode=lora,
+                               tokenizer=tokenizer, dtype=dtype)
+        if lora != "merged":
+            raise ValueError(f"export lora={lora!r} needs a LoRA model (ModelConfig.lora.rank > 0)")
+        return super().export_hf(directory, tokenizer=tokenizer, dtype=dtype)
+
     # ------------------------------------------------------------------ forward
     def _use_fused(self) -> bool:
         if not self.engine_config.use_fused_kernels:
@@ -184,14 +202,21 @@ class FSDPEngine(CheckpointMixin):
             check_integer_ids(flat.input_ids)
         return flat
 
-    def infer_batch(self, batch: TensorDict, temperature=1.0, calculate_entropy: bool = True) -> TensorDict:
+    def adapters_disabled(self):
+        """Run the block with the LoRA adapters off: the frozen base model, e.g. the reference
+        policy for KL without a second model (a no-op without LoRA)."""
+        return adapters_disabled(self.module)
+
+    def infer_batch(self, batch: TensorDict, temperature=1.0, calculate_entropy: bool = True,
+                    adapters: bool = True) -> TensorDict:
         """``log_probs`` (and ``entropy``) per token, in the caller's layout: jagged with the
-        input's offsets for ``no_padding``; dense ``(B, L)`` zero-padded for ``left_right``."""
+        input's offsets for ``no_padding``; dense ``(B, L)`` zero-padded for ``left_right``.
+        ``adapters=False`` runs the base model under LoRA (the KL reference)."""
         checks = BatchChecks()
         flat = self._to_flat(batch, temperature, (), checks)
         checks.read()
         lp_parts, ent_parts = [], []
-        with torch.no_grad(), self.eval_mode():
+        with torch.no_grad(), self.eval_mode(), (nullcontext() if adapters else self.adapters_disabled()):
             for micro, index in self._micro_batches(flat):
                 log_probs, entropy = self.forward_flat(micro, calculate_entropy)
                 lp_parts.append((log_probs, index))
@@ -317,7 +342,9 @@ class FSDPEngine(CheckpointMixin):
             reduced.append((group, values))
         keys = reduced[0][0] + reduced[1][0]
         norm = self._grad_norm(params)
-        grad_norm, *values = torch.cat([norm.reshape(1).to(torch.float64), reduced[0][1], reduced[1][1]]).tolist()
+        # With CPU offload the gradients (and their norm) live on the host.
+        norm_here = norm.reshape(1).to(device=self.device, dtype=torch.float64)
+        grad_norm, *values = torch.cat([norm_here, reduced[0][1], reduced[1][1]]).tolist()
         self._pending = {}
         skipped = not math.isfinite(grad_norm)
         lr = self.optimizer.param_groups[0]["lr"]
