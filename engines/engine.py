@@ -34,7 +34,7 @@ from .lora import add_adapters, adapters_disabled, export_lora
 from .loss_inputs import LossInputs
 from .micro_batch import count_micro_batches, is_placeholder, merge, split
 from .model_builder import build_model
-from .offload import offload_policy
+from .offload import host_grad_norm, offload_policy
 from .optim import build_lr_scheduler, build_optimizer
 from .parallelize import gathered, parallelize_model
 
@@ -81,6 +81,7 @@ class FSDPEngine(CheckpointMixin):
         self.global_step = 0
         self._model = None
         self._fused_unsupported: str | None = None
+        self._offload = None  # FSDP2's CPUOffloadPolicy when EngineConfig.offload moves shards to the host
         self._softcap: float | None = None
         self._warned_fallback = False
         self._warned_bf16_master = False
@@ -101,11 +102,11 @@ class FSDPEngine(CheckpointMixin):
             add_adapters(model, self.model_config.lora)
         self._softcap, self._fused_unsupported = fused_head_support(model)
         install_fused_head(model)
-        offload = offload_policy(self.engine_config.offload, self.backend)
-        if offload is None:
+        self._offload = offload_policy(self.engine_config.offload, self.backend)
+        if self._offload is None:
             model.to(self.device)  # with CPU offload FSDP2 keeps the shards on the host
         self._model = parallelize_model(model, self.mesh, self.engine_config, forward_methods=(FUSED_HEAD_METHOD,),
-                                        offload_policy=offload)
+                                        offload_policy=self._offload)
         self.optimizer = build_optimizer(model, self.optim_config)
         self.lr_scheduler = build_lr_scheduler(self.optimizer, self.optim_config)
         return self
@@ -386,5 +387,7 @@ class FSDPEngine(CheckpointMixin):
         """Global gradient L2 norm over all ranks, as a device tensor (0 without gradients)."""
         if not params:
             return torch.zeros((), device=self.device)
+        if self._offload is not None:
+            return host_grad_norm([p.grad for p in params], self.device)
         norm = torch.nn.utils.get_total_norm([p.grad for p in params], norm_type=2.0)
         return norm.full_tensor() if isinstance(norm, DTensor) else norm

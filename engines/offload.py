@@ -10,7 +10,11 @@ from __future__ import annotations
 
 import logging
 
+import torch
 from torch.distributed.fsdp import CPUOffloadPolicy
+from torch.distributed.tensor import DTensor
+
+from polyfsdp.backends.distributed import all_reduce_sum
 
 logger = logging.getLogger(__name__)
 
@@ -28,3 +32,14 @@ def offload_policy(mode: str, backend) -> CPUOffloadPolicy | None:
                        "optimizer state already live in host memory", mode, backend.device_type)
         return None
     return CPUOffloadPolicy(pin_memory=True)
+
+
+def host_grad_norm(grads: list, device) -> torch.Tensor:
+    """Global L2 norm of FSDP2-sharded gradients that live on the host (CPU offload), as a
+    tensor on ``device``: each rank's shard norm goes to the device for the sum over ranks,
+    because the process group of an accelerator cannot reduce host tensors. FSDP2 shards are
+    disjoint (dim-0 shards, zero padding), so the squared local norms add up exactly."""
+    local = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
+    squared = torch.nn.utils.get_total_norm(local, norm_type=2.0).to(device=device, dtype=torch.float32) ** 2
+    all_reduce_sum(squared)
+    return squared.sqrt()

@@ -17,6 +17,7 @@ backend=$(python -c "import polyfsdp.backends as b; print(b.get_backend().name)"
     npu) tests=tests/npu ;;
     *) echo "no accelerator found (selected backend: $backend)"; exit 1 ;;
   esac
+  # tests/cuda includes engine.offload=params (test_offload_cuda.py: peak memory, same losses).
   echo "## pytest $tests"
   python -m pytest -q "$tests" || status=1
   for bench in benchmarks/*.py; do
