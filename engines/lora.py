@@ -140,3 +140,15 @@ def export_lora(directory, *, model: torch.nn.Module, config: LoraConfig, mode: 
             tokenizer.save_pretrained(directory)
     barrier()
     return directory
+
+
+class AdaptersOff:
+    """An engine seen with its LoRA adapters off: the frozen base model as GRPO's KL
+    reference, without building a second model. Only inference is offered."""
+
+    def __init__(self, engine) -> None:
+        self.engine = engine
+
+    def infer_batch(self, batch, **kwargs):
+        """The engine's ``infer_batch`` with ``adapters=False``."""
+        return self.engine.infer_batch(batch, adapters=False, **kwargs)

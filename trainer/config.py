@@ -27,6 +27,7 @@ DATA_SOURCES = ("builtin", "jsonl", "parquet", "files")
 TASKS = ("reverse", "arith_words")
 OVERLONG_POLICIES = ("filter", "error", "truncate")
 PROGRESS_MODES = ("auto", "bar", "lines", "off")
+LORA_EXPORT_MODES = ("merged", "adapter")
 
 
 # --------------------------------------------------------------------------- sections
@@ -42,6 +43,7 @@ class ModelSection:
     attn_implementation: str | None = None
     seed: int = 0
     overrides: dict = field(default_factory=dict)
+    lora: dict = field(default_factory=dict)  # the engine's LoraConfig keys; rank 0: no adapters
 
     def model_config(self, vocab_size: int | None = None, path: str | None = None) -> ModelConfig:
         """The engine's ModelConfig: from ``path`` (given or configured) else the preset;
@@ -49,7 +51,8 @@ class ModelSection:
         path = path or self.path
         return ModelConfig.from_dict({"preset": None if path else self.preset, "path": path, "dtype": self.dtype,
                                       "attn_implementation": self.attn_implementation,
-                                      "vocab_size": None if path else vocab_size, "seed": self.seed}, where="model")
+                                      "vocab_size": None if path else vocab_size, "seed": self.seed,
+                                      "lora": dict(self.lora)}, where="model")
 
 
 @dataclass
@@ -108,6 +111,7 @@ class TrainerSection:
     cpu_threads: int | None = 1
     plot: bool = True
     export: bool = True
+    export_lora: str = "merged"  # with model.lora: the final export as merged weights or a peft adapter
 
 
 @dataclass
@@ -201,6 +205,7 @@ def _validate_trainer(t: TrainerSection, algo: AlgoSection, world_size: int) -> 
             raise ConfigError(f"trainer.{key}: must be a multiple of the world size {world_size}, "
                               f"got {getattr(t, key)}")
     check_choice("trainer.progress", t.progress, PROGRESS_MODES)
+    check_choice("trainer.export_lora", t.export_lora, LORA_EXPORT_MODES)
     if t.cpu_threads is not None:
         check_min("trainer.cpu_threads", t.cpu_threads, 1)
     if t.resume not in ("auto", "never") and not os.path.isdir(t.resume):
@@ -328,6 +333,8 @@ def build_job_config(raw: dict, world_size: int = 1) -> JobConfig:
         check_unshard(rollout.unshard)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
+    if trainer.export_lora != "merged" and not model.model_config().lora.enabled:
+        raise ConfigError(f"trainer.export_lora={trainer.export_lora!r} exports LoRA adapters; set model.lora.rank > 0")
     return JobConfig(backend=backend, model=model, engine=engine, patches=patches, algo=algo, data=data,
                      trainer=trainer, raw=raw, reward=reward, rollout=rollout)
 
