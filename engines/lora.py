@@ -9,9 +9,14 @@ off (:func:`adapters_disabled`), not a second model.
 """
 from __future__ import annotations
 
+import copy
 from contextlib import contextmanager
+from pathlib import Path
 
 import torch
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+from polyfsdp.backends.distributed import barrier, current_rank
 
 from .config import LORA_ALL_LINEAR, LoraConfig
 
@@ -110,13 +115,6 @@ def export_lora(directory, *, model: torch.nn.Module, config: LoraConfig, mode: 
     a plain checkpoint for ``from_pretrained``) or ``adapter`` (peft's adapter directory,
     ``adapter_config.json`` + ``adapter_model.safetensors``, for ``PeftModel.from_pretrained``
     over the base model). Collective: every rank gathers, rank 0 writes."""
-    import copy
-    from pathlib import Path
-
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-    from polyfsdp.backends.distributed import barrier, current_rank
-
     if mode not in EXPORT_MODES:
         raise ValueError(f"export lora: got {mode!r}; allowed values: {', '.join(map(repr, EXPORT_MODES))}")
     directory = Path(directory)
