@@ -23,7 +23,8 @@ from .config import LORA_ALL_LINEAR, LoraConfig
 INSTALL_HINT = 'pip install -e ".[lora]"'
 
 
-def _peft():
+def require_peft():
+    """peft, or one ImportError line saying how to install it."""
     try:
         import peft
     except ImportError as exc:
@@ -34,7 +35,7 @@ def _peft():
 
 def peft_lora_config(config: LoraConfig):
     """peft's LoraConfig for ours (causal LM; the LM head is never a target)."""
-    peft = _peft()
+    peft = require_peft()
     targets = LORA_ALL_LINEAR if config.target_modules == LORA_ALL_LINEAR else list(config.target_modules)
     return peft.LoraConfig(r=config.rank, lora_alpha=config.alpha, lora_dropout=config.dropout,
                            target_modules=targets, task_type="CAUSAL_LM", bias="none")
@@ -46,7 +47,7 @@ def add_adapters(model: torch.nn.Module, config: LoraConfig) -> torch.nn.Module:
     Adapters are kept in float32 whatever the base dtype (``ModelConfig.dtype='bfloat16'``
     keeps the frozen base in bf16). A target that matches nothing raises peft's error.
     """
-    peft = _peft()
+    peft = require_peft()
     base_dtype = next(model.parameters()).dtype
     wrapped = peft.get_peft_model(model, peft_lora_config(config))
     inner = wrapped.get_base_model()
@@ -93,7 +94,7 @@ def plain_model_with_adapters(hf_config, config: LoraConfig, state: dict, dtype:
     ``save_pretrained``)."""
     from transformers import AutoModelForCausalLM
 
-    peft = _peft()
+    peft = require_peft()
     model = AutoModelForCausalLM.from_config(hf_config)
     wrapped = peft.get_peft_model(model, peft_lora_config(config))
     result = wrapped.get_base_model().load_state_dict(state, strict=False)

@@ -15,6 +15,7 @@ from typing import Any
 
 from polyfsdp.backends.registry import BACKEND_NAMES
 from polyfsdp.engines.config import EngineConfig, ModelConfig, OptimConfig
+from polyfsdp.engines.lora import require_peft
 
 from .algo_config import (AlgoSection, GRPOSection, RolloutCorrectionSection, SFTSection,  # noqa: F401 (re-exported)
                           check_choice, check_min)
@@ -282,8 +283,9 @@ def build_job_config(raw: dict, world_size: int = 1) -> JobConfig:
 
     model = _section(ModelSection, "model", raw["model"])
     try:
-        model.model_config(vocab_size=None)
-    except (ValueError, TypeError) as exc:
+        if model.model_config(vocab_size=None).lora.enabled:
+            require_peft()
+    except (ValueError, TypeError, ImportError) as exc:
         raise ConfigError(str(exc)) from None
     if model.path and not os.path.isdir(model.path):
         raise ConfigError(f"model.path: {model.path!r} is not a directory")

@@ -23,6 +23,7 @@ def _restore_threads():
 
 
 def test_lora_keys_reach_the_engine_and_bad_ones_are_one_line():
+    pytest.importorskip("peft", reason="LoRA needs peft (pip install -e '.[lora]')")
     cfg = load_config(["model.lora.rank=8", "model.lora.target_modules=[q_proj,v_proj]"])
     lora = cfg.model.model_config().lora
     assert (lora.rank, lora.target_modules) == (8, ("q_proj", "v_proj"))
@@ -33,7 +34,16 @@ def test_lora_keys_reach_the_engine_and_bad_ones_are_one_line():
         load_config(["model.lora.rank=8", "trainer.export_lora=both"])
 
 
+def test_lora_without_peft_is_one_line_at_start(monkeypatch):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "peft", None)
+    with pytest.raises(ConfigError, match=r"needs peft.*pip install"):
+        load_config(["model.lora.rank=8"])
+
+
 def test_estimate_prints_the_table_and_builds_nothing(tmp_path, capsys):
+    pytest.importorskip("peft", reason="LoRA needs peft (pip install -e '.[lora]')")
     out = tmp_path / "run"
     code = main(["model.lora.rank=8", "engine.max_tokens_per_micro_batch=512", f"trainer.output_dir={out}",
                  "--estimate"])
