@@ -2,7 +2,7 @@
 
 The public face (docs/architecture.md)::
 
-    from polyfsdp.engines import (FSDPEngine, EngineConfig, ModelConfig, OptimConfig,
+    from polyfsdp.engines import (FSDPEngine, EngineConfig, ModelConfig, LoraConfig, OptimConfig,
                                   SFTLoss, PPOLoss, ValueLoss, LossInputs, make_jagged)
 
 Names are imported on first use, so ``import polyfsdp.engines.jagged`` stays light.
@@ -16,6 +16,7 @@ _PUBLIC = {
     "FSDPEngine": "engine",
     "EngineConfig": "config",
     "ModelConfig": "config",
+    "LoraConfig": "config",
     "OptimConfig": "config",
     "SFTLoss": "losses",
     "PPOLoss": "losses",

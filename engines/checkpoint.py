@@ -138,10 +138,17 @@ def _load_torch(path: Path) -> Any:
     return torch.load(path, map_location="cpu", weights_only=False)
 
 
+# Only what is trained is saved: frozen parameters (a LoRA run's base model) are rebuilt
+# from the model config, so they never change and need no copy in every checkpoint.
+_TRAINED_ONLY = StateDictOptions(ignore_frozen_params=True)
+# Loading sets the trained keys only; dcp.load has already refused a checkpoint lacking any of them.
+_LOAD_TRAINED_ONLY = StateDictOptions(ignore_frozen_params=True, strict=False)
+
+
 def _sharded_state(model, optimizer) -> dict[str, Any]:
     if optimizer is None:
-        return {"model": get_model_state_dict(model)}
-    model_sd, optim_sd = get_state_dict(model, optimizer)
+        return {"model": get_model_state_dict(model, options=_TRAINED_ONLY)}
+    model_sd, optim_sd = get_state_dict(model, optimizer, options=_TRAINED_ONLY)
     return {"model": model_sd, "optim": optim_sd}
 
 
@@ -264,9 +271,10 @@ def load_checkpoint(
     state = _sharded_state(model, optimizer if load_optim else None)
     dcp.load(state, checkpoint_id=str(path))
     if load_optim:
-        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
+                       options=_LOAD_TRAINED_ONLY)
     else:
-        set_model_state_dict(model, state["model"])
+        set_model_state_dict(model, state["model"], options=_LOAD_TRAINED_ONLY)
     if lr_scheduler is not None:
         lr_scheduler.load_state_dict(trainer_state["lr_scheduler"])
         if optimizer is not None:

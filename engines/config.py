@@ -26,6 +26,8 @@ ADAMW_IMPLS = ("auto", "for_loop", "foreach", "fused")
 # torchtitan's names: "default" reshards decoder layers after forward and lets FSDP2 decide
 # for the root; "always" reshards everything; "never" keeps every gathered parameter.
 RESHARD_POLICIES = ("default", "always", "never")
+# Where FSDP2 keeps the sharded parameters, gradients and optimizer state (engines/offload.py).
+OFFLOAD_MODES = ("none", "params")
 
 
 class ConfigFieldError(ValueError):
@@ -87,6 +89,51 @@ class _FromDict:
         return dataclasses.asdict(self)
 
 
+# LoRA targets: module names (q_proj, ...) or "all-linear" (every linear layer but the LM head).
+LORA_ALL_LINEAR = "all-linear"
+
+
+@dataclass
+class LoraConfig(_FromDict):
+    """LoRA adapters through peft (engines/lora.py); ``rank=0`` means no adapters.
+
+    ``target_modules``: module names or ``all-linear``. The LM head is never a target: the
+    fused head reads its plain weight.
+    """
+
+    rank: int = 0
+    alpha: float = 16.0
+    dropout: float = 0.0
+    target_modules: Any = LORA_ALL_LINEAR
+
+    def __post_init__(self) -> None:
+        _check_type("LoraConfig", "rank", self.rank, (int,), "an int >= 0 (0: no LoRA)")
+        if self.rank < 0:
+            raise ConfigFieldError("LoraConfig", "rank", f"expected >= 0 (0: no LoRA), got {self.rank}")
+        _finite_at_least("LoraConfig", "alpha", self.alpha, 0.0, True, "a finite number > 0")
+        _finite_at_least("LoraConfig", "dropout", self.dropout, 0.0, False, "a number in [0, 1)")
+        if self.dropout >= 1.0:
+            raise ConfigFieldError("LoraConfig", "dropout", f"expected a number in [0, 1), got {self.dropout}")
+        targets = self.target_modules
+        if isinstance(targets, str) and targets != LORA_ALL_LINEAR:
+            targets = (targets,)
+        if isinstance(targets, list):
+            targets = tuple(targets)
+        if not (targets == LORA_ALL_LINEAR or (isinstance(targets, tuple) and targets
+                                                and all(isinstance(t, str) and t for t in targets))):
+            raise ConfigFieldError("LoraConfig", "target_modules",
+                                   f"expected {LORA_ALL_LINEAR!r} or a non-empty list of module names, got {targets!r}")
+        if targets != LORA_ALL_LINEAR and "lm_head" in targets:
+            raise ConfigFieldError("LoraConfig", "target_modules", "lm_head cannot take an adapter (the fused head "
+                                   "reads its plain weight); use the decoder's linear layers")
+        self.target_modules = targets
+
+    @property
+    def enabled(self) -> bool:
+        """Whether adapters are added (rank > 0)."""
+        return self.rank > 0
+
+
 @dataclass
 class ModelConfig(_FromDict):
     """Which model to build: a tiny ``preset`` (config-built) or a local HF checkpoint ``path``.
@@ -105,8 +152,19 @@ class ModelConfig(_FromDict):
     seed: int = 0
     value_head: bool = False
     value_head_init_std: float = 0.01
+    lora: LoraConfig | dict | None = None
 
     def __post_init__(self) -> None:
+        if self.lora is None:
+            self.lora = LoraConfig()
+        elif isinstance(self.lora, dict):
+            try:
+                self.lora = LoraConfig.from_dict(self.lora)
+            except ConfigFieldError as exc:
+                raise type(exc)("ModelConfig", f"lora.{exc.field}", exc.detail) from None
+        elif not isinstance(self.lora, LoraConfig):
+            raise ConfigFieldTypeError("ModelConfig", "lora", f"expected a LoraConfig, a dict or None, "
+                                       f"got {type(self.lora).__name__}")
         if (self.preset is None) == (self.path is None):
             raise ConfigFieldError("ModelConfig", "preset", f"set exactly one of preset or path "
                                    f"(got preset={self.preset!r}, path={self.path!r})")
@@ -148,6 +206,7 @@ class EngineConfig(_FromDict):
     check_inputs: bool = True
     ulysses_sp_size: int = 1
     balance_dp_tokens: bool = False
+    offload: str = "none"
 
     def __post_init__(self) -> None:
         for name in ("use_remove_padding", "use_fused_kernels", "gradient_checkpointing", "check_inputs",
@@ -157,6 +216,7 @@ class EngineConfig(_FromDict):
         _choice("EngineConfig", "param_dtype", self.param_dtype, DTYPES)
         _choice("EngineConfig", "reduce_dtype", self.reduce_dtype, DTYPES)
         _choice("EngineConfig", "reshard_policy", self.reshard_policy, RESHARD_POLICIES)
+        _choice("EngineConfig", "offload", self.offload, OFFLOAD_MODES)
         if self.max_tokens_per_micro_batch is not None:
             _check_type("EngineConfig", "max_tokens_per_micro_batch", self.max_tokens_per_micro_batch, (int,),
                         "a positive int or None")

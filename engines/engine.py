@@ -14,7 +14,7 @@ import logging
 import math
 import os
 import warnings
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 
 import torch
 from tensordict import TensorDict
@@ -31,9 +31,11 @@ from .config import EngineConfig, ModelConfig, OptimConfig
 from .dp_balance import Balanced, balance, replicas, restore
 from .flat_batch import FlatBatch, batch_to_flat, flat_to_caller
 from .forward_logprobs import FUSED_HEAD_METHOD, forward_logprobs, fused_head_support, install_fused_head
+from .lora import add_adapters, adapters_disabled, export_lora
 from .loss_inputs import LossInputs
 from .micro_batch import count_micro_batches, is_placeholder, merge, split
 from .model_builder import build_model
+from .offload import host_grad_norm, offload_policy
 from .optim import build_lr_scheduler, build_optimizer
 from .parallelize import gathered, parallelize_model
 from .sequence_parallel import check_same_batch, setup_sequence_parallel, sp_forward_logprobs
@@ -85,6 +87,7 @@ class FSDPEngine(CheckpointMixin):
         self._model = None
         self._fused_unsupported: str | None = None
         self._sp = None  # this rank's sequence-parallel group (engines/sequence_parallel.py), or None
+        self._offload = None  # FSDP2's CPUOffloadPolicy when EngineConfig.offload moves shards to the host
         self._softcap: float | None = None
         self._warned_fallback = False
         self._warned_bf16_master = False
@@ -101,6 +104,12 @@ class FSDPEngine(CheckpointMixin):
         self.device = self.backend.device(int(os.environ.get("LOCAL_RANK", "0")))
         model, self.patch_report = build_model(self.model_config, self.backend, self.patch_toggles,
                                                compute_dtype=self.engine_config.param_dtype)
+        if self.model_config.lora.enabled:
+            if self.is_critic:
+                raise ValueError("ModelConfig.lora is not supported for a critic (ModelConfig.value_head=True): "
+                                 "the value head would stay frozen; train the critic without LoRA")
+            # After the patches: they edit the base modules, which peft then wraps.
+            add_adapters(model, self.model_config.lora)
         if self.is_critic:
             if self.engine_config.ulysses_sp_size > 1:
                 # The value head runs on whole sequences; its sequence-parallel split is not built.
@@ -113,8 +122,11 @@ class FSDPEngine(CheckpointMixin):
             install_fused_head(model)
             head_method = FUSED_HEAD_METHOD
         self._sp = setup_sequence_parallel(model, self.backend.device_type, self.engine_config.ulysses_sp_size)
-        model.to(self.device)
-        self._model = parallelize_model(model, self.mesh, self.engine_config, forward_methods=(head_method,))
+        self._offload = offload_policy(self.engine_config.offload, self.backend)
+        if self._offload is None:
+            model.to(self.device)  # with CPU offload FSDP2 keeps the shards on the host
+        self._model = parallelize_model(model, self.mesh, self.engine_config, forward_methods=(head_method,),
+                                        offload_policy=self._offload)
         self.optimizer = build_optimizer(model, self.optim_config)
         self.lr_scheduler = build_lr_scheduler(self.optimizer, self.optim_config)
         return self
@@ -163,6 +175,16 @@ class FSDPEngine(CheckpointMixin):
         extra -= sum(p.to_local().numel() * p.element_size() if isinstance(p, DTensor) else 0
                      for p in self.module.parameters())
         return extra * 1.2 <= free
+
+    def export_hf(self, directory, tokenizer=None, dtype: torch.dtype | None = None, lora: str = "merged"):
+        """Write a Hugging Face checkpoint of the model. With LoRA, ``lora`` picks ``merged``
+        (adapters folded into the weights) or ``adapter`` (a peft adapter directory)."""
+        if self.model_config.lora.enabled:
+            return export_lora(directory, model=self.module, config=self.model_config.lora, mode=lora,
+                               tokenizer=tokenizer, dtype=dtype)
+        if lora != "merged":
+            raise ValueError(f"export lora={lora!r} needs a LoRA model (ModelConfig.lora.rank > 0)")
+        return super().export_hf(directory, tokenizer=tokenizer, dtype=dtype)
 
     # ------------------------------------------------------------------ forward
     def _use_fused(self) -> bool:
@@ -216,13 +238,21 @@ class FSDPEngine(CheckpointMixin):
             check_integer_ids(flat.input_ids)
         return flat
 
-    def infer_batch(self, batch: TensorDict, temperature=1.0, calculate_entropy: bool = True) -> TensorDict:
+    def adapters_disabled(self):
+        """Run the block with the LoRA adapters off: the frozen base model, e.g. the reference
+        policy for KL without a second model (a no-op without LoRA)."""
+        return adapters_disabled(self.module)
+
+    def infer_batch(self, batch: TensorDict, temperature=1.0, calculate_entropy: bool = True,
+                    adapters: bool = True) -> TensorDict:
         """``log_probs`` (and ``entropy``) per token, in the caller's layout: jagged with the
-        input's offsets for ``no_padding``; dense ``(B, L)`` zero-padded for ``left_right``."""
+        input's offsets for ``no_padding``; dense ``(B, L)`` zero-padded for ``left_right``.
+        ``adapters=False`` runs the base model under LoRA (the KL reference)."""
         if self.is_critic:
             raise ValueError("infer_batch: this engine is a critic (ModelConfig.value_head=True); use infer_values")
         names = ("log_probs", "entropy") if calculate_entropy else ("log_probs",)
-        return self._infer(batch, temperature, names, calculate_entropy)
+        with nullcontext() if adapters else self.adapters_disabled():
+            return self._infer(batch, temperature, names, calculate_entropy)
 
     def infer_values(self, batch: TensorDict) -> TensorDict:
         """A critic's ``values`` per token, in the caller's layout (as :meth:`infer_batch`'s
@@ -388,7 +418,9 @@ class FSDPEngine(CheckpointMixin):
             reduced.append((group, values))
         keys = reduced[0][0] + reduced[1][0]
         norm = self._grad_norm(params)
-        grad_norm, *values = torch.cat([norm.reshape(1).to(torch.float64), reduced[0][1], reduced[1][1]]).tolist()
+        # With CPU offload the gradients (and their norm) live on the host.
+        norm_here = norm.reshape(1).to(device=self.device, dtype=torch.float64)
+        grad_norm, *values = torch.cat([norm_here, reduced[0][1], reduced[1][1]]).tolist()
         self._pending = {}
         skipped = not math.isfinite(grad_norm)
         lr = self.optimizer.param_groups[0]["lr"]
@@ -430,5 +462,7 @@ class FSDPEngine(CheckpointMixin):
         """Global gradient L2 norm over all ranks, as a device tensor (0 without gradients)."""
         if not params:
             return torch.zeros((), device=self.device)
+        if self._offload is not None:
+            return host_grad_norm([p.grad for p in params], self.device)
         norm = torch.nn.utils.get_total_norm([p.grad for p in params], norm_type=2.0)
         return norm.full_tensor() if isinstance(norm, DTensor) else norm

@@ -48,10 +48,11 @@ def enable_activation_checkpointing(model: nn.Module) -> None:
 
 
 def parallelize_model(model: nn.Module, mesh: DeviceMesh, config: EngineConfig,
-                      forward_methods: tuple[str, ...] = ()) -> nn.Module:
+                      forward_methods: tuple[str, ...] = (), offload_policy=None) -> nn.Module:
     """Checkpoint activations (if asked), shard every decoder layer and then the root on
     ``mesh`` with the config's mixed precision, and make gradients SUM over ranks.
-    ``forward_methods`` of the root also gather its parameters (e.g. the fused log-prob head)."""
+    ``forward_methods`` of the root also gather its parameters (e.g. the fused log-prob head);
+    ``offload_policy`` (engines/offload.py) keeps shards on the host."""
     if config.gradient_checkpointing:
         enable_activation_checkpointing(model)
     # Inputs are cast by the caller where needed; casting here would round per-sample
@@ -59,10 +60,11 @@ def parallelize_model(model: nn.Module, mesh: DeviceMesh, config: EngineConfig,
     mp = MixedPrecisionPolicy(param_dtype=TORCH_DTYPES[config.param_dtype],
                               reduce_dtype=TORCH_DTYPES[config.reduce_dtype], cast_forward_inputs=False)
     layer_reshard, root_reshard = reshard_after_forward(config.reshard_policy)
+    offload = {} if offload_policy is None else {"offload_policy": offload_policy}
     layers = decoder_layers(model)
     for layer in layers:
-        fully_shard(layer, mesh=mesh, mp_policy=mp, reshard_after_forward=layer_reshard)
-    fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=root_reshard)
+        fully_shard(layer, mesh=mesh, mp_policy=mp, reshard_after_forward=layer_reshard, **offload)
+    fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=root_reshard, **offload)
     for name in forward_methods:
         register_fsdp_forward_method(model, name)
     # Losses are normalised by GLOBAL counts (engines/losses.py), so rank gradients must be

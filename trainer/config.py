@@ -15,6 +15,7 @@ from typing import Any
 
 from polyfsdp.backends.registry import BACKEND_NAMES
 from polyfsdp.engines.config import EngineConfig, ModelConfig, OptimConfig
+from polyfsdp.engines.lora import require_peft
 
 from .algo_config import (RL_ALGOS, AlgoSection, GRPOSection, PPOSection,  # noqa: F401 (re-exported)
                           RolloutCorrectionSection, SFTSection, check_choice, check_min)
@@ -27,6 +28,7 @@ DATA_SOURCES = ("builtin", "jsonl", "parquet", "files")
 TASKS = ("reverse", "arith_words")
 OVERLONG_POLICIES = ("filter", "error", "truncate")
 PROGRESS_MODES = ("auto", "bar", "lines", "off")
+LORA_EXPORT_MODES = ("merged", "adapter")
 
 
 # --------------------------------------------------------------------------- sections
@@ -42,6 +44,7 @@ class ModelSection:
     attn_implementation: str | None = None
     seed: int = 0
     overrides: dict = field(default_factory=dict)
+    lora: dict = field(default_factory=dict)  # the engine's LoraConfig keys; rank 0: no adapters
 
     def model_config(self, vocab_size: int | None = None, path: str | None = None) -> ModelConfig:
         """The engine's ModelConfig: from ``path`` (given or configured) else the preset;
@@ -49,7 +52,8 @@ class ModelSection:
         path = path or self.path
         return ModelConfig.from_dict({"preset": None if path else self.preset, "path": path, "dtype": self.dtype,
                                       "attn_implementation": self.attn_implementation,
-                                      "vocab_size": None if path else vocab_size, "seed": self.seed}, where="model")
+                                      "vocab_size": None if path else vocab_size, "seed": self.seed,
+                                      "lora": dict(self.lora)}, where="model")
 
 
 @dataclass
@@ -108,6 +112,7 @@ class TrainerSection:
     cpu_threads: int | None = 1
     plot: bool = True
     export: bool = True
+    export_lora: str = "merged"  # with model.lora: the final export as merged weights or a peft adapter
 
 
 @dataclass
@@ -201,6 +206,7 @@ def _validate_trainer(t: TrainerSection, algo: AlgoSection, world_size: int) -> 
             raise ConfigError(f"trainer.{key}: must be a multiple of the world size {world_size}, "
                               f"got {getattr(t, key)}")
     check_choice("trainer.progress", t.progress, PROGRESS_MODES)
+    check_choice("trainer.export_lora", t.export_lora, LORA_EXPORT_MODES)
     if t.cpu_threads is not None:
         check_min("trainer.cpu_threads", t.cpu_threads, 1)
     if t.resume not in ("auto", "never") and not os.path.isdir(t.resume):
@@ -277,8 +283,9 @@ def build_job_config(raw: dict, world_size: int = 1) -> JobConfig:
 
     model = _section(ModelSection, "model", raw["model"])
     try:
-        model.model_config(vocab_size=None)
-    except (ValueError, TypeError) as exc:
+        if model.model_config(vocab_size=None).lora.enabled:
+            require_peft()
+    except (ValueError, TypeError, ImportError) as exc:
         raise ConfigError(str(exc)) from None
     if model.path and not os.path.isdir(model.path):
         raise ConfigError(f"model.path: {model.path!r} is not a directory")
@@ -336,6 +343,13 @@ def build_job_config(raw: dict, world_size: int = 1) -> JobConfig:
         check_unshard(rollout.unshard)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
+    lora_enabled = model.model_config().lora.enabled
+    if trainer.export_lora != "merged" and not lora_enabled:
+        raise ConfigError(f"trainer.export_lora={trainer.export_lora!r} exports LoRA adapters; set model.lora.rank > 0")
+    if algo.name == "ppo" and lora_enabled:
+        # The critic is built from model.*: under LoRA its value head would stay frozen.
+        raise ConfigError("model.lora: algo=ppo trains a critic, which LoRA does not support yet; "
+                          "set model.lora.rank=0 or use algo=grpo")
     return JobConfig(backend=backend, model=model, engine=engine, patches=patches, algo=algo, data=data,
                      trainer=trainer, raw=raw, reward=reward, rollout=rollout)
 

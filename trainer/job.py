@@ -33,6 +33,7 @@ from omegaconf import OmegaConf
 from polyfsdp.backends.distributed import barrier, broadcast_object, current_rank, current_world_size, init_distributed
 from polyfsdp.backends.registry import get_backend
 from polyfsdp.engines.engine import FSDPEngine
+from polyfsdp.engines.lora import AdaptersOff
 from polyfsdp.engines.losses import SFTLoss
 
 from .chat import PromptEncoder, check_position_budget, model_max_positions
@@ -194,12 +195,13 @@ class Job:
             self.metrics.log(record)
         progress.update(m)
 
-    def _export(self, engine: FSDPEngine, directory: Path, state: dict | None = None) -> None:
-        """Export engine's model + tokenizer to ``directory`` atomically (tmp + rename)."""
+    def _export(self, engine: FSDPEngine, directory: Path, state: dict | None = None, lora: str = "merged") -> None:
+        """Export engine's model + tokenizer to ``directory`` atomically (tmp + rename); a
+        LoRA model as merged weights or (``lora="adapter"``) a peft adapter directory."""
         tmp = directory.with_name(directory.name + ".tmp")
         if self.rank == 0 and tmp.exists():
             shutil.rmtree(tmp)
-        engine.export_hf(str(tmp), tokenizer=self.tokenizer)
+        engine.export_hf(str(tmp), tokenizer=self.tokenizer, **({"lora": lora} if lora != "merged" else {}))
         if self.rank == 0:
             if state is not None:
                 (tmp / STATE_FILE).write_text(json.dumps(state))
@@ -306,8 +308,12 @@ class Job:
             sft_loss = SFTLoss(agg_mode=cfg.algo.sft.agg_mode)
             return lambda step, examples: sft_step(engine, self.tokenizer, examples, sft_loss)
         g = cfg.algo.grpo
-        # The reference is the GRPO starting point, frozen: a second engine, never stepped.
-        ref = self._engine("grpo", phase.start_dir, role="reference") if g.kl_coef > 0 else None
+        # The reference is the GRPO starting point, frozen: a second engine, never stepped; with
+        # LoRA it is the policy with its adapters off (they start at zero: the same model).
+        ref = None
+        if g.kl_coef > 0:
+            ref = AdaptersOff(engine) if engine.model_config.lora.enabled else \
+                self._engine("grpo", phase.start_dir, role="reference")
         ppo_loss = cfg.algo.ppo_loss(phase.batch_size)
         mini_batches = g.mini_batches(phase.batch_size)
         if cfg.algo.name == "ppo":
@@ -350,7 +356,9 @@ class Job:
         self._evaluate(engine, phase.end_tag, end_step)
         if phase.export_dir is not None:
             state = {"metrics_lines": self.metrics.lines, "global_step": end_step} if phase.export_state else None
-            self._export(engine, phase.export_dir, state=state)
+            # A phase feeding the next one (the SFT model GRPO starts from) is always merged weights.
+            lora = "merged" if phase.export_state else self.cfg.trainer.export_lora
+            self._export(engine, phase.export_dir, state=state, lora=lora)
         self.critic = None
         del engine, step_fn
 

@@ -14,10 +14,12 @@ import sys
 
 from .config import GROUPS, ConfigError, available_options, load_config
 
-USAGE = """usage: polyfsdp-train [GROUP=OPTION] [KEY=VALUE ...] [--cfg] [--help]
+USAGE = """usage: polyfsdp-train [GROUP=OPTION] [KEY=VALUE ...] [--cfg] [--estimate] [--help]
 
 Runs SFT warm-up then GRPO on the built-in task (defaults), or what the overrides say.
   --cfg      print the composed configuration and exit (also Hydra's --cfg job)
+  --estimate print the per-rank memory estimate of the run (parameters, gradients,
+             optimizer, activations) and exit; nothing is built on a device
   --help     this text
 Config groups (pick with GROUP=OPTION):
 {groups}
@@ -111,6 +113,8 @@ def main(argv: list[str] | None = None) -> int:
         show_cfg, overrides = _take_cfg_flag(args)
     except ConfigError as exc:
         return _error(exc)
+    estimate = "--estimate" in overrides
+    overrides = [a for a in overrides if a != "--estimate"]
     unknown_flags = [a for a in overrides if a.startswith("-")]
     if unknown_flags:
         return _error(ConfigError(f"unknown option {unknown_flags[0]!r}; arguments are KEY=VALUE overrides "
@@ -128,6 +132,11 @@ def main(argv: list[str] | None = None) -> int:
             from omegaconf import OmegaConf
 
             print(OmegaConf.to_yaml(OmegaConf.create(cfg.raw)), end="")
+            return 0
+        if estimate:
+            from .estimate import print_estimate
+
+            print_estimate(cfg, world_size)
             return 0
         from .job import Job
 

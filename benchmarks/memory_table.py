@@ -1,0 +1,112 @@
+"""Measured CPU memory of a training step beside engines/memory.py's estimate, with and
+without LoRA (and with/without activation checkpointing, fused head).
+
+Each case runs in a fresh child process with glibc's mmap threshold fixed, so every large
+tensor is its own mapping and freeing it returns the memory (RSS then follows the live
+tensors). The child takes one warm-up step, resets the peak RSS (``/proc/self/clear_refs``),
+runs ``forward_backward`` on one micro-batch of ``--tokens`` tokens and reports the rise of
+the peak over the RSS before it: activations, gradients, logits and FSDP2's gathered
+copies. Usage: ``python benchmarks/memory_table.py [--tokens 2048] [--preset qwen2-small]``.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+
+CASES = (  # (name, lora rank, gradient checkpointing, fused head)
+    ("full", 0, False, False),
+    ("full, checkpointed", 0, True, False),
+    ("full, fused head", 0, False, True),
+    ("lora r=8", 8, False, False),
+    ("lora r=8, checkpointed", 8, True, False),
+)
+MIB = 2 ** 20
+
+
+def _rss_kib(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise RuntimeError(f"/proc/self/status has no {field}")
+
+
+def child(preset: str, tokens: int, rank: int, checkpointing: bool, fused: bool) -> dict:
+    """One case, in this process: measured step rise and the estimate's rows (bytes)."""
+    import torch
+    from tensordict import TensorDict
+
+    from polyfsdp.engines import EngineConfig, FSDPEngine, ModelConfig, OptimConfig, SFTLoss
+    from polyfsdp.engines.config import LoraConfig
+    from polyfsdp.engines.jagged import make_jagged
+    from polyfsdp.engines.memory import estimate_memory
+
+    torch.set_num_threads(1)
+    model_config = ModelConfig(preset=preset, lora=LoraConfig(rank=rank))
+    engine_config = EngineConfig(gradient_checkpointing=checkpointing, use_fused_kernels=fused)
+    engine = FSDPEngine(model_config, engine_config, OptimConfig(lr=1e-4)).initialize()
+    vocab = engine.module.get_input_embeddings().num_embeddings
+    lengths = [tokens // 4] * 4
+    offsets = torch.tensor([0] + lengths).cumsum(0)
+    ids = torch.randint(0, vocab, (tokens,), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones(tokens)
+    batch = TensorDict({"input_ids": make_jagged(ids, offsets), "response_mask": make_jagged(mask, offsets)},
+                       batch_size=[4])
+    engine.train_batch(batch, SFTLoss())  # warm-up: optimizer state exists, gradients are None again
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # reset the peak RSS (VmHWM) to the current RSS
+    before = _rss_kib("VmRSS")
+    engine.forward_backward(batch, SFTLoss())
+    rise = (_rss_kib("VmHWM") - before) * 1024
+    estimate = estimate_memory(model_config, engine_config, world_size=1, tokens=tokens, host_backend=True,
+                               entropy=False)  # SFTLoss needs no entropy
+    return {"measured_rise": rise, "rows": estimate.rows}
+
+
+def run_case(preset: str, tokens: int, rank: int, checkpointing: bool, fused: bool) -> dict:
+    """Run one case in a fresh child process (see the module docstring)."""
+    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536", MALLOC_TRIM_THRESHOLD_="0", OMP_NUM_THREADS="1")
+    command = [sys.executable, __file__, "--child", json.dumps([preset, tokens, rank, checkpointing, fused])]
+    done = subprocess.run(command, env=env, capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        raise RuntimeError(f"memory child failed:\n{done.stderr[-3000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def step_estimate(rows: dict) -> int:
+    """What the measured rise holds, from the estimate: activations and head as configured,
+    and the gradients."""
+    return rows["step activations + head (as configured)"] + rows["gradients (trainable only)"]
+
+
+def main(argv=None) -> list[dict]:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--preset", default="qwen2-small")
+    parser.add_argument("--tokens", type=int, default=2048)
+    parser.add_argument("--child", default=None)
+    args = parser.parse_args(argv)
+    if args.child is not None:
+        print(json.dumps(child(*json.loads(args.child))))
+        return []
+    print(f"{args.preset}, {args.tokens} tokens in one micro-batch, 1 rank, fp32, CPU; MiB")
+    print(f"{'case':<24} {'params':>8} {'grads':>8} {'adam':>8} {'step rise measured':>19} "
+          f"{'estimated':>10} {'est/meas':>9}")
+    results = []
+    for name, rank, checkpointing, fused in CASES:
+        out = run_case(args.preset, args.tokens, rank, checkpointing, fused)
+        rows = out["rows"]
+        estimated = step_estimate(rows)
+        ratio = estimated / out["measured_rise"]
+        results.append({"case": name, "ratio": ratio, **out})
+        print(f"{name:<24} {rows['parameters (sharded, master dtype)'] / MIB:>8.2f} "
+              f"{rows['gradients (trainable only)'] / MIB:>8.2f} "
+              f"{rows['optimizer state (AdamW, trainable only)'] / MIB:>8.2f} "
+              f"{out['measured_rise'] / MIB:>19.1f} {estimated / MIB:>10.1f} {ratio:>9.2f}")
+    return results
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,153 @@
+"""LoRA adapters through peft, on the Hugging Face model the engine shards.
+
+peft injects its LoRA layers into the model in place (``q_proj`` becomes a ``lora.Linear``
+holding ``base_layer``, ``lora_A``, ``lora_B``) and freezes every other parameter; the
+engine keeps sharding the plain causal LM, so FSDP2, the fused head and the mode matrix
+are unchanged, and the optimizer (built over ``requires_grad`` parameters) only ever sees
+the adapters. The reference policy for KL is the same model with the adapters switched
+off (:func:`adapters_disabled`), not a second model.
+"""
+from __future__ import annotations
+
+import copy
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+from polyfsdp.backends.distributed import barrier, current_rank
+
+from .config import LORA_ALL_LINEAR, LoraConfig
+
+INSTALL_HINT = 'pip install -e ".[lora]"'
+
+
+def require_peft():
+    """peft, or one ImportError line saying how to install it."""
+    try:
+        import peft
+    except ImportError as exc:
+        raise ImportError(f"ModelConfig.lora.rank > 0 needs peft, which is not installed ({exc}); "
+                          f"{INSTALL_HINT}") from None
+    return peft
+
+
+def peft_lora_config(config: LoraConfig):
+    """peft's LoraConfig for ours (causal LM; the LM head is never a target)."""
+    peft = require_peft()
+    targets = LORA_ALL_LINEAR if config.target_modules == LORA_ALL_LINEAR else list(config.target_modules)
+    return peft.LoraConfig(r=config.rank, lora_alpha=config.alpha, lora_dropout=config.dropout,
+                           target_modules=targets, task_type="CAUSAL_LM", bias="none")
+
+
+def add_adapters(model: torch.nn.Module, config: LoraConfig) -> torch.nn.Module:
+    """Inject LoRA layers into ``model`` in place, freeze the rest, return the same model.
+
+    Adapters are kept in float32 whatever the base dtype (``ModelConfig.dtype='bfloat16'``
+    keeps the frozen base in bf16). A target that matches nothing raises peft's error.
+    """
+    peft = require_peft()
+    base_dtype = next(model.parameters()).dtype
+    wrapped = peft.get_peft_model(model, peft_lora_config(config))
+    inner = wrapped.get_base_model()
+    if inner is not model:
+        raise RuntimeError("peft returned a different model object; expected in-place injection")
+    # peft upcasts adapters of a half-precision base already; this keeps that a guarantee.
+    for param in model.parameters():
+        if param.requires_grad and base_dtype != torch.float32:
+            param.data = param.data.float()
+    return model
+
+
+def adapter_layers(model: torch.nn.Module) -> list:
+    """peft's tuner layers (LoRA-wrapped linears) of ``model``; empty without LoRA."""
+    try:
+        from peft.tuners.tuners_utils import BaseTunerLayer
+    except ImportError:
+        return []
+    return [m for m in model.modules() if isinstance(m, BaseTunerLayer)]
+
+
+@contextmanager
+def adapters_disabled(model: torch.nn.Module):
+    """Run the block with every adapter off (the frozen base model); restored afterwards.
+    A no-op for a model without adapters."""
+    layers = adapter_layers(model)
+    for layer in layers:
+        layer.enable_adapters(False)
+    try:
+        yield model
+    finally:
+        for layer in layers:
+            layer.enable_adapters(True)
+
+
+def trainable_names(model: torch.nn.Module) -> list[str]:
+    """Names of the parameters the optimizer trains."""
+    return [n for n, p in model.named_parameters() if p.requires_grad]
+
+
+def plain_model_with_adapters(hf_config, config: LoraConfig, state: dict, dtype: torch.dtype | None = None):
+    """A fresh, unsharded peft model on the CPU holding ``state`` (the engine's full state dict,
+    keys as in the adapted model). Returns peft's wrapper (for ``merge_and_unload`` or
+    ``save_pretrained``)."""
+    from transformers import AutoModelForCausalLM
+
+    peft = require_peft()
+    model = AutoModelForCausalLM.from_config(hf_config)
+    wrapped = peft.get_peft_model(model, peft_lora_config(config))
+    result = wrapped.get_base_model().load_state_dict(state, strict=False)
+    tied = getattr(hf_config, "tie_word_embeddings", False)
+    missing = [k for k in result.missing_keys if not (tied and k == "lm_head.weight")]
+    if missing or result.unexpected_keys:
+        raise ValueError(f"LoRA state does not fit the model: missing {missing}, unexpected {result.unexpected_keys}")
+    if dtype is not None:
+        wrapped.to(dtype)
+    return wrapped.eval()
+
+
+EXPORT_MODES = ("merged", "adapter")
+
+
+def export_lora(directory, *, model: torch.nn.Module, config: LoraConfig, mode: str, tokenizer=None,
+                dtype: torch.dtype | None = None):
+    """Write a LoRA model for Hugging Face: ``merged`` (adapters folded into the base weights,
+    a plain checkpoint for ``from_pretrained``) or ``adapter`` (peft's adapter directory,
+    ``adapter_config.json`` + ``adapter_model.safetensors``, for ``PeftModel.from_pretrained``
+    over the base model). Collective: every rank gathers, rank 0 writes."""
+    if mode not in EXPORT_MODES:
+        raise ValueError(f"export lora: got {mode!r}; allowed values: {', '.join(map(repr, EXPORT_MODES))}")
+    directory = Path(directory)
+    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if current_rank() == 0:
+        hf_config = copy.deepcopy(model.config)
+        hf_config.use_cache = True  # the engine turns the cache off for training
+        wrapped = plain_model_with_adapters(hf_config, config, full)
+        directory.mkdir(parents=True, exist_ok=True)
+        if mode == "merged":
+            merged = wrapped.merge_and_unload()
+            if dtype is not None:
+                merged.to(dtype)
+            merged.config.dtype = next(merged.parameters()).dtype
+            merged.save_pretrained(directory)
+        else:
+            if dtype is not None:
+                wrapped.to(dtype)
+            wrapped.save_pretrained(directory)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(directory)
+    barrier()
+    return directory
+
+
+class AdaptersOff:
+    """An engine seen with its LoRA adapters off: the frozen base model as GRPO's KL
+    reference, without building a second model. Only inference is offered."""
+
+    def __init__(self, engine) -> None:
+        self.engine = engine
+
+    def infer_batch(self, batch, **kwargs):
+        """The engine's ``infer_batch`` with ``adapters=False``."""
+        return self.engine.infer_batch(batch, adapters=False, **kwargs)

@@ -1,0 +1,210 @@
+"""Per-rank memory estimate of a training step, before the run, without building the model
+on a device: ``python -m polyfsdp.engines.memory --preset qwen2-small --tokens 4096 ...`` or
+``polyfsdp-train ... --estimate``.
+
+Parameter, gradient and optimizer figures are exact counts: the model is built on the meta
+device (no storage), LoRA adapters are added there too, and every tensor is sized the way
+FSDP2 shards it (dim 0 padded to a multiple of the world size). Activations are an estimate
+from the tensors autograd saves per token in a Llama/Qwen-style decoder (listed in
+:func:`saved_per_token`), at the micro-batch token budget, with and without activation
+checkpointing; the logits path adds the ``(tokens, vocab)`` tensors that the fused head
+never materialises.
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+from dataclasses import dataclass, field
+
+import torch
+
+from .config import TORCH_DTYPES, EngineConfig, LoraConfig, ModelConfig
+from .fused_logprob import default_chunk_size
+
+MIB = 2 ** 20
+# AdamW keeps exp_avg and exp_avg_sq per parameter, plus a float32 ``step`` per tensor.
+ADAM_MOMENTS = 2
+ADAM_STEP_BYTES = 4
+# Vocabulary-sized float32 tensors at the peak of the unfused log-prob path's backward:
+# the logits, log_softmax's saved output and the gradient flowing back through them;
+# the entropy adds exp(log_probs), saved for its backward.
+LOGITS_PATH_TENSORS = 3
+# The fused head's float32 (chunk, V) working buffers (engines/fused_logprob.py).
+FUSED_HEAD_BUFFERS = 2
+
+
+def hf_config_of(model_config: ModelConfig):
+    """The Hugging Face config a ModelConfig builds (read from disk for a path; never downloads)."""
+    if model_config.path is not None:
+        from transformers import AutoConfig
+
+        return AutoConfig.from_pretrained(model_config.path, local_files_only=True)
+    from .presets import preset_config
+
+    overrides = {} if model_config.vocab_size is None else {"vocab_size": model_config.vocab_size}
+    return preset_config(model_config.preset, **overrides)
+
+
+def meta_model(model_config: ModelConfig, hf_config=None):
+    """The model (with its LoRA adapters) on the meta device: shapes and dtypes, no storage.
+    ``hf_config`` replaces the one ``model_config`` names (e.g. a preset resized by the trainer)."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(hf_config or hf_config_of(model_config),
+                                                 dtype=TORCH_DTYPES[model_config.dtype])
+        if model_config.lora.enabled:
+            from .lora import add_adapters
+
+            add_adapters(model, model_config.lora)
+    return model
+
+
+def shard_numel(shape: torch.Size, world_size: int) -> int:
+    """Elements one rank holds of a parameter FSDP2 shards on dim 0 (padded to the world size)."""
+    if len(shape) == 0:
+        return 1
+    return math.ceil(shape[0] / world_size) * math.prod(shape[1:])
+
+
+def lora_targets_per_layer(model) -> list[int]:
+    """LoRA rank of each adapted linear in the first decoder layer (empty without LoRA)."""
+    from .parallelize import decoder_layers
+
+    ranks = []
+    for module in decoder_layers(model)[0].modules():
+        adapters = getattr(module, "lora_A", None)
+        if isinstance(adapters, torch.nn.ModuleDict) and adapters:
+            ranks.extend(a.out_features for a in adapters.values())
+    return ranks
+
+
+def saved_per_token(hf_config, lora_ranks: list[int] = ()) -> dict[str, int]:
+    """Elements autograd keeps per token for backward, by place (no activation checkpointing):
+
+    - each RMSNorm: its input, the normalised value and the weighted output (3h) + 1/rms;
+    - attention: rotated q and k, v, the attention output and its reshaped copy for o_proj;
+    - the gated MLP: gate, act(gate), up and their product (4 x intermediate);
+    - a LoRA linear: its ``lora_A`` output (rank).
+    """
+    h = hf_config.hidden_size
+    heads = hf_config.num_attention_heads
+    head_dim = getattr(hf_config, "head_dim", None) or h // heads
+    kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
+    q_dim, kv_dim = heads * head_dim, kv_heads * head_dim
+    norm = 3 * h + 1
+    layer = 2 * norm + (q_dim + 2 * kv_dim + 2 * q_dim) + 4 * hf_config.intermediate_size + sum(lora_ranks)
+    return {"layer": layer, "layer_input": h, "final_norm": norm, "embedding": h}
+
+
+@dataclass
+class MemoryEstimate:
+    """Bytes per rank; ``host`` names the rows that live in host memory (CPU offload)."""
+
+    rows: dict[str, int]
+    host: set[str] = field(default_factory=set)
+    notes: list[str] = field(default_factory=list)
+
+    def table(self) -> str:
+        """The estimate as a fixed-width text table (MiB)."""
+        lines = [f"{'per rank':<44} {'MiB':>10}  where"]
+        for name, value in self.rows.items():
+            lines.append(f"{name:<44} {value / MIB:>10.2f}  {'host' if name in self.host else 'device'}")
+        return "\n".join(lines + [f"note: {n}" for n in self.notes])
+
+
+def estimate_memory(model_config: ModelConfig, engine_config: EngineConfig, world_size: int = 1,
+                    tokens: int | None = None, host_backend: bool = False, entropy: bool = True,
+                    hf_config=None) -> MemoryEstimate:
+    """Per-rank memory of a training step of ``model_config`` under ``engine_config`` on
+    ``world_size`` ranks, with ``tokens`` per micro-batch (default: the engine's
+    ``max_tokens_per_micro_batch``). ``host_backend``: the CPU backend (offload is a no-op);
+    ``entropy``: the loss needs the entropy (PPO with an entropy bonus; SFT does not)."""
+    if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
+        raise ValueError(f"world_size: expected an int >= 1, got {world_size!r}")
+    tokens = engine_config.max_tokens_per_micro_batch if tokens is None else tokens
+    if not isinstance(tokens, int) or isinstance(tokens, bool) or tokens < 1:
+        raise ValueError(f"tokens: expected an int >= 1 (or set engine.max_tokens_per_micro_batch), got {tokens!r}")
+    model = meta_model(model_config, hf_config)
+    hf_config = model.config
+    params = list(model.parameters())
+    trainable = [p for p in params if p.requires_grad]
+    shard_bytes = lambda ps: sum(shard_numel(p.shape, world_size) * p.element_size() for p in ps)  # noqa: E731
+    compute_bytes = TORCH_DTYPES[engine_config.param_dtype].itemsize
+    saved = saved_per_token(hf_config, lora_targets_per_layer(model))
+    layers, vocab = hf_config.num_hidden_layers, hf_config.vocab_size
+    per_token = compute_bytes * tokens
+    around_layers = saved["embedding"] + saved["final_norm"]
+    unfused = tokens * vocab * 4 * (LOGITS_PATH_TENSORS + int(entropy))
+    fused = FUSED_HEAD_BUFFERS * default_chunk_size(tokens, vocab) * vocab * 4
+    rows = {
+        "parameters (sharded, master dtype)": shard_bytes(params),
+        "gradients (trainable only)": shard_bytes(trainable),
+        "optimizer state (AdamW, trainable only)": ADAM_MOMENTS * shard_bytes(trainable)
+        + ADAM_STEP_BYTES * len(trainable),
+        f"activations saved, {tokens} tokens": per_token * (layers * saved["layer"] + around_layers),
+        # Checkpointing keeps each layer's input and recomputes one layer at a time in backward.
+        f"activations saved, {tokens} tokens, checkpointed": per_token * (layers * saved["layer_input"]
+                                                                         + around_layers),
+        "one layer recomputed (checkpointed)": per_token * saved["layer"],
+        "logits path (unfused)": unfused,
+        "fused head buffers": fused,
+        "logits the fused head avoids": max(0, unfused - fused),
+    }
+    checkpointing = engine_config.gradient_checkpointing
+    head = fused if engine_config.use_fused_kernels else unfused
+    # The head's backward runs while every saved activation is alive; a checkpointed layer's
+    # recompute comes after the head's buffers are freed, so the larger of the two counts.
+    step = (rows[f"activations saved, {tokens} tokens, checkpointed"]
+            + max(head, rows["one layer recomputed (checkpointed)"])) if checkpointing else \
+        rows[f"activations saved, {tokens} tokens"] + head
+    rows["step activations + head (as configured)"] = step
+    rows["peak step estimate (as configured)"] = (
+        rows["parameters (sharded, master dtype)"] + rows["gradients (trainable only)"]
+        + rows["optimizer state (AdamW, trainable only)"] + step)
+    estimate = MemoryEstimate(rows)
+    if engine_config.offload == "params" and not host_backend:
+        estimate.host = {"parameters (sharded, master dtype)", "gradients (trainable only)",
+                         "optimizer state (AdamW, trainable only)"}
+        estimate.notes.append("offload=params: parameters, gradients and optimizer state on the host; the peak "
+                              "row adds them anyway")
+    if model_config.lora.enabled:
+        estimate.notes.append(f"LoRA rank {model_config.lora.rank}: {sum(p.numel() for p in trainable):,} trained "
+                              f"of {sum(p.numel() for p in params):,} parameters; the KL reference (adapters off) "
+                              f"costs no second copy")
+    estimate.notes.append("FSDP2 also gathers one layer (and the root) unsharded in param_dtype while it runs")
+    return estimate
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m polyfsdp.engines.memory", description=__doc__.split("\n\n")[0])
+    which = parser.add_mutually_exclusive_group(required=True)
+    which.add_argument("--preset", help="a preset name (engines/presets.py)")
+    which.add_argument("--path", help="a local Hugging Face checkpoint directory (config.json is read)")
+    parser.add_argument("--vocab-size", type=int, default=None)
+    parser.add_argument("--dtype", default="float32", help="master weights: float32 | bfloat16 | float16")
+    parser.add_argument("--param-dtype", default="float32", help="compute dtype (FSDP2 mixed precision)")
+    parser.add_argument("--world-size", type=int, default=1)
+    parser.add_argument("--tokens", type=int, required=True, help="tokens per micro-batch")
+    parser.add_argument("--lora-rank", type=int, default=0)
+    parser.add_argument("--lora-targets", default="all-linear", help="all-linear or comma-separated module names")
+    parser.add_argument("--offload", default="none", help="none | params")
+    parser.add_argument("--gradient-checkpointing", action="store_true")
+    parser.add_argument("--fused", action="store_true", help="use_fused_kernels (no logits tensor)")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    targets = args.lora_targets if args.lora_targets == "all-linear" else args.lora_targets.split(",")
+    model_config = ModelConfig(preset=args.preset, path=args.path, dtype=args.dtype, vocab_size=args.vocab_size,
+                               lora=LoraConfig(rank=args.lora_rank, target_modules=targets))
+    engine_config = EngineConfig(param_dtype=args.param_dtype, offload=args.offload,
+                                 gradient_checkpointing=args.gradient_checkpointing, use_fused_kernels=args.fused)
+    print(estimate_memory(model_config, engine_config, args.world_size, args.tokens).table())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
