@@ -125,6 +125,11 @@ class EngineConfig(_FromDict):
     ``check_inputs`` validates batch values (token ids inside the vocabulary, 0/1 masks,
     finite per-token fields, positive temperatures) once per batch at the edge, in one
     device-to-host read; turn it off only for batches you trust.
+
+    ``shard_single_rank=False`` (default) runs a one-rank world as the plain model: FSDP2 on
+    one rank only adds hooks and DTensor dispatch to every forward, backward and optimizer
+    step. The model is still sharded when ``param_dtype`` or ``reduce_dtype`` differs from
+    the model's dtype (FSDP2's mixed precision does those casts). ``True`` always shards.
     """
 
     use_remove_padding: bool = True
@@ -136,9 +141,11 @@ class EngineConfig(_FromDict):
     gradient_checkpointing: bool = False
     max_tokens_per_micro_batch: int | None = None
     check_inputs: bool = True
+    shard_single_rank: bool = False
 
     def __post_init__(self) -> None:
-        for name in ("use_remove_padding", "use_fused_kernels", "gradient_checkpointing", "check_inputs"):
+        for name in ("use_remove_padding", "use_fused_kernels", "gradient_checkpointing", "check_inputs",
+                     "shard_single_rank"):
             _check_type("EngineConfig", name, getattr(self, name), (bool,), "a bool")
         _choice("EngineConfig", "pad_mode", self.pad_mode, PAD_MODES)
         _choice("EngineConfig", "param_dtype", self.param_dtype, DTYPES)

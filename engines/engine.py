@@ -34,7 +34,7 @@ from .loss_inputs import LossInputs
 from .micro_batch import count_micro_batches, is_placeholder, merge, split
 from .model_builder import build_model
 from .optim import build_lr_scheduler, build_optimizer
-from .parallelize import gathered, parallelize_model
+from .parallelize import gathered, parallelize_model, set_gradient_sync
 
 logger = logging.getLogger(__name__)
 
@@ -104,7 +104,7 @@ class FSDPEngine(CheckpointMixin):
 
     @property
     def module(self) -> torch.nn.Module:
-        """The FSDP2-sharded Hugging Face model."""
+        """The Hugging Face model: FSDP2-sharded, or plain on one rank (EngineConfig.shard_single_rank)."""
         if self._model is None:
             raise RuntimeError("FSDPEngine: call initialize() first")
         return self._model
@@ -273,7 +273,7 @@ class FSDPEngine(CheckpointMixin):
         sums: dict[str, torch.Tensor] = {}
         with self.train_mode():
             for i, (micro, index) in enumerate(micro_batches):
-                model.set_requires_gradient_sync(i == len(micro_batches) - 1)
+                set_gradient_sync(model, i == len(micro_batches) - 1)
                 log_probs, entropy = self.forward_flat(micro, need_entropy)
                 if is_placeholder(index):
                     # A placeholder: join the collectives, contribute nothing.
@@ -292,7 +292,7 @@ class FSDPEngine(CheckpointMixin):
                 for key, value in {"loss": loss, **metrics}.items():
                     value = torch.as_tensor(value).detach().to(device=self.device, dtype=torch.float64)
                     sums[key] = _combine(key, sums.get(key), value)
-        model.set_requires_gradient_sync(True)
+        set_gradient_sync(model, True)
         for key, value in sums.items():
             self._pending[key] = _combine(key, self._pending.get(key), value)
         return sums

@@ -1,5 +1,6 @@
 """Gather-once generation (rollout.unshard) samples exactly what per-layer gathering does,
-and leaves the model sharded with its reshard policy afterwards."""
+and leaves the model sharded with its reshard policy afterwards. The engine is sharded on
+one rank (shard_single_rank) so that FSDP2's gathers run at all."""
 import pytest
 import torch
 from torch.distributed.tensor import DTensor
@@ -13,7 +14,7 @@ from polyfsdp.trainer.task import CharTokenizer
 @pytest.mark.parametrize("policy", ["default", "always", "never"])
 def test_gather_once_samples_the_same_completions(policy):
     engine = FSDPEngine(ModelConfig(preset="qwen2-tiny", seed=3, vocab_size=CharTokenizer().vocab_size),
-                        EngineConfig(reshard_policy=policy)).initialize()
+                        EngineConfig(reshard_policy=policy, shard_single_rank=True)).initialize()
     tok = CharTokenizer()
     prompts = [[tok.bos_token_id] + tok.encode(s) for s in ("abc=", "ba=", "hgfe=")]
     out = {}
