@@ -47,7 +47,8 @@ def run_case(args) -> dict:
         for who in order:
             torch.manual_seed(seed)
             if who == "polyfsdp":
-                runner = PolyfsdpGRPO(path, group, new_tokens, optim_kwargs={"impl": args.adamw})
+                runner = PolyfsdpGRPO(path, group, new_tokens, optim_kwargs={"impl": args.adamw},
+                                      engine_kwargs={"shard_single_rank": args.shard_single_rank})
                 times, tokens, phases = runner.run(batches, seed, args.warmup)
                 row["phases"] = {k: v / len(times) for k, v in phases.items()}
                 del runner
@@ -101,6 +102,8 @@ def main(argv=None) -> dict:
     parser.add_argument("--new-tokens", type=int, default=None)
     parser.add_argument("--warm-steps", type=int, default=30, help="SFT steps that warm up the checkpoint")
     parser.add_argument("--adamw", default="foreach", help="polyfsdp's OptimConfig.impl")
+    parser.add_argument("--shard-single-rank", action="store_true",
+                        help="polyfsdp keeps FSDP2 on one rank (EngineConfig.shard_single_rank; the old behaviour)")
     parser.add_argument("--no-trl", action="store_true")
     parser.add_argument("--quick", action="store_true", help="smoke run: 1 seed, 1 warm-up + 1 step, tiny batch")
     args = parser.parse_args(argv)

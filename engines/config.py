@@ -193,6 +193,11 @@ class EngineConfig(_FromDict):
     each sequence over that many consecutive ranks (engines/sequence_parallel.py);
     ``balance_dp_tokens`` re-assigns sequences over data-parallel replicas by token count
     (engines/dp_balance.py).
+
+    ``shard_single_rank=False`` (default) runs a one-rank world as the plain model: FSDP2 on
+    one rank only adds hooks and DTensor dispatch to every forward, backward and optimizer
+    step. The model is still sharded when ``param_dtype`` or ``reduce_dtype`` differs from
+    the model's dtype (FSDP2's mixed precision does those casts). ``True`` always shards.
     """
 
     use_remove_padding: bool = True
@@ -207,10 +212,11 @@ class EngineConfig(_FromDict):
     ulysses_sp_size: int = 1
     balance_dp_tokens: bool = False
     offload: str = "none"
+    shard_single_rank: bool = False
 
     def __post_init__(self) -> None:
         for name in ("use_remove_padding", "use_fused_kernels", "gradient_checkpointing", "check_inputs",
-                     "balance_dp_tokens"):
+                     "balance_dp_tokens", "shard_single_rank"):
             _check_type("EngineConfig", name, getattr(self, name), (bool,), "a bool")
         _choice("EngineConfig", "pad_mode", self.pad_mode, PAD_MODES)
         _choice("EngineConfig", "param_dtype", self.param_dtype, DTYPES)

@@ -37,7 +37,7 @@ from .micro_batch import count_micro_batches, is_placeholder, merge, split
 from .model_builder import build_model
 from .offload import host_grad_norm, offload_policy
 from .optim import build_lr_scheduler, build_optimizer
-from .parallelize import gathered, parallelize_model
+from .parallelize import gathered, parallelize_model, set_gradient_sync
 from .sequence_parallel import check_same_batch, setup_sequence_parallel, sp_forward_logprobs
 from .value_head import VALUE_HEAD_METHOD, forward_values, install_value_head
 
@@ -138,7 +138,7 @@ class FSDPEngine(CheckpointMixin):
 
     @property
     def module(self) -> torch.nn.Module:
-        """The FSDP2-sharded Hugging Face model."""
+        """The Hugging Face model: FSDP2-sharded, or plain on one rank (EngineConfig.shard_single_rank)."""
         if self._model is None:
             raise RuntimeError("FSDPEngine: call initialize() first")
         return self._model
@@ -367,7 +367,7 @@ class FSDPEngine(CheckpointMixin):
         sums: dict[str, torch.Tensor] = {}
         with self.train_mode():
             for i, (micro, index) in enumerate(micro_batches):
-                model.set_requires_gradient_sync(i == len(micro_batches) - 1)
+                set_gradient_sync(model, i == len(micro_batches) - 1)
                 log_probs, entropy = self.forward_flat(micro, need_entropy)
                 if is_placeholder(index):
                     # A placeholder: join the collectives, contribute nothing.
@@ -388,7 +388,7 @@ class FSDPEngine(CheckpointMixin):
                 for key, value in {"loss": loss, **metrics}.items():
                     value = torch.as_tensor(value).detach().to(device=self.device, dtype=torch.float64)
                     sums[key] = _combine(key, sums.get(key), value)
-        model.set_requires_gradient_sync(True)
+        set_gradient_sync(model, True)
         if balanced is not None:
             # max / mean tokens per data-parallel replica (the same on every rank): maxima over the step.
             for key, value in (("before", balanced.before), ("after", balanced.after)):

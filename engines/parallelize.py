@@ -47,14 +47,35 @@ def enable_activation_checkpointing(model: nn.Module) -> None:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
 
+def needs_sharding(model: nn.Module, mesh: DeviceMesh, config: EngineConfig) -> bool:
+    """Whether to apply ``fully_shard`` (CPU offload always needs it): always with several
+    ranks or ``shard_single_rank``; on one rank only when the mixed-precision casts (param_dtype, reduce_dtype) would
+    change a parameter's dtype. Otherwise FSDP2 computes exactly what the plain model does
+    and only adds hooks and DTensor dispatch to every forward, backward and AdamW step."""
+    if mesh.size() > 1 or config.shard_single_rank:
+        return True
+    wanted = {TORCH_DTYPES[config.param_dtype], TORCH_DTYPES[config.reduce_dtype]}
+    return any({p.dtype} != wanted for p in model.parameters() if p.is_floating_point())
+
+
+def set_gradient_sync(model: nn.Module, enabled: bool) -> None:
+    """FSDP2's per-backward gradient-sync switch; a plain (one-rank) model has none to skip."""
+    if isinstance(model, FSDPModule):
+        model.set_requires_gradient_sync(enabled)
+
+
 def parallelize_model(model: nn.Module, mesh: DeviceMesh, config: EngineConfig,
                       forward_methods: tuple[str, ...] = (), offload_policy=None) -> nn.Module:
     """Checkpoint activations (if asked), shard every decoder layer and then the root on
     ``mesh`` with the config's mixed precision, and make gradients SUM over ranks.
     ``forward_methods`` of the root also gather its parameters (e.g. the fused log-prob head);
-    ``offload_policy`` (engines/offload.py) keeps shards on the host."""
+    ``offload_policy`` (engines/offload.py) keeps shards on the host. A one-rank world that
+    needs no casts and no offload stays the plain model (:func:`needs_sharding`)."""
     if config.gradient_checkpointing:
         enable_activation_checkpointing(model)
+    if offload_policy is None and not needs_sharding(model, mesh, config):
+        logger.debug("one rank, no mixed-precision casts: the model runs unsharded (no FSDP2)")
+        return model
     # Inputs are cast by the caller where needed; casting here would round per-sample
     # temperatures to the parameter dtype.
     mp = MixedPrecisionPolicy(param_dtype=TORCH_DTYPES[config.param_dtype],
@@ -83,7 +104,8 @@ def gathered(model: nn.Module, policy: str):
     """Run the block with every FSDP2 parameter group all-gathered once and kept (no
     per-forward gather or reshard), then reshard and restore ``policy``'s flags. For
     generation: one gather per rollout instead of one per layer per decoding step; the
-    cost is the full (unsharded) parameters held on every rank meanwhile."""
+    cost is the full (unsharded) parameters held on every rank meanwhile. A plain
+    (unsharded) model is already whole: nothing to do."""
     modules = [m for m in model.modules() if isinstance(m, FSDPModule)]
     layer_reshard, root_reshard = reshard_after_forward(policy)
     for module in modules:
