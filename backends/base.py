@@ -76,6 +76,14 @@ class Backend(ABC):
         info = getattr(self._device_module(), "mem_get_info", None)
         return None if info is None else int(info()[0])
 
+    # True: torch.compile may lack a toolchain here; the fused head tries it and falls back to
+    # its eager kernels with one logged line. False: a compile error is a bug and propagates.
+    compile_may_fail: bool = False
+
+    def compile_unsupported(self) -> str | None:
+        """None when ``torch.compile`` (inductor) may build kernels on this device, else why not."""
+        return f"torch.compile is not declared for the {self.name} backend"
+
     def fused_ops(self) -> dict[str, Callable]:
         """Fused kernels this backend offers, by op name (``rms_norm``, ``rotary_mul``,
         ``swiglu``, ``fusion_attention``). Patches are written against this table."""

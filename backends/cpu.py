@@ -1,6 +1,9 @@
 """The CPU backend: first-class, what CI and every developer machine run on."""
 from __future__ import annotations
 
+import os
+import shutil
+
 import torch
 
 from .base import Backend
@@ -22,3 +25,10 @@ class CPUBackend(Backend):
 
     def device(self, local_rank: int = 0) -> torch.device:
         return torch.device("cpu")
+
+    def compile_unsupported(self) -> str | None:
+        # Inductor writes C++ and builds it with $CXX (default g++).
+        compiler = os.environ.get("CXX", "g++")
+        if shutil.which(compiler) is None:
+            return f"torch.compile on CPU needs a C++ compiler and {compiler!r} is not on PATH (set CXX)"
+        return None

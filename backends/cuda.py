@@ -28,3 +28,9 @@ class CUDABackend(Backend):
         if importlib.util.find_spec("flash_attn") is not None:
             return "flash_attention_2"
         return "polyfsdp_varlen_sdpa"
+
+    def compile_unsupported(self) -> str | None:
+        # Inductor turns the compiled code into Triton kernels on NVIDIA GPUs.
+        if importlib.util.find_spec("triton") is None:
+            return "torch.compile on CUDA needs triton (pip install triton)"
+        return None

@@ -26,6 +26,9 @@ ADAMW_IMPLS = ("auto", "for_loop", "foreach", "fused")
 # torchtitan's names: "default" reshards decoder layers after forward and lets FSDP2 decide
 # for the root; "always" reshards everything; "never" keeps every gathered parameter.
 RESHARD_POLICIES = ("default", "always", "never")
+# The fused head's chunk kernels: "eager" torch ops (the reference), "compiled" through
+# torch.compile, "auto" compiled where the backend declares torch.compile usable.
+FUSED_KERNEL_IMPLS = ("auto", "eager", "compiled")
 
 
 class ConfigFieldError(ValueError):
@@ -129,6 +132,7 @@ class EngineConfig(_FromDict):
 
     use_remove_padding: bool = True
     use_fused_kernels: bool = False
+    fused_kernel_impl: str = "auto"
     pad_mode: str = "no_padding"
     param_dtype: str = "float32"
     reduce_dtype: str = "float32"
@@ -141,6 +145,7 @@ class EngineConfig(_FromDict):
         for name in ("use_remove_padding", "use_fused_kernels", "gradient_checkpointing", "check_inputs"):
             _check_type("EngineConfig", name, getattr(self, name), (bool,), "a bool")
         _choice("EngineConfig", "pad_mode", self.pad_mode, PAD_MODES)
+        _choice("EngineConfig", "fused_kernel_impl", self.fused_kernel_impl, FUSED_KERNEL_IMPLS)
         _choice("EngineConfig", "param_dtype", self.param_dtype, DTYPES)
         _choice("EngineConfig", "reduce_dtype", self.reduce_dtype, DTYPES)
         _choice("EngineConfig", "reshard_policy", self.reshard_policy, RESHARD_POLICIES)
