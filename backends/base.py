@@ -76,6 +76,19 @@ class Backend(ABC):
         info = getattr(self._device_module(), "mem_get_info", None)
         return None if info is None else int(info()[0])
 
+    def reset_peak_memory(self) -> None:
+        """Start a new allocated-memory high-water mark (no-op where the runtime has none)."""
+        reset = getattr(self._device_module(), "reset_peak_memory_stats", None)
+        if reset is not None:
+            reset()
+
+    def allocated_memory_bytes(self) -> tuple[int, int] | None:
+        """``(allocated now, high-water mark since reset_peak_memory)`` on this process's
+        device, or None when the runtime keeps no such count (the CPU: measure host RSS)."""
+        module = self._device_module()
+        now, peak = getattr(module, "memory_allocated", None), getattr(module, "max_memory_allocated", None)
+        return None if now is None or peak is None else (int(now()), int(peak()))
+
     # True: torch.compile may lack a toolchain here; the fused head tries it and falls back to
     # its eager kernels with one logged line. False: a compile error is a bug and propagates.
     compile_may_fail: bool = False

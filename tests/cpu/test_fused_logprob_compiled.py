@@ -174,3 +174,36 @@ def test_unknown_impl_is_refused():
     hidden, weight, labels = make(3, 4, 5)
     with pytest.raises(ValueError, match=r"impl must be one of 'eager', 'compiled'; got 'triton'"):
         fused_logprob_entropy(hidden, weight, labels, impl="triton")
+
+
+def test_backends_declare_compile_support():
+    import importlib.util
+
+    from polyfsdp.backends.cuda import CUDABackend
+    from polyfsdp.backends.npu import NPUBackend
+
+    npu = NPUBackend()
+    assert npu.compile_unsupported() is None and npu.compile_may_fail is True
+    assert CPUBackend().compile_may_fail is False and CUDABackend().compile_may_fail is False
+    cuda_reason = CUDABackend().compile_unsupported()
+    assert (cuda_reason is None) == (importlib.util.find_spec("triton") is not None)
+
+
+@pytest.mark.parametrize("impl", ["eager", "compiled"])
+def test_engine_fused_head_with_each_impl_matches_per_sequence_reference(impl):
+    from engine_reference import full_state_dict, no_padding_batch, reference_logprobs, reference_model, sequences
+
+    from polyfsdp.engines.engine import FSDPEngine
+    from polyfsdp.engines.config import ModelConfig
+
+    engine = FSDPEngine(ModelConfig(preset="qwen2-tiny", seed=3),
+                        EngineConfig(use_fused_kernels=True, fused_kernel_impl=impl)).initialize()
+    assert engine._fused_impl == (impl, False)
+    seqs = sequences([6, 1, 12, 3], seed=11)
+    temps = torch.tensor([1.0, 0.7, 1.3, 0.5])
+    out = engine.infer_batch(no_padding_batch(seqs), temperature=temps)
+    with torch.no_grad():
+        exp_lp, exp_ent = reference_logprobs(reference_model("qwen2-tiny", full_state_dict(engine.module)), seqs,
+                                             temps.tolist())
+    assert (out["log_probs"].values().double() - torch.cat(exp_lp)).abs().max() <= 1e-5
+    assert (out["entropy"].values().double() - torch.cat(exp_ent)).abs().max() <= 1e-5
