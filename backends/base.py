@@ -92,6 +92,9 @@ class Backend(ABC):
     # True: torch.compile may lack a toolchain here; the fused head tries it and falls back to
     # its eager kernels with one logged line. False: a compile error is a bug and propagates.
     compile_may_fail: bool = False
+    # Whether ``fused_kernel_impl=auto`` compiles here: worth it where compiled kernels beat
+    # eager by far (GPUs); not where the first call's compilation outweighs a job's head time.
+    compile_by_default: bool = True
 
     def compile_unsupported(self) -> str | None:
         """None when ``torch.compile`` (inductor) may build kernels on this device, else why not."""

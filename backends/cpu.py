@@ -19,6 +19,9 @@ class CPUBackend(Backend):
     # training, and it has a backward (flex_attention has none on CPU).
     default_attn_implementation = "polyfsdp_varlen_sdpa"
     has_device_generators = False
+    # torch.compile works (given a C++ compiler) but auto keeps eager: compiling takes ~30 s
+    # per process on 2 busy cores, more than the fused head's whole time in a CPU-sized job.
+    compile_by_default = False
 
     def availability(self) -> str | None:
         return None

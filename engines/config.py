@@ -27,7 +27,7 @@ ADAMW_IMPLS = ("auto", "for_loop", "foreach", "fused")
 # for the root; "always" reshards everything; "never" keeps every gathered parameter.
 RESHARD_POLICIES = ("default", "always", "never")
 # The fused head's chunk kernels: "eager" torch ops (the reference), "compiled" through
-# torch.compile, "auto" compiled where the backend declares torch.compile usable.
+# torch.compile, "auto" compiled where the backend declares torch.compile usable and worth it.
 FUSED_KERNEL_IMPLS = ("auto", "eager", "compiled")
 
 

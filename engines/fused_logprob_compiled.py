@@ -145,12 +145,13 @@ def compiled_kernels(fallback_to_eager: bool = False) -> CompiledChunkKernels:
 
 def resolve_fused_kernel_impl(requested: str, backend) -> tuple[str, bool]:
     """``EngineConfig.fused_kernel_impl`` on ``backend`` -> ``(impl, compile_fallback)`` for
-    :func:`fused_logprob_entropy`. ``auto`` compiles where the backend declares it may;
+    :func:`fused_logprob_entropy`. ``auto`` compiles where the backend declares it may and
+    ``compile_by_default`` (GPUs, NPUs; not the CPU, where compiling outlasts a small job's head);
     ``compiled`` on a backend that cannot raises ConfigFieldError with the backend's reason."""
     from .config import ConfigFieldError
 
     reason = backend.compile_unsupported()
-    if requested == "eager" or (requested == "auto" and reason is not None):
+    if requested == "eager" or (requested == "auto" and (reason is not None or not backend.compile_by_default)):
         return "eager", False
     if reason is not None:
         raise ConfigFieldError("EngineConfig", "fused_kernel_impl", f"'compiled' is not available: {reason}")

@@ -148,8 +148,8 @@ def test_backend_that_may_fail_falls_back_to_eager_with_one_logged_line(caplog):
 
 
 class _Standin:
-    def __init__(self, reason, may_fail=False):
-        self.reason, self.compile_may_fail = reason, may_fail
+    def __init__(self, reason, may_fail=False, by_default=True):
+        self.reason, self.compile_may_fail, self.compile_by_default = reason, may_fail, by_default
 
     def compile_unsupported(self):
         return self.reason
@@ -158,6 +158,8 @@ class _Standin:
 def test_fused_kernel_impl_resolution_follows_the_backend(monkeypatch):
     assert flc.resolve_fused_kernel_impl("auto", _Standin(None)) == ("compiled", False)
     assert flc.resolve_fused_kernel_impl("auto", _Standin("no compiler")) == ("eager", False)
+    assert flc.resolve_fused_kernel_impl("auto", _Standin(None, by_default=False)) == ("eager", False)
+    assert flc.resolve_fused_kernel_impl("compiled", _Standin(None, by_default=False)) == ("compiled", False)
     assert flc.resolve_fused_kernel_impl("eager", _Standin(None)) == ("eager", False)
     assert flc.resolve_fused_kernel_impl("compiled", _Standin(None, may_fail=True)) == ("compiled", True)
     with pytest.raises(ConfigFieldError, match=r"^EngineConfig.fused_kernel_impl: 'compiled' is not available: "
@@ -185,6 +187,8 @@ def test_backends_declare_compile_support():
     npu = NPUBackend()
     assert npu.compile_unsupported() is None and npu.compile_may_fail is True
     assert CPUBackend().compile_may_fail is False and CUDABackend().compile_may_fail is False
+    # auto: compiled on accelerators, eager on the CPU (compile time outweighs the head there).
+    assert npu.compile_by_default and CUDABackend().compile_by_default and not CPUBackend().compile_by_default
     cuda_reason = CUDABackend().compile_unsupported()
     assert (cuda_reason is None) == (importlib.util.find_spec("triton") is not None)
 
