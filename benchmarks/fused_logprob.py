@@ -298,6 +298,7 @@ def main(argv=None) -> int:
     p.add_argument("--warmup", type=int, default=1, help="untimed runs first")
     p.add_argument("--chunk-size", type=int, default=None)
     p.add_argument("--paths", default=",".join(PATHS))
+    p.add_argument("--phases", default=None, help=f"comma list of {', '.join(PHASES)} (default both; --quick: fwd+bwd)")
     p.add_argument("--save", default=None, help=argparse.SUPPRESS)
     p.add_argument("--child", nargs=5, metavar=("PATH", "PHASE", "N", "H", "V"))
     args = p.parse_args(argv)
@@ -322,7 +323,9 @@ def main(argv=None) -> int:
         _profile(shapes[-1], args)
         return 0
     paths = [x for x in args.paths.split(",") if x]
-    phases = ("fwd+bwd",) if args.quick else PHASES
+    phases = tuple(args.phases.split(",")) if args.phases else (("fwd+bwd",) if args.quick else PHASES)
+    if not set(phases) <= set(PHASES):
+        p.error(f"--phases: choose from {', '.join(PHASES)}; got {args.phases!r}")
     failures, crashed, mismatched = [], [], []
     with tempfile.TemporaryDirectory() as tmp:
         for shape in shapes:
@@ -335,6 +338,9 @@ def main(argv=None) -> int:
                 for key in rounds:
                     save = os.path.join(tmp, f"{key[0]}.pt") if rnd == 0 and key[1] == "fwd+bwd" else None
                     rounds[key].append(_run_child(_child_cmd(args, *key, shape, save=save), args))
+                if rnd + 1 < args.rounds:  # a long run killed later still leaves its first rounds
+                    partial = {key: _merge(r) for key, r in rounds.items()}
+                    print(f"after round {rnd + 1} of {args.rounds}:\n{_table(shape, partial)}", flush=True)
             results = {key: _merge(r) for key, r in rounds.items()}
             print(_table(shape, results), flush=True)
             crashed += [f"{k[0]} {k[1]} at {shape}: {r['error']}" for k, r in results.items() if "error" in r]

@@ -61,23 +61,31 @@ def _entropy_and_label_grad(log_p, local_labels, c1, c0, d):
     return torch.exp(log_p) * (c1 * log_p + c0) + torch.where(_one_hot(log_p, local_labels), d, zero)
 
 
+def _store(log_p, grad, out_dtype: torch.dtype):
+    """The gradient in ``out_dtype``: written over ``log_p``'s buffer when the dtypes agree (as
+    the eager kernels do: no fresh (n, width) allocation and page faults per slice), else cast."""
+    if out_dtype == log_p.dtype:
+        return log_p.copy_(grad)
+    return grad.to(out_dtype)
+
+
 # The compiled entry points, one per variant so each code object keeps few cached graphs
 # (dynamo's recompile limit counts per function). Soft-cap multiplies by the elementwise
 # part of dy/dz, ``1 - tanh^2``.
 def _grad_logits(log_p, local_labels, out_dtype: torch.dtype):
-    return _p_minus_one_hot(log_p, local_labels).to(out_dtype)
+    return _store(log_p, _p_minus_one_hot(log_p, local_labels), out_dtype)
 
 
 def _grad_logits_softcap(log_p, local_labels, tanh, out_dtype: torch.dtype):
-    return (_p_minus_one_hot(log_p, local_labels) * (1.0 - tanh * tanh)).to(out_dtype)
+    return _store(log_p, _p_minus_one_hot(log_p, local_labels) * (1.0 - tanh * tanh), out_dtype)
 
 
 def _grad_logits_entropy(log_p, local_labels, c1, c0, d, out_dtype: torch.dtype):
-    return _entropy_and_label_grad(log_p, local_labels, c1, c0, d).to(out_dtype)
+    return _store(log_p, _entropy_and_label_grad(log_p, local_labels, c1, c0, d), out_dtype)
 
 
 def _grad_logits_entropy_softcap(log_p, local_labels, c1, c0, d, tanh, out_dtype: torch.dtype):
-    return (_entropy_and_label_grad(log_p, local_labels, c1, c0, d) * (1.0 - tanh * tanh)).to(out_dtype)
+    return _store(log_p, _entropy_and_label_grad(log_p, local_labels, c1, c0, d) * (1.0 - tanh * tanh), out_dtype)
 
 
 class CompiledChunkKernels:
