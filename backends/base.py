@@ -85,6 +85,30 @@ class Backend(ABC):
         ``param_dtype``): ``default_attn_implementation`` unless a backend's kernels depend on it."""
         return self.default_attn_implementation
 
+    def reset_peak_memory(self) -> None:
+        """Start a new allocated-memory high-water mark (no-op where the runtime has none)."""
+        reset = getattr(self._device_module(), "reset_peak_memory_stats", None)
+        if reset is not None:
+            reset()
+
+    def allocated_memory_bytes(self) -> tuple[int, int] | None:
+        """``(allocated now, high-water mark since reset_peak_memory)`` on this process's
+        device, or None when the runtime keeps no such count (the CPU: measure host RSS)."""
+        module = self._device_module()
+        now, peak = getattr(module, "memory_allocated", None), getattr(module, "max_memory_allocated", None)
+        return None if now is None or peak is None else (int(now()), int(peak()))
+
+    # True: torch.compile may lack a toolchain here; the fused head tries it and falls back to
+    # its eager kernels with one logged line. False: a compile error is a bug and propagates.
+    compile_may_fail: bool = False
+    # Whether ``fused_kernel_impl=auto`` compiles here: worth it where compiled kernels beat
+    # eager by far (GPUs); not where the first call's compilation outweighs a job's head time.
+    compile_by_default: bool = True
+
+    def compile_unsupported(self) -> str | None:
+        """None when ``torch.compile`` (inductor) may build kernels on this device, else why not."""
+        return f"torch.compile is not declared for the {self.name} backend"
+
     def fused_ops(self) -> dict[str, Callable]:
         """Fused kernels this backend offers, by op name (``rms_norm``, ``rotary_mul``,
         ``swiglu``, ``fusion_attention``). Patches are written against this table."""

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 
 import torch
 
@@ -18,6 +19,9 @@ class CPUBackend(Backend):
     # training, and it has a backward (flex_attention has none on CPU).
     default_attn_implementation = "polyfsdp_varlen_sdpa"
     has_device_generators = False
+    # torch.compile works (given a C++ compiler) but auto keeps eager: compiling takes ~30 s
+    # per process on 2 busy cores, more than the fused head's whole time in a CPU-sized job.
+    compile_by_default = False
 
     def availability(self) -> str | None:
         return None
@@ -28,3 +32,10 @@ class CPUBackend(Backend):
 
     def device(self, local_rank: int = 0) -> torch.device:
         return torch.device("cpu")
+
+    def compile_unsupported(self) -> str | None:
+        # Inductor writes C++ and builds it with $CXX (default g++).
+        compiler = os.environ.get("CXX", "g++")
+        if shutil.which(compiler) is None:
+            return f"torch.compile on CPU needs a C++ compiler and {compiler!r} is not on PATH (set CXX)"
+        return None

@@ -32,3 +32,9 @@ class CUDABackend(Backend):
         if compute_dtype in FLASH_ATTN_DTYPES and importlib.util.find_spec("flash_attn") is not None:
             return "flash_attention_2"
         return self.default_attn_implementation
+
+    def compile_unsupported(self) -> str | None:
+        # Inductor turns the compiled code into Triton kernels on NVIDIA GPUs.
+        if importlib.util.find_spec("triton") is None:
+            return "torch.compile on CUDA needs triton (pip install triton)"
+        return None

@@ -28,6 +28,9 @@ ADAMW_IMPLS = ("auto", "for_loop", "foreach", "fused")
 RESHARD_POLICIES = ("default", "always", "never")
 # Where FSDP2 keeps the sharded parameters, gradients and optimizer state (engines/offload.py).
 OFFLOAD_MODES = ("none", "params")
+# The fused head's chunk kernels: "eager" torch ops (the reference), "compiled" through
+# torch.compile, "auto" compiled where the backend declares torch.compile usable and worth it.
+FUSED_KERNEL_IMPLS = ("auto", "eager", "compiled")
 
 
 class ConfigFieldError(ValueError):
@@ -202,6 +205,7 @@ class EngineConfig(_FromDict):
 
     use_remove_padding: bool = True
     use_fused_kernels: bool = False
+    fused_kernel_impl: str = "auto"
     pad_mode: str = "no_padding"
     param_dtype: str = "float32"
     reduce_dtype: str = "float32"
@@ -219,6 +223,7 @@ class EngineConfig(_FromDict):
                      "balance_dp_tokens", "shard_single_rank"):
             _check_type("EngineConfig", name, getattr(self, name), (bool,), "a bool")
         _choice("EngineConfig", "pad_mode", self.pad_mode, PAD_MODES)
+        _choice("EngineConfig", "fused_kernel_impl", self.fused_kernel_impl, FUSED_KERNEL_IMPLS)
         _choice("EngineConfig", "param_dtype", self.param_dtype, DTYPES)
         _choice("EngineConfig", "reduce_dtype", self.reduce_dtype, DTYPES)
         _choice("EngineConfig", "reshard_policy", self.reshard_policy, RESHARD_POLICIES)

@@ -31,6 +31,7 @@ from .config import EngineConfig, ModelConfig, OptimConfig
 from .dp_balance import Balanced, balance, replicas, restore
 from .flat_batch import FlatBatch, batch_to_flat, flat_to_caller
 from .forward_logprobs import FUSED_HEAD_METHOD, forward_logprobs, fused_head_support, install_fused_head
+from .fused_logprob_compiled import resolve_fused_kernel_impl
 from .lora import add_adapters, adapters_disabled, export_lora
 from .loss_inputs import LossInputs
 from .micro_batch import count_micro_batches, is_placeholder, merge, split
@@ -89,6 +90,7 @@ class FSDPEngine(CheckpointMixin):
         self._sp = None  # this rank's sequence-parallel group (engines/sequence_parallel.py), or None
         self._offload = None  # FSDP2's CPUOffloadPolicy when EngineConfig.offload moves shards to the host
         self._softcap: float | None = None
+        self._fused_impl: tuple[str, bool] = ("eager", False)
         self._warned_fallback = False
         self._warned_bf16_master = False
         # Loss and loss metrics since the last optimizer step: device tensors, read in optimizer_step.
@@ -100,6 +102,7 @@ class FSDPEngine(CheckpointMixin):
         if self._model is not None:
             return self
         self.backend = self.backend or get_backend("auto")
+        self._fused_impl = resolve_fused_kernel_impl(self.engine_config.fused_kernel_impl, self.backend)
         self.mesh = init_distributed(self.backend)
         self.device = self.backend.device(int(os.environ.get("LOCAL_RANK", "0")))
         model, self.patch_report = build_model(self.model_config, self.backend, self.patch_toggles,
@@ -208,9 +211,10 @@ class FSDPEngine(CheckpointMixin):
         if self._sp is not None:
             return sp_forward_logprobs(self.module, flat, use_remove_padding=self.engine_config.use_remove_padding,
                                        fused=self._use_fused(), softcap=self._softcap, return_entropy=return_entropy,
-                                       sp=self._sp)
+                                       sp=self._sp, fused_impl=self._fused_impl)
         return forward_logprobs(self.module, flat, use_remove_padding=self.engine_config.use_remove_padding,
-                                fused=self._use_fused(), softcap=self._softcap, return_entropy=return_entropy)
+                                fused=self._use_fused(), softcap=self._softcap, return_entropy=return_entropy,
+                                fused_impl=self._fused_impl)
 
     def _to_flat(self, batch: TensorDict, temperature, keys, checks: BatchChecks) -> FlatBatch:
         """The edge: caller's layout -> FlatBatch on the device, with value checks queued."""

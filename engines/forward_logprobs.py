@@ -95,6 +95,8 @@ class FusedHeadCall:
     temperature: float | torch.Tensor
     return_entropy: bool
     softcap: float | None
+    impl: str = "eager"
+    compile_fallback: bool = False
 
 
 def fused_head_support(model) -> tuple[float | None, str | None]:
@@ -122,7 +124,8 @@ def _fused_head(self, model_inputs: dict, labels: torch.Tensor, call: FusedHeadC
     # Labels and temperatures were validated at the batch edge (engines/batch_checks.py).
     return fused_logprob_entropy(call.to_flat(hidden), self.lm_head.weight, labels, temperature=call.temperature,
                                  return_entropy=call.return_entropy, ignore_index=IGNORE_INDEX,
-                                 softcap=call.softcap, check_values=False)
+                                 softcap=call.softcap, check_values=False, impl=call.impl,
+                                 compile_fallback=call.compile_fallback)
 
 
 def install_fused_head(model) -> None:
@@ -157,9 +160,11 @@ def logprob_entropy_from_logits(logits: torch.Tensor, labels: torch.Tensor, temp
 
 # ----------------------------------------------------------------------------- the path
 def forward_logprobs(model, flat: FlatBatch, *, use_remove_padding: bool, fused: bool, softcap: float | None,
-                     return_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+                     return_entropy: bool, fused_impl: tuple[str, bool] = ("eager", False)
+                     ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Per-token ``(log_probs, entropy)`` of ``flat`` (flat ``(total,)``, float32), with
-    autograd when enabled; ``fused`` selects the fused head (installed on ``model``)."""
+    autograd when enabled; ``fused`` selects the fused head (installed on ``model``), whose
+    chunk kernels are ``fused_impl = (impl, compile_fallback)`` (see fused_logprob_entropy)."""
     if flat.total == 0:
         empty = flat.input_ids.new_zeros(0, dtype=torch.float32)
         return empty, (empty if return_entropy else None)
@@ -169,7 +174,8 @@ def forward_logprobs(model, flat: FlatBatch, *, use_remove_padding: bool, fused:
     temperature = flat.token_temperature()
     if fused:
         call = FusedHeadCall(to_flat=lambda h: layout.to_flat(h, flat), temperature=temperature,
-                             return_entropy=return_entropy, softcap=softcap)
+                             return_entropy=return_entropy, softcap=softcap, impl=fused_impl[0],
+                             compile_fallback=fused_impl[1])
         return getattr(model, FUSED_HEAD_METHOD)(inputs, labels, call)
     logits = model(**inputs, use_cache=False).logits
     return logprob_entropy_from_logits(layout.to_flat(logits, flat), labels, temperature,

@@ -68,6 +68,50 @@ def _entropy_backward_terms(log_p: torch.Tensor, coef_log_p: torch.Tensor, coef_
     return torch.addcmul(coef_one, log_p, coef_log_p, out=out)
 
 
+class EagerChunkKernels:
+    """The per-chunk work between the GEMMs in plain torch ops: the reference implementation.
+
+    ``forward_stats`` turns one chunk of logits into ``(lse, label log-prob, entropy or None)``;
+    ``grad_logits`` turns one vocabulary slice of ``log_p`` into the logits gradient fed to the
+    gradient GEMMs. Both work in place in the caller's buffers (``needs_scratch``: one more
+    buffer of the chunk's size). :mod:`fused_logprob_compiled` offers the same two methods.
+    """
+
+    needs_scratch = True
+
+    def forward_stats(self, y, labels, return_entropy: bool, scratch):
+        row_max, arg_max = y.max(dim=1, keepdim=True)
+        # One row-fused kernel (rows stay in cache) instead of sub/exp/sum passes. It writes
+        # into a second buffer: in-place aliasing is not promised by every device's kernel;
+        # the logits buffer then takes exp(log p).
+        log_p = torch.log_softmax(y, dim=1, out=scratch)
+        label_log_p = log_p.gather(1, labels[:, None]).squeeze(1)
+        # lse = max - log p(argmax); |log p(argmax)| <= log V keeps its rounding tiny.
+        lse = (row_max - log_p.gather(1, arg_max)).squeeze(1)
+        return lse, label_log_p, (_entropy_terms(log_p, y) if return_entropy else None)
+
+    def grad_logits(self, log_p, labels, valid, v0, c1, c0, d, tanh, out_dtype, scratch):
+        n, width = log_p.shape
+        zero = torch.zeros((), dtype=log_p.dtype, device=log_p.device)
+        in_slice = valid & (labels >= v0) & (labels < v0 + width)
+        if c1 is not None:
+            q = _entropy_backward_terms(log_p, c1, c0, scratch)
+            grad = log_p.exp_().mul_(q)
+            src = torch.where(in_slice, d, zero).unsqueeze(1)
+        else:
+            grad = log_p.exp_()
+            src = torch.where(in_slice, -torch.ones((), dtype=log_p.dtype, device=log_p.device), zero).unsqueeze(1)
+        idx = (labels - v0).clamp_(0, width - 1).unsqueeze(1)
+        grad.scatter_add_(1, idx, src)
+        if tanh is not None:
+            grad.mul_(tanh.square_().neg_().add_(1.0))
+        return grad if grad.dtype == out_dtype else grad.to(out_dtype)
+
+
+EAGER_KERNELS = EagerChunkKernels()
+FUSED_KERNEL_IMPLS = ("eager", "compiled")
+
+
 def check_labels_on_host(labels: torch.Tensor, vocab_size: int, ignore_index: int) -> None:
     """Raise ValueError for a label outside ``[0, V)`` that is not ``ignore_index``. Only host
     labels are checked: on an accelerator the check would cost a host-device sync."""
@@ -180,7 +224,8 @@ class _FusedLogProbEntropy(torch.autograd.Function):
     """Forward keeps per-token statistics only; backward recomputes the logits slice by slice."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, labels, temperature, return_entropy, chunk_size, ignore_index, softcap):
+    def forward(ctx, hidden, weight, labels, temperature, return_entropy, chunk_size, ignore_index, softcap,
+                kernels):
         ctx.set_materialize_grads(False)
         n, v = hidden.shape[0], weight.shape[0]
         head = _Head(hidden, temperature, softcap)
@@ -194,21 +239,16 @@ class _FusedLogProbEntropy(torch.autograd.Function):
             if n > 0:
                 chunk = min(chunk_size, n)
                 flat = torch.empty(chunk * v, dtype=acc, device=hidden.device)
-                # log_softmax writes into a second buffer: in-place aliasing is not promised
-                # by every device's kernel; the logits buffer then takes exp(log p).
-                flat_lp = torch.empty_like(flat)
+                flat_lp = torch.empty_like(flat) if kernels.needs_scratch else None
                 for start in range(0, n, chunk):
                     rows = slice(start, min(start + chunk, n))
                     m = rows.stop - rows.start
                     y = head.logits(rows, weight, flat[: m * v].view(m, v))
-                    row_max, arg_max = y.max(dim=1, keepdim=True)
-                    # One row-fused kernel (rows stay in cache) instead of sub/exp/sum passes.
-                    log_p = torch.log_softmax(y, dim=1, out=flat_lp[: m * v].view(m, v))
-                    label_log_p[rows] = log_p.gather(1, safe_labels[rows, None]).squeeze(1)
-                    # lse = max - log p(argmax); |log p(argmax)| <= log V keeps its rounding tiny.
-                    lse[rows] = (row_max - log_p.gather(1, arg_max)).squeeze(1)
+                    scratch = None if flat_lp is None else flat_lp[: m * v].view(m, v)
+                    lse[rows], label_log_p[rows], chunk_entropy = kernels.forward_stats(
+                        y, safe_labels[rows], return_entropy, scratch)
                     if return_entropy:
-                        entropy[rows] = _entropy_terms(log_p, y)
+                        entropy[rows] = chunk_entropy
         zero = torch.zeros((), dtype=acc, device=hidden.device)
         log_probs = torch.where(valid, label_log_p, zero)
         if return_entropy:
@@ -216,6 +256,7 @@ class _FusedLogProbEntropy(torch.autograd.Function):
         ctx.save_for_backward(hidden, weight, safe_labels, valid, lse,
                               entropy if return_entropy else None)
         ctx.head_args = (temperature, softcap)
+        ctx.kernels = kernels
         ctx.chunk_elems = max(1, min(chunk_size, n)) * v
         return log_probs, entropy
 
@@ -225,17 +266,17 @@ class _FusedLogProbEntropy(torch.autograd.Function):
         hidden, weight, labels, valid, lse, entropy = ctx.saved_tensors
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         if (grad_log_probs is None and grad_entropy is None) or not (need_h or need_w):
-            return None, None, None, None, None, None, None, None
+            return (None,) * 9
         temperature, softcap = ctx.head_args
         with torch.no_grad(), torch.autocast(device_type=hidden.device.type, enabled=False):
             grad_hidden, grad_weight = _backward(hidden, weight, labels, valid, lse, entropy,
                                                  grad_log_probs, grad_entropy, temperature, softcap,
-                                                 ctx.chunk_elems, need_h, need_w)
-        return grad_hidden, grad_weight, None, None, None, None, None, None
+                                                 ctx.chunk_elems, need_h, need_w, ctx.kernels)
+        return grad_hidden, grad_weight, None, None, None, None, None, None, None
 
 
 def _backward(hidden, weight, labels, valid, lse, entropy, g_lp, g_ent, temperature, softcap,
-              chunk_elems, need_h, need_w):
+              chunk_elems, need_h, need_w, kernels):
     """Gradients for hidden and weight, recomputing the logits one vocabulary slice at a time."""
     n, v = hidden.shape[0], weight.shape[0]
     head = _Head(hidden, temperature, softcap)
@@ -258,7 +299,7 @@ def _backward(hidden, weight, labels, valid, lse, entropy, g_lp, g_ent, temperat
     else:
         # Without entropy dL/dz = d * (onehot - p): keep the row factor out of the slice
         # (folded into the hidden rows for grad_weight and applied to grad_hidden at the end).
-        c0 = None
+        c1 = c0 = None
     # bfloat16 keeps float32's exponent range, so its gradient GEMMs stay in bfloat16;
     # float16 would flush tiny p * g products to zero, so it runs them in float32.
     gemm_dtype = torch.float32 if hidden.dtype == torch.float16 else hidden.dtype
@@ -273,7 +314,7 @@ def _backward(hidden, weight, labels, valid, lse, entropy, g_lp, g_ent, temperat
     width = int(max(1, min(v, chunk_elems // max(n, 1))))
     nbuf_elems = n * width
     flat = torch.empty(nbuf_elems, dtype=acc, device=dev)
-    flat_q = torch.empty_like(flat) if use_ent else None
+    flat_q = torch.empty_like(flat) if use_ent and kernels.needs_scratch else None
     flat_t = torch.empty_like(flat) if softcap is not None else None
     neg_lse = (-lse).unsqueeze(1)
     all_rows = slice(0, n)
@@ -284,20 +325,8 @@ def _backward(hidden, weight, labels, valid, lse, entropy, g_lp, g_ent, temperat
         buf = flat[: n * w_cols].view(n, w_cols)
         tanh_buf = None if flat_t is None else flat_t[: n * w_cols].view(n, w_cols)
         log_p = head.logits(all_rows, w_slice, buf, tanh_buf, bias=neg_lse)
-        if use_ent:
-            q = _entropy_backward_terms(log_p, c1, c0, flat_q[: n * w_cols].view(n, w_cols))
-            grad = log_p.exp_().mul_(q)
-            in_slice = valid & (labels >= v0) & (labels < v1)
-            src = torch.where(in_slice, d, zero).unsqueeze(1)
-        else:
-            grad = log_p.exp_()
-            in_slice = valid & (labels >= v0) & (labels < v1)
-            src = torch.where(in_slice, -torch.ones((), dtype=acc, device=dev), zero).unsqueeze(1)
-        idx = (labels - v0).clamp_(0, w_cols - 1).unsqueeze(1)
-        grad.scatter_add_(1, idx, src)
-        if softcap is not None:
-            grad.mul_(tanh_buf.square_().neg_().add_(1.0))
-        g_gemm = grad if gemm_dtype == acc else grad.to(gemm_dtype)
+        q_scratch = None if flat_q is None else flat_q[: n * w_cols].view(n, w_cols)
+        g_gemm = kernels.grad_logits(log_p, labels, valid, v0, c1, c0, d, tanh_buf, gemm_dtype, q_scratch)
         w_gemm = w_slice if w_slice.dtype == gemm_dtype else w_slice.to(gemm_dtype)
         if need_w:
             if grad_weight.dtype == gemm_dtype:
@@ -320,7 +349,8 @@ def _backward(hidden, weight, labels, valid, lse, entropy, g_lp, g_ent, temperat
 def fused_logprob_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, *,
                           temperature: float | torch.Tensor = 1.0, return_entropy: bool = True,
                           chunk_size: int | None = None, ignore_index: int = -100,
-                          softcap: float | None = None, check_values: bool = True
+                          softcap: float | None = None, check_values: bool = True,
+                          impl: str = "eager", compile_fallback: bool = False
                           ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Per-token ``log p(labels)`` and entropy under ``softmax(softcap(hidden @ weight.T) / T)``.
 
@@ -331,12 +361,24 @@ def fused_logprob_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: to
     ignored labels give 0 in both. Gradients come back in the input dtypes.
     ``check_values=False`` skips the value checks that read tensors (labels, temperatures):
     for callers that validated them once already (the engine, at the batch edge).
+    ``impl``: ``"eager"`` (plain torch ops, the reference) or ``"compiled"`` (the chunk work
+    through ``torch.compile``, :mod:`fused_logprob_compiled`); ``compile_fallback=True`` turns a
+    failing compilation into one logged line and the eager kernels (for backends that only may
+    compile, e.g. the NPU).
     """
     _check_inputs(hidden, weight, labels, temperature, chunk_size, softcap, check_values)
+    if impl not in FUSED_KERNEL_IMPLS:
+        raise ValueError(f"impl must be one of {', '.join(map(repr, FUSED_KERNEL_IMPLS))}; got {impl!r}")
     n, v = hidden.shape[0], weight.shape[0]
     if check_values:
         check_labels_on_host(labels, v, int(ignore_index))
     if chunk_size is None:
         chunk_size = default_chunk_size(n, v)
+    if impl == "compiled":
+        from .fused_logprob_compiled import compiled_kernels
+
+        kernels = compiled_kernels(fallback_to_eager=bool(compile_fallback))
+    else:
+        kernels = EAGER_KERNELS
     return _FusedLogProbEntropy.apply(hidden, weight, labels, temperature, bool(return_entropy),
-                                      int(chunk_size), int(ignore_index), softcap)
+                                      int(chunk_size), int(ignore_index), softcap, kernels)

@@ -114,7 +114,8 @@ def padded_rows(flat: FlatBatch, labels: torch.Tensor, temperature, sp: int) -> 
 
 
 def sp_forward_logprobs(model, flat: FlatBatch, *, use_remove_padding: bool, fused: bool, softcap: float | None,
-                        return_entropy: bool, sp: SequenceParallel) -> tuple[torch.Tensor, torch.Tensor | None]:
+                        return_entropy: bool, sp: SequenceParallel, fused_impl: tuple[str, bool] = ("eager", False)
+                        ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """:func:`forward_logprobs.forward_logprobs` with the rows split over the SP group:
     per-token ``(log_probs, entropy)`` flat ``(total,)``, the same on every rank of the group."""
     if flat.total == 0:
@@ -132,7 +133,8 @@ def sp_forward_logprobs(model, flat: FlatBatch, *, use_remove_padding: bool, fus
     temperature = rows.temperature[:, cols].reshape(-1) if torch.is_tensor(rows.temperature) else rows.temperature
     if fused:
         call = FusedHeadCall(to_flat=lambda h: h.reshape(-1, h.shape[-1]), temperature=temperature,
-                             return_entropy=return_entropy, softcap=softcap)
+                             return_entropy=return_entropy, softcap=softcap, impl=fused_impl[0],
+                             compile_fallback=fused_impl[1])
         log_probs, entropy = getattr(model, FUSED_HEAD_METHOD)(inputs, local_labels, call)
     else:
         logits = model(**inputs, use_cache=False).logits
