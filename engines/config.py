@@ -144,7 +144,9 @@ class ModelConfig(_FromDict):
     ``attn_implementation=None`` uses the backend's choice; ``vocab_size`` overrides a preset's
     vocabulary (e.g. for the trainer's character tokenizer). ``value_head=True`` builds a
     critic: the LM head is replaced by a scalar head with weights ``N(0, value_head_init_std)``
-    (seeded by ``seed``) and zero bias (engines/value_head.py).
+    (seeded by ``seed``) and zero bias (engines/value_head.py), or loaded from
+    ``value_head_path`` (a safetensors file with ``weight (1, hidden)`` and ``bias (1,)``, as
+    :meth:`FSDPEngine.export_value_head` writes it).
     """
 
     preset: str | None = None
@@ -155,6 +157,7 @@ class ModelConfig(_FromDict):
     seed: int = 0
     value_head: bool = False
     value_head_init_std: float = 0.01
+    value_head_path: str | None = None
     lora: LoraConfig | dict | None = None
 
     def __post_init__(self) -> None:
@@ -184,6 +187,11 @@ class ModelConfig(_FromDict):
         _check_type("ModelConfig", "value_head", self.value_head, (bool,), "a bool")
         _finite_at_least("ModelConfig", "value_head_init_std", self.value_head_init_std, 0.0, False,
                          "a finite number >= 0")
+        if self.value_head_path is not None:
+            _check_type("ModelConfig", "value_head_path", self.value_head_path, (str,), "a file path or None")
+            if not self.value_head:
+                raise ConfigFieldError("ModelConfig", "value_head_path", "is set but value_head=False "
+                                       "(a value head is loaded only into a critic)")
 
 
 @dataclass

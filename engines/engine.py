@@ -21,8 +21,8 @@ from tensordict import TensorDict
 from torch.distributed.tensor import DTensor
 
 from polyfsdp.backends.base import Backend
-from polyfsdp.backends.distributed import (all_gather_object, all_reduce_max, all_reduce_sum, current_world_size,
-                                           init_distributed)
+from polyfsdp.backends.distributed import (all_gather_object, all_reduce_max, all_reduce_sum, current_rank,
+                                           current_world_size, init_distributed)
 from polyfsdp.backends.registry import get_backend
 
 from .batch_checks import BatchChecks, check_integer_ids
@@ -40,7 +40,7 @@ from .offload import host_grad_norm, offload_policy
 from .optim import build_lr_scheduler, build_optimizer
 from .parallelize import gathered, parallelize_model, set_gradient_sync
 from .sequence_parallel import check_same_batch, setup_sequence_parallel, sp_forward_logprobs
-from .value_head import VALUE_HEAD_METHOD, forward_values, install_value_head
+from .value_head import VALUE_HEAD_METHOD, export_value_head, forward_values, install_value_head
 
 logger = logging.getLogger(__name__)
 
@@ -118,7 +118,8 @@ class FSDPEngine(CheckpointMixin):
                 # The value head runs on whole sequences; its sequence-parallel split is not built.
                 raise ValueError("EngineConfig.ulysses_sp_size > 1 is not supported for a critic "
                                  "(ModelConfig.value_head=True); use ulysses_sp_size=1")
-            install_value_head(model, self.model_config.value_head_init_std, self.model_config.seed)
+            install_value_head(model, self.model_config.value_head_init_std, self.model_config.seed,
+                               self.model_config.value_head_path)
             head_method = VALUE_HEAD_METHOD
         else:
             self._softcap, self._fused_unsupported = fused_head_support(model)
@@ -178,6 +179,13 @@ class FSDPEngine(CheckpointMixin):
         extra -= sum(p.to_local().numel() * p.element_size() if isinstance(p, DTensor) else 0
                      for p in self.module.parameters())
         return extra * 1.2 <= free
+
+    def export_value_head(self, path) -> None:
+        """A critic's value head as a safetensors file (``weight``, ``bias``), which
+        ``ModelConfig(value_head_path=...)`` loads into a new critic. Collective: call on every rank."""
+        if not self.is_critic:
+            raise ValueError("export_value_head: this engine has no value head (ModelConfig.value_head=False)")
+        export_value_head(self.module, path, current_rank())
 
     def export_hf(self, directory, tokenizer=None, dtype: torch.dtype | None = None, lora: str = "merged"):
         """Write a Hugging Face checkpoint of the model. With LoRA, ``lora`` picks ``merged``

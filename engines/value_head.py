@@ -12,6 +12,7 @@ like the LM head it replaces, and checkpoints save it under ``lm_head.*``.
 """
 from __future__ import annotations
 
+import os
 import types
 
 import torch
@@ -23,10 +24,14 @@ from .labels import IGNORE_INDEX, next_token_labels_flat
 VALUE_HEAD_METHOD = "polyfsdp_value_head"
 
 
-def install_value_head(model, init_std: float, seed: int) -> None:
+VALUE_HEAD_KEYS = ("weight", "bias")
+
+
+def install_value_head(model, init_std: float, seed: int, path: str | None = None) -> None:
     """Replace ``model.lm_head`` by a ``hidden -> 1`` linear layer with bias: weight
-    ``N(0, init_std)`` (seeded, so every rank builds the same head), bias 0; and attach
-    the value forward as a method of this instance (registered as an FSDP forward method)."""
+    ``N(0, init_std)`` (seeded, so every rank builds the same head), bias 0, or the head
+    saved at ``path``; and attach the value forward as a method of this instance
+    (registered as an FSDP forward method)."""
     old = model.get_output_embeddings()
     if not isinstance(old, torch.nn.Linear):
         raise ValueError(f"ModelConfig.value_head: {type(model).__name__}'s output layer is not a plain nn.Linear")
@@ -35,6 +40,10 @@ def install_value_head(model, init_std: float, seed: int) -> None:
         torch.manual_seed(seed)
         torch.nn.init.normal_(head.weight, std=init_std)
     torch.nn.init.zeros_(head.bias)
+    if path is not None:
+        with torch.no_grad():
+            for name, tensor in load_value_head(path, old.in_features).items():
+                getattr(head, name).copy_(tensor)
     # A tied LM head shares the embedding matrix; the value head must not.
     model.config.tie_word_embeddings = False
     model.lm_head = head
@@ -58,3 +67,38 @@ def forward_values(model, flat: FlatBatch, *, use_remove_padding: bool) -> torch
     values = getattr(model, VALUE_HEAD_METHOD)(layout.model_inputs(flat), lambda h: layout.to_flat(h, flat))[:, 0]
     has_next = next_token_labels_flat(flat.input_ids, flat.offsets, fill=IGNORE_INDEX) != IGNORE_INDEX
     return torch.where(has_next, values.float(), torch.zeros((), dtype=torch.float32, device=values.device))
+
+
+def load_value_head(path: str | os.PathLike, hidden_size: int) -> dict[str, torch.Tensor]:
+    """A saved value head's ``{weight (1, hidden), bias (1,)}``; one-line errors for a missing,
+    unreadable or mismatched file."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"ModelConfig.value_head_path: no such file: {path}")
+    try:
+        state = load_file(path)
+    except (SafetensorError, OSError, ValueError) as exc:
+        raise ValueError(f"ModelConfig.value_head_path: {path} is not a readable safetensors file ({exc})") from None
+    want = {"weight": (1, hidden_size), "bias": (1,)}
+    got = {k: tuple(v.shape) for k, v in state.items()}
+    if got != want:
+        raise ValueError(f"ModelConfig.value_head_path: {path} holds {got}; a value head for this model "
+                         f"needs {want}")
+    return state
+
+
+def export_value_head(model, path: str | os.PathLike, rank: int) -> None:
+    """Collective over the model's ranks: gather the head's ``weight``/``bias`` (DTensors when
+    sharded) and have ``rank`` 0 write them as safetensors, the format ``value_head_path`` reads."""
+    from safetensors.torch import save_file
+    from torch.distributed.tensor import DTensor
+
+    head = model.get_output_embeddings()
+    state = {}
+    for name in VALUE_HEAD_KEYS:
+        tensor = getattr(head, name).detach()
+        state[name] = (tensor.full_tensor() if isinstance(tensor, DTensor) else tensor).cpu().contiguous()
+    if rank == 0:
+        save_file(state, str(path))

@@ -3,6 +3,7 @@ filtering), PPO's critic and GAE, and the rollout/train mismatch correction; mir
 configs/algo/*.yaml."""
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -106,6 +107,7 @@ class PPOSection:
     cliprange_value: float | None = 0.5
     value_agg_mode: str = "token-mean"
     value_head_init_std: float = 0.01
+    value_head_path: str | None = None  # a saved head (final/value_head.safetensors of a ppo run)
 
     def validate(self, where: str) -> None:
         for key in ("gamma", "lam"):
@@ -115,6 +117,8 @@ class PPOSection:
         check_choice(f"{where}.value_agg_mode", self.value_agg_mode, AGG_MODES)
         if not self.value_head_init_std >= 0:
             raise ConfigError(f"{where}.value_head_init_std: expected >= 0, got {self.value_head_init_std}")
+        if self.value_head_path is not None and not os.path.isfile(str(self.value_head_path)):
+            raise ConfigError(f"{where}.value_head_path: no such file: {self.value_head_path}")
         try:
             self.value_loss()
         except ValueError as exc:

@@ -54,6 +54,7 @@ logger = logging.getLogger(__name__)
 
 CHECKPOINT_MARKER = "checkpoint saved:"
 CRITIC_DIR = "critic"  # checkpoints/critic/: algo=ppo's critic, next to checkpoints/grpo/
+CRITIC_HEAD_FILE = "value_head.safetensors"  # final/: the critic's head (ModelConfig.value_head_path)
 
 
 def _say(message: str) -> None:
@@ -138,7 +139,8 @@ class Job:
         model_config = self.cfg.model.model_config(path=model_dir)
         if role == "critic":
             section = self.cfg.algo.ppo
-            model_config = replace(model_config, value_head=True, value_head_init_std=section.value_head_init_std)
+            model_config = replace(model_config, value_head=True, value_head_init_std=section.value_head_init_std,
+                                   value_head_path=section.value_head_path)
         engine = FSDPEngine(model_config, self.cfg.engine, section.optim,
                             backend=self.backend, patch_toggles=self.cfg.patches)
         try:
@@ -359,6 +361,9 @@ class Job:
             # A phase feeding the next one (the SFT model GRPO starts from) is always merged weights.
             lora = "merged" if phase.export_state else self.cfg.trainer.export_lora
             self._export(engine, phase.export_dir, state=state, lora=lora)
+            if self.critic is not None:
+                # Beside the actor: algo.ppo.value_head_path of a later run starts its critic's head here.
+                self.critic.export_value_head(phase.export_dir / CRITIC_HEAD_FILE)
         self.critic = None
         del engine, step_fn
 

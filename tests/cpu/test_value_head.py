@@ -184,3 +184,37 @@ def test_policy_and_critic_calls_do_not_mix(critic):
         policy.infer_values(batch)
     with pytest.raises(ValueError, match="value_head_init_std"):
         ModelConfig(preset="qwen2-tiny", value_head=True, value_head_init_std=float("nan"))
+
+
+def test_exported_value_head_loads_into_a_new_critic(tmp_path):
+    trained = FSDPEngine(ModelConfig(preset="qwen2-tiny", seed=5, value_head=True, value_head_init_std=0.5),
+                         EngineConfig(), OptimConfig(lr=1e-3)).initialize()
+    path = tmp_path / "value_head.safetensors"
+    trained.export_value_head(path)
+    # A different seed would draw a different head: only the file can make them agree.
+    loaded = FSDPEngine(ModelConfig(preset="qwen2-tiny", seed=5, value_head=True, value_head_init_std=0.01,
+                                    value_head_path=str(path)), EngineConfig()).initialize()
+    fresh = FSDPEngine(ModelConfig(preset="qwen2-tiny", seed=5, value_head=True, value_head_init_std=0.01),
+                       EngineConfig()).initialize()
+    batch = no_padding_batch(sequences([5, 3, 7], seed=2))
+    want = trained.infer_values(batch)["values"].values()
+    assert torch.equal(loaded.infer_values(batch)["values"].values(), want)
+    assert (fresh.infer_values(batch)["values"].values() - want).abs().max() > 1e-3  # negative control
+
+
+def test_value_head_path_errors_are_one_line(tmp_path):
+    from safetensors.torch import save_file
+
+    with pytest.raises(ValueError, match="value_head=False"):
+        ModelConfig(preset="qwen2-tiny", value_head_path=str(tmp_path / "x.safetensors"))
+    wrong = tmp_path / "wrong.safetensors"
+    save_file({"weight": torch.zeros(1, 3), "bias": torch.zeros(1)}, str(wrong))
+    broken = tmp_path / "broken.safetensors"
+    broken.write_bytes(b"not a safetensors file")
+    for path, message in ((tmp_path / "missing.safetensors", "no such file"), (wrong, "needs"),
+                          (broken, "not a readable safetensors file")):
+        engine = FSDPEngine(ModelConfig(preset="qwen2-tiny", value_head=True, value_head_path=str(path)),
+                            EngineConfig())
+        with pytest.raises((ValueError, OSError), match=message) as info:
+            engine.initialize()
+        assert "\n" not in str(info.value)
