@@ -29,7 +29,8 @@ from typing import Callable
 import torch
 from omegaconf import OmegaConf
 
-from polyfsdp.backends.distributed import barrier, broadcast_object, current_rank, current_world_size, init_distributed
+from polyfsdp.backends.distributed import (all_reduce_max, barrier, broadcast_object, current_rank, current_world_size,
+                                           init_distributed)
 from polyfsdp.backends.registry import get_backend
 from polyfsdp.engines.engine import FSDPEngine
 from polyfsdp.engines.losses import SFTLoss
@@ -45,6 +46,7 @@ from .progress import Progress
 from .rewards import build_scorer
 from .resume import STATE_FILE, ResumePoint, check_same_run, find_resume, load_resume_checkpoint
 from .sft import sft_step
+from .stop import Preempted, StopRequest
 from .task import TOKENIZER_FILE, load_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -120,6 +122,9 @@ class Job:
         check_position_budget(self.source, model_max_positions(cfg.model), self.eval_tokens,
                               "algo.grpo.max_new_tokens" if grpo is not None else "the longest answer")
         self.t0 = time.perf_counter()
+        self.stop = StopRequest()       # train.main installs it around run()
+        self.position: tuple[str, int] | None = None  # (phase, steps done) of the last finished step
+        self.last_checkpoint: Path | None = None
 
     # ------------------------------------------------------------------ helpers
     def _shard(self, examples: list) -> list:
@@ -153,7 +158,7 @@ class Job:
              f"[{time.perf_counter() - t:.1f}s]")
         return value
 
-    def _checkpoint(self, engine: FSDPEngine, phase: str, step: int, global_step: int) -> None:
+    def _checkpoint(self, engine: FSDPEngine, phase: str, step: int, global_step: int) -> Path:
         extra = {"phase": phase, "phase_step": step, "global_step": global_step,
                  "metrics_lines": self.metrics.lines, "metrics_path": self.metrics.path,
                  "data_position": step * (self.cfg.trainer.sft_batch_size if phase == "sft"
@@ -161,6 +166,12 @@ class Job:
         path = engine.save_checkpoint(str(self.out / "checkpoints" / phase), step=step, extra=extra,
                                       keep=self.cfg.trainer.keep_checkpoints)
         _say(f"{CHECKPOINT_MARKER} {path} (phase {phase}, step {step}, global step {global_step})")
+        self.last_checkpoint = Path(path)
+        return self.last_checkpoint
+
+    def _stop_agreed(self, device) -> bool:
+        """Whether any rank got SIGTERM: all stop at the same step boundary, none waits alone."""
+        return all_reduce_max([float(self.stop.requested)], device=device)[0] > 0
 
     def _due(self, step: int, total: int) -> bool:
         every = self.cfg.trainer.checkpoint_interval
@@ -201,7 +212,7 @@ class Job:
         resume = None
         if self.rank == 0:
             check_same_run(cfg, out)
-            resume = find_resume(cfg, out)
+            resume = find_resume(cfg, out, say=_say)
             if resume is not None and resume.run_dir != out:
                 check_same_run(cfg, resume.run_dir)
             try:
@@ -258,6 +269,7 @@ class Job:
         """Position the engine and the metrics file where ``phase`` continues; returns its first step."""
         if resume is not None and resume.checkpoint is not None:
             _, extra = load_resume_checkpoint(engine, resume.checkpoint)
+            self.last_checkpoint = resume.checkpoint
             step = int(extra["phase_step"])
             if step > phase.steps:
                 # Nothing to run: a "final" evaluation at the lower step count would be mislabelled.
@@ -310,8 +322,14 @@ class Job:
             self._record(phase.name, step + 1, global_step, step_fn(step, examples), progress)
             if every and (step + 1) % every == 0 and step + 1 != phase.steps:
                 self._evaluate(engine, "step", global_step)
-            if self._due(step + 1, phase.steps):
+            self.position = (phase.name, step + 1)
+            saved = self._due(step + 1, phase.steps)
+            if saved:
                 self._checkpoint(engine, phase.name, step + 1, global_step)
+            if self._stop_agreed(engine.device):
+                progress.close()
+                path = self.last_checkpoint if saved else self._checkpoint(engine, phase.name, step + 1, global_step)
+                raise Preempted(phase.name, step + 1, path)
         progress.close()
         end_step = phase.step_offset + phase.steps
         self._evaluate(engine, phase.end_tag, end_step)

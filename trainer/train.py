@@ -66,6 +66,12 @@ def _error(exc: BaseException) -> int:
     return EXIT_USAGE
 
 
+def _interrupted_line(job) -> str:
+    where = f"after {job.position[0]} step {job.position[1]}" if job.position else "before the first step"
+    last = f"last checkpoint {job.last_checkpoint}" if job.last_checkpoint else "no checkpoint yet"
+    return (f"interrupted {where}; {last}; continue with trainer.output_dir={job.out} trainer.resume=auto")
+
+
 def _usage() -> str:
     groups = "\n".join(f"  {g:<8} {', '.join(available_options(g))}" for g in GROUPS)
     return USAGE.format(groups=groups)
@@ -102,6 +108,7 @@ def main(argv: list[str] | None = None) -> int:
     from polyfsdp.backends.distributed import destroy_distributed
 
     from .data import DataError
+    from .stop import EXIT_TERMINATED, Preempted
 
     args = list(sys.argv[1:] if argv is None else argv)
     if "-h" in args or "--help" in args:
@@ -136,15 +143,20 @@ def main(argv: list[str] | None = None) -> int:
         return _error(exc)
     finished = False
     try:
-        job.run()
+        with job.stop:
+            job.run()
         finished = True
     except user_errors as exc:
         return _error(exc)
+    except Preempted as exc:
+        finished = True  # every rank stopped at the same step boundary
+        if _rank() == 0:
+            print(f"polyfsdp-train: {exc}", file=sys.stderr, flush=True)
+        return EXIT_TERMINATED
     except KeyboardInterrupt:
         # Ctrl-C is how runs are stopped: say how to continue instead of a traceback.
         if _rank() == 0:
-            print(f"polyfsdp-train: interrupted; continue from the last checkpoint with trainer.output_dir="
-                  f"{job.out} trainer.resume=auto", file=sys.stderr, flush=True)
+            print(f"polyfsdp-train: {_interrupted_line(job)}", file=sys.stderr, flush=True)
         return EXIT_INTERRUPTED
     finally:
         if owned_group:
