@@ -30,6 +30,7 @@ from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -38,11 +39,12 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
-from polyfsdp.backends.distributed import barrier, current_rank, current_world_size
+from polyfsdp.backends.distributed import all_gather_object, barrier, current_rank, current_world_size
 
-from .checkpoint_files import CheckpointError, check_dcp_metadata, load_plain, save_plain, verify_checkpoint, write_manifest
+from .checkpoint_files import (CheckpointError, CheckpointSaveError, check_dcp_metadata, load_plain, save_plain,
+                               verify_checkpoint, write_manifest)
 
-__all__ = ["CheckpointError", "complete_checkpoints", "export_hf", "latest_checkpoint", "load_checkpoint",
+__all__ = ["CheckpointError", "CheckpointSaveError", "complete_checkpoints", "export_hf", "latest_checkpoint", "load_checkpoint",
            "save_checkpoint", "step_dir_name", "verify_checkpoint"]
 
 logger = logging.getLogger(__name__)
@@ -195,35 +197,43 @@ def save_checkpoint(
     name = step_dir_name(step)
     tmp = directory / f"{TMP_PREFIX}{name}"
     final = directory / name
-    if rank == 0:
-        directory.mkdir(parents=True, exist_ok=True)
-        if tmp.exists():
-            logger.warning("removing leftover %s from an interrupted save", tmp)
-            shutil.rmtree(tmp)
-        tmp.mkdir()
-    barrier()
+    def prepare() -> None:
+        if rank == 0:
+            directory.mkdir(parents=True, exist_ok=True)
+            if tmp.exists():
+                logger.warning("removing leftover %s from an interrupted save", tmp)
+                shutil.rmtree(tmp)
+            tmp.mkdir()
 
-    # get_state_dict() initialises an empty optimizer state with a zero-lr step, which would
-    # advance Adam's step count of the live run: an optimizer that has not stepped yet is
-    # left out (and cleared on load) instead.
-    state = _sharded_state(model, optimizer if optimizer is not None and optimizer.state else None)
-    dcp.save(state, checkpoint_id=str(tmp))
-    save_plain(_rng_state(backend), tmp / f"rng_rank{rank}.pt")
-    if rank == 0:
-        trainer_state = {
-            "format_version": FORMAT_VERSION,
-            "step": step,
-            "extra": extra,
-            "lr_scheduler": lr_scheduler.state_dict() if lr_scheduler is not None else None,
-            "world_size": current_world_size(),
-            "has_optimizer_state": "optim" in state,
-        }
-        save_plain(trainer_state, tmp / TRAINER_STATE_FILE)
-    barrier()
+    def write() -> None:
+        # get_state_dict() initialises an empty optimizer state with a zero-lr step, which would
+        # advance Adam's step count of the live run: an optimizer that has not stepped yet is
+        # left out (and cleared on load) instead.
+        state = _sharded_state(model, optimizer if optimizer is not None and optimizer.state else None)
+        dcp.save(state, checkpoint_id=str(tmp))
+        save_plain(_rng_state(backend), tmp / f"rng_rank{rank}.pt")
+        if rank == 0:
+            trainer_state = {
+                "format_version": FORMAT_VERSION,
+                "step": step,
+                "extra": extra,
+                "lr_scheduler": lr_scheduler.state_dict() if lr_scheduler is not None else None,
+                "world_size": current_world_size(),
+                "has_optimizer_state": "optim" in state,
+            }
+            save_plain(trainer_state, tmp / TRAINER_STATE_FILE)
+
+    def commit() -> None:
+        if rank == 0:
+            write_manifest(tmp)  # last: every rank's files are in place
+            _commit(directory, tmp, final)
+
+    # Each stage ends with every rank learning whether any rank failed, so a full disk or an
+    # unwritable directory on one rank stops all of them (nobody waits in the next collective).
+    for stage in (prepare, write, commit):
+        _all_ranks_or_raise(stage, directory, tmp, final)
 
     if rank == 0:
-        write_manifest(tmp)  # last: every rank's files are in place
-        _commit(directory, tmp, final)
         if keep is not None:
             # The checkpoint just written always stays, even when an older step was re-saved
             # after newer ones (a run restarted from an earlier point).
@@ -234,6 +244,34 @@ def save_checkpoint(
         logger.info("saved checkpoint %s", final)
     barrier()
     return final
+
+
+def _all_ranks_or_raise(stage, directory: Path, tmp: Path, final: Path) -> None:
+    """Run ``stage`` on this rank; if it failed on any rank, remove the partial save and raise
+    the same one-line :class:`CheckpointSaveError` on every rank. ``latest`` is untouched."""
+    failure = None
+    try:
+        stage()
+    except (OSError, CheckpointException) as exc:
+        failure = _failure_text(exc)
+    failures = [f for f in all_gather_object(failure) if f is not None]
+    if not failures:
+        return
+    if current_rank() == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+    barrier()
+    kept = latest_checkpoint(directory)
+    raise CheckpointSaveError(f"cannot save checkpoint {final}: {failures[0]}; "
+                          f"{f'{kept} stays the latest checkpoint' if kept else 'there is no earlier checkpoint'}")
+
+
+def _failure_text(exc: BaseException) -> str:
+    # DCP wraps each rank's error (with a traceback) in a CheckpointException: keep the first cause.
+    if isinstance(exc, CheckpointException) and exc.failures:
+        exc = next(iter(exc.failures.values()))[0]
+    if isinstance(exc, OSError) and exc.strerror:
+        return f"{exc.strerror} ({exc.filename})" if exc.filename else exc.strerror
+    return " ".join(str(exc).split()) or type(exc).__name__
 
 
 def _commit(directory: Path, tmp: Path, final: Path) -> None:

@@ -32,6 +32,11 @@ class CheckpointError(ValueError):
     """A checkpoint that is missing, incomplete, damaged or not safe to load (one-line message)."""
 
 
+class CheckpointSaveError(CheckpointError, OSError):
+    """A save that failed (a full disk, an unwritable directory) on some rank; raised on every
+    rank, after the partial save is removed. Also an OSError: it is one."""
+
+
 def _sha256(path: Path) -> str:
     digest = hashlib.sha256()
     with open(path, "rb") as f:

@@ -123,7 +123,11 @@ def main(argv: list[str] | None = None) -> int:
         return _error(ConfigError(f"unknown option {unknown_flags[0]!r}; arguments are KEY=VALUE overrides "
                                   f"(see --help)"))
     _setup_logging()
-    user_errors = (ConfigError, DataError, BackendUnavailableError)
+    from polyfsdp.engines.checkpoint import CheckpointError
+
+    # CheckpointError: a save that failed (full disk, unwritable output); a damaged checkpoint
+    # to resume from is already a ConfigError naming trainer.resume.
+    user_errors = (ConfigError, DataError, BackendUnavailableError, CheckpointError)
     import torch.distributed as dist
 
     # Tear down only a process group this call created (an embedding process may own one).

@@ -1,5 +1,6 @@
 """Damaged and crafted checkpoints: the manifest catches damage without loading, every pickle is
 read with an allow-list (nothing in a checkpoint executes), and both are one-line CheckpointErrors."""
+import errno
 import json
 import os
 import pickle
@@ -133,3 +134,30 @@ def test_numpy_rng_state_round_trips(saved):
     _load(path.parent / "step_000005", parts)
     assert np.array_equal(np.random.rand(4), expected)
     assert os.path.isfile(path.parent / "step_000005" / MANIFEST_FILE)
+
+
+def _disk_full(*args, **kwargs):
+    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), "/injected/file")
+
+
+@pytest.mark.parametrize("where", ["shards", "rng file", "manifest"])
+def test_disk_full_during_a_save_keeps_the_previous_checkpoint_latest(saved, monkeypatch, where):
+    import torch.distributed.checkpoint.filesystem as dcp_filesystem
+
+    from polyfsdp.engines import checkpoint_files
+
+    path, (model, opt, sched) = saved
+    target = {"shards": (dcp_filesystem, "_write_item"), "rng file": (ckpt, "save_plain"),
+              "manifest": (checkpoint_files.json, "dump")}[where]
+    monkeypatch.setattr(*target, _disk_full)
+    with pytest.raises(ckpt.CheckpointSaveError) as info:
+        ckpt.save_checkpoint(path.parent, 2, model=model, optimizer=opt, lr_scheduler=sched)
+    monkeypatch.undo()
+    message = str(info.value)
+    assert message == (f"cannot save checkpoint {path.parent / 'step_000002'}: No space left on device "
+                       f"(/injected/file); {path} stays the latest checkpoint"), message
+    assert isinstance(info.value, OSError)
+    # Nothing half-written is left, and the previous checkpoint is still the one to resume.
+    assert sorted(p.name for p in path.parent.iterdir()) == ["latest", "step_000001"]
+    assert ckpt.latest_checkpoint(path.parent) == path
+    ckpt.verify_checkpoint(path)

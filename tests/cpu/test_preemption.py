@@ -72,3 +72,36 @@ def test_resume_auto_skips_a_damaged_checkpoint_and_an_explicit_one_is_one_line(
     assert "checkpoint saved: " + str(newest) in auto.stdout
     from polyfsdp.engines.checkpoint import verify_checkpoint
     verify_checkpoint(newest)
+
+
+def test_disk_full_during_a_checkpoint_stops_with_one_line_and_keeps_the_previous_one(tmp_path, monkeypatch, capsys):
+    import errno
+
+    from polyfsdp.engines import checkpoint
+    from polyfsdp.engines.checkpoint import latest_checkpoint
+    from polyfsdp.trainer.train import main
+
+    real_save_plain, calls = checkpoint.save_plain, []
+
+    def full_on_the_second_checkpoint(obj, path):
+        calls.append(path)
+        if "step_000002" in str(path):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+        real_save_plain(obj, path)
+
+    monkeypatch.setattr(checkpoint, "save_plain", full_on_the_second_checkpoint)
+    out = tmp_path / "run"
+    threads = torch.get_num_threads()
+    try:
+        code = main([*TINY, "algo=sft", "trainer.sft_steps=3", "trainer.checkpoint_interval=1",
+                     f"trainer.output_dir={out}"])
+    finally:
+        torch.set_num_threads(threads)
+    sft = out / "checkpoints" / "sft"
+    err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert code == 2 and len(err) == 1, err
+    assert err[0] == (f"polyfsdp-train: error: cannot save checkpoint {sft / 'step_000002'}: No space left on device "
+                      f"({sft / '.tmp-step_000002' / 'rng_rank0.pt'}); {sft / 'step_000001'} stays the latest "
+                      f"checkpoint"), err[0]
+    assert latest_checkpoint(sft) == sft / "step_000001" and sorted(p.name for p in sft.iterdir()) == \
+        ["latest", "step_000001"]
