@@ -125,6 +125,7 @@ class Job:
         self.stop = StopRequest()       # train.main installs it around run()
         self.position: tuple[str, int] | None = None  # (phase, steps done) of the last finished step
         self.last_checkpoint: Path | None = None
+        self._patches_shown: set[tuple[str, str]] = set()  # (model directory, patch summary) printed
 
     # ------------------------------------------------------------------ helpers
     def _shard(self, examples: list) -> list:
@@ -143,7 +144,9 @@ class Job:
             raise ConfigError(f"model ({model_dir}): {type(exc).__name__}: {exc}") from None
         if engine.patch_report is not None and engine.patch_report.failed:
             _say(str(engine.patch_report))  # a failed patch is worth the whole table
-        elif engine.patch_report is not None:
+        elif engine.patch_report is not None and (model_dir, engine.patch_report.summary()) not in self._patches_shown:
+            # GRPO's reference is the policy's starting model: its summary would repeat the policy's.
+            self._patches_shown.add((model_dir, engine.patch_report.summary()))
             _say(f"[{phase} {role}] {engine.patch_report.summary()}")
         return engine
 
@@ -345,8 +348,6 @@ class Job:
             if record is not None:
                 rewards[tag] = record["reward"]
         if self.rank == 0:
-            chain = " -> ".join(f"{tag} {value:.3f}" for tag, value in rewards.items())
-            _say(f"held-out mean reward: {chain}")
             if self.cfg.trainer.plot:
                 from .plot import plot_metrics
 
@@ -354,4 +355,7 @@ class Job:
                 _say(f"curves: {png}")
             _say(f"metrics: {self.metrics.path}")
             _say(f"done in {time.perf_counter() - self.t0:.1f}s")
+            # The result is the last line: what a user (or `tail -1`) reads.
+            chain = " -> ".join(f"{tag} {value:.3f}" for tag, value in rewards.items())
+            _say(f"held-out mean reward: {chain}")
         return rewards

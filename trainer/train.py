@@ -47,8 +47,6 @@ def _setup_logging() -> None:
     level = logging.INFO if _rank() == 0 else logging.WARNING
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     logging.getLogger("polyfsdp.trainer").setLevel(level)
-    # torch.fx warns once per process about is_fx_tracing while transformers builds masks.
-    logging.getLogger("torch.fx._symbolic_trace").setLevel(logging.ERROR)
     try:
         from transformers.utils import logging as hf_logging
 
