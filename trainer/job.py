@@ -43,6 +43,7 @@ from .grpo import grpo_step
 from .metrics import METRICS_FILE, MetricsLogger
 from .model_init import write_initial_model
 from .progress import Progress
+from .rank_errors import on_every_rank
 from .rewards import build_scorer
 from .resume import STATE_FILE, ResumePoint, check_same_run, find_resume, load_resume_checkpoint
 from .sft import sft_step
@@ -115,8 +116,10 @@ class Job:
         else:
             check_tokenizer_covers(self.source, self.tokenizer)
         grpo = cfg.algo.grpo
-        if grpo is not None and self.rank == 0:
-            check_generation_budget(self.source, self.tokenizer, grpo.max_new_tokens)
+        if grpo is not None:
+            # Rank 0 checks; the others learn its verdict instead of waiting for it in a collective.
+            on_every_rank(lambda: check_generation_budget(self.source, self.tokenizer, grpo.max_new_tokens)
+                          if self.rank == 0 else None)
         self.eval_tokens = grpo.max_new_tokens if grpo is not None else \
             max_answer_tokens(self.source, self.tokenizer) + 2
         check_position_budget(self.source, model_max_positions(cfg.model), self.eval_tokens,

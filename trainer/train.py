@@ -58,6 +58,10 @@ def _setup_logging() -> None:
 
 
 def _error(exc: BaseException) -> int:
+    from .rank_errors import RankError
+
+    if isinstance(exc, RankError) and _rank() != 0:
+        return EXIT_USAGE  # every rank has it: rank 0 prints the one line
     message = " ".join(str(exc).split()) or type(exc).__name__
     prefix = "polyfsdp-train: error: " if _rank() == 0 else f"polyfsdp-train [rank {_rank()}]: error: "
     print(prefix + message, file=sys.stderr, flush=True)
@@ -125,7 +129,9 @@ def main(argv: list[str] | None = None) -> int:
 
     # CheckpointError: a save that failed (full disk, unwritable output); a damaged checkpoint
     # to resume from is already a ConfigError naming trainer.resume.
-    user_errors = (ConfigError, DataError, BackendUnavailableError, CheckpointError)
+    from .rank_errors import RankError
+
+    user_errors = (ConfigError, DataError, BackendUnavailableError, CheckpointError, RankError)
     import torch.distributed as dist
 
     # Tear down only a process group this call created (an embedding process may own one).
