@@ -131,3 +131,25 @@ def test_an_error_on_one_rank_stops_every_rank_promptly_with_one_line(tmp_path):
     assert ours[0].startswith(f"polyfsdp-train: error: rank 1: reward.fn={tmp_path / 'bad.py'}:score raised "
                               f"ValueError: bad record (record "), ours[0]
     assert "Traceback" not in two.stdout
+
+
+def test_sigterm_on_one_rank_checkpoints_every_rank_and_resume_completes(tmp_path):
+    child = os.path.join(os.path.dirname(__file__), "..", "cpu", "cli_sigterm_child.py")
+    out = tmp_path / "two"
+    env = {**os.environ, "POLYFSDP_BACKEND": "cpu", "OMP_NUM_THREADS": "1", "SIGTERM_RANK": "1"}
+    steps = ["trainer.sft_steps=0", "trainer.export=false", "trainer.checkpoint_interval=0"]
+    preempted = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+                                "--master_addr", "127.0.0.1", "--master_port", str(free_port()), child, "grpo", "1",
+                                *OVERRIDES, *steps, f"trainer.output_dir={out}"],
+                               capture_output=True, text=True, timeout=240, env=env)
+    checkpoint = out / "checkpoints" / "grpo" / "step_000001"
+    ours = [line for line in preempted.stderr.splitlines() if line.startswith("polyfsdp-train")]
+    # Only rank 1 got the signal; both ranks saved at the same boundary and stopped (no hang).
+    assert ours == [f"polyfsdp-train: stopped by SIGTERM after grpo step 1; checkpoint saved: {checkpoint}; "
+                    f"continue with trainer.resume=auto"], preempted.stderr[-3000:]
+    assert {p.name for p in checkpoint.iterdir()} >= {"rng_rank0.pt", "rng_rank1.pt", "manifest.json"}
+    resumed = _launch(out, 2, *steps, "trainer.resume=auto")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"resuming grpo from {checkpoint}" in resumed.stdout
+    grpo = [r["step"] for r in read_metrics(str(out / "metrics.jsonl")) if r["phase"] == "grpo"]
+    assert grpo == [1, 2]
