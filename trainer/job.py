@@ -171,8 +171,8 @@ class Job:
                                           else self.cfg.trainer.prompts_per_step)}
         path = engine.save_checkpoint(str(self.out / "checkpoints" / phase), step=step, extra=extra,
                                       keep=self.cfg.trainer.keep_checkpoints)
+        self.last_checkpoint = Path(path)  # before the line: a Ctrl-C right after it must name this one
         _say(f"{CHECKPOINT_MARKER} {path} (phase {phase}, step {step}, global step {global_step})")
-        self.last_checkpoint = Path(path)
         return self.last_checkpoint
 
     def _stop_agreed(self, device) -> bool:

@@ -127,10 +127,10 @@ def main(argv: list[str] | None = None) -> int:
     _setup_logging()
     from polyfsdp.engines.checkpoint import CheckpointError
 
-    # CheckpointError: a save that failed (full disk, unwritable output); a damaged checkpoint
-    # to resume from is already a ConfigError naming trainer.resume.
     from .rank_errors import RankError
 
+    # CheckpointError: a save that failed (full disk, unwritable output); a damaged checkpoint
+    # to resume from is already a ConfigError naming trainer.resume. RankError: one rank's error.
     user_errors = (ConfigError, DataError, BackendUnavailableError, CheckpointError, RankError)
     import torch.distributed as dist
 
