@@ -12,6 +12,11 @@ class BackendUnavailableError(RuntimeError):
     """An explicitly requested backend cannot be used here; the message says why."""
 
 
+class UnknownBackendError(BackendUnavailableError, ValueError):
+    """A backend name (``backend=`` or ``POLYFSDP_BACKEND``) that is not one of ours: a
+    ValueError for callers, and one line from ``polyfsdp-train`` like any unusable backend."""
+
+
 class Backend(ABC):
     """One device family (cpu, cuda, npu). Subclasses are the only code naming a device.
 

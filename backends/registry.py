@@ -5,7 +5,7 @@ import logging
 import os
 from dataclasses import dataclass
 
-from .base import Backend, BackendUnavailableError
+from .base import Backend, BackendUnavailableError, UnknownBackendError
 from .cpu import CPUBackend
 from .cuda import CUDABackend
 from .npu import NPUBackend
@@ -39,7 +39,7 @@ def _instance(name: str) -> Backend:
 def _check_name(name: str, source: str) -> str:
     name = name.strip().lower()
     if name not in BACKEND_NAMES:
-        raise ValueError(f"{source}: unknown backend {name!r}; choose one of {', '.join(BACKEND_NAMES)}")
+        raise UnknownBackendError(f"{source}: unknown backend {name!r}; choose one of {', '.join(BACKEND_NAMES)}")
     return name
 
 

@@ -6,13 +6,16 @@ Layout of ``directory``::
         .metadata, *.distcp model + optimizer shards (torch.distributed.checkpoint)
         trainer_state.pt    step, extra, scheduler state, world size  (rank 0)
         rng_rank{r}.pt      RNG states of rank r
+        manifest.json       every other file's size and SHA-256, written last (rank 0)
     .tmp-step_000130/       a save in progress (or one that crashed): never read
     latest                  text file naming the newest complete checkpoint
 
 A save writes everything into the temporary directory, waits for every rank, then rank 0
 renames it into place and replaces ``latest`` atomically (temp file + ``os.replace``); older
 checkpoints beyond ``keep`` are deleted only after that. So a crash at any point leaves
-``latest`` naming a complete checkpoint. Checkpoint files are pickles: load only your own.
+``latest`` naming a complete checkpoint. Loading checks the manifest and reads every pickle
+with an allow-list (``checkpoint_files.py``): a damaged or crafted checkpoint is a
+:class:`CheckpointError`, and nothing in it executes.
 """
 from __future__ import annotations
 
@@ -27,6 +30,7 @@ from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -35,14 +39,21 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
-from polyfsdp.backends.distributed import barrier, current_rank, current_world_size
+from polyfsdp.backends.distributed import all_gather_object, barrier, current_rank, current_world_size
+
+from .checkpoint_files import (CheckpointError, CheckpointSaveError, check_dcp_metadata, load_plain, save_plain,
+                               verify_checkpoint, write_manifest)
+
+__all__ = ["CheckpointError", "CheckpointSaveError", "complete_checkpoints", "export_hf", "latest_checkpoint", "load_checkpoint",
+           "save_checkpoint", "step_dir_name", "verify_checkpoint"]
 
 logger = logging.getLogger(__name__)
 
 LATEST_FILE = "latest"
 TMP_PREFIX = ".tmp-"
 TRAINER_STATE_FILE = "trainer_state.pt"
-FORMAT_VERSION = 1
+# 2: RNG and trainer state hold only tensors and plain types (weights-only loading), manifest.json.
+FORMAT_VERSION = 2
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 
 
@@ -77,7 +88,7 @@ def _is_complete(path: Path) -> bool:
     return path.is_dir() and _STEP_DIR.match(path.name) is not None and (path / TRAINER_STATE_FILE).is_file()
 
 
-def _complete_checkpoints(directory: Path) -> list[Path]:
+def complete_checkpoints(directory: Path) -> list[Path]:
     """Complete checkpoints in ``directory``, oldest step first."""
     if not directory.is_dir():
         return []
@@ -95,7 +106,7 @@ def latest_checkpoint(directory: str | os.PathLike) -> Path | None:
         if _is_complete(target):
             return target
         logger.warning("%s names %s, which is not a complete checkpoint; scanning instead", pointer, target)
-    found = _complete_checkpoints(directory)
+    found = complete_checkpoints(directory)
     return found[-1] if found else None
 
 
@@ -106,7 +117,10 @@ def _rng_state(backend) -> dict[str, Any]:
     except ImportError:
         np = None
     if np is not None:
-        state["numpy"] = np.random.get_state()
+        # numpy's state holds an ndarray, which weights-only loading refuses: keep it as a tensor.
+        name, keys, pos, has_gauss, cached = np.random.get_state()
+        state["numpy"] = {"bit_generator": name, "keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos),
+                          "has_gauss": int(has_gauss), "cached_gaussian": float(cached)}
     if backend is not None:
         state["backend"] = backend.get_rng_state()
     return state
@@ -121,21 +135,29 @@ def _set_rng_state(state: dict[str, Any], backend) -> None:
         except ImportError:
             logger.warning("checkpoint holds a numpy RNG state but numpy is not installed; skipped")
         else:
-            np.random.set_state(state["numpy"])
+            saved = state["numpy"]
+            np.random.set_state((saved["bit_generator"], saved["keys"].numpy().astype(np.uint32), saved["pos"],
+                                 saved["has_gauss"], saved["cached_gaussian"]))
     if backend is not None and "backend" in state:
         backend.set_rng_state(state["backend"])
 
 
-def _save_torch(obj: Any, path: Path) -> None:
-    with open(path, "wb") as f:
-        torch.save(obj, f)
-        f.flush()
-        os.fsync(f.fileno())
+_PLAIN_TYPES = (str, int, float, bool, type(None), torch.Tensor)
 
 
-def _load_torch(path: Path) -> Any:
-    # Our own pickles (RNG tuples, numpy arrays, user ``extra``): not weights-only.
-    return torch.load(path, map_location="cpu", weights_only=False)
+def _check_plain(value: Any, where: str) -> None:
+    """``extra`` is loaded weights-only: refuse at save time what could not be loaded back."""
+    if isinstance(value, dict):
+        for key, item in value.items():
+            if not isinstance(key, (str, int)):
+                raise TypeError(f"{where}: key {key!r} is a {type(key).__name__}; checkpoint extra keys are str or int")
+            _check_plain(item, f"{where}[{key!r}]")
+    elif isinstance(value, (list, tuple)):
+        for i, item in enumerate(value):
+            _check_plain(item, f"{where}[{i}]")
+    elif not isinstance(value, _PLAIN_TYPES):
+        raise TypeError(f"{where} is a {type(value).__name__}; checkpoint extra holds tensors, str, int, float, bool, "
+                        f"None and lists/tuples/dicts of them")
 
 
 # Only what is trained is saved: frozen parameters (a LoRA run's base model) are rebuilt
@@ -176,49 +198,87 @@ def save_checkpoint(
         raise ValueError(f"step must be a non-negative int, got {step!r}")
     if keep is not None and (not isinstance(keep, int) or keep < 1):
         raise ValueError(f"keep must be a positive int or None, got {keep!r}")
+    _check_plain(extra, "extra")
     directory = Path(directory)
     rank = current_rank()
     name = step_dir_name(step)
     tmp = directory / f"{TMP_PREFIX}{name}"
     final = directory / name
-    if rank == 0:
-        directory.mkdir(parents=True, exist_ok=True)
-        if tmp.exists():
-            logger.warning("removing leftover %s from an interrupted save", tmp)
-            shutil.rmtree(tmp)
-        tmp.mkdir()
-    barrier()
+    def prepare() -> None:
+        if rank == 0:
+            directory.mkdir(parents=True, exist_ok=True)
+            if tmp.exists():
+                logger.warning("removing leftover %s from an interrupted save", tmp)
+                shutil.rmtree(tmp)
+            tmp.mkdir()
 
-    # get_state_dict() initialises an empty optimizer state with a zero-lr step, which would
-    # advance Adam's step count of the live run: an optimizer that has not stepped yet is
-    # left out (and cleared on load) instead.
-    state = _sharded_state(model, optimizer if optimizer is not None and optimizer.state else None)
-    dcp.save(state, checkpoint_id=str(tmp))
-    _save_torch(_rng_state(backend), tmp / f"rng_rank{rank}.pt")
-    if rank == 0:
-        trainer_state = {
-            "format_version": FORMAT_VERSION,
-            "step": step,
-            "extra": extra,
-            "lr_scheduler": lr_scheduler.state_dict() if lr_scheduler is not None else None,
-            "world_size": current_world_size(),
-            "has_optimizer_state": "optim" in state,
-        }
-        _save_torch(trainer_state, tmp / TRAINER_STATE_FILE)
-    barrier()
+    def write() -> None:
+        # get_state_dict() initialises an empty optimizer state with a zero-lr step, which would
+        # advance Adam's step count of the live run: an optimizer that has not stepped yet is
+        # left out (and cleared on load) instead.
+        state = _sharded_state(model, optimizer if optimizer is not None and optimizer.state else None)
+        dcp.save(state, checkpoint_id=str(tmp))
+        save_plain(_rng_state(backend), tmp / f"rng_rank{rank}.pt")
+        if rank == 0:
+            trainer_state = {
+                "format_version": FORMAT_VERSION,
+                "step": step,
+                "extra": extra,
+                "lr_scheduler": lr_scheduler.state_dict() if lr_scheduler is not None else None,
+                "world_size": current_world_size(),
+                "has_optimizer_state": "optim" in state,
+            }
+            save_plain(trainer_state, tmp / TRAINER_STATE_FILE)
+
+    def commit() -> None:
+        if rank == 0:
+            write_manifest(tmp)  # last: every rank's files are in place
+            _commit(directory, tmp, final)
+
+    # Each stage ends with every rank learning whether any rank failed, so a full disk or an
+    # unwritable directory on one rank stops all of them (nobody waits in the next collective).
+    for stage in (prepare, write, commit):
+        _all_ranks_or_raise(stage, directory, tmp, final)
 
     if rank == 0:
-        _commit(directory, tmp, final)
         if keep is not None:
             # The checkpoint just written always stays, even when an older step was re-saved
             # after newer ones (a run restarted from an earlier point).
-            others = [p for p in _complete_checkpoints(directory) if p != final]
+            others = [p for p in complete_checkpoints(directory) if p != final]
             for old in others[: max(0, len(others) - (keep - 1))]:
                 logger.info("deleting old checkpoint %s (keep=%d)", old, keep)
                 shutil.rmtree(old)
         logger.info("saved checkpoint %s", final)
     barrier()
     return final
+
+
+def _all_ranks_or_raise(stage, directory: Path, tmp: Path, final: Path) -> None:
+    """Run ``stage`` on this rank; if it failed on any rank, remove the partial save and raise
+    the same one-line :class:`CheckpointSaveError` on every rank. ``latest`` is untouched."""
+    failure = None
+    try:
+        stage()
+    except (OSError, CheckpointException) as exc:
+        failure = _failure_text(exc)
+    failures = [f for f in all_gather_object(failure) if f is not None]
+    if not failures:
+        return
+    if current_rank() == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+    barrier()
+    kept = latest_checkpoint(directory)
+    raise CheckpointSaveError(f"cannot save checkpoint {final}: {failures[0]}; "
+                          f"{f'{kept} stays the latest checkpoint' if kept else 'there is no earlier checkpoint'}")
+
+
+def _failure_text(exc: BaseException) -> str:
+    # DCP wraps each rank's error (with a traceback) in a CheckpointException: keep the first cause.
+    if isinstance(exc, CheckpointException) and exc.failures:
+        exc = next(iter(exc.failures.values()))[0]
+    if isinstance(exc, OSError) and exc.strerror:
+        return f"{exc.strerror} ({exc.filename})" if exc.filename else exc.strerror
+    return " ".join(str(exc).split()) or type(exc).__name__
 
 
 def _commit(directory: Path, tmp: Path, final: Path) -> None:
@@ -257,13 +317,19 @@ def load_checkpoint(
         if found is None:
             raise FileNotFoundError(f"no complete checkpoint in {path} (expected step_* directories or a 'latest' file)")
         path = found
-    trainer_state = _load_torch(path / TRAINER_STATE_FILE)
-    version = trainer_state.get("format_version")
+    # Every rank checks the same files, so all of them raise (or none does) before a collective.
+    verify_checkpoint(path)
+    check_dcp_metadata(path)
+    trainer_state = load_plain(path / TRAINER_STATE_FILE)
+    version = trainer_state.get("format_version") if isinstance(trainer_state, dict) else None
     if version != FORMAT_VERSION:
-        raise ValueError(f"{path}: checkpoint format_version {version!r}, this code reads {FORMAT_VERSION}")
+        raise CheckpointError(f"{path}: checkpoint format_version {version!r}, this code reads {FORMAT_VERSION}")
     if lr_scheduler is not None and trainer_state["lr_scheduler"] is None:
         raise ValueError(f"{path}: checkpoint has no scheduler state but load_checkpoint was given "
                          f"lr_scheduler={lr_scheduler!r}; pass lr_scheduler=None")
+    rank = current_rank()
+    rng_file = path / f"rng_rank{rank}.pt"
+    rng_state = load_plain(rng_file) if rng_file.is_file() else None
 
     load_optim = optimizer is not None and trainer_state["has_optimizer_state"]
     if optimizer is not None and not load_optim:
@@ -282,10 +348,8 @@ def load_checkpoint(
             for group, lr in zip(optimizer.param_groups, lr_scheduler.get_last_lr()):
                 group["lr"] = lr
 
-    rank = current_rank()
-    rng_file = path / f"rng_rank{rank}.pt"
-    if rng_file.is_file():
-        _set_rng_state(_load_torch(rng_file), backend)
+    if rng_state is not None:
+        _set_rng_state(rng_state, backend)
     else:
         logger.warning(
             "%s has no RNG state for rank %d (saved with world size %d, now %d): RNG not restored",

@@ -353,6 +353,9 @@ class FSDPEngine(CheckpointMixin):
         are also accumulated for :meth:`optimizer_step`, which reads and reduces them.
         """
         self._check_trainable()
+        if not callable(loss_fn):
+            raise TypeError(f"loss_fn must be a callable taking LossInputs and returning (loss, metrics), such as "
+                            f"SFTLoss() or PPOLoss(); got {loss_fn!r}")
         required = tuple(getattr(loss_fn, "required_fields", ()))
         missing = [k for k in required if k not in batch.keys()]
         if missing:

@@ -7,6 +7,8 @@ torch's native padded->jagged kernel; other devices use one gather index built w
 """
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from . import jagged_checks as checks
@@ -133,6 +135,18 @@ def unpack_to_padded(values: torch.Tensor, offsets: torch.Tensor, max_len: int, 
     if side == "left":
         row_starts = row_starts + (max_len - lens)
     return scatter_rows(values, row_starts, lens, offsets, B, max_len, padding_value)
+
+
+class _DropTorchsOwnIsFxTracingWarning(logging.Filter):
+    """torch 2.13's ``nested_tensor_from_jagged`` calls its own deprecated ``torch.fx`` helper
+    ``is_fx_tracing()``, which logs a deprecation warning (once per process) meant for callers of
+    that helper: every user of a jagged batch saw it. Only that message is dropped."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith("is_fx_tracing will return true")
+
+
+logging.getLogger("torch.fx._symbolic_trace").addFilter(_DropTorchsOwnIsFxTracingWarning())
 
 
 def wrap(values: torch.Tensor, offsets: torch.Tensor, min_len: int, max_len: int) -> torch.Tensor:

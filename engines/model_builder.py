@@ -3,8 +3,10 @@ from __future__ import annotations
 
 import logging
 import os
+from pathlib import Path
 
 import torch
+from safetensors import SafetensorError, safe_open
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from polyfsdp.backends.base import Backend
@@ -52,18 +54,34 @@ def build_model(config: ModelConfig, backend: Backend, patch_toggles=None, compu
         return _build(config, dtype, "eager", backend, patch_toggles)
 
 
+def _damaged_weights_file(directory: str) -> str | None:
+    """The first ``*.safetensors`` file in ``directory`` whose header does not fit the file."""
+    for file in sorted(Path(directory).glob("*.safetensors")):
+        try:
+            with safe_open(str(file), framework="pt"):
+                pass
+        except SafetensorError:
+            return str(file)
+    return None
+
+
 def _build(config: ModelConfig, dtype: torch.dtype, attn: str, backend: Backend, patch_toggles):
     if config.path is not None:
         _check_checkpoint_dir(config.path)
         if config.vocab_size is not None:
             raise ValueError(f"ModelConfig.vocab_size: applies to presets only; a checkpoint's vocabulary is "
                              f"fixed by its weights (got vocab_size={config.vocab_size} with path={config.path!r})")
+        # trust_remote_code stays False: a directory's own Python code never runs.
         try:
-            hf_config = AutoConfig.from_pretrained(config.path, local_files_only=True)
+            hf_config = AutoConfig.from_pretrained(config.path, local_files_only=True, trust_remote_code=False)
             model = AutoModelForCausalLM.from_pretrained(config.path, config=hf_config, local_files_only=True,
-                                                         dtype=dtype, attn_implementation=attn)
+                                                         dtype=dtype, attn_implementation=attn,
+                                                         trust_remote_code=False)
         except (OSError, ValueError) as exc:
             raise ValueError(f"ModelConfig.path: could not load a causal LM from {config.path!r}: {exc}") from exc
+        except SafetensorError as exc:
+            raise ValueError(f"ModelConfig.path: {_damaged_weights_file(config.path) or config.path}: unreadable "
+                             f"safetensors ({' '.join(str(exc).split())}); truncated or damaged?") from None
     else:
         overrides = {} if config.vocab_size is None else {"vocab_size": config.vocab_size}
         hf_config = preset_config(config.preset, **overrides)

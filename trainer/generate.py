@@ -10,6 +10,7 @@ import torch
 from polyfsdp.backends.distributed import all_reduce_sum, current_rank, current_world_size
 
 from .chat import example_prompt_tokens
+from .rank_errors import on_every_rank
 from .task import Example
 
 logger = logging.getLogger(__name__)
@@ -127,7 +128,9 @@ def rollout(engine, tokenizer, examples: list[Example], n: int, max_new_tokens: 
     if return_log_probs:
         responses, log_probs = responses
     texts = [tokenizer.decode(r) for r in responses]
-    rewards, extras = (scorer or _default_scorer()).score_all(examples, texts, responses, group=n)
+    # A reward that raises on this rank's records must stop every rank (the next step is a collective).
+    rewards, extras = on_every_rank(lambda: (scorer or _default_scorer()).score_all(examples, texts, responses,
+                                                                                     group=n))
     return Rollout(prompts, responses, texts, rewards, extras, log_probs)
 
 

@@ -30,7 +30,8 @@ from typing import Callable
 import torch
 from omegaconf import OmegaConf
 
-from polyfsdp.backends.distributed import barrier, broadcast_object, current_rank, current_world_size, init_distributed
+from polyfsdp.backends.distributed import (all_reduce_max, barrier, broadcast_object, current_rank, current_world_size,
+                                           init_distributed)
 from polyfsdp.backends.registry import get_backend
 from polyfsdp.engines.engine import FSDPEngine
 from polyfsdp.engines.lora import AdaptersOff
@@ -45,9 +46,11 @@ from .ppo import ppo_step
 from .metrics import METRICS_FILE, MetricsLogger
 from .model_init import write_initial_model
 from .progress import Progress
+from .rank_errors import on_every_rank
 from .rewards import build_scorer
 from .resume import STATE_FILE, ResumePoint, check_same_run, find_resume, load_resume_checkpoint
 from .sft import sft_step
+from .stop import Preempted, StopRequest
 from .task import TOKENIZER_FILE, load_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -118,14 +121,20 @@ class Job:
         else:
             check_tokenizer_covers(self.source, self.tokenizer)
         grpo = cfg.algo.grpo
-        if grpo is not None and self.rank == 0:
-            check_generation_budget(self.source, self.tokenizer, grpo.max_new_tokens)
+        if grpo is not None:
+            # Rank 0 checks; the others learn its verdict instead of waiting for it in a collective.
+            on_every_rank(lambda: check_generation_budget(self.source, self.tokenizer, grpo.max_new_tokens)
+                          if self.rank == 0 else None)
         self.eval_tokens = grpo.max_new_tokens if grpo is not None else \
             max_answer_tokens(self.source, self.tokenizer) + 2
         check_position_budget(self.source, model_max_positions(cfg.model), self.eval_tokens,
                               "algo.grpo.max_new_tokens" if grpo is not None else "the longest answer")
         self.critic: FSDPEngine | None = None  # algo=ppo's critic, during the RL phase
         self.t0 = time.perf_counter()
+        self.stop = StopRequest()       # train.main installs it around run()
+        self.position: tuple[str, int] | None = None  # (phase, steps done) of the last finished step
+        self.last_checkpoint: Path | None = None
+        self._patches_shown: set[tuple[str, str]] = set()  # (model directory, patch summary) printed
 
     # ------------------------------------------------------------------ helpers
     def _shard(self, examples: list) -> list:
@@ -150,7 +159,9 @@ class Job:
             raise ConfigError(f"model ({model_dir}): {type(exc).__name__}: {exc}") from None
         if engine.patch_report is not None and engine.patch_report.failed:
             _say(str(engine.patch_report))  # a failed patch is worth the whole table
-        elif engine.patch_report is not None:
+        elif engine.patch_report is not None and (model_dir, engine.patch_report.summary()) not in self._patches_shown:
+            # GRPO's reference is the policy's starting model: its summary would repeat the policy's.
+            self._patches_shown.add((model_dir, engine.patch_report.summary()))
             _say(f"[{phase} {role}] {engine.patch_report.summary()}")
         return engine
 
@@ -165,7 +176,7 @@ class Job:
              f"[{time.perf_counter() - t:.1f}s]")
         return value
 
-    def _checkpoint(self, engine: FSDPEngine, phase: str, step: int, global_step: int) -> None:
+    def _checkpoint(self, engine: FSDPEngine, phase: str, step: int, global_step: int) -> Path:
         extra = {"phase": phase, "phase_step": step, "global_step": global_step,
                  "metrics_lines": self.metrics.lines, "metrics_path": self.metrics.path,
                  "data_position": step * (self.cfg.trainer.sft_batch_size if phase == "sft"
@@ -177,7 +188,13 @@ class Job:
                                         keep=self.cfg.trainer.keep_checkpoints)
         path = engine.save_checkpoint(str(self.out / "checkpoints" / phase), step=step, extra=extra,
                                       keep=self.cfg.trainer.keep_checkpoints)
+        self.last_checkpoint = Path(path)  # before the line: a Ctrl-C right after it must name this one
         _say(f"{CHECKPOINT_MARKER} {path} (phase {phase}, step {step}, global step {global_step})")
+        return self.last_checkpoint
+
+    def _stop_agreed(self, device) -> bool:
+        """Whether any rank got SIGTERM: all stop at the same step boundary, none waits alone."""
+        return all_reduce_max([float(self.stop.requested)], device=device)[0] > 0
 
     def _due(self, step: int, total: int) -> bool:
         every = self.cfg.trainer.checkpoint_interval
@@ -219,7 +236,7 @@ class Job:
         resume = None
         if self.rank == 0:
             check_same_run(cfg, out)
-            resume = find_resume(cfg, out)
+            resume = find_resume(cfg, out, say=_say)
             if resume is not None and resume.run_dir != out:
                 check_same_run(cfg, resume.run_dir)
             try:
@@ -276,6 +293,7 @@ class Job:
         """Position the engine and the metrics file where ``phase`` continues; returns its first step."""
         if resume is not None and resume.checkpoint is not None:
             _, extra = load_resume_checkpoint(engine, resume.checkpoint)
+            self.last_checkpoint = resume.checkpoint
             step = int(extra["phase_step"])
             if self.critic is not None and phase.name != "sft":
                 self._restore_critic(resume.checkpoint)
@@ -351,8 +369,14 @@ class Job:
             self._record(phase.name, step + 1, global_step, step_fn(step, examples), progress)
             if every and (step + 1) % every == 0 and step + 1 != phase.steps:
                 self._evaluate(engine, "step", global_step)
-            if self._due(step + 1, phase.steps):
+            self.position = (phase.name, step + 1)
+            saved = self._due(step + 1, phase.steps)
+            if saved:
                 self._checkpoint(engine, phase.name, step + 1, global_step)
+            if self._stop_agreed(engine.device):
+                progress.close()
+                path = self.last_checkpoint if saved else self._checkpoint(engine, phase.name, step + 1, global_step)
+                raise Preempted(phase.name, step + 1, path)
         progress.close()
         end_step = phase.step_offset + phase.steps
         self._evaluate(engine, phase.end_tag, end_step)
@@ -374,8 +398,6 @@ class Job:
             if record is not None:
                 rewards[tag] = record["reward"]
         if self.rank == 0:
-            chain = " -> ".join(f"{tag} {value:.3f}" for tag, value in rewards.items())
-            _say(f"held-out mean reward: {chain}")
             if self.cfg.trainer.plot:
                 from .plot import plot_metrics
 
@@ -383,4 +405,7 @@ class Job:
                 _say(f"curves: {png}")
             _say(f"metrics: {self.metrics.path}")
             _say(f"done in {time.perf_counter() - self.t0:.1f}s")
+            # The result is the last line: what a user (or `tail -1`) reads.
+            chain = " -> ".join(f"{tag} {value:.3f}" for tag, value in rewards.items())
+            _say(f"held-out mean reward: {chain}")
         return rewards

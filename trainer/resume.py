@@ -11,7 +11,7 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
-from polyfsdp.engines.checkpoint import latest_checkpoint
+from polyfsdp.engines.checkpoint import CheckpointError, complete_checkpoints, latest_checkpoint, verify_checkpoint
 
 from .config import ConfigError, JobConfig
 from .metrics import METRICS_FILE
@@ -52,11 +52,28 @@ def _explicit_point(cfg: JobConfig, mode: str) -> ResumePoint:
     found = path if path.name.startswith("step_") else latest_checkpoint(path)
     if found is None:
         raise ConfigError(f"trainer.resume: no complete checkpoint in {mode!r}")
+    # An explicit choice that is damaged is not substituted: loading it verifies it (one line).
     return ResumePoint(phase_dir.name, found, phase_dir.parent.parent)
 
 
-def find_resume(cfg: JobConfig, out: Path) -> ResumePoint | None:
-    """The point ``trainer.resume`` asks to continue from, or None for a fresh run."""
+def newest_intact_checkpoint(phase_dir: Path, say=print) -> Path | None:
+    """The newest checkpoint of ``phase_dir`` whose manifest checks out; each newer one that does
+    not is skipped with a line saying why (a save cut short by a full disk, a damaged copy)."""
+    pointed = latest_checkpoint(phase_dir)  # ``latest`` first: a run restarted from an earlier step re-points it
+    newest_first = [p for p in reversed(complete_checkpoints(phase_dir)) if p != pointed]
+    for candidate in ([pointed] if pointed is not None else []) + newest_first:
+        try:
+            verify_checkpoint(candidate)
+        except CheckpointError as exc:
+            say(f"trainer.resume=auto: skipping {candidate}: {exc}")
+            continue
+        return candidate
+    return None
+
+
+def find_resume(cfg: JobConfig, out: Path, say=print) -> ResumePoint | None:
+    """The point ``trainer.resume`` asks to continue from, or None for a fresh run; ``say``
+    reports the checkpoints ``auto`` skipped."""
     mode = cfg.trainer.resume
     if mode == "never":
         for name in ("checkpoints", "sft_model", METRICS_FILE):
@@ -67,7 +84,7 @@ def find_resume(cfg: JobConfig, out: Path) -> ResumePoint | None:
     if mode != "auto":
         return _explicit_point(cfg, mode)
     ckpt_root = out / "checkpoints"
-    grpo_ckpt = latest_checkpoint(ckpt_root / "grpo")
+    grpo_ckpt = newest_intact_checkpoint(ckpt_root / "grpo", say)
     if cfg.algo.name == "sft" and (sft_complete(out) or grpo_ckpt is not None):
         # Resuming its SFT checkpoints would cut the GRPO records and overwrite final/.
         raise ConfigError(f"trainer.resume=auto: {out} holds an algo=grpo run, but algo=sft was asked for; "
@@ -76,7 +93,7 @@ def find_resume(cfg: JobConfig, out: Path) -> ResumePoint | None:
         return ResumePoint("grpo", grpo_ckpt, out)
     if cfg.algo.rl and cfg.trainer.sft_steps > 0 and sft_complete(out):
         return ResumePoint("grpo", None, out)
-    sft_ckpt = latest_checkpoint(ckpt_root / "sft")
+    sft_ckpt = newest_intact_checkpoint(ckpt_root / "sft", say)
     return ResumePoint("sft", sft_ckpt, out) if sft_ckpt is not None else None
 
 
@@ -131,5 +148,9 @@ def load_resume_checkpoint(engine, checkpoint: Path) -> tuple[int, dict]:
     """Load a resume checkpoint; one that is incomplete or unreadable is a ConfigError."""
     try:
         return engine.load_checkpoint(str(checkpoint))
-    except (OSError, ValueError, KeyError) as exc:
-        raise ConfigError(f"trainer.resume: cannot load {checkpoint}: {type(exc).__name__}: {exc}") from None
+    except CheckpointError as exc:
+        raise ConfigError(f"trainer.resume: cannot load {checkpoint}: {exc}") from None
+    except (OSError, ValueError, KeyError, RuntimeError) as exc:
+        # A model that does not fit the checkpoint's shards (dcp raises RuntimeError/ValueError).
+        raise ConfigError(f"trainer.resume: cannot load {checkpoint}: {type(exc).__name__}: "
+                          f"{' '.join(str(exc).split())}") from None

@@ -166,7 +166,8 @@ def load_tokenizer(directory: str | None):
     try:
         from transformers import AutoTokenizer
 
-        return HFTokenizerAdapter(AutoTokenizer.from_pretrained(directory, local_files_only=True))
+        return HFTokenizerAdapter(AutoTokenizer.from_pretrained(directory, local_files_only=True,
+                                                                trust_remote_code=False))
     except Exception as exc:  # no tokenizer files, or an unreadable one
         raise ValueError(
             f"model.path={directory}: no tokenizer found (expected {TOKENIZER_FILE} or Hugging Face "

@@ -49,8 +49,6 @@ def _setup_logging() -> None:
     level = logging.INFO if _rank() == 0 else logging.WARNING
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     logging.getLogger("polyfsdp.trainer").setLevel(level)
-    # torch.fx warns once per process about is_fx_tracing while transformers builds masks.
-    logging.getLogger("torch.fx._symbolic_trace").setLevel(logging.ERROR)
     try:
         from transformers.utils import logging as hf_logging
 
@@ -62,10 +60,20 @@ def _setup_logging() -> None:
 
 
 def _error(exc: BaseException) -> int:
+    from .rank_errors import RankError
+
+    if isinstance(exc, RankError) and _rank() != 0:
+        return EXIT_USAGE  # every rank has it: rank 0 prints the one line
     message = " ".join(str(exc).split()) or type(exc).__name__
     prefix = "polyfsdp-train: error: " if _rank() == 0 else f"polyfsdp-train [rank {_rank()}]: error: "
     print(prefix + message, file=sys.stderr, flush=True)
     return EXIT_USAGE
+
+
+def _interrupted_line(job) -> str:
+    where = f"after {job.position[0]} step {job.position[1]}" if job.position else "before the first step"
+    last = f"last checkpoint {job.last_checkpoint}" if job.last_checkpoint else "no checkpoint yet"
+    return (f"interrupted {where}; {last}; continue with trainer.output_dir={job.out} trainer.resume=auto")
 
 
 def _usage() -> str:
@@ -104,6 +112,7 @@ def main(argv: list[str] | None = None) -> int:
     from polyfsdp.backends.distributed import destroy_distributed
 
     from .data import DataError
+    from .stop import EXIT_TERMINATED, Preempted
 
     args = list(sys.argv[1:] if argv is None else argv)
     if "-h" in args or "--help" in args:
@@ -120,7 +129,13 @@ def main(argv: list[str] | None = None) -> int:
         return _error(ConfigError(f"unknown option {unknown_flags[0]!r}; arguments are KEY=VALUE overrides "
                                   f"(see --help)"))
     _setup_logging()
-    user_errors = (ConfigError, DataError, BackendUnavailableError)
+    from polyfsdp.engines.checkpoint import CheckpointError
+
+    from .rank_errors import RankError
+
+    # CheckpointError: a save that failed (full disk, unwritable output); a damaged checkpoint
+    # to resume from is already a ConfigError naming trainer.resume. RankError: one rank's error.
+    user_errors = (ConfigError, DataError, BackendUnavailableError, CheckpointError, RankError)
     import torch.distributed as dist
 
     # Tear down only a process group this call created (an embedding process may own one).
@@ -145,15 +160,20 @@ def main(argv: list[str] | None = None) -> int:
         return _error(exc)
     finished = False
     try:
-        job.run()
+        with job.stop:
+            job.run()
         finished = True
     except user_errors as exc:
         return _error(exc)
+    except Preempted as exc:
+        finished = True  # every rank stopped at the same step boundary
+        if _rank() == 0:
+            print(f"polyfsdp-train: {exc}", file=sys.stderr, flush=True)
+        return EXIT_TERMINATED
     except KeyboardInterrupt:
         # Ctrl-C is how runs are stopped: say how to continue instead of a traceback.
         if _rank() == 0:
-            print(f"polyfsdp-train: interrupted; continue from the last checkpoint with trainer.output_dir="
-                  f"{job.out} trainer.resume=auto", file=sys.stderr, flush=True)
+            print(f"polyfsdp-train: {_interrupted_line(job)}", file=sys.stderr, flush=True)
         return EXIT_INTERRUPTED
     finally:
         if owned_group:

@@ -97,3 +97,14 @@ def test_per_sequence_value_for_a_per_token_loss_field_is_a_clear_error(engine):
     with pytest.raises(ValueError, match=r"batch\['advantages'\] has one value per sequence \(shape \(2,\)\); "
                                          r"PPOLoss needs it per token"):
         engine.train_batch(batch, PPOLoss())
+
+
+@pytest.mark.parametrize("loss_fn", [None, "sft", 3], ids=["none", "string", "int"])
+def test_a_loss_that_is_not_callable_is_a_clear_type_error_before_anything_runs(engine, loss_fn):
+    seqs = sequences([3, 2])
+    batch = no_padding_batch(seqs, per_token={"response_mask": [torch.ones(3), torch.ones(2)]})
+    step = engine.global_step
+    with pytest.raises(TypeError, match=r"loss_fn must be a callable taking LossInputs .* such as SFTLoss\(\)"):
+        engine.train_batch(batch, loss_fn)
+    assert engine.global_step == step
+    assert all(p.grad is None for p in engine.module.parameters())

@@ -24,7 +24,7 @@ OVERRIDES = [
 ]
 
 
-def _launch(out, nproc: int, *extra: str) -> subprocess.CompletedProcess:
+def _launch(out, nproc: int, *extra: str, timeout: int = 400) -> subprocess.CompletedProcess:
     env = {**os.environ, "POLYFSDP_BACKEND": "cpu", "OMP_NUM_THREADS": "1"}
     if nproc == 1:
         command = [sys.executable, "-m", "polyfsdp.trainer.train"]
@@ -32,7 +32,7 @@ def _launch(out, nproc: int, *extra: str) -> subprocess.CompletedProcess:
         command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
                    "--master_addr", "127.0.0.1", "--master_port", str(free_port()), "-m", "polyfsdp.trainer.train"]
     return subprocess.run([*command, *OVERRIDES, *extra, f"trainer.output_dir={out}"], capture_output=True, text=True,
-                          timeout=400, env=env)
+                          timeout=timeout, env=env)
 
 
 def test_two_rank_run_matches_one_rank_sft_curve_and_evaluations(tmp_path):
@@ -107,3 +107,49 @@ def test_update_many_with_group_filtering_keeps_ranks_in_step(tmp_path):
     grpo = [r for r in read_metrics(str(tmp_path / "filtered" / "metrics.jsonl")) if r["phase"] == "grpo"]
     # Rank 0 keeps no group, so neither rank trains (the smallest count wins): no hang, a metric.
     assert [(r["filter/groups"], r["filter/short"], r["filter/sample_rounds"]) for r in grpo] == [(0.0, 1.0, 2.0)] * 2
+
+
+RANK1_BAD_RECORD_REWARD = """
+import os
+
+
+def score(data_source, solution_str, ground_truth, extra_info=None):
+    if os.environ["RANK"] == "1":  # the records rank 1 scores are bad; rank 0's are fine
+        raise ValueError("bad record")
+    return 0.5
+"""
+
+
+def test_an_error_on_one_rank_stops_every_rank_promptly_with_one_line(tmp_path):
+    (tmp_path / "bad.py").write_text(RANK1_BAD_RECORD_REWARD)
+    # Rank 0 used to wait in the evaluation's all-reduce until the 600 s process-group timeout.
+    two = _launch(tmp_path / "two", 2, f"reward.fn={tmp_path / 'bad.py'}:score", "trainer.sft_steps=0",
+                  timeout=240)
+    assert two.returncode != 0
+    ours = [line for line in two.stderr.splitlines() if line.startswith("polyfsdp-train")]
+    assert len(ours) == 1, two.stderr[-3000:]
+    assert ours[0].startswith(f"polyfsdp-train: error: rank 1: reward.fn={tmp_path / 'bad.py'}:score raised "
+                              f"ValueError: bad record (record "), ours[0]
+    assert "Traceback" not in two.stdout
+
+
+def test_sigterm_on_one_rank_checkpoints_every_rank_and_resume_completes(tmp_path):
+    child = os.path.join(os.path.dirname(__file__), "..", "cpu", "cli_sigterm_child.py")
+    out = tmp_path / "two"
+    env = {**os.environ, "POLYFSDP_BACKEND": "cpu", "OMP_NUM_THREADS": "1", "SIGTERM_RANK": "1"}
+    steps = ["trainer.sft_steps=0", "trainer.export=false", "trainer.checkpoint_interval=0"]
+    preempted = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+                                "--master_addr", "127.0.0.1", "--master_port", str(free_port()), child, "grpo", "1",
+                                *OVERRIDES, *steps, f"trainer.output_dir={out}"],
+                               capture_output=True, text=True, timeout=240, env=env)
+    checkpoint = out / "checkpoints" / "grpo" / "step_000001"
+    ours = [line for line in preempted.stderr.splitlines() if line.startswith("polyfsdp-train")]
+    # Only rank 1 got the signal; both ranks saved at the same boundary and stopped (no hang).
+    assert ours == [f"polyfsdp-train: stopped by SIGTERM after grpo step 1; checkpoint saved: {checkpoint}; "
+                    f"continue with trainer.resume=auto"], preempted.stderr[-3000:]
+    assert {p.name for p in checkpoint.iterdir()} >= {"rng_rank0.pt", "rng_rank1.pt", "manifest.json"}
+    resumed = _launch(out, 2, *steps, "trainer.resume=auto")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"resuming grpo from {checkpoint}" in resumed.stdout
+    grpo = [r["step"] for r in read_metrics(str(out / "metrics.jsonl")) if r["phase"] == "grpo"]
+    assert grpo == [1, 2]

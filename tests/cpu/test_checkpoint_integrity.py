@@ -1,0 +1,163 @@
+"""Damaged and crafted checkpoints: the manifest catches damage without loading, every pickle is
+read with an allow-list (nothing in a checkpoint executes), and both are one-line CheckpointErrors."""
+import errno
+import json
+import os
+import pickle
+
+import pytest
+import torch
+from checkpoint_cases import build_sharded
+
+from polyfsdp.backends import get_backend, init_distributed
+from polyfsdp.engines import checkpoint as ckpt
+from polyfsdp.engines.checkpoint_files import MANIFEST_FILE, write_manifest
+
+
+@pytest.fixture(scope="module")
+def mesh():
+    return init_distributed(get_backend("cpu"))
+
+
+@pytest.fixture()
+def saved(mesh, tmp_path):
+    model, opt, sched = build_sharded(mesh, seed=0)
+    x = torch.arange(8).view(1, 8)
+    model(input_ids=x, labels=x, use_cache=False).loss.backward()
+    opt.step()
+    path = ckpt.save_checkpoint(tmp_path / "ck", 1, model=model, optimizer=opt, lr_scheduler=sched,
+                                extra={"phase": "sft", "n": 3, "ids": [1, 2], "t": torch.ones(2)})
+    return path, (model, opt, sched)
+
+
+def _load(path, engine_parts):
+    model, opt, sched = engine_parts
+    return ckpt.load_checkpoint(path, model=model, optimizer=opt, lr_scheduler=sched)
+
+
+def test_manifest_lists_every_file_with_size_and_checksum(saved):
+    path, parts = saved
+    listed = json.loads((path / MANIFEST_FILE).read_text())["files"]
+    on_disk = {p.name for p in path.iterdir() if p.name != MANIFEST_FILE}
+    assert set(listed) == on_disk and {".metadata", "trainer_state.pt", "rng_rank0.pt"} <= on_disk
+    assert all(entry["size"] == (path / name).stat().st_size for name, entry in listed.items())
+    ckpt.verify_checkpoint(path)
+    step, extra = _load(path, parts)
+    assert step == 1 and extra["ids"] == [1, 2] and torch.equal(extra["t"], torch.ones(2))
+
+
+def _truncate(file):
+    data = file.read_bytes()
+    file.write_bytes(data[: len(data) // 2])
+
+
+def _flip_last_byte(file):
+    data = bytearray(file.read_bytes())
+    data[-1] ^= 0xFF
+    file.write_bytes(bytes(data))
+
+
+DAMAGE = {
+    "truncated shard": (lambda p: _truncate(next(p.glob("*.distcp"))), "truncated or damaged"),
+    "deleted .metadata": (lambda p: (p / ".metadata").unlink(), ".metadata is missing"),
+    "truncated trainer_state": (lambda p: _truncate(p / "trainer_state.pt"), "trainer_state.pt has"),
+    "empty rng file": (lambda p: (p / "rng_rank0.pt").write_bytes(b""), "rng_rank0.pt has 0 bytes"),
+    "same size, other bytes": (lambda p: _flip_last_byte(next(p.glob("*.distcp"))), "does not match its checksum"),
+    "no manifest": (lambda p: (p / MANIFEST_FILE).unlink(), "no manifest.json"),
+}
+
+
+@pytest.mark.parametrize("damage", list(DAMAGE), ids=list(DAMAGE))
+def test_damaged_checkpoint_is_one_line_checkpoint_error_before_anything_loads(saved, damage):
+    path, parts = saved
+    before = {n: p.detach().clone().full_tensor() for n, p in parts[0].named_parameters()}
+    harm, expected = DAMAGE[damage]
+    harm(path)
+    for call in (lambda: ckpt.verify_checkpoint(path), lambda: _load(path, parts)):
+        with pytest.raises(ckpt.CheckpointError) as info:
+            call()
+        assert expected in str(info.value) and "\n" not in str(info.value)
+    # Refused before loading: the live model is untouched.
+    for name, param in parts[0].named_parameters():
+        assert torch.equal(param.full_tensor(), before[name]), name
+
+
+class _RunsCode:
+    """A pickle that, when loaded without an allow-list, creates the marker file."""
+
+    def __init__(self, marker):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+@pytest.mark.parametrize("target", ["trainer_state.pt", "rng_rank0.pt", ".metadata"])
+def test_crafted_pickle_is_refused_and_nothing_executes(saved, tmp_path, target):
+    path, parts = saved
+    marker = tmp_path / "pwned"
+    if target == ".metadata":
+        (path / target).write_bytes(pickle.dumps(_RunsCode(marker)))
+    else:
+        torch.save({"format_version": ckpt.FORMAT_VERSION, "payload": _RunsCode(marker)}, path / target)
+    write_manifest(path)  # whoever crafted it also fixed the manifest: integrity is not safety
+    # Negative control: the crafted file does run code when loaded the unsafe way.
+    if target != ".metadata":
+        torch.load(path / target, weights_only=False)
+    else:
+        with open(path / target, "rb") as f:
+            pickle.load(f)
+    assert marker.exists()
+    marker.unlink()
+
+    with pytest.raises(ckpt.CheckpointError, match="refused to load") as info:
+        _load(path, parts)
+    assert "\n" not in str(info.value)
+    assert not marker.exists()
+
+
+def test_extra_that_weights_only_loading_cannot_read_is_refused_at_save(saved):
+    path, (model, opt, sched) = saved
+    with pytest.raises(TypeError, match=r"extra\['when'\] is a object"):
+        ckpt.save_checkpoint(path.parent, 2, model=model, optimizer=opt, extra={"when": object()})
+    assert not (path.parent / "step_000002").exists() and not (path.parent / ".tmp-step_000002").exists()
+
+
+def test_numpy_rng_state_round_trips(saved):
+    import numpy as np
+
+    path, parts = saved
+    np.random.seed(123)
+    ckpt.save_checkpoint(path.parent, 5, model=parts[0], optimizer=parts[1], lr_scheduler=parts[2])
+    expected = np.random.rand(4)
+    np.random.seed(7)
+    _load(path.parent / "step_000005", parts)
+    assert np.array_equal(np.random.rand(4), expected)
+    assert os.path.isfile(path.parent / "step_000005" / MANIFEST_FILE)
+
+
+def _disk_full(*args, **kwargs):
+    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), "/injected/file")
+
+
+@pytest.mark.parametrize("where", ["shards", "rng file", "manifest"])
+def test_disk_full_during_a_save_keeps_the_previous_checkpoint_latest(saved, monkeypatch, where):
+    import torch.distributed.checkpoint.filesystem as dcp_filesystem
+
+    from polyfsdp.engines import checkpoint_files
+
+    path, (model, opt, sched) = saved
+    target = {"shards": (dcp_filesystem, "_write_item"), "rng file": (ckpt, "save_plain"),
+              "manifest": (checkpoint_files.json, "dump")}[where]
+    monkeypatch.setattr(*target, _disk_full)
+    with pytest.raises(ckpt.CheckpointSaveError) as info:
+        ckpt.save_checkpoint(path.parent, 2, model=model, optimizer=opt, lr_scheduler=sched)
+    monkeypatch.undo()
+    message = str(info.value)
+    assert message == (f"cannot save checkpoint {path.parent / 'step_000002'}: No space left on device "
+                       f"(/injected/file); {path} stays the latest checkpoint"), message
+    assert isinstance(info.value, OSError)
+    # Nothing half-written is left, and the previous checkpoint is still the one to resume.
+    assert sorted(p.name for p in path.parent.iterdir()) == ["latest", "step_000001"]
+    assert ckpt.latest_checkpoint(path.parent) == path
+    ckpt.verify_checkpoint(path)

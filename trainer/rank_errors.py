@@ -1,0 +1,53 @@
+"""An error raised on one rank reaches every rank, so all of them stop with the same line.
+
+Without it a rank whose reward function raised on its own record would exit while its peers
+waited in the next collective until the process-group timeout. :func:`on_every_rank` runs a
+piece of per-rank work that is followed by a collective (scoring completions, a check only
+rank 0 makes), then lets every rank learn whether any failed (one ``all_gather_object``).
+"""
+from __future__ import annotations
+
+from typing import Callable, TypeVar
+
+from polyfsdp.backends.distributed import all_gather_object, current_rank, current_world_size
+
+T = TypeVar("T")
+
+
+class RankError(Exception):
+    """The first failing rank's error, raised on every rank; ``polyfsdp-train`` prints it once (rank 0)."""
+
+    def __init__(self, rank: int, message: str) -> None:
+        super().__init__(f"rank {rank}: {message}")
+        self.rank = rank
+
+
+def _one_line(exc: BaseException) -> str:
+    return " ".join(str(exc).split()) or type(exc).__name__
+
+
+def on_every_rank(work: Callable[[], T]) -> T:
+    """``work()``'s result; if it raised on any rank, a :class:`RankError` on every rank (a
+    user error's message as it is, another error's type and message; the failing rank
+    re-raises a non-user error itself, so its traceback is kept). Every rank must call it."""
+    if current_world_size() == 1:
+        return work()
+    # Imported here: config and data import generate, which uses this module.
+    from .config import ConfigError
+    from .data import DataError
+
+    error, result = None, None
+    try:
+        result = work()
+    except Exception as exc:  # noqa: BLE001 - every kind must reach the peers, or they hang
+        error = exc
+    user = isinstance(error, (ConfigError, DataError))
+    report = None if error is None else (_one_line(error) if user else f"{type(error).__name__}: {_one_line(error)}",
+                                         user)
+    failures = [(rank, r) for rank, r in enumerate(all_gather_object(report)) if r is not None]
+    if not failures:
+        return result
+    rank, (message, was_user_error) = failures[0]
+    if rank == current_rank() and not was_user_error:
+        raise error
+    raise RankError(rank, message)

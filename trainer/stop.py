@@ -1,0 +1,43 @@
+"""SIGTERM, what schedulers send before preemption: finish the step, checkpoint, stop.
+
+The handler only sets a flag; the job looks at it at each step boundary, where every rank
+agrees on it (one all-reduce, so a rank that got no signal stops with the others instead of
+waiting in a collective), saves a checkpoint and raises :class:`Preempted`.
+"""
+from __future__ import annotations
+
+import signal
+import threading
+
+# The shell's convention for a process ended by SIGTERM: 128 + 15.
+EXIT_TERMINATED = 128 + signal.SIGTERM
+
+
+class Preempted(Exception):
+    """Raised after the checkpoint a SIGTERM asked for is saved."""
+
+    def __init__(self, phase: str, step: int, checkpoint) -> None:
+        super().__init__(f"stopped by SIGTERM after {phase} step {step}; checkpoint saved: {checkpoint}; "
+                         f"continue with trainer.resume=auto")
+        self.phase, self.step, self.checkpoint = phase, step, checkpoint
+
+
+class StopRequest:
+    """A SIGTERM flag, installed for the duration of a ``with`` block (main thread only)."""
+
+    def __init__(self) -> None:
+        self.requested = False
+        self._previous = None
+
+    def _handle(self, signum, frame) -> None:
+        self.requested = True
+
+    def __enter__(self) -> "StopRequest":
+        if threading.current_thread() is threading.main_thread():
+            self._previous = signal.signal(signal.SIGTERM, self._handle)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._previous is not None:
+            signal.signal(signal.SIGTERM, self._previous)
+            self._previous = None
