@@ -25,6 +25,8 @@ import sys
 import tempfile
 import time
 
+from polyfsdp.backends import BACKEND_NAMES
+
 MIB = 2**20
 PATHS = ("floor", "naive", "eager", "compiled")
 PHASES = ("fwd", "fwd+bwd")
@@ -291,7 +293,7 @@ def main(argv=None) -> int:
     p.add_argument("--large-only", action="store_true", help="only the large shape")
     p.add_argument("--check", action="store_true", help="exit 1 when the compiled row misses a target")
     p.add_argument("--profile", action="store_true", help="print a profile of the compiled path and exit")
-    p.add_argument("--device-backend", default="auto", choices=("auto", "cpu", "cuda", "npu"))
+    p.add_argument("--device-backend", default="auto", choices=BACKEND_NAMES)
     p.add_argument("--repeats", type=int, default=None)
     p.add_argument("--rounds", type=int, default=None, help="interleaved rounds (default 2, 1 with --quick)")
     p.add_argument("--threads", type=int, default=2)

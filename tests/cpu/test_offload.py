@@ -39,7 +39,8 @@ def test_offload_on_cpu_is_a_noop_with_one_notice(caplog):
 
 
 def test_host_grad_norm_equals_torch_total_norm():
-    engine = FSDPEngine(ModelConfig(preset="qwen2-tiny"), EngineConfig()).initialize()
+    # Sharded (DTensor gradients), as under offload: one rank would otherwise run the plain model.
+    engine = FSDPEngine(ModelConfig(preset="qwen2-tiny"), EngineConfig(shard_single_rank=True)).initialize()
     seqs = sequences(LENGTHS, seed=2)
     engine.forward_backward(no_padding_batch(seqs, per_token={"response_mask": masks_for(seqs)}), SFTLoss())
     grads = [p.grad for p in engine.module.parameters() if p.grad is not None]
