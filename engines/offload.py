@@ -1,12 +1,13 @@
 """``EngineConfig.offload``: what lives in host memory between uses.
 
 ``optimizer`` keeps the AdamW state on the host and runs the step there
-(engines/host_optimizer.py); parameters and gradients stay on the device. ``params`` hands FSDP2 its ``CPUOffloadPolicy``: parameter shards and gradients live in
-(pinned) host memory and are copied to the device per layer for forward and backward; the
-optimizer, built over those host shards, keeps its state and runs its step on the host. On
-the CPU backend everything already lives on the host, so offload is a no-op there, with a
-one-line notice instead of an error (the same config runs everywhere); the backend says so
-with ``memory_is_host``.
+(engines/host_optimizer.py); parameters and gradients stay on the device. ``params`` hands
+FSDP2 its ``CPUOffloadPolicy``: parameter shards and gradients live in (pinned) host memory
+and are copied to the device per layer for forward and backward; the optimizer, built over
+those host shards, keeps its state and runs its step on the host. On the CPU backend
+everything already lives on the host, so offload is a no-op there, with a one-line notice
+instead of an error (the same config runs everywhere); the backend says so with
+``memory_is_host``.
 """
 from __future__ import annotations
 

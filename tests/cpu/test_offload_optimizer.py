@@ -71,8 +71,9 @@ def test_host_optimizer_checkpoint_resumes_exactly(tmp_path, sharded):
     source.save_checkpoint(tmp_path)
     source.train_batch(batches[-1], SFTLoss())
     # A different seed: every trained value must come from the checkpoint.
-    target = FSDPEngine(ModelConfig(preset=PRESET, seed=9), engine_config(offload="optimizer", shard_single_rank=sharded),
-                        optim_config(), backend=HostMemoryAccelerator()).initialize()
+    target = FSDPEngine(ModelConfig(preset=PRESET, seed=9),
+                        engine_config(offload="optimizer", shard_single_rank=sharded), optim_config(),
+                        backend=HostMemoryAccelerator()).initialize()
     assert target.load_checkpoint(tmp_path)[0] == STEPS - 1
     for state in target.optimizer.state.values():
         assert all(_full(v).device.type == "cpu" for v in state.values())
@@ -81,7 +82,8 @@ def test_host_optimizer_checkpoint_resumes_exactly(tmp_path, sharded):
 
 
 def test_estimate_moves_exactly_the_host_optimizers_state_to_the_host():
-    model_config, config = ModelConfig(preset=PRESET, seed=5), engine_config(offload="optimizer", shard_single_rank=True)
+    model_config = ModelConfig(preset=PRESET, seed=5)
+    config = engine_config(offload="optimizer", shard_single_rank=True)
     offloaded = estimate_memory(model_config, config, world_size=1, tokens=64)
     kept = estimate_memory(model_config, engine_config(shard_single_rank=True), world_size=1, tokens=64)
     on_cpu = estimate_memory(model_config, config, world_size=1, tokens=64, host_backend=True)
