@@ -65,3 +65,34 @@ def test_optimizer_offload_keeps_adamw_state_on_the_host_and_lowers_peak_memory(
     # The host step is torch's own AdamW math on the same fp32 shards: bf16 compute tolerance.
     torch.testing.assert_close(torch.tensor(off_losses), torch.tensor(base_losses), rtol=2e-2, atol=2e-2)
     print(f"peak device memory: offload=optimizer {off_peak / 2**20:.1f} MiB vs none {base_peak / 2**20:.1f} MiB")
+
+
+@pytest.mark.parametrize("shard", [False, True])
+def test_optimizer_offload_checkpoint_resumes_exactly_on_the_gpu(tmp_path, shard):
+    """fp32, deterministic kernels (tests/cuda/conftest.py): the host AdamW state goes through
+    DCP (host-backed DTensors on a GPU mesh when sharded) and comes back on the host."""
+    def engine(seed):
+        return FSDPEngine(ModelConfig(preset="qwen2-tiny", seed=seed), EngineConfig(offload="optimizer",
+                                                                                     shard_single_rank=shard),
+                          OptimConfig(lr=1e-3, weight_decay=0.01, grad_clip=1.0)).initialize()
+    g = torch.Generator().manual_seed(1)
+    batches = []
+    for _ in range(3):
+        seqs = [torch.randint(0, 128, (n,), generator=g) for n in (8, 5, 12, 7)]
+        batches.append(no_padding_batch(seqs, per_token={"response_mask": masks_for(seqs)}))
+    source = engine(5)
+    for batch in batches[:2]:
+        source.train_batch(batch, SFTLoss())
+    source.save_checkpoint(tmp_path)
+    source.train_batch(batches[2], SFTLoss())
+    target = engine(9)
+    assert target.load_checkpoint(tmp_path)[0] == 2
+    assert all(_local(v).device.type == "cpu" for s in target.optimizer.state.values() for v in s.values())
+    target.train_batch(batches[2], SFTLoss())
+    want = dict(source.module.named_parameters())
+    for name, param in target.module.named_parameters():
+        assert torch.equal(_full(param), _full(want[name])), name
+
+
+def _full(tensor):
+    return (tensor.full_tensor() if isinstance(tensor, DTensor) else tensor).detach().cpu()
