@@ -1,6 +1,7 @@
 """AdamW and the learning-rate schedules (constant, linear warmup + cosine decay)."""
 from __future__ import annotations
 
+import logging
 import math
 
 import torch
@@ -8,6 +9,8 @@ from torch.optim.lr_scheduler import LambdaLR
 
 from .config import OptimConfig
 from .host_optimizer import HostAdamW
+
+logger = logging.getLogger(__name__)
 
 
 def build_optimizer(model: torch.nn.Module, config: OptimConfig, on_host: bool = False) -> torch.optim.Optimizer:
@@ -17,6 +20,9 @@ def build_optimizer(model: torch.nn.Module, config: OptimConfig, on_host: bool =
     params = [p for p in model.parameters() if p.requires_grad]
     hyper = dict(lr=config.lr, betas=tuple(config.betas), eps=config.eps, weight_decay=config.weight_decay)
     if on_host:
+        if config.impl not in ("auto", "for_loop"):
+            logger.warning("OptimConfig.impl=%r does not apply with engine.offload=optimizer: the host step "
+                           "runs torch's for-loop AdamW", config.impl)
         return HostAdamW(params, **hyper)
     kernel = {"auto": {}, "for_loop": {"foreach": False}, "foreach": {"foreach": True},
               "fused": {"fused": True}}[config.impl]

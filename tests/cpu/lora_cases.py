@@ -9,13 +9,14 @@ LENGTHS = [6, 1, 12, 6, 3, 9]
 STEPS = 2
 
 
-def lora_engine(seed=3):
+def lora_engine(seed=3, backend=None, **engine_overrides):
     """A LoRA engine (rank 4, weight decay and clipping on) with random adapters: lora_B starts
     at zero in peft, which would leave lora_A without a gradient in the first step."""
     from polyfsdp.engines.engine import FSDPEngine
 
-    engine = FSDPEngine(ModelConfig(preset=PRESET, seed=seed, lora=LoraConfig(rank=4, alpha=8.0)), EngineConfig(),
-                        OptimConfig(lr=1e-2, weight_decay=0.01, grad_clip=1.0)).initialize()
+    engine = FSDPEngine(ModelConfig(preset=PRESET, seed=seed, lora=LoraConfig(rank=4, alpha=8.0)),
+                        EngineConfig(**engine_overrides), OptimConfig(lr=1e-2, weight_decay=0.01, grad_clip=1.0),
+                        backend=backend).initialize()
     randomize_adapters(engine.module, seed=1)
     return engine
 

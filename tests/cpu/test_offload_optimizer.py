@@ -10,7 +10,7 @@ from backend_standins import HostMemoryAccelerator
 from engine_cases import LENGTHS, PRESET, engine_config, masks_for, optim_config
 from engine_reference import full_state_dict, no_padding_batch, sequences
 from polyfsdp.engines.engine import FSDPEngine
-from polyfsdp.engines.config import ModelConfig
+from polyfsdp.engines.config import ModelConfig, OptimConfig
 from polyfsdp.engines.host_optimizer import HostAdamW
 from polyfsdp.engines.losses import SFTLoss
 from polyfsdp.engines.memory import estimate_memory
@@ -99,3 +99,27 @@ def test_estimate_moves_exactly_the_host_optimizers_state_to_the_host():
 
 def _local(tensor):
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def test_host_step_with_lora_trains_only_the_adapters_like_torch_adamw():
+    pytest.importorskip("peft", reason="LoRA needs peft (pip install -e '.[lora]')")
+    from lora_cases import lora_engine, step_batch
+
+    reference, offloaded = lora_engine(), lora_engine(backend=HostMemoryAccelerator(), offload="optimizer")
+    assert isinstance(offloaded.optimizer, HostAdamW)
+    _assert_same_params(full_state_dict(offloaded.module), full_state_dict(reference.module))
+    adapters = {p for n, p in offloaded.module.named_parameters() if ".lora_" in n}
+    for step in range(2):
+        batch = step_batch(step)
+        want, got = reference.train_batch(batch, SFTLoss()), offloaded.train_batch(batch, SFTLoss())
+        assert got["loss"] == want["loss"] and got["grad_norm"] == want["grad_norm"]
+    assert set(offloaded.optimizer.state) == adapters
+    _assert_same_params(full_state_dict(offloaded.module), full_state_dict(reference.module))
+
+
+def test_adamw_kernel_choice_that_cannot_apply_on_the_host_is_a_notice(caplog):
+    with caplog.at_level("WARNING", logger="polyfsdp.engines.optim"):
+        engine = FSDPEngine(ModelConfig(preset=PRESET), engine_config(offload="optimizer"),
+                            OptimConfig(impl="foreach"), backend=HostMemoryAccelerator()).initialize()
+    assert isinstance(engine.optimizer, HostAdamW)
+    assert [r.getMessage() for r in caplog.records if "OptimConfig.impl='foreach'" in r.getMessage()]
