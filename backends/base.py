@@ -34,6 +34,9 @@ class Backend(ABC):
     # Whether the device module keeps generators of its own (torch.cpu has none: the CPU
     # generator is torch's default one, which torch.manual_seed and checkpoints cover).
     has_device_generators: bool = True
+    # Whether the device's memory IS host memory (the CPU): offloading to the host then
+    # moves nothing (engines/offload.py turns it into a notice).
+    memory_is_host: bool = False
 
     @abstractmethod
     def availability(self) -> str | None:

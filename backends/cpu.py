@@ -19,6 +19,7 @@ class CPUBackend(Backend):
     # training, and it has a backward (flex_attention has none on CPU).
     default_attn_implementation = "polyfsdp_varlen_sdpa"
     has_device_generators = False
+    memory_is_host = True
     # torch.compile works (given a C++ compiler) but auto keeps eager: compiling takes ~30 s
     # per process on 2 busy cores, more than the fused head's whole time in a CPU-sized job.
     compile_by_default = False

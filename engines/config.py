@@ -26,8 +26,9 @@ ADAMW_IMPLS = ("auto", "for_loop", "foreach", "fused")
 # torchtitan's names: "default" reshards decoder layers after forward and lets FSDP2 decide
 # for the root; "always" reshards everything; "never" keeps every gathered parameter.
 RESHARD_POLICIES = ("default", "always", "never")
-# Where FSDP2 keeps the sharded parameters, gradients and optimizer state (engines/offload.py).
-OFFLOAD_MODES = ("none", "params")
+# What lives in host memory between uses (engines/offload.py): nothing, the AdamW state (the
+# step runs on the host), or FSDP2's parameter/gradient shards with the optimizer.
+OFFLOAD_MODES = ("none", "optimizer", "params")
 # The fused head's chunk kernels: "eager" torch ops (the reference), "compiled" through
 # torch.compile, "auto" compiled where the backend declares torch.compile usable and worth it.
 FUSED_KERNEL_IMPLS = ("auto", "eager", "compiled")

@@ -36,7 +36,7 @@ from .lora import add_adapters, adapters_disabled, export_lora
 from .loss_inputs import LossInputs
 from .micro_batch import count_micro_batches, is_placeholder, merge, split
 from .model_builder import build_model
-from .offload import host_grad_norm, offload_policy
+from .offload import host_grad_norm, offload_policy, optimizer_on_host
 from .optim import build_lr_scheduler, build_optimizer
 from .parallelize import gathered, parallelize_model, set_gradient_sync
 from .sequence_parallel import check_same_batch, setup_sequence_parallel, sp_forward_logprobs
@@ -131,7 +131,8 @@ class FSDPEngine(CheckpointMixin):
             model.to(self.device)  # with CPU offload FSDP2 keeps the shards on the host
         self._model = parallelize_model(model, self.mesh, self.engine_config, forward_methods=(head_method,),
                                         offload_policy=self._offload)
-        self.optimizer = build_optimizer(model, self.optim_config)
+        self.optimizer = build_optimizer(model, self.optim_config,
+                                         on_host=optimizer_on_host(self.engine_config.offload, self.backend))
         self.lr_scheduler = build_lr_scheduler(self.optimizer, self.optim_config)
         return self
 

@@ -160,15 +160,21 @@ def estimate_memory(model_config: ModelConfig, engine_config: EngineConfig, worl
             + max(head, rows["one layer recomputed (checkpointed)"])) if checkpointing else \
         rows[f"activations saved, {tokens} tokens"] + head
     rows["step activations + head (as configured)"] = step
-    rows["peak step estimate (as configured)"] = (
-        rows["parameters (sharded, master dtype)"] + rows["gradients (trainable only)"]
-        + rows["optimizer state (AdamW, trainable only)"] + step)
-    estimate = MemoryEstimate(rows)
+    state_rows = ("parameters (sharded, master dtype)", "gradients (trainable only)",
+                  "optimizer state (AdamW, trainable only)")
+    host = set()
+    if engine_config.offload != "none" and not host_backend:
+        # offload=optimizer: AdamW state on the host (engines/host_optimizer.py); params: all three.
+        host = set(state_rows) if engine_config.offload == "params" else {state_rows[2]}
+    # The device's peak: what stays on the device plus the step's activations.
+    rows["peak step estimate (as configured)"] = sum(rows[name] for name in state_rows if name not in host) + step
+    estimate = MemoryEstimate(rows, host=host)
     if engine_config.offload == "params" and not host_backend:
-        estimate.host = {"parameters (sharded, master dtype)", "gradients (trainable only)",
-                         "optimizer state (AdamW, trainable only)"}
-        estimate.notes.append("offload=params: parameters, gradients and optimizer state on the host; the peak "
-                              "row adds them anyway")
+        estimate.notes.append("offload=params: parameters, gradients and optimizer state on the host (the peak "
+                              "row leaves them out); FSDP2 copies one layer's shards to the device at a time")
+    elif engine_config.offload == "optimizer" and not host_backend:
+        estimate.notes.append("offload=optimizer: AdamW state on the host (the peak row leaves it out); the step "
+                              "copies one parameter's shard and gradient to the host at a time")
     if model_config.lora.enabled:
         estimate.notes.append(f"LoRA rank {model_config.lora.rank}: {sum(p.numel() for p in trainable):,} trained "
                               f"of {sum(p.numel() for p in params):,} parameters; the KL reference (adapters off) "
@@ -189,7 +195,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--tokens", type=int, required=True, help="tokens per micro-batch")
     parser.add_argument("--lora-rank", type=int, default=0)
     parser.add_argument("--lora-targets", default="all-linear", help="all-linear or comma-separated module names")
-    parser.add_argument("--offload", default="none", help="none | params")
+    parser.add_argument("--offload", default="none", help="none | optimizer | params")
     parser.add_argument("--gradient-checkpointing", action="store_true")
     parser.add_argument("--fused", action="store_true", help="use_fused_kernels (no logits tensor)")
     return parser.parse_args(argv)

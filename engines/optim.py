@@ -1,22 +1,32 @@
 """AdamW and the learning-rate schedules (constant, linear warmup + cosine decay)."""
 from __future__ import annotations
 
+import logging
 import math
 
 import torch
 from torch.optim.lr_scheduler import LambdaLR
 
 from .config import OptimConfig
+from .host_optimizer import HostAdamW
+
+logger = logging.getLogger(__name__)
 
 
-def build_optimizer(model: torch.nn.Module, config: OptimConfig) -> torch.optim.Optimizer:
+def build_optimizer(model: torch.nn.Module, config: OptimConfig, on_host: bool = False) -> torch.optim.Optimizer:
     """AdamW over every trainable parameter (weight decay applied to all of them), with the
-    kernel ``config.impl`` names."""
+    kernel ``config.impl`` names; ``on_host`` (offload=optimizer) keeps its state and step on
+    the host (engines/host_optimizer.py: always torch's for-loop kernel there)."""
     params = [p for p in model.parameters() if p.requires_grad]
+    hyper = dict(lr=config.lr, betas=tuple(config.betas), eps=config.eps, weight_decay=config.weight_decay)
+    if on_host:
+        if config.impl not in ("auto", "for_loop"):
+            logger.warning("OptimConfig.impl=%r does not apply with engine.offload=optimizer: the host step "
+                           "runs torch's for-loop AdamW", config.impl)
+        return HostAdamW(params, **hyper)
     kernel = {"auto": {}, "for_loop": {"foreach": False}, "foreach": {"foreach": True},
               "fused": {"fused": True}}[config.impl]
-    return torch.optim.AdamW(params, lr=config.lr, betas=tuple(config.betas), eps=config.eps,
-                             weight_decay=config.weight_decay, **kernel)
+    return torch.optim.AdamW(params, **hyper, **kernel)
 
 
 def lr_factor(step: int, config: OptimConfig) -> float:

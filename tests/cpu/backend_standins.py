@@ -3,10 +3,11 @@ from __future__ import annotations
 
 import importlib.abc
 import importlib.machinery
-import sys
 import types
 
 import torch
+
+from polyfsdp.backends.cpu import CPUBackend
 
 CANN_ERROR = "libhccl.so: cannot open shared object file: No such file or directory"
 
@@ -63,3 +64,11 @@ def working_torch_npu(version: str | None = None) -> types.ModuleType:
     module.__version__ = version or torch.__version__.split("+")[0] + ".post1"
     module.npu_rms_norm = lambda x, gamma, epsilon=1e-6: (x, x)
     return module
+
+
+class HostMemoryAccelerator(CPUBackend):
+    """The CPU backend declared as an accelerator whose memory is not host memory, so that
+    engine.offload really moves work to the host (engines/offload.py) on a CPU-only machine."""
+
+    name = "cpu-as-accelerator"
+    memory_is_host = False

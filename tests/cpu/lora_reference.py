@@ -3,7 +3,7 @@ never through peft's merge or polyfsdp's code."""
 from __future__ import annotations
 
 import torch
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 BASE = ".base_layer."
 
@@ -35,10 +35,13 @@ def base_only(state: dict) -> dict:
 
 def randomize_adapters(module, seed: int = 0, std: float = 0.2) -> None:
     """Give every adapter matrix random values (peft starts lora_B at zero, which would make
-    the adapters invisible). Writes the local shard of each parameter in place."""
+    the adapters invisible). Draws each whole matrix, so every world size gets the same
+    adapters, and writes the rank's shard of it in place."""
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, param in module.named_parameters():
             if ".lora_" in name:
-                local = param.to_local() if isinstance(param, DTensor) else param
-                local.copy_(torch.randn(local.shape, generator=g) * std)
+                values = torch.randn(param.shape, generator=g) * std
+                if isinstance(param, DTensor):
+                    values = distribute_tensor(values, param.device_mesh, param.placements).to_local()
+                (param.to_local() if isinstance(param, DTensor) else param).copy_(values)

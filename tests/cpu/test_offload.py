@@ -17,7 +17,7 @@ LENGTHS = [6, 1, 9, 4]
 
 
 def test_bad_offload_value_names_the_key():
-    with pytest.raises(ConfigFieldError, match=r"^engine\.offload: got 'gpu'"):
+    with pytest.raises(ConfigFieldError, match=r"^engine\.offload: got 'gpu'.*'optimizer'"):
         EngineConfig.from_dict({"offload": "gpu"}, where="engine")
 
 
@@ -25,21 +25,22 @@ def test_offload_on_cpu_is_a_noop_with_one_notice(caplog):
     seqs = sequences(LENGTHS, seed=1)
     batch = no_padding_batch(seqs, per_token={"response_mask": masks_for(seqs)})
     results = {}
-    for mode in ("none", "params"):
+    for mode in ("none", "optimizer", "params"):
         with caplog.at_level(logging.WARNING, logger="polyfsdp.engines.offload"):
             caplog.clear()
             engine = FSDPEngine(ModelConfig(preset="qwen2-tiny"), EngineConfig(offload=mode),
                                 OptimConfig(lr=1e-2)).initialize()
         notices = [r.getMessage() for r in caplog.records if r.name == "polyfsdp.engines.offload"]
-        assert len(notices) == (mode == "params"), notices
+        assert len(notices) == (mode != "none"), notices
         if notices:
             assert "does nothing on the cpu backend" in notices[0] and "\n" not in notices[0]
         results[mode] = [engine.train_batch(batch, SFTLoss())["loss"] for _ in range(2)]
-    assert results["params"] == results["none"]
+        assert type(engine.optimizer) is torch.optim.AdamW  # no host step where the host is the device
+    assert results["params"] == results["none"] == results["optimizer"]
 
 
 def test_host_grad_norm_equals_torch_total_norm():
-    # Sharded (DTensor gradients), as under offload: one rank would otherwise run the plain model.
+    # Sharded on one rank (a one-rank world runs the plain model otherwise): DTensor gradients.
     engine = FSDPEngine(ModelConfig(preset="qwen2-tiny"), EngineConfig(shard_single_rank=True)).initialize()
     seqs = sequences(LENGTHS, seed=2)
     engine.forward_backward(no_padding_batch(seqs, per_token={"response_mask": masks_for(seqs)}), SFTLoss())
