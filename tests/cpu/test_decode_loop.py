@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from polyfsdp.engines import EngineConfig, FSDPEngine, ModelConfig
-from polyfsdp.trainer.decode import _preallocated_cache, _ready_mask_ok, decode
+from polyfsdp.trainer.decode import _fsdp_free, _preallocated_cache, _ready_mask_ok, decode
 from polyfsdp.trainer.generate import _hf_generate, _left_padded, generate
 from polyfsdp.trainer.task import CharTokenizer
 
@@ -110,3 +110,14 @@ def test_sampling_follows_the_model_distribution_after_rows_leave():
     assert (seen_second - second).abs().max() < tol(second, len(later))
     wrong = torch.softmax(torch.log(first) * temperature, -1)  # temperature 1 instead of 0.8
     assert (seen_first - wrong).abs().max() > tol(first, n)
+
+
+def test_inference_mode_only_for_the_fsdp_free_model():
+    """The plain one-rank model decodes in inference mode; an FSDP2-sharded one must not
+    (its gathered weights outlive the call)."""
+    assert _fsdp_free(_engine("qwen2-tiny").module)
+    sharded = FSDPEngine(ModelConfig(preset="qwen2-tiny", seed=3, vocab_size=TOK.vocab_size),
+                         EngineConfig(shard_single_rank=True)).initialize()
+    assert not _fsdp_free(sharded.module)
+    torch.manual_seed(0)
+    assert generate(sharded, TOK, PROMPTS, 4, do_sample=True, unshard=True)  # sharded: plain no_grad path
