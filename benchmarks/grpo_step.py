@@ -48,7 +48,8 @@ def run_case(args) -> dict:
             torch.manual_seed(seed)
             if who == "polyfsdp":
                 runner = PolyfsdpGRPO(path, group, new_tokens, optim_kwargs={"impl": args.adamw},
-                                      engine_kwargs={"shard_single_rank": args.shard_single_rank})
+                                      engine_kwargs={"shard_single_rank": args.shard_single_rank},
+                                      hf_generate=args.hf_generate)
                 times, tokens, phases = runner.run(batches, seed, args.warmup)
                 row["phases"] = {k: v / len(times) for k, v in phases.items()}
                 del runner
@@ -104,6 +105,8 @@ def main(argv=None) -> dict:
     parser.add_argument("--adamw", default="foreach", help="polyfsdp's OptimConfig.impl")
     parser.add_argument("--shard-single-rank", action="store_true",
                         help="polyfsdp keeps FSDP2 on one rank (EngineConfig.shard_single_rank; the old behaviour)")
+    parser.add_argument("--hf-generate", action="store_true",
+                        help="polyfsdp samples with HF generate instead of its decoding loop (the old way)")
     parser.add_argument("--no-trl", action="store_true")
     parser.add_argument("--quick", action="store_true", help="smoke run: 1 seed, 1 warm-up + 1 step, tiny batch")
     args = parser.parse_args(argv)

@@ -49,12 +49,24 @@ def timed_phases(engine, timer: PhaseTimer):
         del engine.infer_batch, engine.train_batch
 
 
+@contextmanager
+def hf_generate_only(enabled: bool):
+    """With ``enabled``, rollouts take the HF ``generate`` path (as before trainer/decode.py)."""
+    saved = gen_mod.decode_loop_ok
+    if enabled:
+        gen_mod.decode_loop_ok = lambda gather_once: False
+    try:
+        yield
+    finally:
+        gen_mod.decode_loop_ok = saved
+
+
 class PolyfsdpGRPO:
     """One polyfsdp policy (no reference model: kl_coef=0, as TRL's default beta=0)."""
 
     def __init__(self, path: str, group_size: int, max_new_tokens: int, lr: float = 1e-5,
                  engine_kwargs: dict | None = None, optim_kwargs: dict | None = None,
-                 grpo_kwargs: dict | None = None) -> None:
+                 grpo_kwargs: dict | None = None, hf_generate: bool = False) -> None:
         self.tokenizer = load_tokenizer(path)
         self.engine = FSDPEngine(ModelConfig(path=path), EngineConfig(**(engine_kwargs or {})),
                                  OptimConfig(lr=lr, grad_clip=1.0, **(optim_kwargs or {}))).initialize()
@@ -63,13 +75,15 @@ class PolyfsdpGRPO:
                                                 clip_ratio_high=0.28, **(grpo_kwargs or {})))
         self.loss = None  # built per step: the loss normalises over the step's prompt count
         self.scorer = Scorer(_reward, "addition")
+        self.hf_generate = hf_generate  # sample with HF generate instead of trainer/decode.py
 
     def step(self, prompts: list[dict], seed: int) -> dict:
         """One GRPO step on ``prompts`` (dicts with prompt/answer); returns its metrics."""
         examples = [Example(prompt=p["prompt"], answer=p["answer"]) for p in prompts]
         loss = self.cfg.ppo_loss(len(prompts))
-        return grpo_mod.grpo_step(self.engine, None, self.tokenizer, examples, self.cfg, loss, sample_seed=seed,
-                                  scorer=self.scorer, mini_batches=self.cfg.grpo.mini_batches(len(prompts)))
+        with hf_generate_only(self.hf_generate):
+            return grpo_mod.grpo_step(self.engine, None, self.tokenizer, examples, self.cfg, loss, sample_seed=seed,
+                                      scorer=self.scorer, mini_batches=self.cfg.grpo.mini_batches(len(prompts)))
 
     def run(self, batches: list[list[dict]], seed: int, warmup: int) -> tuple[list[float], list[float], dict]:
         """Step through ``batches``; per timed step its wall seconds and tokens, and the

@@ -1,4 +1,5 @@
-"""Sampling completions from the FSDP policy with Hugging Face ``generate``, and scoring them."""
+"""Sampling completions from the FSDP policy (our decoding loop, or Hugging Face ``generate``
+when ranks must decode in lockstep), and scoring them."""
 from __future__ import annotations
 
 import logging
@@ -65,32 +66,23 @@ def _left_padded(prompts: list[list[int]], pad: int) -> tuple[torch.Tensor, torc
     return torch.tensor(flat, dtype=torch.long).view(shape), torch.tensor(mask, dtype=torch.long).view(shape)
 
 
-@torch.no_grad()
-def generate(engine, tokenizer, prompts: list[list[int]], max_new_tokens: int, do_sample: bool,
-             temperature: float = 1.0, return_log_probs: bool = False, unshard="auto"):
-    """Completions (ending at and including ``<eos>`` when produced) for left-padded prompts;
-    with ``return_log_probs``, also each completion token's log-prob under the distribution
-    it was drawn from (``generate``'s processed scores: logits / temperature).
+def decode_loop_ok(gather_once: bool) -> bool:
+    """Whether rollouts use our own decoding loop (trainer/decode.py): whenever no rank has to
+    keep calling forward for the others, i.e. one rank or the model gathered once. With
+    per-layer gathers on several ranks, HF ``generate(synced_gpus=True)`` keeps ranks paired."""
+    return gather_once or current_world_size() == 1
 
-    Gathered once (``unshard``, see :func:`use_gather_once`), forwards run no collectives and
-    each rank stops when its own rows are done. Otherwise, with several ranks,
-    ``synced_gpus=True`` keeps every rank calling forward until all are done, as FSDP's
-    per-layer all-gathers require.
-    """
+
+def _hf_generate(model, ids, mask, width, pad, eos, max_new_tokens, do_sample, temperature, return_log_probs,
+                 synced: bool):
+    """HF ``generate``'s completions (and log-probs), cut as :func:`generate` documents."""
     from transformers import GenerationConfig
 
-    pad, eos = tokenizer.pad_token_id, tokenizer.eos_token_id
-    ids, mask = _left_padded(prompts, pad)
-    width = ids.shape[1]
     config = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=do_sample, pad_token_id=pad,
                               eos_token_id=eos, use_cache=True,
                               return_dict_in_generate=return_log_probs, output_scores=return_log_probs,
                               **({"temperature": temperature, "top_k": 0, "top_p": 1.0} if do_sample else {}))
-    device = engine.device
-    once = use_gather_once(engine, unshard)
-    with engine.eval_mode(), (engine.gathered() if once else nullcontext()):
-        out = engine.module.generate(input_ids=ids.to(device), attention_mask=mask.to(device),
-                                     generation_config=config, synced_gpus=current_world_size() > 1 and not once)
+    out = model.generate(input_ids=ids, attention_mask=mask, generation_config=config, synced_gpus=synced)
     token_log_probs = None
     if return_log_probs:
         steps = torch.stack(out.scores, dim=1).float()  # (B, new tokens, vocab)
@@ -108,6 +100,32 @@ def generate(engine, tokenizer, prompts: list[list[int]], max_new_tokens: int, d
     if return_log_probs:
         return completions, [lp[:len(row)] for lp, row in zip(token_log_probs, completions)]
     return completions
+
+
+@torch.no_grad()
+def generate(engine, tokenizer, prompts: list[list[int]], max_new_tokens: int, do_sample: bool,
+             temperature: float = 1.0, return_log_probs: bool = False, unshard="auto"):
+    """Completions (ending at and including ``<eos>`` when produced) for left-padded prompts;
+    with ``return_log_probs``, also each completion token's log-prob under the distribution
+    it was drawn from (logits / temperature, as ``generate``'s processed scores).
+
+    Gathered once (``unshard``, see :func:`use_gather_once`) or on one rank, our decoding
+    loop runs (trainer/decode.py: finished rows leave the batch) and each rank stops when its
+    own rows are done. Otherwise, with several ranks, HF ``generate(synced_gpus=True)`` keeps
+    every rank calling forward until all are done, as FSDP's per-layer all-gathers require.
+    """
+    from .decode import decode
+
+    pad, eos = tokenizer.pad_token_id, tokenizer.eos_token_id
+    ids, mask = _left_padded(prompts, pad)
+    device = engine.device
+    once = use_gather_once(engine, unshard)
+    ids, mask = ids.to(device), mask.to(device)
+    with engine.eval_mode(), (engine.gathered() if once else nullcontext()):
+        if decode_loop_ok(once):
+            return decode(engine.module, ids, mask, max_new_tokens, eos, do_sample, temperature, return_log_probs)
+        return _hf_generate(engine.module, ids, mask, ids.shape[1], pad, eos, max_new_tokens, do_sample,
+                            temperature, return_log_probs, synced=current_world_size() > 1 and not once)
 
 
 def _default_scorer():

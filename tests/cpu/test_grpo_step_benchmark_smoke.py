@@ -37,3 +37,13 @@ def test_generate_ranks_quick_runs_both_settings_on_one_rank(capsys):
     per = generate_ranks.main(["--quick"])
     assert set(per) == {False, True} and all(v > 0 for v in per.values())
     assert "speed-up" in capsys.readouterr().out
+
+
+def test_decode_vs_generate_runs_every_variant(capsys, tmp_path, monkeypatch):
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    import decode_vs_generate
+
+    times = decode_vs_generate.main(["--rounds", "1", "--prompts", "1", "--group", "2", "--new-tokens", "3",
+                                     "--warm-steps", "0"])
+    assert len(times) == 4 and all(len(t) == 1 and t[0] > 0 for t in times.values())
+    assert "vs HF per round" in capsys.readouterr().out

@@ -1,0 +1,123 @@
+"""Our decoding loop (trainer/decode.py) against Hugging Face: greedy completions equal
+``generate``'s token for token (EOS cut and max_new_tokens included), sampled tokens carry
+the log-probs a plain per-sequence forward gives them, and what is drawn follows the
+model's distribution, also after finished rows have left the batch."""
+import pytest
+import torch
+
+from polyfsdp.engines import EngineConfig, FSDPEngine, ModelConfig
+from polyfsdp.trainer.decode import _fsdp_free, _preallocated_cache, _ready_mask_ok, decode
+from polyfsdp.trainer.generate import _hf_generate, _left_padded, generate
+from polyfsdp.trainer.task import CharTokenizer
+
+TOK = CharTokenizer()
+PROMPTS = [[TOK.bos_token_id] + TOK.encode(s) for s in ("abc=", "ba=", "hgfe=", "a=", "dcba+ab=")]
+
+
+def _engine(preset: str, seed: int = 3):
+    return FSDPEngine(ModelConfig(preset=preset, seed=seed, vocab_size=TOK.vocab_size), EngineConfig()).initialize()
+
+
+def _mid_sequence_token(rows: list[list[int]]) -> int:
+    """A token some greedy rows emit early and others never: as EOS it ends rows at
+    different steps (finished rows leave the batch while others go on)."""
+    counts = {}
+    for row in rows:
+        for tok in set(row[1:-1]):
+            counts[tok] = counts.get(tok, 0) + 1
+    partial = [t for t, c in counts.items() if 0 < c < len(rows)]
+    assert partial, rows
+    return partial[0]
+
+
+@pytest.mark.parametrize("preset", ["qwen2-tiny", "qwen3-tiny", "llama-tiny", "gemma2-tiny"])
+def test_greedy_completions_equal_hf_generate(preset):
+    engine = _engine(preset)
+    model = engine.module.eval()
+    # Both step-mask paths are covered: a ready 4D mask (SDPA, full attention) and transformers'
+    # own mask building (gemma2: sliding-window layers, eager attention for its softcap).
+    assert _ready_mask_ok(model, _preallocated_cache(model, 8)) == (preset != "gemma2-tiny")
+    ids, mask = _left_padded(PROMPTS, TOK.pad_token_id)
+    width = ids.shape[1]
+    free = _hf_generate(model, ids, mask, width, TOK.pad_token_id, TOK.unk_token_id, 12, False, 1.0, False, False)
+    eos = _mid_sequence_token(free)
+    hf = _hf_generate(model, ids, mask, width, TOK.pad_token_id, eos, 12, False, 1.0, False, False)
+    ours = decode(model, ids, mask, 12, eos, do_sample=False)
+    assert ours == hf
+    ended = [row for row in ours if row[-1] == eos]
+    assert ended and len(ended) < len(ours)  # some rows stopped at EOS, others ran on
+    assert all(row.count(eos) == 1 for row in ended)
+    assert all(len(row) == 12 for row in ours if row[-1] != eos)
+    # Through the rollout entry point too (the engine's eval mode, one rank).
+    tok = CharTokenizer()
+    tok.eos_token_id = eos
+    assert generate(engine, tok, PROMPTS, 12, do_sample=False) == hf
+
+
+def test_max_new_tokens_bounds_and_zero():
+    model = _engine("qwen2-tiny").module.eval()
+    ids, mask = _left_padded(PROMPTS, TOK.pad_token_id)
+    for n in (1, 5):
+        out = decode(model, ids, mask, n, TOK.eos_token_id, do_sample=True)
+        assert all(1 <= len(row) <= n for row in out)
+        assert all(len(row) == n for row in out if row[-1] != TOK.eos_token_id)
+    assert decode(model, ids, mask, 0, TOK.eos_token_id, do_sample=True) == [[] for _ in PROMPTS]
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_sampled_log_probs_match_a_plain_forward_per_sequence(temperature):
+    model = _engine("qwen2-tiny").module.eval()
+    ids, mask = _left_padded(PROMPTS * 3, TOK.pad_token_id)
+    torch.manual_seed(0)
+    eos = TOK.encode("a")[0]  # frequent: rows end at many different steps
+    rows, log_probs = decode(model, ids, mask, 10, eos, do_sample=True, temperature=temperature,
+                             return_log_probs=True)
+    assert len({len(r) for r in rows}) > 2
+    for prompt, row, lp in zip(PROMPTS * 3, rows, log_probs):
+        seq = torch.tensor([prompt + row])
+        with torch.no_grad():
+            logits = model(input_ids=seq).logits[0, len(prompt) - 1:-1].float() / temperature
+        ref = torch.log_softmax(logits, -1).gather(-1, torch.tensor(row)[:, None])[:, 0]
+        torch.testing.assert_close(torch.tensor(lp), ref, rtol=1e-4, atol=1e-4)
+
+
+def test_sampling_follows_the_model_distribution_after_rows_leave():
+    """Frequencies of the first and (over rows still going) second token against the exact
+    probabilities from plain forwards; a wrong temperature is told apart (negative control)."""
+    model = _engine("qwen2-tiny").module.eval()
+    with torch.no_grad():  # a peaked law (a random model's is near uniform): EOS likely, temperature visible
+        model.get_output_embeddings().weight.mul_(12.0)
+    prompt = [TOK.bos_token_id] + TOK.encode("ab=")
+    n, temperature = 4000, 0.8
+    ids, mask = _left_padded([prompt] * n, TOK.pad_token_id)
+    with torch.no_grad():
+        first = torch.softmax(model(input_ids=torch.tensor([prompt])).logits[0, -1] / temperature, -1)
+        eos = int(first.argmax())  # the likeliest first token ends the row: many rows leave after step 1
+        nexts = torch.softmax(model(input_ids=torch.tensor([prompt + [t] for t in range(TOK.vocab_size)]))
+                              .logits[:, -1] / temperature, -1)
+    go_on = first.clone()
+    go_on[eos] = 0
+    second = (go_on / go_on.sum()) @ nexts  # second token's law given the first was not EOS
+    torch.manual_seed(1)
+    rows = decode(model, ids, mask, 2, eos, do_sample=True, temperature=temperature)
+    seen_first = torch.bincount(torch.tensor([r[0] for r in rows]), minlength=TOK.vocab_size).float() / n
+    later = [r[1] for r in rows if len(r) == 2]
+    assert 0 < len(later) < n
+    seen_second = torch.bincount(torch.tensor(later), minlength=TOK.vocab_size).float() / len(later)
+    # 4.5 standard errors at the largest probability: a wrong law at these sizes is far off.
+    tol = lambda p, m: 4.5 * float((p * (1 - p)).max().sqrt()) / m ** 0.5  # noqa: E731
+    assert (seen_first - first).abs().max() < tol(first, n)
+    assert (seen_second - second).abs().max() < tol(second, len(later))
+    wrong = torch.softmax(torch.log(first) * temperature, -1)  # temperature 1 instead of 0.8
+    assert (seen_first - wrong).abs().max() > tol(first, n)
+
+
+def test_inference_mode_only_for_the_fsdp_free_model():
+    """The plain one-rank model decodes in inference mode; an FSDP2-sharded one must not
+    (its gathered weights outlive the call)."""
+    assert _fsdp_free(_engine("qwen2-tiny").module)
+    sharded = FSDPEngine(ModelConfig(preset="qwen2-tiny", seed=3, vocab_size=TOK.vocab_size),
+                         EngineConfig(shard_single_rank=True)).initialize()
+    assert not _fsdp_free(sharded.module)
+    torch.manual_seed(0)
+    assert generate(sharded, TOK, PROMPTS, 4, do_sample=True, unshard=True)  # sharded: plain no_grad path
