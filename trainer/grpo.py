@@ -11,9 +11,9 @@ import torch
 from polyfsdp.backends.distributed import all_reduce_sum
 
 from .advantages import group_advantages, reinforce_plus_plus_advantages
-from .batch import build_batch, per_sequence, response_field, response_mask
+from .batch import build_batch, response_field, response_mask
 from .grpo_sampling import sample_groups
-from .grpo_updates import mini_batch_plan, run_updates, summarise_updates
+from .grpo_updates import mini_batch_plan, old_and_ref_log_probs, run_updates, summarise_updates
 from .rewards import mean_over_ranks
 from .task import Example
 
@@ -60,17 +60,10 @@ def grpo_step(policy, ref, tokenizer, examples: list[Example], algo, loss_fn, sa
     if pairs:
         pad_mode = policy.engine_config.pad_mode
         batch = build_batch(pairs, pad_mode, tokenizer.pad_token_id)
-        old = ref_lp = None
         # One update per rollout: the policy that sampled is the one trained, ratio == 1, and
         # the loss uses its own log-probs (on_policy); the estimator may still need them.
-        if not loss_fn.on_policy or (algo.adv_estimator == "reinforce_plus_plus" and ref is not None):
-            old = per_sequence(policy.infer_batch(batch, temperature=g.temperature, calculate_entropy=False)
-                               ["log_probs"], batch, pad_mode)
-            token_fields["old_log_probs"] = old
-        if ref is not None:
-            ref_lp = per_sequence(ref.infer_batch(batch, temperature=g.temperature, calculate_entropy=False)
-                                  ["log_probs"], batch, pad_mode)
-            token_fields["ref_log_probs"] = ref_lp
+        need_old = not loss_fn.on_policy or (algo.adv_estimator == "reinforce_plus_plus" and ref is not None)
+        old, ref_lp = old_and_ref_log_probs(policy, ref, batch, g.temperature, need_old, token_fields)
         token_fields["advantages"] = _advantages(algo, roll, pairs, old, ref_lp, policy.device)
         plan = mini_batch_plan(len(pairs) // g.group_size, g.group_size, mini_batches,
                                g.epochs, shuffle_seed)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from .batch import build_batch
+from .batch import build_batch, per_sequence
 
 
 def mini_batch_plan(num_groups: int, group_size: int, mini_batches: int, epochs: int,
@@ -55,3 +55,19 @@ def summarise_updates(updates: list[dict]) -> dict:
             out[key] = sum(values) / len(values)
     out["updates"] = len(updates)
     return out
+
+
+def old_and_ref_log_probs(policy, ref, batch, temperature: float, need_old: bool,
+                          token_fields: dict[str, list[torch.Tensor]]):
+    """Per-sequence log-probs of the rollout ``batch`` under the sampling policy (only when
+    ``need_old``: with one update per rollout the ratio is 1 without them) and under the
+    frozen reference (when there is one); stored in ``token_fields`` as ``old_log_probs`` /
+    ``ref_log_probs`` and returned as ``(old, ref)``, None where not computed."""
+    pad_mode = policy.engine_config.pad_mode
+    out = {}
+    for name, engine in (("old_log_probs", policy if need_old else None), ("ref_log_probs", ref)):
+        if engine is not None:
+            out[name] = per_sequence(engine.infer_batch(batch, temperature=temperature, calculate_entropy=False)
+                                     ["log_probs"], batch, pad_mode)
+    token_fields.update(out)
+    return out.get("old_log_probs"), out.get("ref_log_probs")

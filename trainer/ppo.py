@@ -25,7 +25,7 @@ from .batch import build_batch, per_sequence, response_field, response_mask
 from .gae import explained_variance, gae_advantages
 from .grpo import _reward_metrics
 from .grpo_sampling import sample_groups
-from .grpo_updates import mini_batch_plan, run_updates, summarise_updates
+from .grpo_updates import mini_batch_plan, old_and_ref_log_probs, run_updates, summarise_updates
 from .rewards import mean_over_ranks
 from .task import Example
 
@@ -68,15 +68,8 @@ def _train(policy, critic, ref, tokenizer, roll, pairs, algo, actor_loss, value_
     token_fields = {}
     if roll.log_probs is not None:
         token_fields["rollout_log_probs"] = [response_field(a, lp) for a, lp in zip(roll.prompt_ids, roll.log_probs)]
-    old = ref_lp = None
-    if not actor_loss.on_policy or (algo.kl_in_reward and ref is not None):
-        old = per_sequence(policy.infer_batch(batch, temperature=g.temperature, calculate_entropy=False)
-                           ["log_probs"], batch, pad_mode)
-        token_fields["old_log_probs"] = old
-    if ref is not None:
-        ref_lp = per_sequence(ref.infer_batch(batch, temperature=g.temperature, calculate_entropy=False)
-                              ["log_probs"], batch, pad_mode)
-        token_fields["ref_log_probs"] = ref_lp
+    need_old = not actor_loss.on_policy or (algo.kl_in_reward and ref is not None)
+    old, ref_lp = old_and_ref_log_probs(policy, ref, batch, g.temperature, need_old, token_fields)
     # The critic runs with the policy's engine settings (one `engine` group), so the batch fits both.
     values = per_sequence(critic.infer_values(batch)["values"], batch, pad_mode)
     kl = [o - r for o, r in zip(old, ref_lp)] if algo.kl_in_reward and ref_lp is not None else None
