@@ -72,10 +72,16 @@ def test_gradcheck_float64(outputs, temp_kind, softcap):
     assert torch.autograd.gradcheck(fn, (hidden.requires_grad_(), weight.requires_grad_()))
 
 
+# The chunk kernels: eager (the reference implementation) and torch.compile'd
+# (engines/fused_logprob_compiled.py), held to the same references and tolerances.
+IMPLS = ["eager", "compiled"]
+
+
+@pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("temp_kind,softcap,return_entropy", [
     ("scalar", None, True), ("per_token", None, True), ("scalar", None, False),
     ("per_token", 4.0, True), ("scalar", 4.0, False)])
-def test_float32_matches_full_logits_reference(temp_kind, softcap, return_entropy):
+def test_float32_matches_full_logits_reference(temp_kind, softcap, return_entropy, impl):
     # Tolerance: log-probs and entropy depend on logits of magnitude <= ~15 that the float32
     # GEMM gets right to a few ulps (~1e-6); 2e-5 absolute leaves ~10x headroom. Gradients
     # sum N (or V) such terms, so they are compared relative to their own scale (2e-5).
@@ -88,20 +94,23 @@ def test_float32_matches_full_logits_reference(temp_kind, softcap, return_entrop
     g_ent = g_ent if return_entropy else None
     lp, ent, gh, gw = grads(lambda a, b: fused_logprob_entropy(
         a, b, labels, temperature=temperature, chunk_size=16, softcap=softcap,
-        return_entropy=return_entropy), hidden, weight, g_lp, g_ent)
+        return_entropy=return_entropy, impl=impl), hidden, weight, g_lp, g_ent)
     rlp, rent, rgh, rgw = grads(lambda a, b: reference(a, b, labels, temperature, softcap),
                                 hidden.double(), weight.double(), g_lp.double(),
                                 None if g_ent is None else g_ent.double())
     assert lp.dtype == torch.float32 and lp.shape == (n,)
     torch.testing.assert_close(lp.double(), rlp, rtol=0, atol=2e-5)
+    assert lp[0] == 0 and lp[33] == 0
     if return_entropy:
         assert ent.dtype == torch.float32
         torch.testing.assert_close(ent.double(), rent, rtol=0, atol=2e-5)
+        assert ent[0] == 0 and ent[33] == 0
     else:
         assert ent is None
     for ours, ref in ((gh, rgh), (gw, rgw)):
         assert ours.dtype == torch.float32
         torch.testing.assert_close(ours.double(), ref, rtol=0, atol=2e-5 * ref.abs().max().item())
+    assert torch.all(gh[[0, 33]] == 0)
 
 
 def test_chunk_size_does_not_change_results():
@@ -134,8 +143,9 @@ def test_ignored_positions_give_zero_and_no_gradient():
     torch.testing.assert_close(lp.double(), rlp, rtol=0, atol=2e-5)
 
 
+@pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_low_precision_inputs_match_float32_reference(dtype):
+def test_low_precision_inputs_match_float32_reference(dtype, impl):
     # The GEMM output is rounded once to the input dtype (unit roundoff u = 2^-8 for
     # bfloat16, 2^-11 for float16) before the float32 softmax, as a model's own lm_head does:
     # log p_l = y_l - lse moves by at most u*|y_l| + u*max|y| <= 2u*max|y|. The gradient GEMM
@@ -144,7 +154,8 @@ def test_low_precision_inputs_match_float32_reference(dtype):
     hidden, weight, labels = make(n, h, v, dtype, seed=8)
     g = torch.Generator().manual_seed(9)
     g_lp, g_ent = torch.randn(n, generator=g), torch.randn(n, generator=g)
-    lp, ent, gh, gw = grads(lambda a, b: fused_logprob_entropy(a, b, labels, temperature=0.9, chunk_size=16),
+    lp, ent, gh, gw = grads(lambda a, b: fused_logprob_entropy(a, b, labels, temperature=0.9, chunk_size=16,
+                                                               impl=impl),
                             hidden, weight, g_lp, g_ent)
     rlp, rent, rgh, rgw = grads(lambda a, b: reference(a, b, labels, 0.9), hidden.double(),
                                 weight.double(), g_lp.double(), g_ent.double())
