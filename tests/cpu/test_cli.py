@@ -26,13 +26,6 @@ NON_DEFAULT_MODES = ["engine.use_remove_padding=false", "engine.use_fused_kernel
                      "engine.max_tokens_per_micro_batch=40"]
 
 
-@pytest.fixture(autouse=True)
-def _restore_threads():
-    # main() applies trainer.cpu_threads to this process; later tests expect the default.
-    threads = torch.get_num_threads()
-    yield
-    torch.set_num_threads(threads)
-
 
 def _run(tmp_path: Path, name: str, *overrides: str) -> tuple[Path, list[dict]]:
     out = tmp_path / name

@@ -2,13 +2,11 @@
 policy, and reward functions of one's own, from the record readers up to polyfsdp-train."""
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
 
 import pytest
-import torch
 
 from own_data_cases import bpe_tokenizer, verl_record, write_jsonl, write_model_dir, write_parquet
 from polyfsdp.trainer.chat import PromptEncoder
@@ -30,12 +28,6 @@ def crash(data_source, solution_str, ground_truth, extra_info=None):
     raise ValueError("checker exploded")
 '''
 
-
-@pytest.fixture(autouse=True)
-def _restore_threads():
-    threads = torch.get_num_threads()
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")

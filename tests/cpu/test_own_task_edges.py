@@ -44,7 +44,6 @@ def test_a_run_that_failed_before_training_may_be_rerun_with_a_fixed_reward(tmp_
     # The first run's reward raised at the initial evaluation, leaving only init_model and
     # config.yaml: rerunning in the same directory with the fix must not be refused as a
     # "continued run" with other reward or data settings (nothing was trained yet).
-    import torch
 
     from polyfsdp.trainer.train import main
 
@@ -57,15 +56,11 @@ def test_a_run_that_failed_before_training_may_be_rerun_with_a_fixed_reward(tmp_
               "trainer.grpo_steps=1", "trainer.sft_batch_size=2", "trainer.prompts_per_step=2",
               "algo.grpo.group_size=2", "trainer.progress=off", "trainer.plot=false", "trainer.export=false",
               f"trainer.output_dir={tmp_path / 'out'}"]
-    threads = torch.get_num_threads()
-    try:
-        assert main([*common, f"reward.fn={tmp_path / 'r.py'}:broken"]) == 2
-        assert "raised ValueError" in capsys.readouterr().err
-        assert main([*common, f"reward.fn={tmp_path / 'r.py'}:fixed", "data.eval_size=3"]) == 0
-        # What was trained stays protected: a changed model is still refused.
-        assert main([*common, f"reward.fn={tmp_path / 'r.py'}:fixed", "model.seed=1"]) == 2
-    finally:
-        torch.set_num_threads(threads)
+    assert main([*common, f"reward.fn={tmp_path / 'r.py'}:broken"]) == 2
+    assert "raised ValueError" in capsys.readouterr().err
+    assert main([*common, f"reward.fn={tmp_path / 'r.py'}:fixed", "data.eval_size=3"]) == 0
+    # What was trained stays protected: a changed model is still refused.
+    assert main([*common, f"reward.fn={tmp_path / 'r.py'}:fixed", "model.seed=1"]) == 2
     assert "model.seed=0, but this run asks for model.seed=1" in capsys.readouterr().err
 
 
@@ -120,20 +115,15 @@ def test_ctrl_c_is_one_line_saying_how_to_continue(tmp_path):
 
 def test_continuing_with_fewer_steps_than_were_done_is_one_line(tmp_path, capsys):
     # It used to run no step and log a "final" evaluation at the lower global step.
-    import torch
 
     from polyfsdp.trainer.train import main
 
     common = ["trainer.sft_steps=1", "trainer.sft_batch_size=2", "trainer.prompts_per_step=2",
               "algo.grpo.group_size=2", "data.eval_size=2", "trainer.progress=off", "trainer.plot=false",
               "trainer.export=false", "trainer.checkpoint_interval=1", f"trainer.output_dir={tmp_path / 'out'}"]
-    threads = torch.get_num_threads()
-    try:
-        assert main([*common, "trainer.grpo_steps=3"]) == 0
-        capsys.readouterr()
-        assert main([*common, "trainer.grpo_steps=2"]) == 2
-    finally:
-        torch.set_num_threads(threads)
+    assert main([*common, "trainer.grpo_steps=3"]) == 0
+    capsys.readouterr()
+    assert main([*common, "trainer.grpo_steps=2"]) == 2
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and "trainer.grpo_steps=2: " in err and "is already at grpo step 3; set " \
         "trainer.grpo_steps>=3 to continue it" in err, err

@@ -91,12 +91,8 @@ def test_disk_full_during_a_checkpoint_stops_with_one_line_and_keeps_the_previou
 
     monkeypatch.setattr(checkpoint, "save_plain", full_on_the_second_checkpoint)
     out = tmp_path / "run"
-    threads = torch.get_num_threads()
-    try:
-        code = main([*TINY, "algo=sft", "trainer.sft_steps=3", "trainer.checkpoint_interval=1",
-                     f"trainer.output_dir={out}"])
-    finally:
-        torch.set_num_threads(threads)
+    code = main([*TINY, "algo=sft", "trainer.sft_steps=3", "trainer.checkpoint_interval=1",
+                 f"trainer.output_dir={out}"])
     sft = out / "checkpoints" / "sft"
     err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
     assert code == 2 and len(err) == 1, err

@@ -8,7 +8,6 @@ import subprocess
 import sys
 
 import pytest
-import torch
 from test_cli import TINY, _assert_one_line_error
 from transformers import AutoModelForCausalLM, Qwen2Config
 
@@ -44,11 +43,7 @@ def test_damaged_safetensors_in_model_path_is_one_line_naming_the_file(tmp_path,
     directory = _model_dir_quiet(tmp_path, capsys)
     weights = directory / "model.safetensors"
     weights.write_bytes(b"" if damage == "empty" else weights.read_bytes()[: weights.stat().st_size // 2])
-    threads = torch.get_num_threads()
-    try:
-        code = main([*TINY, "algo=sft", f"model.path={directory}", f"trainer.output_dir={tmp_path / 'out'}"])
-    finally:
-        torch.set_num_threads(threads)
+    code = main([*TINY, "algo=sft", f"model.path={directory}", f"trainer.output_dir={tmp_path / 'out'}"])
     line = _one_error_line(capsys)
     assert code == 2 and line.startswith("polyfsdp-train: error: model (") and f"{weights}: unreadable safetensors" \
         in line, line
@@ -68,23 +63,15 @@ def test_model_directory_code_never_runs(tmp_path, capsys):
     config["auto_map"] = {"AutoConfig": "evil_model.EvilConfig", "AutoModelForCausalLM": "evil_model.EvilModel"}
     config["model_type"] = "evil"
     (directory / "config.json").write_text(json.dumps(config))
-    threads = torch.get_num_threads()
-    try:
-        code = main([*TINY, "algo=sft", f"model.path={directory}", f"trainer.output_dir={tmp_path / 'out'}"])
-    finally:
-        torch.set_num_threads(threads)
+    code = main([*TINY, "algo=sft", f"model.path={directory}", f"trainer.output_dir={tmp_path / 'out'}"])
     line = _one_error_line(capsys)
     assert code == 2 and "trust_remote_code" in line, line
     assert not marker.exists()
 
 
 def test_last_line_is_the_result_and_each_models_patch_summary_is_printed_once(tmp_path, capsys):
-    threads = torch.get_num_threads()
-    try:
-        code = main([*TINY, "algo.grpo.group_size=2", "trainer.sft_steps=1", "trainer.grpo_steps=1",
-                     "trainer.plot=false", "trainer.export=false", f"trainer.output_dir={tmp_path / 'out'}"])
-    finally:
-        torch.set_num_threads(threads)
+    code = main([*TINY, "algo.grpo.group_size=2", "trainer.sft_steps=1", "trainer.grpo_steps=1",
+                 "trainer.plot=false", "trainer.export=false", f"trainer.output_dir={tmp_path / 'out'}"])
     out = [line for line in capsys.readouterr().out.splitlines() if line.strip()]
     assert code == 0
     assert out[-1].startswith("held-out mean reward: initial "), out[-3:]

@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
 
 from polyfsdp.trainer.config import ConfigError, load_config
 from polyfsdp.trainer.train import main
@@ -14,12 +13,6 @@ from polyfsdp.trainer.train import main
 TINY = ["trainer.sft_steps=2", "trainer.grpo_steps=1", "trainer.sft_batch_size=8", "trainer.prompts_per_step=4",
         "data.eval_size=4", "trainer.progress=lines", "algo.grpo.group_size=4"]
 
-
-@pytest.fixture(autouse=True)
-def _restore_threads():
-    threads = torch.get_num_threads()
-    yield
-    torch.set_num_threads(threads)
 
 
 def test_lora_keys_reach_the_engine_and_bad_ones_are_one_line():
