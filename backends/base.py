@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from dataclasses import dataclass
 from types import ModuleType
 from typing import Callable
 
@@ -15,6 +16,19 @@ class BackendUnavailableError(RuntimeError):
 class UnknownBackendError(BackendUnavailableError, ValueError):
     """A backend name (``backend=`` or ``POLYFSDP_BACKEND``) that is not one of ours: a
     ValueError for callers, and one line from ``polyfsdp-train`` like any unusable backend."""
+
+
+@dataclass(frozen=True)
+class ModelFacts:
+    """What a backend may ask of a model before its fused ops replace the plain ones: the
+    shapes its config fixes and the dtype it computes in (the FSDP ``param_dtype``)."""
+
+    hidden_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    intermediate_size: int
+    compute_dtype: torch.dtype
 
 
 class Backend(ABC):
@@ -121,6 +135,11 @@ class Backend(ABC):
         """Fused kernels this backend offers, by op name (``rms_norm``, ``rotary_mul``,
         ``swiglu``, ``fusion_attention``). Patches are written against this table."""
         return {}
+
+    def fused_op_unsupported(self, op: str, facts: ModelFacts) -> str | None:
+        """Why the fused op ``op`` must not run for a model with these facts (a documented
+        limit of the device's kernel), or None. Checked before a patch applies."""
+        return None
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} name={self.name!r}>"

@@ -9,17 +9,13 @@ from typing import Callable
 
 import torch
 
-from .base import Backend
+from . import npu_limits
+from .base import Backend, ModelFacts
 
 _CANN_HINT = "install the CANN toolkit and source set_env.sh (e.g. /usr/local/Ascend/ascend-toolkit/set_env.sh)"
 
 # polyfsdp op name -> torch_npu attribute; patches look ops up by the left-hand name.
-_FUSED_OP_NAMES = {
-    "rms_norm": "npu_rms_norm",
-    "rotary_mul": "npu_rotary_mul",
-    "swiglu": "npu_swiglu",
-    "fusion_attention": "npu_fusion_attention",
-}
+_FUSED_OP_NAMES = npu_limits.OP_NAMES
 
 
 def _release(version: str) -> str:
@@ -96,3 +92,7 @@ class NPUBackend(Backend):
         if module is None:
             return {}
         return {op: getattr(module, attr) for op, attr in _FUSED_OP_NAMES.items() if hasattr(module, attr)}
+
+    def fused_op_unsupported(self, op: str, facts: ModelFacts) -> str | None:
+        # The limits a model's config decides, from Ascend's op pages (backends/npu_limits.py).
+        return npu_limits.model_problem(op, facts)
