@@ -128,8 +128,13 @@ class Backend(ABC):
     compile_by_default: bool = True
 
     def compile_unsupported(self) -> str | None:
-        """None when ``torch.compile`` (inductor) may build kernels on this device, else why not."""
+        """None when ``torch.compile`` (through :meth:`compile_backend`) may build kernels on
+        this device, else why not."""
         return f"torch.compile is not declared for the {self.name} backend"
+
+    def compile_backend(self):
+        """The ``backend=`` argument for ``torch.compile`` here (a name or a callable)."""
+        return "inductor"
 
     def fused_ops(self) -> dict[str, Callable]:
         """Fused kernels this backend offers, by op name (``rms_norm``, ``rotary_mul``,

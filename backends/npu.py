@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import logging
 import re
 import sys
 from typing import Callable
@@ -11,6 +12,8 @@ import torch
 
 from . import npu_limits
 from .base import Backend, ModelFacts
+
+logger = logging.getLogger(__name__)
 
 _CANN_HINT = "install the CANN toolkit and source set_env.sh (e.g. /usr/local/Ascend/ascend-toolkit/set_env.sh)"
 
@@ -37,6 +40,9 @@ class NPUBackend(Backend):
         self._module = None
         self._load_error: str | None = None
         self._loaded = False
+        self._compiler = None
+        self._compile_problem: str | None = None
+        self._compile_decided = False
 
     def _torch_npu(self):
         """Import torch_npu once; remember a failure as a plain-words reason."""
@@ -81,11 +87,39 @@ class NPUBackend(Backend):
         self._torch_npu()
         return super()._device_module()
 
-    # torch_npu's inductor support depends on its version and the CANN toolchain: try it.
+    # Even through torchair a graph may hold an op its compiler lacks: try it, eager on failure.
     compile_may_fail = True
 
+    def _decide_compiler(self) -> None:
+        """Pick torch.compile's backend once, and log the decision once: torchair's NPU backend
+        (Ascend's supported route; their API tables do not list inductor for NPU), else none."""
+        if self._compile_decided:
+            return
+        self._compile_decided = True
+        if self._torch_npu() is None:
+            self._compile_problem = f"torch.compile on NPU needs torch_npu: {self._load_error}"
+        else:
+            try:
+                # torchair must be imported after torch_npu (Ascend's TorchAir-GE backend page:
+                # docs/zh/user_guide/torch_compile/compilation_backend/torchair_ge_backend.md).
+                torchair = importlib.import_module("torchair")
+                self._compiler = torchair.get_npu_backend(compiler_config=torchair.CompilerConfig())
+            except Exception as exc:  # absent, or present but broken (CANN's graph engine missing)
+                detail = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+                self._compile_problem = (f"torch.compile on NPU goes through torchair's backend, which is not "
+                                         f"usable ({detail}); install torchair (it ships with torch_npu)")
+        if self._compile_problem is None:
+            logger.info("npu: torch.compile uses torchair's NPU backend")
+        else:
+            logger.info("npu: %s; compiled kernels run eager", self._compile_problem)
+
     def compile_unsupported(self) -> str | None:
-        return None
+        self._decide_compiler()
+        return self._compile_problem
+
+    def compile_backend(self):
+        self._decide_compiler()
+        return self._compiler
 
     def fused_ops(self) -> dict[str, Callable]:
         module = self._torch_npu()

@@ -72,3 +72,25 @@ class HostMemoryAccelerator(CPUBackend):
 
     name = "cpu-as-accelerator"
     memory_is_host = False
+
+
+def torchair_standin(compiled_graphs: list) -> types.ModuleType:
+    """A stand-in ``torchair``: ``get_npu_backend()`` returns a torch.compile backend that records
+    each graph it is handed (its input count) and runs the graph as it is (eager)."""
+    module = types.ModuleType("torchair")
+
+    class CompilerConfig:
+        pass
+
+    def get_npu_backend(compiler_config=None):
+        assert isinstance(compiler_config, CompilerConfig)
+
+        def backend(graph_module, example_inputs):
+            compiled_graphs.append(len(example_inputs))
+            return graph_module.forward
+
+        return backend
+
+    module.CompilerConfig = CompilerConfig
+    module.get_npu_backend = get_npu_backend
+    return module
