@@ -4,7 +4,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from types import ModuleType
-from typing import Callable
+from typing import Callable, Mapping, MutableMapping
 
 import torch
 
@@ -51,6 +51,10 @@ class Backend(ABC):
     # Whether the device's memory IS host memory (the CPU): offloading to the host then
     # moves nothing (engines/offload.py turns it into a notice).
     memory_is_host: bool = False
+    # The caching allocator's settings variable (PYTORCH_CUDA_ALLOC_CONF, ...), None without one.
+    alloc_conf_variable: str | None = None
+    # torch's process-group timeout when the collective library sets none of its own.
+    process_group_timeout_s: float = 600.0
 
     @abstractmethod
     def availability(self) -> str | None:
@@ -140,6 +144,28 @@ class Backend(ABC):
         """Fused kernels this backend offers, by op name (``rms_norm``, ``rotary_mul``,
         ``swiglu``, ``fusion_attention``). Patches are written against this table."""
         return {}
+
+    def prepare_process_group(self, environ: MutableMapping[str, str]) -> tuple[float, str | None]:
+        """Before the process group starts: set what the collective library reads from the
+        environment, and return (the process-group timeout in seconds, a line saying what was set
+        or None)."""
+        return self.process_group_timeout_s, None
+
+    def vllm_sleep_mode_conflict(self, rollout_engine_is_vllm: bool, environ: Mapping[str, str]) -> str | None:
+        """One line when the allocator settings conflict with vLLM's sleep mode, else None.
+        vLLM's sleep mode refuses ``expandable_segments:True``: its memory pool needs fixed
+        addresses (vllm-project/vllm#14189, pytorch/pytorch#147851; on Ascend the same through
+        PYTORCH_NPU_ALLOC_CONF, modelscope/ms-swift#6636). Not yet called: a rollout engine
+        switch (``rollout.engine``) is to call it with ``rollout_engine_is_vllm``."""
+        if not rollout_engine_is_vllm or self.alloc_conf_variable is None:
+            return None
+        conf = environ.get(self.alloc_conf_variable, "")
+        for item in conf.split(","):
+            key, _, value = item.partition(":")
+            if key.strip() == "expandable_segments" and value.strip().lower() in ("true", "1"):
+                return (f"{self.alloc_conf_variable}={conf!r} turns on expandable_segments, which vLLM's sleep "
+                        f"mode cannot run with: remove it (or set expandable_segments:False) for the vLLM rollout")
+        return None
 
     def fused_op_unsupported(self, op: str, facts: ModelFacts) -> str | None:
         """Why the fused op ``op`` must not run for a model with these facts (a documented

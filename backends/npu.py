@@ -6,12 +6,13 @@ import importlib.util
 import logging
 import re
 import sys
-from typing import Callable
+from typing import Callable, MutableMapping
 
 import torch
 
 from . import npu_limits
 from .base import Backend, ModelFacts
+from .hccl_settings import apply_hccl_settings
 
 logger = logging.getLogger(__name__)
 
@@ -35,6 +36,7 @@ class NPUBackend(Backend):
     dist_backend = "hccl"
     # The attention patch swaps in npu_fusion_attention (TND for packed batches).
     default_attn_implementation = "sdpa"
+    alloc_conf_variable = "PYTORCH_NPU_ALLOC_CONF"
 
     def __init__(self) -> None:
         self._module = None
@@ -130,3 +132,7 @@ class NPUBackend(Backend):
     def fused_op_unsupported(self, op: str, facts: ModelFacts) -> str | None:
         # The limits a model's config decides, from Ascend's op pages (backends/npu_limits.py).
         return npu_limits.model_problem(op, facts)
+
+    def prepare_process_group(self, environ: MutableMapping[str, str]) -> tuple[float, str | None]:
+        # HCCL reads its timeouts from the environment when the communicator is built.
+        return apply_hccl_settings(environ)
