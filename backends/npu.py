@@ -4,13 +4,12 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import logging
-import re
 import sys
 from typing import Callable, MutableMapping
 
 import torch
 
-from . import npu_limits
+from . import npu_limits, npu_versions
 from .base import Backend, ModelFacts
 from .hccl_settings import apply_hccl_settings
 
@@ -20,12 +19,6 @@ _CANN_HINT = "install the CANN toolkit and source set_env.sh (e.g. /usr/local/As
 
 # polyfsdp op name -> torch_npu attribute; patches look ops up by the left-hand name.
 _FUSED_OP_NAMES = npu_limits.OP_NAMES
-
-
-def _release(version: str) -> str:
-    """'2.13.0+cpu' or '2.13.0.post1' -> '2.13.0'; torch_npu must match torch at this level."""
-    match = re.match(r"\d+\.\d+\.\d+", version)
-    return match.group(0) if match else version
 
 
 class NPUBackend(Backend):
@@ -47,33 +40,35 @@ class NPUBackend(Backend):
         self._compile_decided = False
 
     def _torch_npu(self):
-        """Import torch_npu once; remember a failure as a plain-words reason."""
+        """Import torch_npu once; remember a failure as one line naming the fix."""
         if self._loaded:
             return self._module
         self._loaded = True
+        self._load_error = self._load_problem()
+        if self._load_error is None:
+            self._module = sys.modules["torch_npu"]
+        return self._module
+
+    def _load_problem(self) -> str | None:
+        """Why torch_npu cannot be used with this torch, or None once it is imported."""
         if "torch_npu" not in sys.modules and importlib.util.find_spec("torch_npu") is None:
-            self._load_error = (
-                f"torch_npu is not installed (pip install torch_npu=={_release(torch.__version__)})"
-            )
-            return None
+            return f"torch_npu is not installed: {npu_versions.matching_versions(torch.__version__)}"
+        installed = npu_versions.installed_torch_npu()
+        # A mismatched pair is diagnosed before the import, which would fail on undefined symbols.
+        problem = npu_versions.mismatch(torch.__version__, installed) if installed else None
+        if problem is not None:
+            return problem
         try:
             module = importlib.import_module("torch_npu")
         except Exception as exc:  # a broken install raises ImportError/OSError/RuntimeError
             message = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            if "undefined symbol" in message:
+                return npu_versions.undefined_symbol(message, torch.__version__, installed)
             if ".so" in message or "CANN" in message or "libascend" in message or "libhccl" in message:
-                self._load_error = f"torch_npu is installed but failed to load: {message} — {_CANN_HINT}"
-            else:
-                self._load_error = f"torch_npu is installed but failed to load: {type(exc).__name__}: {message}"
-            return None
+                return f"torch_npu is installed but failed to load: {message} — {_CANN_HINT}"
+            return f"torch_npu is installed but failed to load: {type(exc).__name__}: {message}"
         npu_version = getattr(module, "__version__", None)
-        if npu_version is not None and _release(npu_version) != _release(torch.__version__):
-            self._load_error = (
-                f"torch_npu {npu_version} does not match torch {torch.__version__}: "
-                f"install torch_npu=={_release(torch.__version__)}"
-            )
-            return None
-        self._module = module
-        return module
+        return npu_versions.mismatch(torch.__version__, npu_version) if npu_version is not None else None
 
     def availability(self) -> str | None:
         module = self._torch_npu()

@@ -12,22 +12,34 @@ from polyfsdp.backends.cpu import CPUBackend
 CANN_ERROR = "libhccl.so: cannot open shared object file: No such file or directory"
 
 
+# What importing a torch_npu built for another torch raises (the symbol is one of c10's).
+UNDEFINED_SYMBOL_ERROR = ("/usr/lib/python3/site-packages/torch_npu/lib/libtorch_npu.so: undefined symbol: "
+                          "_ZN3c1021throwNullDataPtrErrorEv")
+
+
 class _BrokenLoader(importlib.abc.Loader):
-    """Raises the ImportError a torch_npu wheel raises when CANN is missing."""
+    """Raises the ImportError a broken torch_npu install raises (by default: CANN missing)."""
+
+    def __init__(self, message: str):
+        self.message = message
 
     def create_module(self, spec):
         return None
 
     def exec_module(self, module):
-        raise ImportError(CANN_ERROR)
+        raise ImportError(self.message)
 
 
 class BrokenTorchNpuFinder(importlib.abc.MetaPathFinder):
-    """Makes ``torch_npu`` look installed, but fail on import like a CANN-less install."""
+    """Makes ``torch_npu`` look installed, but fail on import like a CANN-less install (or with
+    ``message``, e.g. UNDEFINED_SYMBOL_ERROR)."""
+
+    def __init__(self, message: str = CANN_ERROR):
+        self.message = message
 
     def find_spec(self, fullname, path=None, target=None):
         if fullname == "torch_npu":
-            return importlib.machinery.ModuleSpec("torch_npu", _BrokenLoader())
+            return importlib.machinery.ModuleSpec("torch_npu", _BrokenLoader(self.message))
         return None
 
 
