@@ -10,6 +10,7 @@ from typing import Callable, MutableMapping
 import torch
 
 from . import npu_limits, npu_versions
+from .npu_op_splits import SPLITTERS
 from .base import Backend, ModelFacts
 from .hccl_settings import apply_hccl_settings
 
@@ -122,7 +123,9 @@ class NPUBackend(Backend):
         module = self._torch_npu()
         if module is None:
             return {}
-        return {op: getattr(module, attr) for op, attr in _FUSED_OP_NAMES.items() if hasattr(module, attr)}
+        ops = {op: getattr(module, attr) for op, attr in _FUSED_OP_NAMES.items() if hasattr(module, attr)}
+        # Batch-dependent limits no config check can rule out: split such calls (npu_op_splits.py).
+        return {op: SPLITTERS[op](fn) if op in SPLITTERS else fn for op, fn in ops.items()}
 
     def fused_op_unsupported(self, op: str, facts: ModelFacts) -> str | None:
         # The limits a model's config decides, from Ascend's op pages (backends/npu_limits.py).
