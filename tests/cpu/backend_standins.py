@@ -5,9 +5,20 @@ import importlib.abc
 import importlib.machinery
 import types
 
+import pytest
 import torch
 
+from polyfsdp.backends import ENV_OVERRIDE, registry
 from polyfsdp.backends.cpu import CPUBackend
+
+@pytest.fixture(autouse=True)
+def fresh_registry(monkeypatch):
+    """Every backend created anew for the test and no POLYFSDP_BACKEND (import it to use it)."""
+    monkeypatch.delenv(ENV_OVERRIDE, raising=False)
+    registry._reset_cache()
+    yield
+    registry._reset_cache()
+
 
 CANN_ERROR = "libhccl.so: cannot open shared object file: No such file or directory"
 

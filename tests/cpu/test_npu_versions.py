@@ -9,19 +9,12 @@ import sys
 import pytest
 import torch
 from backend_standins import UNDEFINED_SYMBOL_ERROR, BrokenTorchNpuFinder
+from backend_standins import fresh_registry  # noqa: F401  (autouse fixture)
 
 import polyfsdp.backends as backends
 from polyfsdp.backends import __main__ as report_module
-from polyfsdp.backends import npu_versions, registry
+from polyfsdp.backends import npu_versions
 from polyfsdp.backends.npu import NPUBackend
-
-
-@pytest.fixture(autouse=True)
-def fresh_registry(monkeypatch):
-    monkeypatch.delenv(backends.ENV_OVERRIDE, raising=False)
-    registry._reset_cache()
-    yield
-    registry._reset_cache()
 
 
 @pytest.fixture
