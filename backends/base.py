@@ -23,11 +23,9 @@ class ModelFacts:
     """What a backend may ask of a model before its fused ops replace the plain ones: the
     shapes its config fixes and the dtype it computes in (the FSDP ``param_dtype``)."""
 
-    hidden_size: int
     num_attention_heads: int
     num_key_value_heads: int
     head_dim: int
-    intermediate_size: int
     compute_dtype: torch.dtype
 
 

@@ -21,6 +21,5 @@ def model_facts(model: nn.Module, compute_dtype: torch.dtype | None = None) -> M
     if compute_dtype is None:
         first = next(model.parameters(), None)
         compute_dtype = first.dtype if first is not None else torch.float32
-    return ModelFacts(hidden_size=hidden, num_attention_heads=heads, num_key_value_heads=int(kv_heads),
-                      head_dim=int(head_dim), intermediate_size=int(getattr(config, "intermediate_size", 0) or 0),
+    return ModelFacts(num_attention_heads=heads, num_key_value_heads=int(kv_heads), head_dim=int(head_dim),
                       compute_dtype=compute_dtype)
