@@ -55,8 +55,10 @@ class NPUBackend(Backend):
         if "torch_npu" not in sys.modules and importlib.util.find_spec("torch_npu") is None:
             return f"torch_npu is not installed: {npu_versions.matching_versions(torch.__version__)}"
         installed = npu_versions.installed_torch_npu()
-        # A mismatched pair is diagnosed before the import, which would fail on undefined symbols.
-        problem = npu_versions.mismatch(torch.__version__, installed) if installed else None
+        # A mismatched pair is diagnosed before the import, which would fail on undefined symbols
+        # (an already imported module says its own version below).
+        problem = (npu_versions.mismatch(torch.__version__, installed)
+                   if installed and "torch_npu" not in sys.modules else None)
         if problem is not None:
             return problem
         try:
