@@ -80,6 +80,7 @@ if torch.cuda.is_available():
 if importlib.util.find_spec("torch_npu") is not None:
     import torch_npu  # noqa: F401
     print(f"torch_npu {torch_npu.__version__}, npu devices: {torch.npu.device_count()}")
+    print(f"torchair installed: {importlib.util.find_spec('torchair') is not None}")
 PY
   echo '```'
   echo
