@@ -144,10 +144,11 @@ def check_same_run(cfg: JobConfig, run_dir: Path) -> None:
                               f"prompts_per_step) or choose another trainer.output_dir")
 
 
-def load_resume_checkpoint(engine, checkpoint: Path) -> tuple[int, dict]:
-    """Load a resume checkpoint; one that is incomplete or unreadable is a ConfigError."""
+def load_resume_checkpoint(engine, checkpoint: Path, parts: dict | None = None) -> tuple[int, dict]:
+    """Load a resume checkpoint (with the engines of ``parts``, e.g. PPO's critic); one that is
+    incomplete or unreadable is a ConfigError."""
     try:
-        return engine.load_checkpoint(str(checkpoint))
+        return engine.load_checkpoint(str(checkpoint), parts=parts)
     except CheckpointError as exc:
         raise ConfigError(f"trainer.resume: cannot load {checkpoint}: {exc}") from None
     except (OSError, ValueError, KeyError, RuntimeError) as exc:
