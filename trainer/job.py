@@ -335,7 +335,13 @@ class Job:
         cfg = self.cfg
         if phase.name == "sft":
             sft_loss = SFTLoss(agg_mode=cfg.algo.sft.agg_mode)
-            return lambda step, examples: sft_step(engine, self.tokenizer, examples, sft_loss)
+
+            def sft_fn(step: int, examples: list) -> dict:
+                # What draws from the generators (LoRA's dropout) is seeded per step: the same in
+                # every run of the seed, whatever the process's generator started from.
+                self.backend.manual_seed(self._step_seed(step) * 1024 + self.rank)
+                return sft_step(engine, self.tokenizer, examples, sft_loss)
+            return sft_fn
         g = cfg.algo.grpo
         # The reference is the GRPO starting point, frozen: a second engine, never stepped; with
         # LoRA it is the policy with its adapters off (they start at zero: the same model).
@@ -352,7 +358,7 @@ class Job:
 
         def step_fn(step: int, examples: list) -> dict:
             # Sampling (per rank) and mini-batch shuffles (same on all ranks) are seeded per step: exact resume.
-            step_seed = cfg.trainer.seed * 1_000_003 + step
+            step_seed = self._step_seed(step)
             more = lambda k: self._shard(self.source.batch(f"{phase.name}-refill{k}", step, phase.batch_size))  # noqa: E731
             if self.critic is not None:
                 return ppo_step(engine, self.critic, ref, self.tokenizer, examples, cfg.algo, ppo_loss, value_loss,
@@ -364,6 +370,10 @@ class Job:
                              mini_batches=mini_batches, scorer=self.scorer, more_examples=more,
                              unshard=self.cfg.rollout.unshard)
         return step_fn
+
+    def _step_seed(self, step: int) -> int:
+        """The seed of a phase's step ``step``, from trainer.seed (the same on every rank)."""
+        return self.cfg.trainer.seed * 1_000_003 + step
 
     def _run_phase(self, phase: Phase, resume: ResumePoint | None, fresh_metrics: bool) -> None:
         """Train ``phase`` from its start (or ``resume``), with evaluations, checkpoints, export."""
