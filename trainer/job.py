@@ -6,8 +6,8 @@ Output directory layout::
     metrics.jsonl        one record per step / evaluation (rank 0)
     init_model/          the preset's starting weights + tokenizer (presets only)
     checkpoints/sft/     engine checkpoints of the SFT phase (step_*/, latest)
-    checkpoints/grpo/    engine checkpoints of the GRPO phase (the PPO phase's actor under algo=ppo)
-    checkpoints/critic/  algo=ppo: the critic's checkpoints, at the same steps as the actor's
+    checkpoints/grpo/    engine checkpoints of the GRPO phase; under algo=ppo each holds the actor
+                         and the critic (its part "critic") as one unit
     sft_model/           the SFT-end weights: GRPO's starting point and its KL reference
     final/               Hugging Face export of the trained model + tokenizer
     curves.png           reward and loss curves
@@ -33,6 +33,7 @@ from omegaconf import OmegaConf
 from polyfsdp.backends.distributed import (all_reduce_max, barrier, broadcast_object, current_rank, current_world_size,
                                            init_distributed)
 from polyfsdp.backends.registry import get_backend
+from polyfsdp.engines.checkpoint import CheckpointError, checkpoint_parts
 from polyfsdp.engines.engine import FSDPEngine
 from polyfsdp.engines.lora import AdaptersOff
 from polyfsdp.engines.losses import SFTLoss
@@ -56,7 +57,9 @@ from .task import TOKENIZER_FILE, load_tokenizer
 logger = logging.getLogger(__name__)
 
 CHECKPOINT_MARKER = "checkpoint saved:"
-CRITIC_DIR = "critic"  # checkpoints/critic/: algo=ppo's critic, next to checkpoints/grpo/
+CRITIC_PART = "critic"  # algo=ppo: the critic's name in the RL phase's checkpoints
+# Where a polyfsdp before one-unit PPO checkpoints kept the critic's (checkpoints/critic/step_N).
+LEGACY_CRITIC_DIR = "critic"
 CRITIC_HEAD_FILE = "value_head.safetensors"  # final/: the critic's head (ModelConfig.value_head_path)
 
 
@@ -181,13 +184,10 @@ class Job:
                  "metrics_lines": self.metrics.lines, "metrics_path": self.metrics.path,
                  "data_position": step * (self.cfg.trainer.sft_batch_size if phase == "sft"
                                           else self.cfg.trainer.prompts_per_step)}
-        if self.critic is not None and phase != "sft":
-            # Before the actor's: the actor's `latest` decides where a run resumes, so the
-            # critic's checkpoint of that step must already be complete.
-            self.critic.save_checkpoint(str(self.out / "checkpoints" / CRITIC_DIR), step=step, extra=extra,
-                                        keep=self.cfg.trainer.keep_checkpoints)
+        # algo=ppo: the critic is a part of the actor's checkpoint, so no crash can leave one
+        # of them at a step the other lacks, and pruning removes both together.
         path = engine.save_checkpoint(str(self.out / "checkpoints" / phase), step=step, extra=extra,
-                                      keep=self.cfg.trainer.keep_checkpoints)
+                                      keep=self.cfg.trainer.keep_checkpoints, parts=self._parts(phase))
         self.last_checkpoint = Path(path)  # before the line: a Ctrl-C right after it must name this one
         _say(f"{CHECKPOINT_MARKER} {path} (phase {phase}, step {step}, global step {global_step})")
         return self.last_checkpoint
@@ -292,11 +292,12 @@ class Job:
     def _restore(self, engine: FSDPEngine, phase: Phase, resume: ResumePoint | None, fresh_metrics: bool) -> int:
         """Position the engine and the metrics file where ``phase`` continues; returns its first step."""
         if resume is not None and resume.checkpoint is not None:
-            _, extra = load_resume_checkpoint(engine, resume.checkpoint)
+            parts = self._parts(phase.name)
+            if parts:
+                self._refuse_legacy_critic(resume.checkpoint)
+            _, extra = load_resume_checkpoint(engine, resume.checkpoint, parts)
             self.last_checkpoint = resume.checkpoint
             step = int(extra["phase_step"])
-            if self.critic is not None and phase.name != "sft":
-                self._restore_critic(resume.checkpoint)
             if step > phase.steps:
                 # Nothing to run: a "final" evaluation at the lower step count would be mislabelled.
                 key = f"trainer.{phase.name}_steps"
@@ -313,20 +314,34 @@ class Job:
             self._evaluate(engine, "initial", 0)
         return 0
 
-    def _restore_critic(self, actor_checkpoint: Path) -> None:
-        """Load the critic's checkpoint of the actor's step (checkpoints/critic/step_N)."""
-        path = actor_checkpoint.parent.parent / CRITIC_DIR / actor_checkpoint.name
-        if not path.is_dir():
-            raise ConfigError(f"trainer.resume: algo=ppo needs the critic's checkpoint {path} next to "
-                              f"{actor_checkpoint} (was the run algo={self.cfg.algo.name}?)")
-        load_resume_checkpoint(self.critic, path)
+    def _parts(self, phase: str) -> dict[str, FSDPEngine]:
+        """The engines saved and loaded with ``phase``'s policy as parts of its checkpoints."""
+        return {CRITIC_PART: self.critic} if self.critic is not None and phase != "sft" else {}
+
+    def _refuse_legacy_critic(self, checkpoint: Path) -> None:
+        """A PPO checkpoint from before the critic was a part of it: its critic is elsewhere."""
+        legacy = checkpoint.parent.parent / LEGACY_CRITIC_DIR
+        try:
+            held = checkpoint_parts(checkpoint)
+        except CheckpointError:
+            return  # loading it names what is wrong
+        if legacy.is_dir() and CRITIC_PART not in held:
+            raise ConfigError(f"trainer.resume: {checkpoint} holds no critic: it was written by a polyfsdp that "
+                              f"kept algo=ppo's critic apart (in {legacy}), which this one does not load; finish "
+                              f"that run with the polyfsdp that started it, or start a new trainer.output_dir")
 
     def _step_function(self, phase: Phase, engine: FSDPEngine) -> Callable[[int, list], dict]:
         """``(phase step, this rank's examples) -> metrics`` for one training step of ``phase``."""
         cfg = self.cfg
         if phase.name == "sft":
             sft_loss = SFTLoss(agg_mode=cfg.algo.sft.agg_mode)
-            return lambda step, examples: sft_step(engine, self.tokenizer, examples, sft_loss)
+
+            def sft_fn(step: int, examples: list) -> dict:
+                # What draws from the generators (LoRA's dropout) is seeded per step: the same in
+                # every run of the seed, whatever the process's generator started from.
+                self.backend.manual_seed(self._step_seed(step) * 1024 + self.rank)
+                return sft_step(engine, self.tokenizer, examples, sft_loss)
+            return sft_fn
         g = cfg.algo.grpo
         # The reference is the GRPO starting point, frozen: a second engine, never stepped; with
         # LoRA it is the policy with its adapters off (they start at zero: the same model).
@@ -343,7 +358,7 @@ class Job:
 
         def step_fn(step: int, examples: list) -> dict:
             # Sampling (per rank) and mini-batch shuffles (same on all ranks) are seeded per step: exact resume.
-            step_seed = cfg.trainer.seed * 1_000_003 + step
+            step_seed = self._step_seed(step)
             more = lambda k: self._shard(self.source.batch(f"{phase.name}-refill{k}", step, phase.batch_size))  # noqa: E731
             if self.critic is not None:
                 return ppo_step(engine, self.critic, ref, self.tokenizer, examples, cfg.algo, ppo_loss, value_loss,
@@ -355,6 +370,10 @@ class Job:
                              mini_batches=mini_batches, scorer=self.scorer, more_examples=more,
                              unshard=self.cfg.rollout.unshard)
         return step_fn
+
+    def _step_seed(self, step: int) -> int:
+        """The seed of a phase's step ``step``, from trainer.seed (the same on every rank)."""
+        return self.cfg.trainer.seed * 1_000_003 + step
 
     def _run_phase(self, phase: Phase, resume: ResumePoint | None, fresh_metrics: bool) -> None:
         """Train ``phase`` from its start (or ``resume``), with evaluations, checkpoints, export."""
