@@ -21,6 +21,7 @@ from .algo_config import (RL_ALGOS, AlgoSection, GRPOSection, PPOSection,  # noq
                           RolloutCorrectionSection, SFTSection, check_choice, check_min)
 from .compose import GROUPS, ConfigError, available_options, compose, to_container  # noqa: F401 (re-exported)
 from .generate import check_unshard
+from .tracking import check_loggers
 
 logger = logging.getLogger(__name__)
 
@@ -113,6 +114,11 @@ class TrainerSection:
     plot: bool = True
     export: bool = True
     export_lora: str = "merged"  # with model.lora: the final export as merged weights or a peft adapter
+    # Experiment tracking (trainer/tracking): where metrics go, and how the trackers name the run.
+    logger: list | str = field(default_factory=lambda: ["console", "jsonl"])
+    project_name: str = "polyfsdp"
+    experiment_name: str | None = None  # null: the output directory's name
+    tags: list = field(default_factory=list)
 
 
 @dataclass
@@ -207,6 +213,9 @@ def _validate_trainer(t: TrainerSection, algo: AlgoSection, world_size: int) -> 
                               f"got {getattr(t, key)}")
     check_choice("trainer.progress", t.progress, PROGRESS_MODES)
     check_choice("trainer.export_lora", t.export_lora, LORA_EXPORT_MODES)
+    t.logger = check_loggers(t.logger)
+    if not isinstance(t.tags, list) or not all(isinstance(tag, str) and tag for tag in t.tags):
+        raise ConfigError(f"trainer.tags: expected a list of names, e.g. trainer.tags=[baseline,lr1e-6], got {t.tags!r}")
     if t.cpu_threads is not None:
         check_min("trainer.cpu_threads", t.cpu_threads, 1)
     if t.resume not in ("auto", "never") and not os.path.isdir(t.resume):

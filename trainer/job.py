@@ -11,6 +11,8 @@ Output directory layout::
     sft_model/           the SFT-end weights: GRPO's starting point and its KL reference
     final/               Hugging Face export of the trained model + tokenizer
     curves.png           reward and loss curves
+    trackers.json        trainer.logger's tracker run ids (a resumed run reopens them)
+    tensorboard/ wandb/ mlflow.db mlartifacts/   the trackers' own files (trainer.logger)
 
 Every batch and every sampling seed is a function of the step, and each checkpoint stores
 how many metrics records precede it, so ``trainer.resume=auto`` continues the same curve.
@@ -52,6 +54,7 @@ from .resume import STATE_FILE, ResumePoint, check_same_run, find_resume, load_r
 from .sft import sft_step
 from .stop import Preempted, StopRequest
 from .task import TOKENIZER_FILE, load_tokenizer
+from .tracking import RunInfo, Trackers, TrackerStartError, start_trackers
 
 logger = logging.getLogger(__name__)
 
@@ -98,6 +101,7 @@ class Job:
         # Rank 0's output_dir wins: "${now:...}" may resolve differently on each rank.
         self.out = Path(broadcast_object(cfg.trainer.output_dir)).resolve()
         self.metrics = MetricsLogger(str(self.out / METRICS_FILE), enabled=self.rank == 0)
+        self.trackers = Trackers([])  # trainer.logger's trackers: started in run(), rank 0 only
         self.scorer = build_scorer(cfg.reward, cfg.data)  # a missing reward file fails before any model
         # A preset's character tokenizer: the one the run's initial model was built with, when
         # it exists (a continued run); else a fresh one that learns the data's characters.
@@ -245,6 +249,29 @@ class Job:
             except OSError as exc:
                 raise ConfigError(f"trainer.output_dir: cannot create {out}: {exc.strerror or exc}") from None
         resume = broadcast_object(resume)
+        self.trackers = on_every_rank(lambda: self._start_trackers(resume is not None))
+        self.metrics.on_record = self.trackers.log_record
+        if self.trackers.trackers:
+            _say(f"trackers: {self.trackers.locations()}")
+        try:
+            return self._run_phases(resume)
+        finally:
+            self.trackers.close()
+
+    def _start_trackers(self, resuming: bool) -> Trackers:
+        """trainer.logger's trackers on rank 0 (none elsewhere); one that cannot start is a ConfigError."""
+        t = self.cfg.trainer
+        if self.rank != 0:
+            return Trackers([])
+        run = RunInfo(directory=self.out, project=t.project_name, name=t.experiment_name or self.out.name,
+                      tags=list(t.tags), config=self.cfg.raw)
+        try:
+            return start_trackers(t.logger, run, resuming)
+        except TrackerStartError as exc:
+            raise ConfigError(str(exc)) from None
+
+    def _run_phases(self, resume: ResumePoint | None) -> dict:
+        cfg, out = self.cfg, self.out
         start_dir = cfg.model.path or self._initial_model()
         _say(f"polyfsdp-train: {cfg.algo.name} on {cfg.data.source} data (reward {self.scorer.name}), "
              f"backend {self.backend.name}, "
@@ -288,6 +315,7 @@ class Job:
         if self.rank == 0 and source is not None and source != Path(self.metrics.path) and source.is_file():
             shutil.copyfile(source, self.metrics.path)
         self.metrics.start(lines)
+        self.trackers.continue_from(self.metrics.next_global_step())
 
     def _restore(self, engine: FSDPEngine, phase: Phase, resume: ResumePoint | None, fresh_metrics: bool) -> int:
         """Position the engine and the metrics file where ``phase`` continues; returns its first step."""
@@ -362,7 +390,8 @@ class Job:
         step_fn = self._step_function(phase, engine)  # builds GRPO's reference before a checkpoint sets the RNG
         start = self._restore(engine, phase, resume, fresh_metrics)
         every = self.cfg.trainer.eval_interval if phase.mid_evaluations else 0
-        progress = Progress(phase.name, phase.steps, start, self.cfg.trainer.progress, enabled=self.rank == 0)
+        progress = Progress(phase.name, phase.steps, start, self.cfg.trainer.progress,
+                            enabled=self.rank == 0 and "console" in self.cfg.trainer.logger)
         for step in range(start, phase.steps):
             examples = self._shard(self.source.batch(phase.name, step, phase.batch_size))
             global_step = phase.step_offset + step + 1
