@@ -4,6 +4,7 @@ Output directory layout::
 
     config.yaml          the resolved configuration
     metrics.jsonl        one record per step / evaluation (rank 0)
+    generations.jsonl    trainer.log_val_generations: the first prompts' completions at each evaluation
     init_model/          the preset's starting weights + tokenizer (presets only)
     checkpoints/sft/     engine checkpoints of the SFT phase (step_*/, latest)
     checkpoints/grpo/    engine checkpoints of the GRPO phase (the PPO phase's actor under algo=ppo)
@@ -42,7 +43,8 @@ from polyfsdp.engines.losses import SFTLoss
 from .chat import PromptEncoder, check_position_budget, model_max_positions
 from .config import ConfigError, JobConfig
 from .data import build_source, check_generation_budget, check_tokenizer_covers, max_answer_tokens
-from .generate import evaluate_with_metrics
+from .evaluation import GENERATION_COLUMNS, EvalSettings, evaluate
+from .generations_log import GENERATIONS_FILE, GenerationsLog
 from .grpo import grpo_step
 from .ppo import ppo_step
 from .metrics import METRICS_FILE, MetricsLogger
@@ -102,6 +104,7 @@ class Job:
         self.out = Path(broadcast_object(cfg.trainer.output_dir)).resolve()
         self.metrics = MetricsLogger(str(self.out / METRICS_FILE), enabled=self.rank == 0)
         self.trackers = Trackers([])  # trainer.logger's trackers: started in run(), rank 0 only
+        self.generations = GenerationsLog(str(self.out / GENERATIONS_FILE), enabled=self.rank == 0)
         self.scorer = build_scorer(cfg.reward, cfg.data)  # a missing reward file fails before any model
         # A preset's character tokenizer: the one the run's initial model was built with, when
         # it exists (a continued run); else a fresh one that learns the data's characters.
@@ -171,14 +174,23 @@ class Job:
 
     def _evaluate(self, engine: FSDPEngine, tag: str, global_step: int) -> float:
         t = time.perf_counter()
-        value, extras = evaluate_with_metrics(engine, self.tokenizer, self.source.eval_examples, self.eval_tokens,
-                                              scorer=self.scorer, unshard=self.cfg.rollout.unshard)
-        self.metrics.log({"phase": "eval", "tag": tag, "global_step": global_step, "reward": value, **extras,
-                          "num_prompts": len(self.source.eval_examples), "time_s": time.perf_counter() - self.t0})
+        e = self.cfg.eval
+        settings = EvalSettings(e.n_samples, e.temperature, e.pass_threshold,
+                                seed=self.cfg.trainer.seed * 1_000_003 + global_step,
+                                rows=self.cfg.trainer.log_val_generations)
+        result = evaluate(engine, self.tokenizer, self.source.eval_examples, self.eval_tokens, self.scorer, settings,
+                          unshard=self.cfg.rollout.unshard)
+        self.metrics.log({"phase": "eval", "tag": tag, "global_step": global_step, "reward": result.reward,
+                          **result.metrics, "num_prompts": len(self.source.eval_examples),
+                          "time_s": time.perf_counter() - self.t0})
+        if result.rows:
+            self.generations.write(tag, global_step, GENERATION_COLUMNS, result.rows)
+            self.trackers.log_table("val/generations", GENERATION_COLUMNS, result.rows, global_step)
+        passed = f", pass@{e.n_samples} {result.metrics[f'pass@{e.n_samples}']:.3f}" if e.n_samples > 1 else ""
         _say(f"held-out reward ({tag}, global step {global_step}, {len(self.source.eval_examples)} prompts, "
-             f"greedy): {value:.3f} "
+             f"{settings.describe()}): {result.reward:.3f}{passed} "
              f"[{time.perf_counter() - t:.1f}s]")
-        return value
+        return result.reward
 
     def _checkpoint(self, engine: FSDPEngine, phase: str, step: int, global_step: int) -> Path:
         extra = {"phase": phase, "phase_step": step, "global_step": global_step,
@@ -316,6 +328,7 @@ class Job:
             shutil.copyfile(source, self.metrics.path)
         self.metrics.start(lines)
         self.trackers.continue_from(self.metrics.next_global_step())
+        self.generations.start(self.metrics.next_global_step())
 
     def _restore(self, engine: FSDPEngine, phase: Phase, resume: ResumePoint | None, fresh_metrics: bool) -> int:
         """Position the engine and the metrics file where ``phase`` continues; returns its first step."""

@@ -35,7 +35,8 @@ def resumed_run(tmp_path_factory):
     os.environ.update(WANDB_MODE="offline", WANDB_SILENT="true")
     os.environ.pop("MLFLOW_TRACKING_URI", None)
     common = [*TINY, f"trainer.logger=[console,jsonl,{','.join(INSTALLED)}]", "trainer.experiment_name=tiny",
-              "trainer.tags=[ci,tiny]", "trainer.checkpoint_interval=1", f"trainer.output_dir={out}"]
+              "trainer.tags=[ci,tiny]", "trainer.checkpoint_interval=1", "trainer.log_val_generations=2",
+              f"trainer.output_dir={out}"]
     try:
         assert main([*common, "trainer.grpo_steps=2"]) == 0
         ids_first = json.loads((out / "trackers.json").read_text())
@@ -45,6 +46,37 @@ def resumed_run(tmp_path_factory):
         for key, value in saved.items():
             os.environ.pop(key, None) if value is None else os.environ.__setitem__(key, value)
     return out, ids_first
+
+
+def test_validation_generations_reach_the_file_and_the_trackers(resumed_run):
+    from polyfsdp.trainer.generations_log import read_generations
+    from polyfsdp.trainer.reward_rules import char_match
+
+    out, _ = resumed_run
+    rows = read_generations(str(out / "generations.jsonl"))
+    # Two prompts per evaluation; the first process's final evaluation (global step 4) was dropped.
+    assert [(r["global_step"], r["tag"]) for r in rows] == [(0, "initial")] * 2 + [(2, "after_sft")] * 2 + \
+        [(5, "final")] * 2
+    assert [r["prompt"] for r in rows[:2]] == [r["prompt"] for r in rows[2:4]]  # the same prompts each time
+    for r in rows:
+        assert r["reward"] == char_match("", r["completion"], r["ground_truth"])
+    if "tensorboard" in INSTALLED:
+        # The accumulator TensorBoard's server reads text through (it purges tensors too).
+        from tensorboard.backend.event_processing.plugin_event_accumulator import EventAccumulator
+
+        events = EventAccumulator(str(out / "tensorboard"), size_guidance={"tensors": 0})
+        events.Reload()
+        tables = events.Tensors("val/generations/text_summary")
+        assert [e.step for e in tables] == [0, 2, 5]
+        assert rows[-1]["ground_truth"] in tables[-1].tensor_proto.string_val[0].decode()
+    if "wandb" in INSTALLED:
+        from tracker_files import wandb_offline_runs
+
+        logged = [row for run in wandb_offline_runs(out / "wandb") for row in run["history"]
+                  if "val/generations/_type" in row]
+        assert [row["_step"] for row in logged] == [0, 2, 4, 5]  # W&B keeps the first process's step 4
+        assert all(row["val/generations/_type"] == "table-file" and row["val/generations/nrows"] == 2
+                   for row in logged)
 
 
 def test_records_become_phase_named_scalars():
