@@ -11,7 +11,7 @@ Output directory layout::
     checkpoints/critic/  algo=ppo: the critic's checkpoints, at the same steps as the actor's
     sft_model/           the SFT-end weights: GRPO's starting point and its KL reference
     final/               Hugging Face export of the trained model + tokenizer
-    curves.png           reward and loss curves
+    curves.png           rewards, losses, KL, entropy, lengths, clip fraction, step time (redrawn at each evaluation)
     trackers.json        trainer.logger's tracker run ids (a resumed run reopens them)
     tensorboard/ wandb/ mlflow.db mlartifacts/   the trackers' own files (trainer.logger)
 
@@ -61,6 +61,7 @@ from .tracking import RunInfo, Trackers, TrackerStartError, start_trackers
 logger = logging.getLogger(__name__)
 
 CHECKPOINT_MARKER = "checkpoint saved:"
+CURVES_FILE = "curves.png"
 CRITIC_DIR = "critic"  # checkpoints/critic/: algo=ppo's critic, next to checkpoints/grpo/
 CRITIC_HEAD_FILE = "value_head.safetensors"  # final/: the critic's head (ModelConfig.value_head_path)
 
@@ -183,6 +184,10 @@ class Job:
         self.metrics.log({"phase": "eval", "tag": tag, "global_step": global_step, "reward": result.reward,
                           **result.metrics, "num_prompts": len(self.source.eval_examples),
                           "time_s": time.perf_counter() - self.t0})
+        if self.rank == 0 and self.cfg.trainer.plot:
+            from .plot import plot_metrics
+
+            plot_metrics(self.metrics.path, str(self.out / CURVES_FILE))  # redrawn at every evaluation
         if result.rows:
             self.generations.write(tag, global_step, GENERATION_COLUMNS, result.rows)
             self.trackers.log_table("val/generations", GENERATION_COLUMNS, result.rows, global_step)
@@ -441,10 +446,7 @@ class Job:
                 rewards[tag] = record["reward"]
         if self.rank == 0:
             if self.cfg.trainer.plot:
-                from .plot import plot_metrics
-
-                png = plot_metrics(self.metrics.path, str(self.out / "curves.png"))
-                _say(f"curves: {png}")
+                _say(f"curves: {self.out / CURVES_FILE}")  # drawn at the final evaluation
             _say(f"metrics: {self.metrics.path}")
             _say(f"done in {time.perf_counter() - self.t0:.1f}s")
             # The result is the last line: what a user (or `tail -1`) reads.
