@@ -1,6 +1,7 @@
 """``polyfsdp-eval``: evaluate a Hugging Face model directory (a run's ``final/`` export, or
-any local checkpoint) on held-out data with a reward function, the way ``polyfsdp-train``
-evaluates (trainer/evaluation.py); prints a table and writes JSON.
+any local checkpoint) or a training checkpoint of a run (``OUTPUT_DIR/checkpoints/sft|grpo[/step_N]``)
+on held-out data with a reward function, the way ``polyfsdp-train`` evaluates
+(trainer/evaluation.py); prints a table and writes JSON.
 
 The data, reward and eval keys are polyfsdp-train's. For a run's export (a directory next to
 the run's ``config.yaml``) they default to that run's, so ``polyfsdp-eval runs/a/final``
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import json
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 from .compose import GROUPS, ConfigError, compose, to_container
@@ -19,42 +21,75 @@ from .compose import GROUPS, ConfigError, compose, to_container
 PROG = "polyfsdp-eval"
 USAGE = """usage: polyfsdp-eval MODEL_DIR [KEY=VALUE ...] [--json FILE]
 
-Evaluates the Hugging Face model in MODEL_DIR on the held-out prompts of the data config
-(a run's export: that run's data, reward and eval settings unless overridden).
+Evaluates the Hugging Face model in MODEL_DIR (or a run's checkpoint) on the held-out prompts
+of the data config (a run's export or checkpoint: that run's data, reward and eval settings
+unless overridden).
   --json FILE  where to write the results (default: eval_results.json)
 Examples:
   polyfsdp-eval runs/a/final
   polyfsdp-eval runs/a/final eval.n_samples=8 eval.temperature=1.0
+  polyfsdp-eval runs/a/checkpoints/grpo/step_000050
   polyfsdp-eval my_model data=files data.train_files=[train.jsonl] data.val_files=[test.jsonl] reward.fn=gsm8k
 """
 DEFAULT_JSON = "eval_results.json"
 
 
-def run_config_of(model_dir: Path) -> Path | None:
-    """The ``config.yaml`` of the polyfsdp-train run ``model_dir`` was exported by, if any."""
-    saved = model_dir.parent / "config.yaml"
-    return saved if saved.is_file() and (model_dir.parent / "metrics.jsonl").is_file() else None
+TRAINING_PHASES = ("sft", "grpo")
 
 
-def eval_config(model_dir: Path, overrides: list[str], world_size: int = 1):
-    """The JobConfig to evaluate ``model_dir`` with: its run's config (or the defaults) with
-    ``overrides`` applied; ``model.path`` is ``model_dir``."""
+@dataclass
+class ModelToEvaluate:
+    """Where the weights come from: ``weights`` (a Hugging Face directory), then, for a
+    training checkpoint, ``checkpoint`` of ``phase`` loaded into them; ``run_dir``: the
+    polyfsdp-train run it belongs to (None: a model outside any run)."""
+
+    weights: Path
+    run_dir: Path | None = None
+    checkpoint: Path | None = None
+    phase: str = "sft"
+
+
+def _run_dir(directory: Path) -> Path | None:
+    return directory if (directory / "config.yaml").is_file() and (directory / "metrics.jsonl").is_file() else None
+
+
+def locate_model(path: Path) -> ModelToEvaluate:
+    """What ``polyfsdp-eval PATH`` evaluates: a run's checkpoint (``checkpoints/<phase>`` means
+    its newest), or a Hugging Face directory (in a run, such as ``final/``, or not)."""
+    from polyfsdp.engines.checkpoint import latest_checkpoint
+
+    phase_dir = path if path.name in TRAINING_PHASES else path.parent
+    if phase_dir.name in TRAINING_PHASES and phase_dir.parent.name == "checkpoints":
+        run_dir = _run_dir(phase_dir.parent.parent)
+        if run_dir is None:
+            raise ConfigError(f"MODEL_DIR {str(path)!r}: a checkpoint outside a polyfsdp-train run directory (no "
+                              f"config.yaml and metrics.jsonl in {phase_dir.parent.parent})")
+        checkpoint = path if path != phase_dir else latest_checkpoint(phase_dir)
+        if checkpoint is None:
+            raise ConfigError(f"MODEL_DIR {str(path)!r}: no complete checkpoint in it")
+        # The phase's starting model (shape, tokenizer) takes the checkpoint's weights.
+        after_sft = phase_dir.name == "grpo" and (run_dir / "sft_model").is_dir()
+        start = run_dir / ("sft_model" if after_sft else "init_model")
+        return ModelToEvaluate(start, run_dir, checkpoint, phase_dir.name)
+    return ModelToEvaluate(path, _run_dir(path.parent))
+
+
+def eval_config(model: ModelToEvaluate, overrides: list[str], world_size: int = 1):
+    """The JobConfig to evaluate ``model`` with: its run's config (or the defaults) with
+    ``overrides`` applied; ``model.path`` is the directory the weights come from."""
     from omegaconf import OmegaConf
     from omegaconf.errors import OmegaConfBaseException
 
     from .config import build_job_config
 
-    if not model_dir.is_dir():
-        raise ConfigError(f"MODEL_DIR {str(model_dir)!r} is not a directory (a Hugging Face model, e.g. a "
-                          f"run's final/)")
     bad = [o for o in overrides if "=" not in o]
     if bad:
         raise ConfigError(f"{bad[0]!r}: expected KEY=VALUE (see --help)")
-    saved = run_config_of(model_dir)
-    if saved is None:
-        raw = to_container(compose([*overrides, f"model.path={model_dir}"]))
+    weights = model.weights
+    if model.run_dir is None:
+        raw = to_container(compose([*overrides, f"model.path={weights}"]))
     else:
-        raw = OmegaConf.to_container(OmegaConf.load(saved))
+        raw = OmegaConf.to_container(OmegaConf.load(model.run_dir / "config.yaml"))
         groups = {o.partition("=")[0] for o in overrides if o.partition("=")[0] in GROUPS}
         for group in groups:
             # A group choice (data=files): that option's section, composed as polyfsdp-train would.
@@ -66,7 +101,10 @@ def eval_config(model_dir: Path, overrides: list[str], world_size: int = 1):
                                          resolve=True)
         except OmegaConfBaseException as exc:
             raise ConfigError(" ".join(str(exc).split())) from None
-        raw["model"]["path"] = str(model_dir)
+        if model.checkpoint is not None and raw["model"].get("path") and (model.phase == "sft" or
+                                                                         not raw["trainer"].get("sft_steps")):
+            weights = Path(raw["model"]["path"])  # the run started from this local model, not init_model/
+        raw["model"]["path"] = str(weights)
     return build_job_config(raw, world_size=world_size)
 
 
@@ -97,10 +135,17 @@ def evaluate_model(model_dir: Path, overrides: list[str], json_path: str) -> dic
 
     from .evaluation import GENERATION_COLUMNS, EvalSettings, evaluate
     from .job import Job
+    from .resume import load_resume_checkpoint
 
-    cfg = eval_config(model_dir, overrides, world_size=int(os.environ.get("WORLD_SIZE", "1")))
+    if not model_dir.is_dir():
+        raise ConfigError(f"MODEL_DIR {str(model_dir)!r} is not a directory (a Hugging Face model such as a run's "
+                          f"final/, or a run's checkpoints/grpo/step_N)")
+    model = locate_model(model_dir)
+    cfg = eval_config(model, overrides, world_size=int(os.environ.get("WORLD_SIZE", "1")))
     job = Job(cfg)  # the trainer's tokenizer, data, reward and checks; nothing is written
-    engine = job._engine("sft", str(model_dir))
+    engine = job._engine(model.phase, cfg.model.path)
+    if model.checkpoint is not None:
+        load_resume_checkpoint(engine, model.checkpoint)
     e = cfg.eval
     settings = EvalSettings(e.n_samples, e.temperature, e.pass_threshold, seed=cfg.trainer.seed * 1_000_003,
                             rows=cfg.trainer.log_val_generations)

@@ -16,15 +16,15 @@ from polyfsdp.trainer.train import main as train_main
 
 TINY = ["trainer.sft_steps=8", "trainer.grpo_steps=2", "trainer.sft_batch_size=8", "trainer.prompts_per_step=4",
         "data.eval_size=8", "trainer.progress=off", "algo.grpo.group_size=4", "trainer.plot=false",
-        "trainer.checkpoint_interval=0"]
+        "trainer.checkpoint_interval=100"]  # one checkpoint per phase, at its end
 
 
 @pytest.fixture(scope="module")
 def exported_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("evalcli") / "run"
     assert train_main([*TINY, f"trainer.output_dir={out}"]) == 0
-    final = next(r for r in read_metrics(str(out / "metrics.jsonl")) if r.get("tag") == "final")
-    return out, final["reward"]
+    evals = {r["tag"]: r["reward"] for r in read_metrics(str(out / "metrics.jsonl")) if r["phase"] == "eval"}
+    return out, evals["final"]
 
 
 def test_the_export_reproduces_the_runs_final_held_out_reward(exported_run, tmp_path, capsys):
@@ -34,6 +34,16 @@ def test_the_export_reproduces_the_runs_final_held_out_reward(exported_run, tmp_
     assert report["num_prompts"] == 8 and report["reward_fn"] == "char_match"
     assert report["metrics"]["reward"] == printed and printed > 0
     assert f"reward  {printed:.4f}" in capsys.readouterr().out
+
+
+def test_training_checkpoints_score_what_the_run_printed_at_their_step(exported_run, tmp_path):
+    out, printed = exported_run
+    evals = {r["tag"]: r["reward"] for r in read_metrics(str(out / "metrics.jsonl")) if r["phase"] == "eval"}
+    assert evals["after_sft"] != evals["final"]  # the two checkpoints are told apart
+    checkpoints = out / "checkpoints"
+    for path, tag in ((checkpoints / "sft" / "step_000008", "after_sft"), (checkpoints / "grpo", "final")):
+        assert eval_main([str(path), "--json", str(tmp_path / "r.json")]) == 0
+        assert json.loads((tmp_path / "r.json").read_text())["metrics"]["reward"] == evals[tag], tag
 
 
 def test_sampled_settings_and_generations_reach_the_json(exported_run, tmp_path):
