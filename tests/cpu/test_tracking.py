@@ -138,6 +138,13 @@ def test_mlflow_store_holds_one_run_with_metrics_and_params(resumed_run):
     # MLflow keeps both copies of global step 4: the same value, recomputed after the resume.
     assert [s for s, _ in history] == [3, 4, 4, 5]
     assert [v for _, v in history] == pytest.approx([expected[s] for s, _ in history])
+    tables = [a.path for a in client.list_artifacts(run.info.run_id, "val/generations")]
+    # One JSON table per evaluation; the first process's step-4 table stays (artifacts are kept).
+    assert tables == [f"val/generations/step_{s:06d}.json" for s in (0, 2, 4, 5)]
+    (out / "downloaded").mkdir(exist_ok=True)
+    local = client.download_artifacts(run.info.run_id, tables[-1], str(out / "downloaded"))
+    table = json.loads(open(local).read())
+    assert table["columns"] == ["prompt", "completion", "ground_truth", "reward"] and len(table["data"]) == 2
 
 
 class _Flaky(Tracker):
