@@ -4,13 +4,16 @@ Output directory layout::
 
     config.yaml          the resolved configuration
     metrics.jsonl        one record per step / evaluation (rank 0)
+    generations.jsonl    trainer.log_val_generations: the first prompts' completions at each evaluation
     init_model/          the preset's starting weights + tokenizer (presets only)
     checkpoints/sft/     engine checkpoints of the SFT phase (step_*/, latest)
     checkpoints/grpo/    engine checkpoints of the GRPO phase; under algo=ppo each holds the actor
                          and the critic (its part "critic") as one unit
     sft_model/           the SFT-end weights: GRPO's starting point and its KL reference
     final/               Hugging Face export of the trained model + tokenizer
-    curves.png           reward and loss curves
+    curves.png           rewards, losses, KL, entropy, lengths, clip fraction, step time (redrawn at each evaluation)
+    trackers.json        trainer.logger's tracker run ids (a resumed run reopens them)
+    tensorboard/ wandb/ mlflow.db mlartifacts/   the trackers' own files (trainer.logger)
 
 Every batch and every sampling seed is a function of the step, and each checkpoint stores
 how many metrics records precede it, so ``trainer.resume=auto`` continues the same curve.
@@ -41,7 +44,8 @@ from polyfsdp.engines.losses import SFTLoss
 from .chat import PromptEncoder, check_position_budget, model_max_positions
 from .config import ConfigError, JobConfig
 from .data import build_source, check_generation_budget, check_tokenizer_covers, max_answer_tokens
-from .generate import evaluate_with_metrics
+from .evaluation import GENERATION_COLUMNS, EvalSettings, evaluate
+from .generations_log import GENERATIONS_FILE, GenerationsLog
 from .grpo import grpo_step
 from .ppo import ppo_step
 from .metrics import METRICS_FILE, MetricsLogger
@@ -53,10 +57,12 @@ from .resume import STATE_FILE, ResumePoint, check_same_run, find_resume, load_r
 from .sft import sft_step
 from .stop import Preempted, StopRequest
 from .task import TOKENIZER_FILE, load_tokenizer
+from .tracking import RunInfo, Trackers, TrackerStartError, start_trackers
 
 logger = logging.getLogger(__name__)
 
 CHECKPOINT_MARKER = "checkpoint saved:"
+CURVES_FILE = "curves.png"
 CRITIC_PART = "critic"  # algo=ppo: the critic's name in the RL phase's checkpoints
 # Where a polyfsdp before one-unit PPO checkpoints kept the critic's (checkpoints/critic/step_N).
 LEGACY_CRITIC_DIR = "critic"
@@ -101,6 +107,8 @@ class Job:
         # Rank 0's output_dir wins: "${now:...}" may resolve differently on each rank.
         self.out = Path(broadcast_object(cfg.trainer.output_dir)).resolve()
         self.metrics = MetricsLogger(str(self.out / METRICS_FILE), enabled=self.rank == 0)
+        self.trackers = Trackers([])  # trainer.logger's trackers: started in run(), rank 0 only
+        self.generations = GenerationsLog(str(self.out / GENERATIONS_FILE), enabled=self.rank == 0)
         self.scorer = build_scorer(cfg.reward, cfg.data)  # a missing reward file fails before any model
         # A preset's character tokenizer: the one the run's initial model was built with, when
         # it exists (a continued run); else a fresh one that learns the data's characters.
@@ -170,14 +178,27 @@ class Job:
 
     def _evaluate(self, engine: FSDPEngine, tag: str, global_step: int) -> float:
         t = time.perf_counter()
-        value, extras = evaluate_with_metrics(engine, self.tokenizer, self.source.eval_examples, self.eval_tokens,
-                                              scorer=self.scorer, unshard=self.cfg.rollout.unshard)
-        self.metrics.log({"phase": "eval", "tag": tag, "global_step": global_step, "reward": value, **extras,
-                          "num_prompts": len(self.source.eval_examples), "time_s": time.perf_counter() - self.t0})
+        e = self.cfg.eval
+        settings = EvalSettings(e.n_samples, e.temperature, e.pass_threshold,
+                                seed=self.cfg.trainer.seed * 1_000_003 + global_step,
+                                rows=self.cfg.trainer.log_val_generations)
+        result = evaluate(engine, self.tokenizer, self.source.eval_examples, self.eval_tokens, self.scorer, settings,
+                          unshard=self.cfg.rollout.unshard)
+        self.metrics.log({"phase": "eval", "tag": tag, "global_step": global_step, "reward": result.reward,
+                          **result.metrics, "num_prompts": len(self.source.eval_examples),
+                          "time_s": time.perf_counter() - self.t0})
+        if self.rank == 0 and self.cfg.trainer.plot:
+            from .plot import plot_metrics
+
+            plot_metrics(self.metrics.path, str(self.out / CURVES_FILE))  # redrawn at every evaluation
+        if result.rows:
+            self.generations.write(tag, global_step, GENERATION_COLUMNS, result.rows)
+            self.trackers.log_table("val/generations", GENERATION_COLUMNS, result.rows, global_step)
+        passed = f", pass@{e.n_samples} {result.metrics[f'pass@{e.n_samples}']:.3f}" if e.n_samples > 1 else ""
         _say(f"held-out reward ({tag}, global step {global_step}, {len(self.source.eval_examples)} prompts, "
-             f"greedy): {value:.3f} "
+             f"{settings.describe()}): {result.reward:.3f}{passed} "
              f"[{time.perf_counter() - t:.1f}s]")
-        return value
+        return result.reward
 
     def _checkpoint(self, engine: FSDPEngine, phase: str, step: int, global_step: int) -> Path:
         extra = {"phase": phase, "phase_step": step, "global_step": global_step,
@@ -245,6 +266,29 @@ class Job:
             except OSError as exc:
                 raise ConfigError(f"trainer.output_dir: cannot create {out}: {exc.strerror or exc}") from None
         resume = broadcast_object(resume)
+        self.trackers = on_every_rank(lambda: self._start_trackers(resume is not None))
+        self.metrics.on_record = self.trackers.log_record
+        if self.trackers.trackers:
+            _say(f"trackers: {self.trackers.locations()}")
+        try:
+            return self._run_phases(resume)
+        finally:
+            self.trackers.close()
+
+    def _start_trackers(self, resuming: bool) -> Trackers:
+        """trainer.logger's trackers on rank 0 (none elsewhere); one that cannot start is a ConfigError."""
+        t = self.cfg.trainer
+        if self.rank != 0:
+            return Trackers([])
+        run = RunInfo(directory=self.out, project=t.project_name, name=t.experiment_name or self.out.name,
+                      tags=list(t.tags), config=self.cfg.raw)
+        try:
+            return start_trackers(t.logger, run, resuming)
+        except TrackerStartError as exc:
+            raise ConfigError(str(exc)) from None
+
+    def _run_phases(self, resume: ResumePoint | None) -> dict:
+        cfg, out = self.cfg, self.out
         start_dir = cfg.model.path or self._initial_model()
         _say(f"polyfsdp-train: {cfg.algo.name} on {cfg.data.source} data (reward {self.scorer.name}), "
              f"backend {self.backend.name}, "
@@ -288,6 +332,8 @@ class Job:
         if self.rank == 0 and source is not None and source != Path(self.metrics.path) and source.is_file():
             shutil.copyfile(source, self.metrics.path)
         self.metrics.start(lines)
+        self.trackers.continue_from(self.metrics.next_global_step())
+        self.generations.start(self.metrics.next_global_step())
 
     def _restore(self, engine: FSDPEngine, phase: Phase, resume: ResumePoint | None, fresh_metrics: bool) -> int:
         """Position the engine and the metrics file where ``phase`` continues; returns its first step."""
@@ -381,7 +427,8 @@ class Job:
         step_fn = self._step_function(phase, engine)  # builds GRPO's reference before a checkpoint sets the RNG
         start = self._restore(engine, phase, resume, fresh_metrics)
         every = self.cfg.trainer.eval_interval if phase.mid_evaluations else 0
-        progress = Progress(phase.name, phase.steps, start, self.cfg.trainer.progress, enabled=self.rank == 0)
+        progress = Progress(phase.name, phase.steps, start, self.cfg.trainer.progress,
+                            enabled=self.rank == 0 and "console" in self.cfg.trainer.logger)
         for step in range(start, phase.steps):
             examples = self._shard(self.source.batch(phase.name, step, phase.batch_size))
             global_step = phase.step_offset + step + 1
@@ -418,10 +465,7 @@ class Job:
                 rewards[tag] = record["reward"]
         if self.rank == 0:
             if self.cfg.trainer.plot:
-                from .plot import plot_metrics
-
-                png = plot_metrics(self.metrics.path, str(self.out / "curves.png"))
-                _say(f"curves: {png}")
+                _say(f"curves: {self.out / CURVES_FILE}")  # drawn at the final evaluation
             _say(f"metrics: {self.metrics.path}")
             _say(f"done in {time.perf_counter() - self.t0:.1f}s")
             # The result is the last line: what a user (or `tail -1`) reads.

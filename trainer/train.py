@@ -59,13 +59,13 @@ def _setup_logging() -> None:
         pass
 
 
-def _error(exc: BaseException) -> int:
+def _error(exc: BaseException, prog: str = "polyfsdp-train") -> int:
     from .rank_errors import RankError
 
     if isinstance(exc, RankError) and _rank() != 0:
         return EXIT_USAGE  # every rank has it: rank 0 prints the one line
     message = " ".join(str(exc).split()) or type(exc).__name__
-    prefix = "polyfsdp-train: error: " if _rank() == 0 else f"polyfsdp-train [rank {_rank()}]: error: "
+    prefix = f"{prog}: error: " if _rank() == 0 else f"{prog} [rank {_rank()}]: error: "
     print(prefix + message, file=sys.stderr, flush=True)
     return EXIT_USAGE
 
