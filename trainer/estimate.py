@@ -212,6 +212,9 @@ def _rl_phase(cfg, lengths: _Lengths, world: int, policy: ModelMemory, critic: M
     est.steps[name] = steps
     est.notes.append(f"{name}: completions counted at algo.grpo.max_new_tokens={new} (an upper bound; the KV "
                      f"cache is that size)")
+    if gathered:
+        est.notes.append(f"{name}: generation holds the whole model gathered ({gathered / MIB:.2f} MiB, "
+                         f"rollout.unshard={cfg.rollout.unshard}); rollout.unshard=false gathers one layer at a time")
 
 
 def _hf_config(cfg, tokenizer):
@@ -225,6 +228,17 @@ def _hf_config(cfg, tokenizer):
     return preset_config(cfg.model.preset, **{**dict(cfg.model.overrides), "vocab_size": tokenizer.vocab_size})
 
 
+def _memory_is_host(backend: str) -> bool:
+    """Whether the job's backend computes in host memory (CPU: offload is a no-op). A named
+    backend is taken at its word (a GPU job may be estimated on a laptop); ``auto`` is what
+    this machine would pick."""
+    if backend == "auto":
+        from polyfsdp.backends.registry import get_backend
+
+        return get_backend("auto").memory_is_host
+    return backend == "cpu"
+
+
 def estimate_job(cfg, world_size: int) -> JobEstimate:
     """The per-rank memory of ``cfg``'s job on ``world_size`` ranks, phase by phase."""
     from .data import DataError
@@ -235,15 +249,15 @@ def estimate_job(cfg, world_size: int) -> JobEstimate:
         raise ConfigError(str(exc)) from None
     hf_config = _hf_config(cfg, lengths.tokenizer)
     model_config = cfg.model.model_config()
-    host_backend = cfg.backend == "cpu"
+    host_backend = _memory_is_host(cfg.backend)
     policy = ModelMemory(model_config, cfg.engine, world_size, hf_config)
     grpo = cfg.algo.grpo
     lora = model_config.lora.enabled
     est = JobEstimate(
         f"memory estimate per rank: world size {world_size}, master {model_config.dtype}, compute "
         f"{cfg.engine.param_dtype}, LoRA rank {model_config.lora.rank}, offload {cfg.engine.offload}, "
-        f"micro-batch budget {cfg.engine.max_tokens_per_micro_batch or 'none (a rank batch each)'}; "
-        f"{policy.num_params / 1e6:,.2f}M parameters, {policy.num_trainable / 1e6:,.2f}M trained"
+        f"micro-batch budget {cfg.engine.max_tokens_per_micro_batch or 'none (a rank batch each)'}\n"
+        f"model: {policy.num_params / 1e6:,.2f}M parameters, {policy.num_trainable / 1e6:,.2f}M trained"
         + ("; CPU: every row is host memory" if host_backend else ""))
     if lengths.note:
         est.notes.append(lengths.note)

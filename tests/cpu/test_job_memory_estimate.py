@@ -53,6 +53,10 @@ def test_rl_phase_counts_rollout_rows_reference_and_critic():
     assert rollout.rows == 32 * 8
     assert _steps(estimate_job(load_config(base), world_size=2), "grpo")["rollout generation (KV cache)"].rows == 128
     assert "reference parameters (a frozen copy)" in grpo.state["grpo"]
+    # Several ranks: rollout.unshard gathers the whole model for generation, false does not.
+    gathered, per_layer = (_steps(estimate_job(load_config([*base, f"rollout.unshard={u}"]), world_size=2), "grpo")
+                           ["rollout generation (KV cache)"].transient for u in ("auto", "false"))
+    assert gathered - per_layer == grpo.state["grpo"]["policy parameters"]  # fp32 compute: the same bytes
     ppo = estimate_job(load_config(["algo=ppo", *base]), world_size=1)
     assert {"critic parameters", "critic AdamW state"} <= set(ppo.state["ppo"])
     assert {"critic values pass (no grad)", "critic update micro-batch"} <= set(_steps(ppo, "ppo"))
@@ -63,6 +67,23 @@ def test_rl_phase_counts_rollout_rows_reference_and_critic():
     budget = estimate_job(load_config([*base, "engine.max_tokens_per_micro_batch=512"]), world_size=1)
     assert _steps(budget, "grpo")["actor update micro-batch"].tokens <= 512
     assert _steps(grpo, "grpo")["actor update micro-batch"].tokens > 512
+
+
+def test_offload_moves_state_off_the_device_except_on_the_cpu_backend():
+    def state(*overrides):
+        return estimate_job(load_config(list(overrides)), world_size=1).state["grpo"]
+
+    kept = state("backend=cuda")  # a named GPU backend is estimated as such on any machine
+    optimizer = state("backend=cuda", "engine.offload=optimizer")
+    params = state("backend=cuda", "engine.offload=params")
+    assert kept["policy AdamW state"] > 0 and optimizer["policy AdamW state"] == 0
+    assert optimizer["policy parameters"] == kept["policy parameters"]
+    assert all(value == 0 for value in params.values())
+    assert state("backend=cpu", "engine.offload=params") == state("backend=cpu")  # a no-op on the CPU
+    from polyfsdp.backends.registry import get_backend
+
+    if get_backend("auto").memory_is_host:  # backend=auto resolves as the job would resolve it
+        assert state("engine.offload=params") == state()
 
 
 def test_a_7b_config_gives_16_bytes_per_parameter_and_no_terabytes(qwen2_7b):
