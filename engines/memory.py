@@ -1,6 +1,7 @@
-"""Per-rank memory estimate of a training step, before the run, without building the model
-on a device: ``python -m polyfsdp.engines.memory --preset qwen2-small --tokens 4096 ...`` or
-``polyfsdp-train ... --estimate``.
+"""Per-rank memory estimates, before the run, without building the model on a device: one
+training micro-batch (``python -m polyfsdp.engines.memory --preset qwen2-small --tokens 4096``)
+and, through :class:`ModelMemory`, the pieces ``polyfsdp-train ... --estimate`` sums per phase
+(trainer/estimate.py): state, training micro-batches, no-grad passes and generation.
 
 Parameter, gradient and optimizer figures are exact counts: the model is built on the meta
 device (no storage), LoRA adapters are added there too, and every tensor is sized the way
@@ -8,7 +9,8 @@ FSDP2 shards it (dim 0 padded to a multiple of the world size). Activations are 
 from the tensors autograd saves per token in a Llama/Qwen-style decoder (listed in
 :func:`saved_per_token`), at the micro-batch token budget, with and without activation
 checkpointing; the logits path adds the ``(tokens, vocab)`` tensors that the fused head
-never materialises.
+never materialises. A no-grad pass keeps no activations: one layer's working set
+(:func:`layer_working_set_per_token`) and the head; generation adds its KV cache.
 """
 from __future__ import annotations
 
