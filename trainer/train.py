@@ -18,8 +18,9 @@ USAGE = """usage: polyfsdp-train [GROUP=OPTION] [KEY=VALUE ...] [--cfg] [--estim
 
 Runs SFT warm-up then GRPO on the built-in task (defaults), or what the overrides say.
   --cfg      print the composed configuration and exit (also Hydra's --cfg job)
-  --estimate print the per-rank memory estimate of the run (parameters, gradients,
-             optimizer, activations) and exit; nothing is built on a device
+  --estimate print the job's per-rank memory, phase by phase (SFT update, RL rollout
+             with its KV cache, log-prob passes, critic, updates) and its peak, and exit;
+             nothing is built on a device (WORLD_SIZE sets the ranks)
   --help     this text
 Config groups (pick with GROUP=OPTION):
 {groups}
