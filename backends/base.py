@@ -37,6 +37,14 @@ class Backend(ABC):
     # Whether the device's memory IS host memory (the CPU): offloading to the host then
     # moves nothing (engines/offload.py turns it into a notice).
     memory_is_host: bool = False
+    # The vLLM build for this device (trainer/vllm_adapter.py names it in the install hint).
+    vllm_package: str = "vllm"
+
+    def rollout_sleep_level(self, lora: bool) -> int | None:
+        """How deep a colocated vLLM sleeps while the trainer steps: 2 frees its weights and KV
+        cache, 1 offloads the weights to the host and frees the KV cache (what LoRA runs need,
+        whose base weights must survive), None: sleeping frees nothing on this device."""
+        return 1 if lora else 2
 
     @abstractmethod
     def availability(self) -> str | None:

@@ -36,6 +36,7 @@ class NPUBackend(Backend):
     dist_backend = "hccl"
     # The attention patch swaps in npu_fusion_attention (TND for packed batches).
     default_attn_implementation = "sdpa"
+    vllm_package = "vllm-ascend"
 
     def __init__(self) -> None:
         self._module = None
@@ -87,6 +88,9 @@ class NPUBackend(Backend):
 
     # torch_npu's inductor support depends on its version and the CANN toolchain: try it.
     compile_may_fail = True
+
+    def rollout_sleep_level(self, lora: bool) -> int | None:
+        return 1  # vllm-ascend offers level-1 sleep only
 
     def compile_unsupported(self) -> str | None:
         return None

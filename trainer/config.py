@@ -20,7 +20,7 @@ from polyfsdp.engines.lora import require_peft
 from .algo_config import (RL_ALGOS, AlgoSection, GRPOSection, PPOSection,  # noqa: F401 (re-exported)
                           RolloutCorrectionSection, SFTSection, check_choice, check_min)
 from .compose import GROUPS, ConfigError, available_options, compose, to_container  # noqa: F401 (re-exported)
-from .generate import check_unshard
+from .rollout_engines import check_rollout
 
 logger = logging.getLogger(__name__)
 
@@ -87,10 +87,16 @@ class RewardSection:
 
 @dataclass
 class RolloutSection:
-    """Generation: ``unshard`` (auto | true | false) gathers the model once per rollout
-    instead of once per layer per decoding step (trainer/generate.py)."""
+    """Generation: ``engine`` samples (trainer/rollout_engines.py); ``unshard`` (auto | true |
+    false) gathers the model once per rollout instead of once per layer per decoding step
+    (trainer/generate.py); the rest is vLLM's (trainer/vllm_rollout.py)."""
 
+    engine: str = "auto"
     unshard: bool | str = "auto"
+    sync_bucket_mb: float = 64.0
+    check_sync: bool = True
+    check_sync_tol: float = 1e-3
+    vllm: dict = field(default_factory=dict)
 
 
 @dataclass
@@ -339,10 +345,7 @@ def build_job_config(raw: dict, world_size: int = 1) -> JobConfig:
     reward = _section(RewardSection, "reward", raw["reward"])
     _validate_reward(reward)
     rollout = _section(RolloutSection, "rollout", raw.get("rollout") or {})
-    try:
-        check_unshard(rollout.unshard)
-    except ValueError as exc:
-        raise ConfigError(str(exc)) from None
+    check_rollout(rollout, world_size)
     lora_enabled = model.model_config().lora.enabled
     if trainer.export_lora != "merged" and not lora_enabled:
         raise ConfigError(f"trainer.export_lora={trainer.export_lora!r} exports LoRA adapters; set model.lora.rank > 0")

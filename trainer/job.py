@@ -48,6 +48,7 @@ from .model_init import write_initial_model
 from .progress import Progress
 from .rank_errors import on_every_rank
 from .rewards import build_scorer
+from .rollout_engines import build_rollout_engine
 from .resume import STATE_FILE, ResumePoint, check_same_run, find_resume, load_resume_checkpoint
 from .sft import sft_step
 from .stop import Preempted, StopRequest
@@ -130,6 +131,8 @@ class Job:
         check_position_budget(self.source, model_max_positions(cfg.model), self.eval_tokens,
                               "algo.grpo.max_new_tokens" if grpo is not None else "the longest answer")
         self.critic: FSDPEngine | None = None  # algo=ppo's critic, during the RL phase
+        # One rollout engine for the whole job (a vLLM engine follows the policy across phases).
+        self.sampler = build_rollout_engine(cfg.rollout, self.backend, lora=cfg.model.model_config().lora.enabled)
         self.t0 = time.perf_counter()
         self.stop = StopRequest()       # train.main installs it around run()
         self.position: tuple[str, int] | None = None  # (phase, steps done) of the last finished step
@@ -168,7 +171,7 @@ class Job:
     def _evaluate(self, engine: FSDPEngine, tag: str, global_step: int) -> float:
         t = time.perf_counter()
         value, extras = evaluate_with_metrics(engine, self.tokenizer, self.source.eval_examples, self.eval_tokens,
-                                              scorer=self.scorer, unshard=self.cfg.rollout.unshard)
+                                              scorer=self.scorer, sampler=self.sampler)
         self.metrics.log({"phase": "eval", "tag": tag, "global_step": global_step, "reward": value, **extras,
                           "num_prompts": len(self.source.eval_examples), "time_s": time.perf_counter() - self.t0})
         _say(f"held-out reward ({tag}, global step {global_step}, {len(self.source.eval_examples)} prompts, "
@@ -349,11 +352,11 @@ class Job:
                 return ppo_step(engine, self.critic, ref, self.tokenizer, examples, cfg.algo, ppo_loss, value_loss,
                                 sample_seed=step_seed * 1024 + self.rank, shuffle_seed=step_seed,
                                 mini_batches=mini_batches, train_actor=step >= cfg.algo.ppo.critic_warmup,
-                                scorer=self.scorer, more_examples=more, unshard=self.cfg.rollout.unshard)
+                                scorer=self.scorer, more_examples=more, sampler=self.sampler)
             return grpo_step(engine, ref, self.tokenizer, examples, cfg.algo, ppo_loss,
                              sample_seed=step_seed * 1024 + self.rank, shuffle_seed=step_seed,
                              mini_batches=mini_batches, scorer=self.scorer, more_examples=more,
-                             unshard=self.cfg.rollout.unshard)
+                             sampler=self.sampler)
         return step_fn
 
     def _run_phase(self, phase: Phase, resume: ResumePoint | None, fresh_metrics: bool) -> None:
@@ -392,6 +395,7 @@ class Job:
         del engine, step_fn
 
     def _finish(self) -> dict:
+        self.sampler.close()
         rewards = {}
         for tag in ("initial", "after_sft", "final"):
             record = self.metrics.last("eval", tag)
