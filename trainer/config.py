@@ -328,6 +328,10 @@ def build_job_config(raw: dict, world_size: int = 1) -> JobConfig:
     algo.sft.optim = _optim("algo.sft.optim", algo.sft.optim, trainer.sft_steps)
     algo.sft.validate("algo.sft")
     _validate_trainer(trainer, algo, world_size)
+    rollout = _section(RolloutSection, "rollout", raw.get("rollout") or {})
+    check_rollout(rollout, world_size)
+    if algo.rollout_correction is not None:
+        algo.rollout_correction.resolve("algo.rollout_correction", separate_sampler=rollout.engine == "vllm")
     if algo.rl:
         if algo.grpo is None:
             raise ConfigError(f"algo.grpo: algo={algo.name} needs its grpo section")
@@ -344,8 +348,6 @@ def build_job_config(raw: dict, world_size: int = 1) -> JobConfig:
                           f"{world_size}, got {data.eval_size}")
     reward = _section(RewardSection, "reward", raw["reward"])
     _validate_reward(reward)
-    rollout = _section(RolloutSection, "rollout", raw.get("rollout") or {})
-    check_rollout(rollout, world_size)
     lora_enabled = model.model_config().lora.enabled
     if trainer.export_lora != "merged" and not lora_enabled:
         raise ConfigError(f"trainer.export_lora={trainer.export_lora!r} exports LoRA adapters; set model.lora.rank > 0")

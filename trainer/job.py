@@ -235,6 +235,12 @@ class Job:
     # ------------------------------------------------------------------ phases
     def run(self) -> dict:
         """Run (or continue) the job; returns the held-out rewards by tag."""
+        try:
+            return self._run()
+        finally:
+            self.sampler.close()  # before the process group goes: a vLLM engine's groups hang off it
+
+    def _run(self) -> dict:
         cfg, out = self.cfg, self.out
         resume = None
         if self.rank == 0:
@@ -395,7 +401,6 @@ class Job:
         del engine, step_fn
 
     def _finish(self) -> dict:
-        self.sampler.close()
         rewards = {}
         for tag in ("initial", "after_sft", "final"):
             record = self.metrics.last("eval", tag)

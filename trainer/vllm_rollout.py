@@ -19,6 +19,7 @@ Every vLLM call is in trainer/vllm_adapter.py.
 """
 from __future__ import annotations
 
+import copy
 import logging
 import shutil
 import tempfile
@@ -110,15 +111,15 @@ class VllmRolloutEngine(RolloutEngine):
         from safetensors.torch import save_file
 
         directory = tempfile.mkdtemp(prefix="polyfsdp-vllm-")
-        config = policy.module.config
-        use_cache = config.use_cache
+        config = copy.deepcopy(policy.module.config)
         config.use_cache = True
-        try:
-            config.save_pretrained(directory)
-        finally:
-            config.use_cache = use_cache
+        # vLLM's copy keeps the output embedding as a weight of its own: reloading a tied
+        # input embedding leaves vLLM's LM head (its own processed copy on CPU) stale.
+        config.tie_word_embeddings = False
+        config.save_pretrained(directory)
         # Every rank joins each gather (collective) and writes its own local copy.
-        state = {name: tensor.to("cpu").contiguous() for name, tensor in full_weights(policy.module)}
+        state = {name: tensor.to("cpu", copy=True).contiguous()
+                 for name, tensor in full_weights(policy.module, untie=True)}
         save_file(state, f"{directory}/model.safetensors", metadata={"format": "pt"})
         del state
         kv_mb = self.settings.kv_cache_mb or (512 if self.backend.memory_is_host else None)
@@ -140,7 +141,7 @@ class VllmRolloutEngine(RolloutEngine):
         bucket_bytes = int(self.rollout.sync_bucket_mb * (1 << 20))
         if self._asleep:
             vllm_adapter.wake_up(self.llm, ["weights"])
-        for bucket in self.buckets(policy.module, bucket_bytes):
+        for bucket in self.buckets(policy.module, bucket_bytes, untie=True):
             vllm_adapter.load_weights(self.llm, bucket)
         vllm_adapter.reset_prefix_cache(self.llm)
 

@@ -30,10 +30,10 @@ def engines(tmp_path_factory):
     require_vllm()
     built = {}
 
-    def get(preset, seed=3, **rollout):
-        key = (preset, seed, tuple(sorted(rollout.items())))
+    def get(preset, seed=3, model=(), **rollout):
+        key = (preset, seed, model, tuple(sorted(rollout.items())))
         if key not in built:
-            path = write_checkpoint(tmp_path_factory.mktemp(preset), preset, TOK, seed=seed)
+            path = write_checkpoint(tmp_path_factory.mktemp(preset), preset, TOK, seed=seed, **dict(model))
             policy = FSDPEngine(ModelConfig(path=path), EngineConfig(), OptimConfig(lr=1e-2)).initialize()
             settings = RolloutSection(engine="vllm", **{"check_sync_tol": 1e-5, **rollout})
             built[key] = policy, build_rollout_engine(settings, get_backend("cpu"))
@@ -82,8 +82,10 @@ def _grpo(lr=1e-2):
 
 def test_sampled_log_probs_match_the_policy_after_every_grpo_step(engines):
     algo, loss, examples = _grpo()
-    # Small buckets: every decoder layer goes in a load of its own.
-    policy, sampler = engines("qwen2-tiny", seed=5, sync_bucket_mb=0.01)
+    # Small buckets (every decoder layer in a load of its own); tied embeddings, which vLLM's
+    # copy holds untied (its reload would leave a tied LM head stale).
+    policy, sampler = engines("qwen2-tiny", seed=5, model=(("tie_word_embeddings", True),), sync_bucket_mb=0.01)
+    assert policy.module.config.tie_word_embeddings
     before = [p.detach().clone() for p in policy.module.parameters()]
     for step, batch in enumerate(examples):
         metrics = grpo_step(policy, None, TOK, batch, algo, loss, sample_seed=step, sampler=sampler)
@@ -100,8 +102,8 @@ def test_a_parameter_left_out_of_the_sync_stops_the_run(engines, monkeypatch):
     stream = sampler.buckets
     left_out = "model.layers.1.mlp.down_proj.weight"
 
-    def without_one(module, bucket_bytes):
-        for bucket in stream(module, bucket_bytes):
+    def without_one(module, bucket_bytes, untie):
+        for bucket in stream(module, bucket_bytes, untie):
             yield [(name, tensor) for name, tensor in bucket if name != left_out]
 
     monkeypatch.setattr(sampler, "buckets", without_one)
