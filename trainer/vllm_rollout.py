@@ -131,6 +131,10 @@ class VllmRolloutEngine(RolloutEngine):
         t0 = time.perf_counter()
         self.llm = vllm_adapter.start(options, install=self._install_hint())
         self.model_dir = directory
+        try:  # the first forward is where vLLM finds it has no kernel for a model (e.g. its head size)
+            vllm_adapter.prompt_log_probs(self.llm, probe_ids(config.vocab_size))
+        except Exception as exc:
+            raise vllm_adapter.start_error(exc) from None
         logger.info("vLLM rollout engine started in %.1fs", time.perf_counter() - t0)
 
     def _install_hint(self) -> str:
@@ -176,12 +180,7 @@ class VllmRolloutEngine(RolloutEngine):
         """vLLM's vs the policy's log-probs of the probe: the largest difference; ConfigError
         (one line) beyond ``rollout.check_sync_tol``."""
         ids = probe_ids(policy.module.config.vocab_size)
-        try:
-            ours = vllm_adapter.prompt_log_probs(self.llm, ids)
-        except ConfigError:
-            raise
-        except Exception as exc:  # the first forward is where vLLM finds it cannot run a model
-            raise vllm_adapter.start_error(exc) from None
+        ours = vllm_adapter.prompt_log_probs(self.llm, ids)
         theirs = policy_probe_log_probs(policy, ids)
         error = max(abs(a - b) for a, b in zip(ours, theirs))
         self.last_sync_error = error

@@ -110,3 +110,11 @@ def test_a_parameter_left_out_of_the_sync_stops_the_run(engines, monkeypatch):
     grpo_step(policy, None, TOK, examples[0], algo, loss, sample_seed=0, sampler=sampler)  # syncs, then trains
     with pytest.raises(ConfigError, match=r"rollout.check_sync: after weight sync \d+, vLLM's log-probs"):
         sampler.generate(policy, TOK, PROMPTS, 4, do_sample=False)
+
+
+def test_a_model_vllm_cannot_serve_is_one_line_naming_the_fix(engines):
+    # Head size 16: vLLM's CPU attention has no kernel for it.
+    policy, sampler = engines("llama-tiny", model=(("hidden_size", 32), ("head_dim", 16)), check_sync=False)
+    with pytest.raises(ConfigError, match="vLLM cannot serve this model .*use rollout.engine=auto") as err:
+        sampler.generate(policy, TOK, PROMPTS, 4, do_sample=False)
+    assert "\n" not in str(err.value)
