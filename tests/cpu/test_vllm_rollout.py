@@ -36,7 +36,7 @@ def engines(tmp_path_factory):
             path = write_checkpoint(tmp_path_factory.mktemp(preset), preset, TOK, seed=seed, **dict(model))
             policy = FSDPEngine(ModelConfig(path=path), EngineConfig(), OptimConfig(lr=1e-2)).initialize()
             settings = RolloutSection(engine="vllm", **{"check_sync_tol": 1e-5, **rollout})
-            built[key] = policy, build_rollout_engine(settings, get_backend("cpu"))
+            built[key] = policy, build_rollout_engine(settings, get_backend())
         return built[key]
 
     yield get
