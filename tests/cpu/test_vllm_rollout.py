@@ -30,11 +30,12 @@ def engines(tmp_path_factory):
     require_vllm()
     built = {}
 
-    def get(preset, seed=3, model=(), **rollout):
-        key = (preset, seed, model, tuple(sorted(rollout.items())))
+    def get(preset, seed=3, model=(), lora=(), **rollout):
+        key = (preset, seed, model, lora, tuple(sorted(rollout.items())))
         if key not in built:
             path = write_checkpoint(tmp_path_factory.mktemp(preset), preset, TOK, seed=seed, **dict(model))
-            policy = FSDPEngine(ModelConfig(path=path), EngineConfig(), OptimConfig(lr=1e-2)).initialize()
+            policy = FSDPEngine(ModelConfig(path=path, lora=dict(lora) or None), EngineConfig(),
+                                OptimConfig(lr=1e-2)).initialize()
             settings = RolloutSection(engine="vllm", **{"check_sync_tol": 1e-5, **rollout})
             built[key] = policy, build_rollout_engine(settings, get_backend())
         return built[key]
@@ -94,6 +95,18 @@ def test_sampled_log_probs_match_the_policy_after_every_grpo_step(engines):
         assert sampler.weight_version == step + 1 and policy.weights_version == step + 1
     moved = max((p.detach() - b).abs().max().item() for p, b in zip(policy.module.parameters(), before))
     assert moved > 1e-3  # the weights vLLM had to follow did change
+
+
+def test_lora_policy_is_served_merged_after_every_step(engines):
+    pytest.importorskip("peft")
+    algo, loss, examples = _grpo()
+    policy, sampler = engines("qwen2-tiny", seed=7, lora=(("rank", 4), ("alpha", 8)))
+    adapters = [p for n, p in policy.module.named_parameters() if "lora_B" in n]
+    for step, batch in enumerate(examples[:2]):
+        metrics = grpo_step(policy, None, TOK, batch, algo, loss, sample_seed=step, sampler=sampler)
+        assert metrics["rollout_mismatch_abs_max"] < 1e-5, (step, metrics["rollout_mismatch_abs_max"])
+    assert max(p.abs().max().item() for p in adapters) > 1e-3  # B left zero: merged == base, nothing tested
+    sampler.generate(policy, TOK, PROMPTS, 2, do_sample=False)  # syncs the last step's adapters, checks them
 
 
 def test_a_parameter_left_out_of_the_sync_stops_the_run(engines, monkeypatch):
