@@ -194,10 +194,11 @@ class VllmRolloutEngine(RolloutEngine):
     # ------------------------------------------------------------------ sampling
     def generate(self, policy, tokenizer, prompts, max_new_tokens, do_sample, temperature=1.0,
                  return_log_probs=False):
-        self.sync(policy)
         # One seed per request from the step's seeded generator: the draw depends only on
-        # trainer.seed, the step, the rank and the row, never on vLLM's scheduling.
+        # trainer.seed, the step, the rank and the row, never on vLLM's scheduling; drawn before
+        # the sync, whose work (a start after a resume, or not) must not move the generator.
         seeds = torch.randint(0, 2**31 - 1, (len(prompts),)).tolist()
+        self.sync(policy)
         completions, log_probs = vllm_adapter.sample(
             self.llm, prompts, max_new_tokens, temperature if do_sample else 0.0, seeds,
             [tokenizer.eos_token_id], return_log_probs)
