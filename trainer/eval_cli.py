@@ -149,8 +149,11 @@ def evaluate_model(model_dir: Path, overrides: list[str], json_path: str) -> dic
     e = cfg.eval
     settings = EvalSettings(e.n_samples, e.temperature, e.pass_threshold, seed=cfg.trainer.seed * 1_000_003,
                             rows=cfg.trainer.log_val_generations)
-    result = evaluate(engine, job.tokenizer, job.source.eval_examples, job.eval_tokens, job.scorer, settings,
-                      unshard=cfg.rollout.unshard)
+    try:
+        result = evaluate(engine, job.tokenizer, job.source.eval_examples, job.eval_tokens, job.scorer, settings,
+                          sampler=job.sampler)
+    finally:
+        job.sampler.close()
     metrics = {"reward": result.reward, **result.metrics}
     report = {"model": str(model_dir), "num_prompts": len(job.source.eval_examples), "data": cfg.raw["data"],
               "reward_fn": job.scorer.name, "eval": {**cfg.raw.get("eval", {}), "sampling": settings.describe()},

@@ -41,9 +41,10 @@ class EvalResult:
 
 
 def evaluate(engine, tokenizer, examples: list[Example], max_new_tokens: int, scorer, settings: EvalSettings,
-             unshard="auto") -> EvalResult:
-    """Evaluate ``engine`` on ``examples`` (each rank takes every world-th one); every rank
-    gets the same result."""
+             sampler=None) -> EvalResult:
+    """Evaluate ``engine`` on ``examples`` (each rank takes every world-th one) with the rollout
+    engine ``sampler`` (trainer/rollout_engines.py; default ``auto``); every rank gets the same
+    result."""
     from .rewards import mean_over_ranks
 
     rank, world, n = current_rank(), current_world_size(), settings.n_samples
@@ -59,7 +60,7 @@ def evaluate(engine, tokenizer, examples: list[Example], max_new_tokens: int, sc
         indices = mine[c * per_call:(c + 1) * per_call]
         part = [examples[i] for i in indices] or [examples[mine[0]]]
         result = rollout(engine, tokenizer, part, n, max_new_tokens, do_sample=sampled,
-                         temperature=settings.temperature if sampled else 1.0, scorer=scorer, unshard=unshard,
+                         temperature=settings.temperature if sampled else 1.0, scorer=scorer, sampler=sampler,
                          with_answers=True)
         for j, index in enumerate(indices):
             rows = slice(j * n, (j + 1) * n)

@@ -1,5 +1,6 @@
 """Sampling completions from the FSDP policy (our decoding loop, or Hugging Face ``generate``
-when ranks must decode in lockstep), and scoring them."""
+when ranks must decode in lockstep), and scoring completions from any rollout engine
+(trainer/rollout_engines.py)."""
 from __future__ import annotations
 
 import logging
@@ -106,7 +107,7 @@ def _hf_generate(model, ids, mask, width, pad, eos, max_new_tokens, do_sample, t
 
 @torch.no_grad()
 def generate(engine, tokenizer, prompts: list[list[int]], max_new_tokens: int, do_sample: bool,
-             temperature: float = 1.0, return_log_probs: bool = False, unshard="auto"):
+             temperature: float = 1.0, return_log_probs: bool = False, unshard="auto", loop: str = "auto"):
     """Completions (ending at and including ``<eos>`` when produced) for left-padded prompts;
     with ``return_log_probs``, also each completion token's log-prob under the distribution
     it was drawn from (logits / temperature, as ``generate``'s processed scores).
@@ -115,6 +116,7 @@ def generate(engine, tokenizer, prompts: list[list[int]], max_new_tokens: int, d
     loop runs (trainer/decode.py: finished rows leave the batch) and each rank stops when its
     own rows are done. Otherwise, with several ranks, HF ``generate(synced_gpus=True)`` keeps
     every rank calling forward until all are done, as FSDP's per-layer all-gathers require.
+    ``loop`` (``rollout.engine``) forces one of them: ``builtin`` or ``hf``.
     """
     from .decode import decode
 
@@ -124,7 +126,11 @@ def generate(engine, tokenizer, prompts: list[list[int]], max_new_tokens: int, d
     once = use_gather_once(engine, unshard)
     ids, mask = ids.to(device), mask.to(device)
     with engine.eval_mode(), (engine.gathered() if once else nullcontext()):
-        if decode_loop_ok(once):
+        own_loop = decode_loop_ok(once) if loop == "auto" else loop == "builtin"
+        if own_loop and not decode_loop_ok(once):
+            raise ValueError("rollout.engine=builtin: on several ranks our decoding loop needs the model gathered "
+                             "once, and rollout.unshard decided against it; set rollout.engine=hf or auto")
+        if own_loop:
             return decode(engine.module, ids, mask, max_new_tokens, eos, do_sample, temperature, return_log_probs)
         return _hf_generate(engine.module, ids, mask, ids.shape[1], pad, eos, max_new_tokens, do_sample,
                             temperature, return_log_probs, synced=current_world_size() > 1 and not once)
@@ -137,14 +143,16 @@ def _default_scorer():
 
 
 def rollout(engine, tokenizer, examples: list[Example], n: int, max_new_tokens: int, do_sample: bool,
-            temperature: float = 1.0, scorer=None, return_log_probs: bool = False, unshard="auto",
+            temperature: float = 1.0, scorer=None, return_log_probs: bool = False, sampler=None,
             with_answers: bool = False) -> Rollout:
     """``n`` completions per example (grouped: example i owns rows i*n .. i*n+n-1), scored
-    by ``scorer`` (a rewards.Scorer; default the built-in ``char_match``); ``unshard`` is
-    ``rollout.unshard`` (see :func:`use_gather_once`)."""
+    by ``scorer`` (a rewards.Scorer; default the built-in ``char_match``); ``sampler`` is the
+    rollout engine (trainer/rollout_engines.py; default ``auto``)."""
+    from .rollout_engines import PolicyDecoding
+
     prompts = [example_prompt_tokens(tokenizer, ex) for ex in examples for _ in range(n)]
-    responses = generate(engine, tokenizer, prompts, max_new_tokens, do_sample, temperature, return_log_probs,
-                         unshard)
+    responses = (sampler or PolicyDecoding()).generate(engine, tokenizer, prompts, max_new_tokens, do_sample,
+                                                       temperature, return_log_probs)
     log_probs = None
     if return_log_probs:
         responses, log_probs = responses

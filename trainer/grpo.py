@@ -36,17 +36,17 @@ def _advantages(algo, roll, pairs, old, ref, device) -> list[torch.Tensor]:
 
 def grpo_step(policy, ref, tokenizer, examples: list[Example], algo, loss_fn, sample_seed: int, shuffle_seed: int = 0,
               mini_batches: int = 1, scorer=None, more_examples: Callable[[int], list[Example]] | None = None,
-              unshard="auto") -> dict:
+              sampler=None) -> dict:
     """Train one GRPO step on this rank's prompts ``examples``; ``algo`` is the AlgoSection.
     ``sample_seed`` seeds the sampling and ``shuffle_seed`` the mini-batch order, so a
     resumed run draws the same completions and updates; ``mini_batches`` optimizer steps
     per epoch. ``more_examples(k)`` gives the k-th extra prompt batch for group filtering;
-    ``unshard`` is ``rollout.unshard`` (trainer/generate.py)."""
+    ``sampler`` is the rollout engine (trainer/rollout_engines.py)."""
     t0 = time.perf_counter()
     g = algo.grpo
     policy.backend.manual_seed(sample_seed)
     sampled = sample_groups(policy, tokenizer, examples, g, algo.rollout_correction.needs_rollout_log_probs,
-                            scorer, more_examples, unshard)
+                            scorer, more_examples, sampler)
     roll, first = sampled.kept, sampled.first
     t_gen = time.perf_counter() - t0
     metrics = _reward_metrics(first, policy.device)

@@ -48,15 +48,15 @@ def _concat(parts: list[Rollout]) -> Rollout:
 
 
 def sample_groups(policy, tokenizer, examples: list[Example], g, log_probs: bool, scorer,
-                  more_examples: Callable[[int], list[Example]] | None, unshard="auto") -> SampledGroups:
+                  more_examples: Callable[[int], list[Example]] | None, sampler=None) -> SampledGroups:
     """Sample ``g.group_size`` completions per prompt of ``examples`` (this rank's share);
     with ``g.filter_groups``, keep only informative groups, resampling as described above.
-    ``unshard`` is ``rollout.unshard`` (trainer/generate.py)."""
+    ``sampler`` is the rollout engine (trainer/rollout_engines.py)."""
     n = g.group_size
 
     def draw(batch):
         return rollout(policy, tokenizer, batch, n, g.max_new_tokens, do_sample=True, temperature=g.temperature,
-                       scorer=scorer, return_log_probs=log_probs, unshard=unshard)
+                       scorer=scorer, return_log_probs=log_probs, sampler=sampler)
 
     first = draw(examples)
     if not g.filter_groups:

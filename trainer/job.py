@@ -53,6 +53,7 @@ from .model_init import write_initial_model
 from .progress import Progress
 from .rank_errors import on_every_rank
 from .rewards import build_scorer
+from .rollout_engines import build_rollout_engine
 from .resume import STATE_FILE, ResumePoint, check_same_run, find_resume, load_resume_checkpoint
 from .sft import sft_step
 from .stop import Preempted, StopRequest
@@ -141,6 +142,8 @@ class Job:
         check_position_budget(self.source, model_max_positions(cfg.model), self.eval_tokens,
                               "algo.grpo.max_new_tokens" if grpo is not None else "the longest answer")
         self.critic: FSDPEngine | None = None  # algo=ppo's critic, during the RL phase
+        # One rollout engine for the whole job (a vLLM engine follows the policy across phases).
+        self.sampler = build_rollout_engine(cfg.rollout, self.backend, lora=cfg.model.model_config().lora.enabled)
         self.t0 = time.perf_counter()
         self.stop = StopRequest()       # train.main installs it around run()
         self.position: tuple[str, int] | None = None  # (phase, steps done) of the last finished step
@@ -183,7 +186,7 @@ class Job:
                                 seed=self.cfg.trainer.seed * 1_000_003 + global_step,
                                 rows=self.cfg.trainer.log_val_generations)
         result = evaluate(engine, self.tokenizer, self.source.eval_examples, self.eval_tokens, self.scorer, settings,
-                          unshard=self.cfg.rollout.unshard)
+                          sampler=self.sampler)
         self.metrics.log({"phase": "eval", "tag": tag, "global_step": global_step, "reward": result.reward,
                           **result.metrics, "num_prompts": len(self.source.eval_examples),
                           "time_s": time.perf_counter() - self.t0})
@@ -253,6 +256,12 @@ class Job:
     # ------------------------------------------------------------------ phases
     def run(self) -> dict:
         """Run (or continue) the job; returns the held-out rewards by tag."""
+        try:
+            return self._run()
+        finally:
+            self.sampler.close()  # before the process group goes: a vLLM engine's groups hang off it
+
+    def _run(self) -> dict:
         cfg, out = self.cfg, self.out
         resume = None
         if self.rank == 0:
@@ -410,11 +419,11 @@ class Job:
                 return ppo_step(engine, self.critic, ref, self.tokenizer, examples, cfg.algo, ppo_loss, value_loss,
                                 sample_seed=step_seed * 1024 + self.rank, shuffle_seed=step_seed,
                                 mini_batches=mini_batches, train_actor=step >= cfg.algo.ppo.critic_warmup,
-                                scorer=self.scorer, more_examples=more, unshard=self.cfg.rollout.unshard)
+                                scorer=self.scorer, more_examples=more, sampler=self.sampler)
             return grpo_step(engine, ref, self.tokenizer, examples, cfg.algo, ppo_loss,
                              sample_seed=step_seed * 1024 + self.rank, shuffle_seed=step_seed,
                              mini_batches=mini_batches, scorer=self.scorer, more_examples=more,
-                             unshard=self.cfg.rollout.unshard)
+                             sampler=self.sampler)
         return step_fn
 
     def _step_seed(self, step: int) -> int:

@@ -35,7 +35,7 @@ CRITIC_PREFIX = "vf_"
 
 def ppo_step(policy, critic, ref, tokenizer, examples: list[Example], algo, actor_loss, value_loss,
              sample_seed: int, shuffle_seed: int = 0, mini_batches: int = 1, train_actor: bool = True,
-             scorer=None, more_examples: Callable[[int], list[Example]] | None = None, unshard="auto") -> dict:
+             scorer=None, more_examples: Callable[[int], list[Example]] | None = None, sampler=None) -> dict:
     """Train one PPO step on this rank's prompts ``examples``; ``algo`` is the AlgoSection,
     ``train_actor=False`` trains only the critic (warm-up). Seeds as in ``grpo_step``."""
     t0 = time.perf_counter()
@@ -43,7 +43,7 @@ def ppo_step(policy, critic, ref, tokenizer, examples: list[Example], algo, acto
     device = policy.device
     policy.backend.manual_seed(sample_seed)
     sampled = sample_groups(policy, tokenizer, examples, g, algo.rollout_correction.needs_rollout_log_probs,
-                            scorer, more_examples, unshard)
+                            scorer, more_examples, sampler)
     roll = sampled.kept
     t_gen = time.perf_counter() - t0
     metrics = _reward_metrics(sampled.first, device)

@@ -1,0 +1,78 @@
+"""Rollout engines: what samples the completions of a rollout (``rollout.engine``).
+
+- ``builtin``: polyfsdp's decoding loop on the FSDP policy (trainer/decode.py);
+- ``hf``: Hugging Face ``generate`` on the FSDP policy (ranks in lockstep without gather-once);
+- ``vllm``: a vLLM engine per rank holding a copy of the policy's weights, synced after every
+  optimizer step (trainer/vllm_rollout.py; needs vLLM installed);
+- ``auto``: the decoding loop wherever no rank must keep calling forward for the others,
+  else HF ``generate`` (what polyfsdp did before engines were selectable), on every backend.
+
+Every engine returns what :func:`polyfsdp.trainer.generate.generate` documents: per prompt
+its new tokens ending at and including ``<eos>`` when produced, and with
+``return_log_probs`` each token's log-prob under the distribution it was drawn from.
+"""
+from __future__ import annotations
+
+from .compose import ConfigError
+
+ROLLOUT_ENGINES = ("auto", "builtin", "hf", "vllm")
+
+
+class RolloutEngine:
+    """The interface: ``generate`` (and ``close`` to free what the engine holds)."""
+
+    name = "rollout engine"
+
+    def generate(self, policy, tokenizer, prompts: list[list[int]], max_new_tokens: int, do_sample: bool,
+                 temperature: float = 1.0, return_log_probs: bool = False):
+        raise NotImplementedError
+
+    def close(self) -> None:
+        """Free the engine's resources (a no-op for engines that sample with the policy itself)."""
+
+
+class PolicyDecoding(RolloutEngine):
+    """Sampling with the FSDP policy itself: ``loop`` is ``builtin``, ``hf`` or ``auto``
+    (trainer/generate.py); ``unshard`` is ``rollout.unshard``."""
+
+    def __init__(self, loop: str = "auto", unshard="auto") -> None:
+        self.loop, self.unshard, self.name = loop, unshard, loop
+
+    def generate(self, policy, tokenizer, prompts, max_new_tokens, do_sample, temperature=1.0,
+                 return_log_probs=False):
+        from .generate import generate
+
+        return generate(policy, tokenizer, prompts, max_new_tokens, do_sample, temperature, return_log_probs,
+                        unshard=self.unshard, loop=self.loop)
+
+
+def check_rollout(rollout, world_size: int = 1) -> None:
+    """Raise ConfigError for a ``rollout`` section (trainer/config.py) that cannot run."""
+    from .generate import check_unshard
+
+    try:
+        check_unshard(rollout.unshard)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    if rollout.engine not in ROLLOUT_ENGINES:
+        raise ConfigError(f"rollout.engine: got {rollout.engine!r}; allowed values: {', '.join(ROLLOUT_ENGINES)}")
+    if rollout.engine == "builtin" and rollout.unshard is False and world_size > 1:
+        raise ConfigError("rollout.engine=builtin with rollout.unshard=false: on several ranks our decoding loop "
+                          "needs the model gathered once; set rollout.unshard=auto, or rollout.engine=hf to decode "
+                          "in lockstep with per-layer gathers")
+    if not rollout.sync_bucket_mb > 0:
+        raise ConfigError(f"rollout.sync_bucket_mb: expected a number > 0, got {rollout.sync_bucket_mb!r}")
+    if not rollout.check_sync_tol > 0:
+        raise ConfigError(f"rollout.check_sync_tol: expected a number > 0, got {rollout.check_sync_tol!r}")
+    from .vllm_rollout import VllmSettings
+
+    VllmSettings.from_section(rollout.vllm)
+
+
+def build_rollout_engine(rollout, backend, lora: bool = False) -> RolloutEngine:
+    """The rollout engine ``rollout.engine`` names (config checked by :func:`check_rollout`)."""
+    if rollout.engine == "vllm":
+        from .vllm_rollout import VllmRolloutEngine
+
+        return VllmRolloutEngine(rollout, backend, lora=lora)
+    return PolicyDecoding(rollout.engine, rollout.unshard)
