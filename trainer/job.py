@@ -93,7 +93,7 @@ class Job:
         if cfg.trainer.cpu_threads is not None:
             torch.set_num_threads(cfg.trainer.cpu_threads)
         self.backend = get_backend(cfg.backend)
-        init_distributed(self.backend)
+        init_distributed(self.backend, timeout_s=cfg.trainer.dist_timeout_s)
         self.rank, self.world = current_rank(), current_world_size()
         # Rank 0's output_dir wins: "${now:...}" may resolve differently on each rank.
         self.out = Path(broadcast_object(cfg.trainer.output_dir)).resolve()

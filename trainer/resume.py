@@ -23,6 +23,8 @@ STATE_FILE = "polyfsdp_state.json"
 # rest (step counts, intervals, logging, engine modes, patches, backend) may change on resume.
 SAME_RUN_SECTIONS = ("model", "data", "reward", "algo.sft", "algo.grpo", "algo.ppo")
 SAME_RUN_TRAINER_KEYS = ("seed", "sft_batch_size", "prompts_per_step")
+# Keys of those sections that change how a run is guarded, not what it computes.
+SAME_RUN_IGNORED = ("reward.timeout_s",)
 
 
 @dataclass
@@ -137,7 +139,7 @@ def check_same_run(cfg: JobConfig, run_dir: Path) -> None:
     for key in SAME_RUN_TRAINER_KEYS if trained else ():
         before[f"trainer.{key}"], now[f"trainer.{key}"] = trainer_before.get(key), cfg.raw["trainer"].get(key)
     for name in list(now) + [k for k in before if k not in now]:
-        if before.get(name) != now.get(name):
+        if before.get(name) != now.get(name) and name not in SAME_RUN_IGNORED:
             raise ConfigError(f"trainer.resume={cfg.trainer.resume}: {run_dir} holds a run of {name}="
                               f"{before.get(name)!r}, but this run asks for {name}={now.get(name)!r}; keep "
                               f"the model, data and algo settings (and trainer.seed, sft_batch_size, "
