@@ -259,7 +259,8 @@ def _all_ranks_or_raise(stage, directory: Path, tmp: Path, final: Path) -> None:
     failure = None
     try:
         stage()
-    except (OSError, CheckpointException) as exc:
+    except (OSError, CheckpointException, RuntimeError) as exc:
+        # RuntimeError: torch.save's zip writer reports a failed write as "unexpected pos".
         failure = _failure_text(exc)
     failures = [f for f in all_gather_object(failure) if f is not None]
     if not failures:
@@ -276,9 +277,23 @@ def _failure_text(exc: BaseException) -> str:
     # DCP wraps each rank's error (with a traceback) in a CheckpointException: keep the first cause.
     if isinstance(exc, CheckpointException) and exc.failures:
         exc = next(iter(exc.failures.values()))[0]
-    if isinstance(exc, OSError) and exc.strerror:
-        return f"{exc.strerror} ({exc.filename})" if exc.filename else exc.strerror
+    # torch.save turns the OSError of a failed write (a full disk) into "unexpected pos N vs M":
+    # the OSError it swallowed is still the RuntimeError's context.
+    os_error = _os_error_in(exc)
+    if os_error is not None:
+        return f"{os_error.strerror} ({os_error.filename})" if os_error.filename else os_error.strerror
     return " ".join(str(exc).split()) or type(exc).__name__
+
+
+def _os_error_in(exc: BaseException | None) -> OSError | None:
+    """The first OSError with an error text in ``exc``'s chain of causes and contexts."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        if isinstance(exc, OSError) and exc.strerror:
+            return exc
+        seen.add(id(exc))
+        exc = exc.__cause__ or exc.__context__
+    return None
 
 
 def _commit(directory: Path, tmp: Path, final: Path) -> None:
