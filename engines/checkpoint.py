@@ -41,8 +41,8 @@ from torch.distributed.checkpoint.state_dict import (
 
 from polyfsdp.backends.distributed import all_gather_object, barrier, current_rank, current_world_size
 
-from .checkpoint_files import (CheckpointError, CheckpointSaveError, check_dcp_metadata, load_plain, save_plain,
-                               verify_checkpoint, write_manifest)
+from .checkpoint_files import (CheckpointError, CheckpointSaveError, check_dcp_metadata, load_plain, remove_path,
+                               save_plain, verify_checkpoint, write_manifest)
 
 __all__ = ["CheckpointError", "CheckpointSaveError", "complete_checkpoints", "export_hf", "latest_checkpoint", "load_checkpoint",
            "save_checkpoint", "step_dir_name", "verify_checkpoint"]
@@ -247,7 +247,7 @@ def save_checkpoint(
             others = [p for p in complete_checkpoints(directory) if p != final]
             for old in others[: max(0, len(others) - (keep - 1))]:
                 logger.info("deleting old checkpoint %s (keep=%d)", old, keep)
-                shutil.rmtree(old)
+                remove_path(old)
         logger.info("saved checkpoint %s", final)
     barrier()
     return final

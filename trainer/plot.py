@@ -8,10 +8,13 @@ from .metrics import read_metrics
 logger = logging.getLogger(__name__)
 
 
-def _values(records: list[dict], key: str) -> list[float]:
+def _curve(records: list[dict], key: str) -> tuple[list[int], list[float]]:
+    """(global steps, values) of the records that hold ``key``: a GRPO step whose groups all
+    had equal rewards (algo.grpo.filter_groups) trains nothing and logs no loss."""
+    having = [r for r in records if key in r]
     # metrics.jsonl stores non-finite numbers as "nan"/"inf" strings (valid JSON); plotted as
     # strings they would turn the axis categorical.
-    return [float(r[key]) for r in records]
+    return [r["global_step"] for r in having], [float(r[key]) for r in having]
 
 
 def plot_metrics(metrics_path: str, png_path: str) -> str:
@@ -28,17 +31,17 @@ def plot_metrics(metrics_path: str, png_path: str) -> str:
     evals = [r for r in records if r.get("phase") == "eval"]
     fig, (ax_r, ax_l) = plt.subplots(2, 1, figsize=(8, 6.5), sharex=True)
     if grpo:
-        ax_r.plot([r["global_step"] for r in grpo], _values(grpo, "reward"), lw=1, alpha=0.6,
+        ax_r.plot(*_curve(grpo, "reward"), lw=1, alpha=0.6,
                   label="GRPO train reward (sampled)")
     if evals:
-        ax_r.plot([r["global_step"] for r in evals], _values(evals, "reward"), "o-", color="C3",
+        ax_r.plot(*_curve(evals, "reward"), "o-", color="C3",
                   label="held-out reward (greedy)")
     ax_r.set_ylabel("mean reward")
     ax_r.set_ylim(-0.02, 1.02)
     if sft:
-        ax_l.plot([r["global_step"] for r in sft], _values(sft, "loss"), lw=1, label="SFT loss (NLL)")
+        ax_l.plot(*_curve(sft, "loss"), lw=1, label="SFT loss (NLL)")
     if grpo:
-        ax_l.plot([r["global_step"] for r in grpo], _values(grpo, "loss"), lw=1, label="GRPO loss")
+        ax_l.plot(*_curve(grpo, "loss"), lw=1, label="GRPO loss")
     ax_l.set_ylabel("loss")
     ax_l.set_xlabel("global step")
     for ax in (ax_r, ax_l):
