@@ -259,8 +259,13 @@ def _all_ranks_or_raise(stage, directory: Path, tmp: Path, final: Path) -> None:
     failure = None
     try:
         stage()
-    except (OSError, CheckpointException, RuntimeError) as exc:
-        # RuntimeError: torch.save's zip writer reports a failed write as "unexpected pos".
+    except (OSError, CheckpointException) as exc:
+        failure = _failure_text(exc)
+    except RuntimeError as exc:
+        # torch.save's zip writer reports a failed write as "unexpected pos N vs M", with the
+        # OSError as the context; any other RuntimeError is not a save failure.
+        if _os_error_in(exc) is None:
+            raise
         failure = _failure_text(exc)
     failures = [f for f in all_gather_object(failure) if f is not None]
     if not failures:
