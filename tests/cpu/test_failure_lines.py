@@ -173,16 +173,23 @@ def test_ctrl_c_while_importing_is_one_line_and_status_130(tmp_path, module):
 
 
 def test_the_process_group_timeout_is_set_from_the_config(tmp_path, monkeypatch):
-    import torch.distributed as dist
+    from polyfsdp.backends import distributed, get_backend
+    from polyfsdp.trainer import job
 
-    from polyfsdp.backends import distributed
-
+    asked = []
+    real = job.init_distributed
+    monkeypatch.setattr(job, "init_distributed",
+                        lambda backend, **kwargs: (asked.append(kwargs), real(backend, **kwargs))[1])
+    assert main([*FAST, "trainer.sft_steps=1", "trainer.dist_timeout_s=42.5", f"trainer.output_dir={tmp_path / 'out'}"]) == 0
+    assert asked == [{"timeout_s": 42.5}]
+    # ... and init_distributed hands it to init_process_group (as a fresh process would create it).
     seen = []
-    real = dist.init_process_group
-    monkeypatch.setattr(distributed.dist, "init_process_group",
-                        lambda *args, **kwargs: (seen.append(kwargs["timeout"]), real(*args, **kwargs))[1])
-    assert main([*FAST, "trainer.sft_steps=1", "trainer.dist_timeout_s=42.5",
-                 f"trainer.output_dir={tmp_path / 'out'}"]) == 0
+    monkeypatch.setattr(distributed.dist, "is_initialized", lambda: False)
+    monkeypatch.setattr(distributed.dist, "init_process_group", lambda *args, **kwargs: seen.append(kwargs["timeout"]))
+    monkeypatch.setattr(distributed.dist, "get_world_size", lambda *args: 1)
+    monkeypatch.setattr(distributed, "init_device_mesh", lambda *args, **kwargs: None)
+    monkeypatch.delenv("MASTER_ADDR", raising=False)
+    distributed.init_distributed(get_backend("cpu"), timeout_s=42.5)
     assert [t.total_seconds() for t in seen] == [42.5]
 
 
