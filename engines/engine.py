@@ -191,10 +191,12 @@ class FSDPEngine(CheckpointMixin):
             raise ValueError("export_value_head: this engine has no value head (ModelConfig.value_head=False)")
         export_value_head(self.module, path, current_rank())
 
-    def load_checkpoint(self, directory) -> tuple[int, dict | None]:
-        """The checkpoint mixin's load (engines/checkpoint.py), which also changes the weights."""
-        loaded = super().load_checkpoint(directory)
-        self.weights_version += 1
+    def load_checkpoint(self, directory, parts: dict | None = None) -> tuple[int, dict | None]:
+        """The checkpoint mixin's load (engines/checkpoint.py), which also changes the weights
+        (this engine's and those of the engines in ``parts``)."""
+        loaded = super().load_checkpoint(directory, parts=parts)
+        for engine in (self, *(parts or {}).values()):
+            engine.weights_version += 1
         return loaded
 
     def export_hf(self, directory, tokenizer=None, dtype: torch.dtype | None = None, lora: str = "merged"):
