@@ -41,8 +41,8 @@ from torch.distributed.checkpoint.state_dict import (
 
 from polyfsdp.backends.distributed import all_gather_object, barrier, current_rank, current_world_size
 
-from .checkpoint_files import (CheckpointError, CheckpointSaveError, check_dcp_metadata, load_plain, save_plain,
-                               verify_checkpoint, write_manifest)
+from .checkpoint_files import (CheckpointError, CheckpointSaveError, SafeDcpLoadPlanner, SafeDcpReader,
+                               check_dcp_metadata, load_plain, save_plain, verify_checkpoint, write_manifest)
 
 __all__ = ["CheckpointError", "CheckpointSaveError", "complete_checkpoints", "export_hf", "latest_checkpoint", "load_checkpoint",
            "save_checkpoint", "step_dir_name", "verify_checkpoint"]
@@ -273,12 +273,29 @@ def _all_ranks_or_raise(stage, directory: Path, tmp: Path, final: Path) -> None:
 
 
 def _failure_text(exc: BaseException) -> str:
-    # DCP wraps each rank's error (with a traceback) in a CheckpointException: keep the first cause.
-    if isinstance(exc, CheckpointException) and exc.failures:
-        exc = next(iter(exc.failures.values()))[0]
+    exc = _first_cause(exc)
     if isinstance(exc, OSError) and exc.strerror:
         return f"{exc.strerror} ({exc.filename})" if exc.filename else exc.strerror
     return " ".join(str(exc).split()) or type(exc).__name__
+
+
+def _first_cause(exc: BaseException) -> BaseException:
+    """DCP wraps each rank's error (with a traceback) in a CheckpointException: the first cause."""
+    if isinstance(exc, CheckpointException) and exc.failures:
+        return next(iter(exc.failures.values()))[0]
+    return exc
+
+
+def _dcp_load(state: dict, path: Path) -> None:
+    """``dcp.load`` with every pickle in the checkpoint read through an allow-list; a refusal
+    (raised on whichever rank read the item, gathered by DCP onto all) is the one-line error."""
+    try:
+        dcp.load(state, storage_reader=SafeDcpReader(str(path)), planner=SafeDcpLoadPlanner())
+    except CheckpointException as exc:
+        cause = _first_cause(exc)
+        if isinstance(cause, CheckpointError):
+            raise CheckpointError(f"{path}: {cause}") from None
+        raise
 
 
 def _commit(directory: Path, tmp: Path, final: Path) -> None:
@@ -335,7 +352,7 @@ def load_checkpoint(
     if optimizer is not None and not load_optim:
         optimizer.state.clear()  # saved before the first optimizer step
     state = _sharded_state(model, optimizer if load_optim else None)
-    dcp.load(state, checkpoint_id=str(path))
+    _dcp_load(state, path)
     if load_optim:
         set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
                        options=_LOAD_TRAINED_ONLY)

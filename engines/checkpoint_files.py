@@ -3,29 +3,44 @@
 A checkpoint's ``manifest.json`` is written last (before the directory is renamed into
 place) and lists every other file with its size and SHA-256, so "complete and intact" is
 checkable without loading anything (:func:`verify_checkpoint`). A checkpoint may come from
-someone else, and a manifest only proves integrity, not intent: every pickle is therefore
-read with an allow-list (``torch.load(weights_only=True)`` for our files, :func:`check_dcp_metadata`
-for ``torch.distributed.checkpoint``'s ``.metadata``, which torch reads with plain ``pickle``).
+someone else, and a manifest only proves integrity, not intent (whoever crafts a file can
+re-hash it): every pickle is therefore read with an allow-list. Our own files go through
+``torch.load(weights_only=True)``. ``torch.distributed.checkpoint`` reads two kinds of pickle
+unsafely: its ``.metadata`` (plain ``pickle.load``) and the non-tensor items inside its ``.distcp``
+shards (``torch.load(weights_only=False)``); :class:`SafeDcpReader` and :class:`SafeDcpLoadPlanner`
+replace both reads. The metadata allow-list names exact classes, never a module prefix: DCP's
+modules re-export standard-library callables (``operator.attrgetter`` and friends are classes), and
+a protocol-4 pickle reaches them through dotted names.
 """
 from __future__ import annotations
 
 import hashlib
 import json
 import os
+import io
 import pickle
 from pathlib import Path
 from typing import Any
 
 import torch
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
 MANIFEST_FILE = "manifest.json"
 DCP_METADATA_FILE = ".metadata"
 _HASH_CHUNK = 1 << 20
-# The packages whose classes a DCP .metadata pickle may name (dataclasses and enums only).
-_DCP_MODULE_PREFIX = "torch.distributed.checkpoint."
-# Besides those: tensor sizes, dtypes and layouts, and the checkpoint's path (storage metadata).
-_DCP_OTHER_GLOBALS = {("torch", "Size"), ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"),
-                      ("pathlib", "WindowsPath"), ("pathlib", "PurePosixPath"), ("pathlib", "PureWindowsPath")}
+# The exact globals a DCP .metadata pickle may name: the dataclasses and enum DCP's Metadata is
+# made of, tensor sizes and layouts, and the checkpoint's path (storage metadata); dtypes besides.
+# Names a torch release lacks are simply not allowed.
+_DCP_METADATA_GLOBALS = {
+    "torch.distributed.checkpoint.metadata": ("Metadata", "MetadataIndex", "StorageMeta", "TensorProperties",
+                                              "TensorStorageMetadata", "BytesStorageMetadata",
+                                              "ChunkStorageMetadata", "_MEM_FORMAT_ENCODING"),
+    "torch.distributed.checkpoint.filesystem": ("_StorageInfo",),
+    "torch": ("Size",),
+    "torch.serialization": ("_get_layout",),
+    "pathlib": ("PosixPath", "WindowsPath", "PurePosixPath", "PureWindowsPath"),
+}
 
 
 class CheckpointError(ValueError):
@@ -45,10 +60,15 @@ def _sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
+def _checkpoint_files(directory: Path) -> list[Path]:
+    """Every entry of a checkpoint directory but its manifest: what the manifest must cover."""
+    return [p for p in sorted(directory.iterdir()) if p.name != MANIFEST_FILE]
+
+
 def write_manifest(directory: Path) -> None:
     """List every file of ``directory`` (name, size, SHA-256) in its manifest, written and synced last."""
     files = {p.name: {"size": p.stat().st_size, "sha256": _sha256(p)}
-             for p in sorted(directory.iterdir()) if p.is_file() and p.name != MANIFEST_FILE}
+             for p in _checkpoint_files(directory) if p.is_file()}
     tmp = directory / f"{MANIFEST_FILE}.tmp"
     with open(tmp, "w") as f:
         json.dump({"files": files}, f, indent=1)
@@ -58,8 +78,9 @@ def write_manifest(directory: Path) -> None:
 
 
 def verify_checkpoint(path: str | os.PathLike) -> None:
-    """Raise :class:`CheckpointError` naming the first problem unless every file the manifest
-    lists is present with its size and checksum."""
+    """Raise :class:`CheckpointError` naming the first problem unless the manifest lists every
+    file of the checkpoint (a file it does not vouch for is as untrusted as a damaged one) and each
+    is present with its size and checksum."""
     path = Path(path)
     manifest = path / MANIFEST_FILE
     if not manifest.is_file():
@@ -70,6 +91,10 @@ def verify_checkpoint(path: str | os.PathLike) -> None:
         expected = {str(name): (int(entry["size"]), str(entry["sha256"])) for name, entry in files.items()}
     except (ValueError, KeyError, TypeError, AttributeError) as exc:
         raise CheckpointError(f"{manifest}: unreadable manifest ({type(exc).__name__}: {exc})") from None
+    unlisted = [p.name for p in _checkpoint_files(path) if p.name not in expected]
+    if unlisted:
+        raise CheckpointError(f"{manifest}: does not list {unlisted[0]} ({len(unlisted)} file(s) of the checkpoint "
+                              f"unlisted): damaged, or not written by polyfsdp")
     for name, (size, sha256) in expected.items():
         file = path / name
         if Path(name).name != name:
@@ -105,27 +130,67 @@ def load_plain(path: Path) -> Any:
 
 class _DcpMetadataUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str):
-        if (module, name) in _DCP_OTHER_GLOBALS:
-            return super().find_class(module, name)
-        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
-            return getattr(torch, name)
-        if module.startswith(_DCP_MODULE_PREFIX):
-            found = super().find_class(module, name)
-            if isinstance(found, type):  # a class (dataclass or enum), never a function
-                return found
+        # A dotted name walks attributes from an allowed module to anything it imports: refused.
+        if "." not in name:
+            if name in _DCP_METADATA_GLOBALS.get(module, ()):
+                return super().find_class(module, name)
+            if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+                return getattr(torch, name)
         raise pickle.UnpicklingError(f"global {module}.{name} is not allowed")
 
 
-def check_dcp_metadata(path: Path) -> None:
-    """Unpickle DCP's ``.metadata`` with an allow-list first: torch reads it with plain
-    ``pickle``, which would run whatever a crafted file asks for."""
+def _one_line(exc: BaseException) -> str:
+    return " ".join(str(exc).split()) or type(exc).__name__
+
+
+def read_dcp_metadata(path: Path):
+    """DCP's ``.metadata`` of checkpoint ``path``, unpickled through the allow-list (torch itself
+    reads it with plain ``pickle``, which would run whatever a crafted file asks for)."""
     file = path / DCP_METADATA_FILE
     try:
         with open(file, "rb") as f:
-            _DcpMetadataUnpickler(f).load()
+            return _DcpMetadataUnpickler(f).load()
     except FileNotFoundError:
         raise CheckpointError(f"{path}: {DCP_METADATA_FILE} is missing") from None
     except pickle.UnpicklingError as exc:
-        raise CheckpointError(f"{file}: refused to load: {' '.join(str(exc).split())}") from None
+        raise CheckpointError(f"{file}: refused to load: {_one_line(exc)}") from None
     except Exception as exc:
-        raise CheckpointError(f"{file}: unreadable ({type(exc).__name__}: {' '.join(str(exc).split())})") from None
+        raise CheckpointError(f"{file}: unreadable ({type(exc).__name__}: {_one_line(exc)})") from None
+
+
+class SafeDcpReader(FileSystemReader):
+    """torch's filesystem reader, with ``.metadata`` read through the allow-list."""
+
+    def read_metadata(self, *args: Any, **kwargs: Any):
+        metadata = read_dcp_metadata(Path(self.path))
+        # What torch's own read_metadata adds after unpickling (the load id of this read).
+        if getattr(metadata, "storage_meta", None) is None:
+            from torch.distributed.checkpoint.metadata import StorageMeta
+
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = getattr(self, "load_id", None)
+        return metadata
+
+
+class SafeDcpLoadPlanner(DefaultLoadPlanner):
+    """torch's load planner, with the shards' non-tensor items (optimizer hyper-parameters, ...)
+    read by ``torch.load(weights_only=True)`` instead of torch's ``weights_only=False``."""
+
+    def load_bytes(self, read_item, value: io.BytesIO) -> None:
+        try:
+            obj = torch.load(value, map_location="cpu", weights_only=True)
+        except pickle.UnpicklingError as exc:
+            raise CheckpointError(f"shard item {read_item.dest_index.fqn!r}: refused to load: it holds more than "
+                                  f"tensors and plain types: {_one_line(exc).split('. ')[0]}") from None
+        # Hand torch's own bookkeeping (flattened keys, nested placement) the value re-serialized
+        # from what was loaded safely: what it unpickles is then ours, not the file's.
+        safe = io.BytesIO()
+        torch.save(obj, safe)
+        safe.seek(0)
+        super().load_bytes(read_item, safe)
+
+
+def check_dcp_metadata(path: Path) -> None:
+    """Refuse (one line) a checkpoint whose ``.metadata`` names anything beyond the allow-list, before
+    any collective starts: every rank checks the same file."""
+    read_dcp_metadata(path)

@@ -26,9 +26,14 @@ AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean")
 # seq-mean-token-sum-norm divides by a constant token count (Dr. GRPO): PPOLoss's agg_norm_tokens.
 PPO_AGG_MODES = AGG_MODES + ("seq-mean-token-sum-norm",)
 KL_TYPES = ("k1", "k3")
+# DAPO's clip-higher: the upper clip bound of PPOLoss and of the shipped algo config (one value).
+DEFAULT_CLIP_RATIO_HIGH = 0.28
 # exp() of a log-ratio beyond this overflows fp32 long before it carries information;
 # the same guard verl applies.
 _LOG_RATIO_CLAMP = 20.0
+# verl's bounds on the k3 KL estimate (core_algos.kl_penalty, low_var_kl).
+K3_LOG_RATIO_BOUND = 20.0
+K3_BOUND = 10.0
 
 
 # --------------------------------------------------------------------------- segments
@@ -144,13 +149,21 @@ def _check_inputs(inputs: LossInputs, required: Sequence[str], need_entropy: boo
 # --------------------------------------------------------------------------- KL
 
 
+def _k3(log_ratio: torch.Tensor) -> torch.Tensor:
+    """k3 = exp(x) - x - 1 for x = log q - log p, with verl's bounds: x clamped to
+    [-K3_LOG_RATIO_BOUND, K3_LOG_RATIO_BOUND] and the estimate to [-K3_BOUND, K3_BOUND], so one
+    far-off token cannot give an inf loss (fp32 exp overflows above ~88.7) or a NaN gradient."""
+    x = torch.clamp(log_ratio, -K3_LOG_RATIO_BOUND, K3_LOG_RATIO_BOUND)
+    return torch.clamp(torch.exp(x) - x - 1.0, -K3_BOUND, K3_BOUND)
+
+
 def kl_penalty(log_probs: torch.Tensor, ref_log_probs: torch.Tensor, kl_type: str) -> torch.Tensor:
-    """Per-token KL(policy || reference) estimate: k1 = logp - ref; k3 = exp(ref - logp) - (ref - logp) - 1."""
+    """Per-token KL(policy || reference) estimate: k1 = logp - ref; k3 = exp(ref - logp) - (ref - logp) - 1
+    (bounded, see :func:`_k3`)."""
     if kl_type == "k1":
         return log_probs - ref_log_probs
     if kl_type == "k3":
-        diff = ref_log_probs - log_probs
-        return torch.exp(diff) - diff - 1.0
+        return _k3(ref_log_probs - log_probs)
     raise ValueError(f"unknown kl_type {kl_type!r}; choose one of {', '.join(KL_TYPES)}")
 
 
@@ -193,7 +206,7 @@ class PPOLoss:
     def __init__(
         self,
         clip_ratio_low: float = 0.2,
-        clip_ratio_high: float = 0.2,
+        clip_ratio_high: float = DEFAULT_CLIP_RATIO_HIGH,
         dual_clip_c: float | None = None,
         kl_coef: float = 0.0,
         kl_type: str = "k3",
@@ -312,4 +325,4 @@ def _mismatch_metrics(train: torch.Tensor, rollout: torch.Tensor, mask: torch.Te
     diff = (train - rollout).detach()
     return {"rollout_mismatch_abs_mean": _token_share(diff.abs(), mask, inputs),
             "rollout_mismatch_abs_max": _masked_max(diff.abs(), mask),
-            "rollout_mismatch_kl": _token_share(torch.expm1(diff) - diff, mask, inputs)}
+            "rollout_mismatch_kl": _token_share(_k3(diff), mask, inputs)}

@@ -37,9 +37,9 @@ FUSED_HEAD_BUFFERS = 2
 def hf_config_of(model_config: ModelConfig):
     """The Hugging Face config a ModelConfig builds (read from disk for a path; never downloads)."""
     if model_config.path is not None:
-        from transformers import AutoConfig
+        from .model_builder import read_hf_config
 
-        return AutoConfig.from_pretrained(model_config.path, local_files_only=True)
+        return read_hf_config(model_config.path)
     from .presets import preset_config
 
     overrides = {} if model_config.vocab_size is None else {"vocab_size": model_config.vocab_size}

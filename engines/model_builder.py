@@ -54,6 +54,20 @@ def build_model(config: ModelConfig, backend: Backend, patch_toggles=None, compu
         return _build(config, dtype, "eager", backend, patch_toggles)
 
 
+def read_hf_config(path: str):
+    """The Hugging Face config of checkpoint directory ``path``: read from disk, never downloaded,
+    and never by the directory's own Python code (an ``auto_map`` is refused, not run, and nothing
+    asks on a terminal)."""
+    try:
+        return AutoConfig.from_pretrained(path, local_files_only=True, trust_remote_code=False)
+    except (OSError, ValueError) as exc:
+        reason = " ".join(str(exc).split())
+        if "trust_remote_code" in reason:
+            reason = ("its config.json maps the model to the directory's own Python code (auto_map), which "
+                      "polyfsdp never runs; use a model type this transformers version ships")
+        raise ValueError(f"ModelConfig.path: could not read a model config from {path!r}: {reason}") from None
+
+
 def _damaged_weights_file(directory: str) -> str | None:
     """The first ``*.safetensors`` file in ``directory`` whose header does not fit the file."""
     for file in sorted(Path(directory).glob("*.safetensors")):
@@ -71,12 +85,13 @@ def _build(config: ModelConfig, dtype: torch.dtype, attn: str, backend: Backend,
         if config.vocab_size is not None:
             raise ValueError(f"ModelConfig.vocab_size: applies to presets only; a checkpoint's vocabulary is "
                              f"fixed by its weights (got vocab_size={config.vocab_size} with path={config.path!r})")
-        # trust_remote_code stays False: a directory's own Python code never runs.
+        hf_config = read_hf_config(config.path)
+        # trust_remote_code stays False and .bin weights load weights-only: nothing in the
+        # directory runs.
         try:
-            hf_config = AutoConfig.from_pretrained(config.path, local_files_only=True, trust_remote_code=False)
             model = AutoModelForCausalLM.from_pretrained(config.path, config=hf_config, local_files_only=True,
                                                          dtype=dtype, attn_implementation=attn,
-                                                         trust_remote_code=False)
+                                                         trust_remote_code=False, weights_only=True)
         except (OSError, ValueError) as exc:
             raise ValueError(f"ModelConfig.path: could not load a causal LM from {config.path!r}: {exc}") from exc
         except SafetensorError as exc:

@@ -3,7 +3,7 @@
 Per response token, with ``v`` the critic's prediction, ``v_old`` the rollout's value and
 ``R`` the return::
 
-    v_clipped = v_old + clamp(v - v_old, -cliprange_value, cliprange_value)
+    v_clipped = clamp(v, v_old - cliprange_value, v_old + cliprange_value)
     loss_t    = 0.5 * max((v - R)^2, (v_clipped - R)^2)
 
 aggregated over ``response_mask`` like the PPO loss (``losses.aggregate``: shares of the
@@ -64,7 +64,9 @@ class ValueLoss:
         if self.cliprange_value is None:
             per_token, clipped = unclipped, torch.zeros_like(unclipped, dtype=torch.bool)
         else:
-            vclipped = old + torch.clamp(vpred - old, -self.cliprange_value, self.cliprange_value)
+            # clamp(v, old - c, old + c), not old + clamp(v - old, -c, c): the latter is not exactly v
+            # in float32 for an in-range v, which would count it as clipped.
+            vclipped = torch.clamp(vpred, old - self.cliprange_value, old + self.cliprange_value)
             clipped_sq = (vclipped - returns) ** 2
             per_token, clipped = torch.maximum(unclipped, clipped_sq), clipped_sq > unclipped
         loss = 0.5 * aggregate(per_token, mask, inputs, self.agg_mode)

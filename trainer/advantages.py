@@ -31,6 +31,8 @@ def group_advantages(rewards: torch.Tensor, group_size: int, estimator: str = "g
     """One advantage per completion for the group estimators (grpo, dr_grpo, rloo)."""
     if estimator not in GROUP_ESTIMATORS:
         raise ValueError(f"estimator: got {estimator!r}; group estimators: {', '.join(GROUP_ESTIMATORS)}")
+    if group_size < 2:
+        raise ValueError(f"group_size: got {group_size}; a group needs at least 2 completions for a baseline")
     if rewards.numel() % group_size:
         raise ValueError(f"rewards: {rewards.numel()} values is not a multiple of group_size={group_size}")
     groups = rewards.reshape(-1, group_size).double()
@@ -72,8 +74,11 @@ def token_level_rewards(rewards: Sequence[float], masks: Sequence[torch.Tensor],
     last response position."""
     out = []
     for i, (score, mask) in enumerate(zip(rewards, masks)):
+        on_response = mask.bool()
         mask = mask.double()
-        token_rewards = -kl_coef * kl[i].double() * mask if kl is not None else torch.zeros_like(mask)
+        # where, not a product: a NaN off the response (0 * NaN = NaN) would spread through whitening.
+        token_rewards = torch.where(on_response, -kl_coef * kl[i].double(), 0.0) if kl is not None \
+            else torch.zeros_like(mask)
         positions = mask.nonzero()
         if positions.numel():
             token_rewards[positions[-1, 0]] += float(score)

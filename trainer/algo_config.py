@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from polyfsdp.engines.config import OptimConfig
-from polyfsdp.engines.losses import AGG_MODES, KL_TYPES, PPO_AGG_MODES, PPOLoss
+from polyfsdp.engines.losses import AGG_MODES, DEFAULT_CLIP_RATIO_HIGH, KL_TYPES, PPO_AGG_MODES, PPOLoss
 from polyfsdp.engines.value_loss import ValueLoss
 
 from .advantages import ADV_ESTIMATORS
@@ -54,7 +54,7 @@ class GRPOSection:
     temperature: float = 1.0
     max_new_tokens: int = 8
     clip_ratio_low: float = 0.2
-    clip_ratio_high: float = 0.28
+    clip_ratio_high: float = DEFAULT_CLIP_RATIO_HIGH
     dual_clip_c: float | None = None
     kl_coef: float = 0.01
     kl_type: str = "k3"

@@ -18,7 +18,33 @@ class ConfigError(ValueError):
         super().__init__(" ".join(str(message).split()))
 
 
-def _hydra_error(exc: Exception) -> ConfigError:
+def _keys(node, prefix: str = "") -> list[str]:
+    """Every leaf key of a composed config, dotted."""
+    out = []
+    for name, value in node.items():
+        key = f"{prefix}{name}"
+        out.extend(_keys(value, key + ".") if isinstance(value, DictConfig) else [key])
+    return out
+
+
+def _did_you_mean(key: str, overrides: list[str]) -> str:
+    """'did you mean X?' for an unknown ``key``: the same leaf name under the key's own section
+    (``algo.grpo.lr`` -> ``algo.grpo.optim.lr``), else the closest spelling; '' if none is close."""
+    import difflib
+
+    others = [o for o in overrides if o.lstrip("+~").partition("=")[0] != key]
+    try:
+        known = _keys(compose(others))
+    except ConfigError:  # another override is wrong too: no suggestion
+        return ""
+    section, _, leaf = key.rpartition(".")
+    same_leaf = [k for k in known if k.rpartition(".")[2] == leaf]
+    nested = [k for k in same_leaf if k.startswith(section + ".")] if section else []
+    close = nested or difflib.get_close_matches(key, known, n=1, cutoff=0.8) or same_leaf[:1]
+    return f"did you mean {close[0]}?" if close else ""
+
+
+def _hydra_error(exc: Exception, overrides: list[str]) -> ConfigError:
     """One line from a Hydra/OmegaConf composition error."""
     from hydra.errors import MissingConfigException
 
@@ -32,7 +58,9 @@ def _hydra_error(exc: Exception) -> ConfigError:
     match = re.search(r"Could not override '([^']+)'", text)
     if match and "not in struct" in f"{text} {exc.__cause__}":
         key = match.group(1)
-        return ConfigError(f"{key}: unknown key (check the spelling; `polyfsdp-train --cfg` prints every key)")
+        hint = _did_you_mean(key, overrides)
+        return ConfigError(f"{key}: unknown key; {hint or 'check the spelling'} "
+                           f"(`polyfsdp-train --cfg` prints every key)")
     cause = exc.__cause__
     first = text.strip().splitlines()[0] if text.strip() else type(exc).__name__
     if cause is not None and str(cause).strip():
@@ -61,7 +89,7 @@ def compose(overrides: list[str]) -> DictConfig:
         with initialize_config_module(config_module=CONFIG_MODULE, version_base=None):
             return hydra_compose(config_name=CONFIG_NAME, overrides=list(overrides))
     except (HydraException, OmegaConfBaseException) as exc:
-        raise _hydra_error(exc) from None
+        raise _hydra_error(exc, list(overrides)) from None
     except ValueError as exc:
         # Hydra raises a plain ValueError, naming no key, for a group set to null (engine=null).
         for item in overrides:

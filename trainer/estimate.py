@@ -5,6 +5,8 @@ from __future__ import annotations
 from polyfsdp.engines.memory import estimate_memory, hf_config_of
 from polyfsdp.engines.presets import preset_config
 
+from .compose import ConfigError
+
 
 def micro_batch_tokens(cfg, hf_config, world_size: int) -> tuple[int, str]:
     """Tokens per micro-batch and where the number comes from: the engine's budget, else an
@@ -21,8 +23,11 @@ def print_estimate(cfg, world_size: int) -> None:
     """Print the memory table of ``cfg``'s model and engine on ``world_size`` ranks."""
     model_config = cfg.model.model_config()
     # The trainer resizes a preset with model.overrides (trainer/model_init.py).
-    hf_config = hf_config_of(model_config) if cfg.model.path else \
-        preset_config(cfg.model.preset, **dict(cfg.model.overrides))
+    try:
+        hf_config = hf_config_of(model_config) if cfg.model.path else \
+            preset_config(cfg.model.preset, **dict(cfg.model.overrides))
+    except ValueError as exc:
+        raise ConfigError(f"model.path: {str(exc).removeprefix('ModelConfig.path: ')}") from None
     tokens, source = micro_batch_tokens(cfg, hf_config, world_size)
     estimate = estimate_memory(model_config, cfg.engine, world_size=world_size, tokens=tokens,
                                host_backend=cfg.backend == "cpu", hf_config=hf_config)

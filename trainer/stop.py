@@ -6,6 +6,7 @@ waiting in a collective), saves a checkpoint and raises :class:`Preempted`.
 """
 from __future__ import annotations
 
+import shlex
 import signal
 import threading
 
@@ -13,12 +14,24 @@ import threading
 EXIT_TERMINATED = 128 + signal.SIGTERM
 
 
+# The keys a continuation sets itself; the rest of the user's overrides are repeated as given.
+_CONTINUATION_KEYS = ("trainer.output_dir", "trainer.resume")
+
+
+def continue_command(overrides: list[str], output_dir, world_size: int) -> str:
+    """The command that continues a stopped run: the same overrides (a default run's output
+    directory is a fresh timestamp, so it is named) with ``trainer.resume=auto``."""
+    kept = [o for o in overrides if o.lstrip("+~").partition("=")[0] not in _CONTINUATION_KEYS]
+    launcher = ["polyfsdp-train"] if world_size <= 1 else \
+        ["torchrun", f"--nproc_per_node={world_size}", "-m", "polyfsdp.trainer.train"]
+    return shlex.join([*launcher, *kept, f"trainer.output_dir={output_dir}", "trainer.resume=auto"])
+
+
 class Preempted(Exception):
     """Raised after the checkpoint a SIGTERM asked for is saved."""
 
     def __init__(self, phase: str, step: int, checkpoint) -> None:
-        super().__init__(f"stopped by SIGTERM after {phase} step {step}; checkpoint saved: {checkpoint}; "
-                         f"continue with trainer.resume=auto")
+        super().__init__(f"stopped by SIGTERM after {phase} step {step}; checkpoint saved: {checkpoint}")
         self.phase, self.step, self.checkpoint = phase, step, checkpoint
 
 

@@ -7,7 +7,8 @@ answer. A 2-layer model of 0.23M parameters learns it in about a CPU minute.
 
 Tokenizer files: :meth:`CharTokenizer.save_pretrained` writes ``char_tokenizer.json``
 (``{"type": "polyfsdp-char", "vocab": [...], "pad": ..., "bos": ..., "eos": ..., "unk": ...}``)
-into a directory; :func:`load_tokenizer` finds it there, or falls back to a Hugging Face
+into a directory, beside the same tokenizer as Hugging Face files (trainer/char_tokenizer_hf.py);
+:func:`load_tokenizer` finds ``char_tokenizer.json`` there first, or falls back to a Hugging Face
 tokenizer saved in the same directory.
 """
 from __future__ import annotations
@@ -89,8 +90,12 @@ class CharTokenizer:
         return [self.bos_token_id] + self.encode(self.chat_text(messages, add_generation_prompt))
 
     def save_pretrained(self, directory: str) -> None:
-        """Write ``char_tokenizer.json`` into ``directory``."""
+        """Write ``char_tokenizer.json`` into ``directory``, and the same tokenizer as Hugging Face
+        fast-tokenizer files (``tokenizer.json``, ...) so ``AutoTokenizer`` loads the directory."""
+        from .char_tokenizer_hf import hf_tokenizer_of
+
         os.makedirs(directory, exist_ok=True)
+        hf_tokenizer_of(self).save_pretrained(directory)
         payload = {"type": "polyfsdp-char", "chars": self.chars, "vocab": self.vocab,
                    "pad": self.pad_token_id, "bos": self.bos_token_id, "eos": self.eos_token_id,
                    "unk": self.unk_token_id}

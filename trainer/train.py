@@ -73,7 +73,26 @@ def _error(exc: BaseException) -> int:
 def _interrupted_line(job) -> str:
     where = f"after {job.position[0]} step {job.position[1]}" if job.position else "before the first step"
     last = f"last checkpoint {job.last_checkpoint}" if job.last_checkpoint else "no checkpoint yet"
-    return (f"interrupted {where}; {last}; continue with trainer.output_dir={job.out} trainer.resume=auto")
+    return f"interrupted {where}; {last}"
+
+
+def _say_stop(line: str) -> None:
+    """Print a stop line on stderr; if that pipe is gone (``| tee log`` dies with the same Ctrl-C),
+    on the terminal instead, and send what is left of the output nowhere, so the exit status
+    stays the stop's own rather than a broken pipe's."""
+    try:
+        print(line, file=sys.stderr, flush=True)
+        return
+    except OSError:  # BrokenPipeError, or a closed terminal
+        pass
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.dup2(devnull, sys.stderr.fileno())
+    try:
+        with open("/dev/tty", "w") as tty:
+            tty.write(line + "\n")
+    except OSError:  # no controlling terminal (a batch job): nothing can show it
+        pass
 
 
 def _usage() -> str:
@@ -112,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
     from polyfsdp.backends.distributed import destroy_distributed
 
     from .data import DataError
-    from .stop import EXIT_TERMINATED, Preempted
+    from .stop import EXIT_TERMINATED, Preempted, continue_command
 
     args = list(sys.argv[1:] if argv is None else argv)
     if "-h" in args or "--help" in args:
@@ -168,12 +187,15 @@ def main(argv: list[str] | None = None) -> int:
     except Preempted as exc:
         finished = True  # every rank stopped at the same step boundary
         if _rank() == 0:
-            print(f"polyfsdp-train: {exc}", file=sys.stderr, flush=True)
+            _say_stop(f"polyfsdp-train: {exc}; continue with: {continue_command(overrides, job.out, world_size)}")
         return EXIT_TERMINATED
-    except KeyboardInterrupt:
-        # Ctrl-C is how runs are stopped: say how to continue instead of a traceback.
+    except (KeyboardInterrupt, BrokenPipeError) as exc:
+        # Ctrl-C is how runs are stopped (and a closed output pipe stops it too): say how to
+        # continue instead of a traceback.
         if _rank() == 0:
-            print(f"polyfsdp-train: {_interrupted_line(job)}", file=sys.stderr, flush=True)
+            cause = "" if isinstance(exc, KeyboardInterrupt) else " (the output pipe closed)"
+            _say_stop(f"polyfsdp-train: {_interrupted_line(job)}{cause}; continue with: "
+                      f"{continue_command(overrides, job.out, world_size)}")
         return EXIT_INTERRUPTED
     finally:
         if owned_group:

@@ -64,6 +64,11 @@ DAMAGE = {
     "empty rng file": (lambda p: (p / "rng_rank0.pt").write_bytes(b""), "rng_rank0.pt has 0 bytes"),
     "same size, other bytes": (lambda p: _flip_last_byte(next(p.glob("*.distcp"))), "does not match its checksum"),
     "no manifest": (lambda p: (p / MANIFEST_FILE).unlink(), "no manifest.json"),
+    # A manifest that vouches for nothing, with a damaged shard behind it.
+    "empty manifest": (lambda p: (_flip_last_byte(next(p.glob("*.distcp"))),
+                                  (p / MANIFEST_FILE).write_text(json.dumps({"files": {}}))), "does not list"),
+    "unlisted extra file": (lambda p: (p / "extra.pt").write_bytes(b"x"), "does not list extra.pt"),
+    "unlisted directory": (lambda p: (p / "sub").mkdir(), "does not list sub"),
 }
 
 
@@ -111,6 +116,94 @@ def test_crafted_pickle_is_refused_and_nothing_executes(saved, tmp_path, target)
     marker.unlink()
 
     with pytest.raises(ckpt.CheckpointError, match="refused to load") as info:
+        _load(path, parts)
+    assert "\n" not in str(info.value)
+    assert not marker.exists()
+
+
+def _text(value: str) -> bytes:
+    """Pickle opcode BINUNICODE: push a string."""
+    data = value.encode()
+    return b"X" + len(data).to_bytes(4, "little") + data
+
+
+def _global(module: str, name: str) -> bytes:
+    """Pickle opcode STACK_GLOBAL: protocol 4 resolves a dotted ``name`` attribute by attribute."""
+    return _text(module) + _text(name) + b"\x93"
+
+
+def _call(function: bytes, *args: bytes) -> bytes:
+    """MARK, the arguments, TUPLE, REDUCE: ``function(*args)``."""
+    return function + b"(" + b"".join(args) + b"tR"
+
+
+def _metadata_reaching_os_through_reexported_names(marker) -> bytes:
+    """A .metadata pickle that names only torch.distributed.checkpoint.* globals, all of them classes,
+    and still calls ``os.mkdir(marker)``: ``operator``'s attrgetter/itemgetter/methodcaller are classes
+    re-exported by DCP's planner module, and a dataclass's ``__init__`` carries its module's globals."""
+    planner, filesystem = "torch.distributed.checkpoint.planner", "torch.distributed.checkpoint.filesystem"
+    module_globals = _call(_call(_global(planner, "operator.attrgetter"), _text("__init__.__globals__")),
+                           _global(filesystem, "_StorageInfo"))
+    os_module = _call(_call(_global(planner, "operator.itemgetter"), _text("os")), module_globals)
+    mkdir = _call(_global(planner, "operator.methodcaller"), _text("mkdir"), _text(str(marker)))
+    return b"\x80\x04" + _call(mkdir, os_module) + b"."
+
+
+def test_metadata_reaching_a_callable_through_a_reexported_name_is_refused(saved, tmp_path):
+    path, parts = saved
+    marker = tmp_path / "pwned"
+    (path / ".metadata").write_bytes(_metadata_reaching_os_through_reexported_names(marker))
+    write_manifest(path)
+    # Negative control: loaded the way torch loads it, the file runs code.
+    with open(path / ".metadata", "rb") as f:
+        pickle.load(f)
+    assert marker.is_dir()
+    marker.rmdir()
+
+    with pytest.raises(ckpt.CheckpointError, match="refused to load: global torch.distributed.checkpoint.planner"
+                                                   ".operator.methodcaller is not allowed") as info:
+        _load(path, parts)
+    assert "\n" not in str(info.value)
+    assert not marker.exists()
+
+
+def _point_a_shard_item_at(path, payload: bytes) -> str:
+    """Append ``payload`` to a shard and point the checkpoint's first non-tensor item at it (the
+    metadata itself stays legitimate); returns that item's key."""
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata
+
+    with open(path / ".metadata", "rb") as f:
+        metadata = pickle.load(f)
+    key = next(k for k, v in metadata.state_dict_metadata.items() if isinstance(v, BytesStorageMetadata))
+    index = next(i for i in metadata.storage_data if i.fqn == key)
+    info = metadata.storage_data[index]
+    shard = path / info.relative_path
+    offset = shard.stat().st_size
+    with open(shard, "ab") as f:
+        f.write(payload)
+    metadata.storage_data[index] = type(info)(info.relative_path, offset, len(payload), *(
+        [info.transform_descriptors] if hasattr(info, "transform_descriptors") else []))
+    (path / ".metadata").write_bytes(pickle.dumps(metadata))
+    write_manifest(path)
+    return key
+
+
+def test_crafted_non_tensor_item_in_a_shard_is_refused_and_nothing_executes(saved, tmp_path):
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from polyfsdp.engines.checkpoint import _sharded_state
+
+    path, parts = saved
+    marker = tmp_path / "pwned"
+    key = _point_a_shard_item_at(path, pickle.dumps(_RunsCode(marker)))
+    # Negative control: torch's own DCP load unpickles non-tensor items with weights_only=False.
+    with pytest.raises(CheckpointException):  # "Invalid magic number": after the payload ran
+        dcp.load(_sharded_state(parts[0], parts[1]), checkpoint_id=str(path))
+    assert marker.exists()
+    marker.unlink()
+
+    with pytest.raises(ckpt.CheckpointError, match=f"shard item '{key}': refused to load") as info:
         _load(path, parts)
     assert "\n" not in str(info.value)
     assert not marker.exists()

@@ -239,3 +239,16 @@ def test_resume_from_an_incomplete_checkpoint_is_a_one_line_error(tmp_path, caps
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1, err
     assert err[0].startswith(f"polyfsdp-train: error: trainer.resume: cannot load {step}: "), err[0]
+
+
+@pytest.mark.parametrize("override,suggestion", [
+    ("algo.grpo.lr=1e-3", "did you mean algo.grpo.optim.lr?"),  # the same leaf, one section down
+    ("trainer.grpo_stepz=3", "did you mean trainer.grpo_steps?"),  # a misspelling
+])
+def test_an_unknown_key_suggests_the_key_that_was_meant(override, suggestion, capsys):
+    from polyfsdp.trainer.train import main
+
+    assert main([override]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and err.startswith(f"polyfsdp-train: error: {override.split('=')[0]}: unknown key; "
+                                              f"{suggestion}"), err

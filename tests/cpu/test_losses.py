@@ -14,6 +14,14 @@ from polyfsdp.engines.losses import (
 
 from loss_cases import loss_inputs_from_sequences
 
+
+
+def _symmetric_ppo(**kwargs) -> PPOLoss:
+    """The hand-computed PPO values below use the symmetric clip 1 +- 0.2 (PPOLoss's default upper
+    bound is DAPO's 0.28, as in the shipped config)."""
+    return PPOLoss(clip_ratio_high=0.2, **kwargs)
+
+
 # ---------------------------------------------------------------- SFT
 
 SFT_LP = [[-1.0, -2.0, -3.0, 0.0], [-0.5, 0.0]]
@@ -76,7 +84,7 @@ def _expected(per_seq_tokens, agg_mode):
 
 @pytest.mark.parametrize("agg_mode", AGG_MODES)
 def test_ppo_clipped_loss_matches_hand_computed_value_for_each_agg_mode(agg_mode):
-    loss, metrics = PPOLoss(agg_mode=agg_mode)(_ppo_inputs())
+    loss, metrics = _symmetric_ppo(agg_mode=agg_mode)(_ppo_inputs())
     assert loss.item() == pytest.approx(_expected(PG_TOKENS, agg_mode), abs=1e-6)
     assert metrics["pg_loss"] == pytest.approx(loss.item(), abs=1e-7)
     assert metrics["clip_frac"] == pytest.approx(2 / 5, abs=1e-7)  # tokens a and b
@@ -87,7 +95,7 @@ def test_ppo_clipped_loss_matches_hand_computed_value_for_each_agg_mode(agg_mode
 
 @pytest.mark.parametrize("agg_mode", AGG_MODES)
 def test_ppo_dual_clip_caps_negative_advantage_tokens(agg_mode):
-    loss, metrics = PPOLoss(dual_clip_c=3.0, agg_mode=agg_mode)(_ppo_inputs())
+    loss, metrics = _symmetric_ppo(dual_clip_c=3.0, agg_mode=agg_mode)(_ppo_inputs())
     assert loss.item() == pytest.approx(_expected(PG_TOKENS_DUAL, agg_mode), abs=1e-6)
     assert metrics["clip_frac_lower"] == pytest.approx(1 / 5, abs=1e-7)  # token e only
 
@@ -102,7 +110,7 @@ def test_ppo_asymmetric_clip_uses_high_bound_for_ratio_above_one():
 def test_ppo_gradient_flows_only_through_unclipped_response_tokens():
     inputs = _ppo_inputs()
     inputs.log_probs.requires_grad_(True)
-    loss, _ = PPOLoss()(inputs)
+    loss, _ = _symmetric_ppo()(inputs)
     loss.backward()
     # d(-A * ratio)/d logp = -A * ratio, divided by the 5 response tokens.
     expected = [0.0, 0.0, 0.0, -2.0 * 1.1 / 5, -1.0 * 0.5 / 5, 1.0 * 5.0 / 5, 0.0]
@@ -123,7 +131,7 @@ def test_kl_penalty_k1_and_k3_match_hand_computed_values(kl_type):
     else:  # exp(ref - logp) - (ref - logp) - 1
         per_token = [math.exp(-g) + g - 1.0 for g in response_gaps]
     expected_kl = sum(per_token) / 5
-    loss, metrics = PPOLoss(kl_coef=0.1, kl_type=kl_type)(inputs)
+    loss, metrics = _symmetric_ppo(kl_coef=0.1, kl_type=kl_type)(inputs)
     assert metrics["kl"] == pytest.approx(expected_kl, abs=1e-6)
     assert loss.item() == pytest.approx(_expected(PG_TOKENS, "token-mean") + 0.1 * expected_kl, abs=1e-6)
 
@@ -132,7 +140,7 @@ def test_entropy_bonus_subtracts_coef_times_mean_entropy():
     entropy = [[1.0, 2.0, 100.0], [0.5, 0.25, 0.25, 100.0]]
     inputs = _ppo_inputs()
     inputs.entropy = torch.tensor([e for s in entropy for e in s])
-    loss_fn = PPOLoss(entropy_coef=0.01)
+    loss_fn = _symmetric_ppo(entropy_coef=0.01)
     assert loss_fn.requires_entropy
     loss, metrics = loss_fn(inputs)
     mean_entropy = (1.0 + 2.0 + 0.5 + 0.25 + 0.25) / 5
@@ -171,7 +179,7 @@ def test_sum_of_micro_batch_losses_with_global_counts_equals_whole_batch_loss(ag
     lengths = [5, 1, 7, 3, 4, 6]
     s = _random_batch(0, lengths)
     total_tokens = float(sum(int(m.sum()) for m in s["mask"]))
-    loss_fn = PPOLoss(dual_clip_c=3.0, kl_coef=0.1, entropy_coef=0.01, agg_mode=agg_mode)
+    loss_fn = _symmetric_ppo(dual_clip_c=3.0, kl_coef=0.1, entropy_coef=0.01, agg_mode=agg_mode)
 
     def run(lo, hi):
         inputs = loss_inputs_from_sequences(
@@ -294,7 +302,7 @@ def test_on_policy_loss_reads_no_old_log_probs_and_has_ratio_one():
 
 
 def test_seq_mean_token_sum_norm_divides_by_a_constant_token_count():
-    loss, _ = PPOLoss(agg_mode="seq-mean-token-sum-norm", agg_norm_tokens=4.0)(_ppo_inputs())
+    loss, _ = _symmetric_ppo(agg_mode="seq-mean-token-sum-norm", agg_norm_tokens=4.0)(_ppo_inputs())
     assert loss.item() == pytest.approx(sum(sum(s) for s in PG_TOKENS) / (len(PG_TOKENS) * 4.0), abs=1e-6)
     with pytest.raises(ValueError, match="agg_norm_tokens"):
         PPOLoss(agg_mode="seq-mean-token-sum-norm")

@@ -81,6 +81,10 @@ def test_cfg_hydra_is_one_line_saying_what_to_use(capsys):
     assert err.count("\n") == 0 and "--cfg hydra" in err and "--cfg job" in err
 
 
+CTRL_C_RUN = ["trainer.sft_steps=1000", "trainer.sft_batch_size=4", "trainer.checkpoint_interval=1",
+              "trainer.progress=off", "data.eval_size=4"]
+
+
 def test_ctrl_c_is_one_line_saying_how_to_continue(tmp_path):
     import os
     import signal
@@ -88,9 +92,7 @@ def test_ctrl_c_is_one_line_saying_how_to_continue(tmp_path):
     import sys
 
     out = tmp_path / "out"
-    proc = subprocess.Popen([sys.executable, "-m", "polyfsdp.trainer.train", "trainer.sft_steps=1000",
-                             "trainer.sft_batch_size=4", "trainer.checkpoint_interval=1", "trainer.progress=off",
-                             "data.eval_size=4", f"trainer.output_dir={out}"],
+    proc = subprocess.Popen([sys.executable, "-m", "polyfsdp.trainer.train", *CTRL_C_RUN, f"trainer.output_dir={out}"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env={**os.environ, "POLYFSDP_BACKEND": "cpu"})
     try:
@@ -110,7 +112,32 @@ def test_ctrl_c_is_one_line_saying_how_to_continue(tmp_path):
     done = int(head.rsplit(" ", 1)[1])
     assert last.startswith(f"last checkpoint {out / 'checkpoints' / 'sft'}/step_"), err
     assert int(last.rsplit("_", 1)[1]) in (done, done - 1)  # the signal may land during a save
-    assert tail == f"continue with trainer.output_dir={out} trainer.resume=auto", err
+    assert tail == "continue with: " + " ".join(["polyfsdp-train", *CTRL_C_RUN, f"trainer.output_dir={out}",
+                                                 "trainer.resume=auto"]), err
+
+
+def test_ctrl_c_under_a_pipe_that_dies_with_it_still_exits_130(tmp_path):
+    """``polyfsdp-train ... 2>&1 | tee log``: the same Ctrl-C ends tee, so the stop line meets a
+    closed pipe; the exit status must still be the interrupt's, not a broken pipe's."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    proc = subprocess.Popen([sys.executable, "-m", "polyfsdp.trainer.train", *CTRL_C_RUN,
+                             f"trainer.output_dir={tmp_path / 'out'}"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                            env={**os.environ, "POLYFSDP_BACKEND": "cpu"}, start_new_session=True)
+    try:
+        for line in proc.stdout:
+            if line.startswith(b"checkpoint saved:"):
+                break
+        proc.stdout.close()  # tee is gone
+        proc.send_signal(signal.SIGINT)
+        proc.wait(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode == 130
 
 
 def test_continuing_with_fewer_steps_than_were_done_is_one_line(tmp_path, capsys):

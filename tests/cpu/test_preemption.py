@@ -4,6 +4,7 @@ skips checkpoints that fail their manifest, an explicit damaged one is one line.
 from __future__ import annotations
 
 import os
+import shlex
 import subprocess
 import sys
 
@@ -32,12 +33,14 @@ def test_sigterm_saves_at_the_step_boundary_and_resume_continues_exactly(tmp_pat
                           env={**os.environ, "POLYFSDP_BACKEND": "cpu"})
     assert proc.returncode == 143 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
     checkpoint = out / "checkpoints" / "grpo" / "step_000002"
+    continuation = shlex.join(["polyfsdp-train", *OVERRIDES, f"trainer.output_dir={out}", "trainer.resume=auto"])
     assert [line for line in proc.stderr.splitlines() if line.strip()] == [
         f"polyfsdp-train: stopped by SIGTERM after grpo step 2; checkpoint saved: {checkpoint}; "
-        f"continue with trainer.resume=auto"], proc.stderr
+        f"continue with: {continuation}"], proc.stderr
     assert not (out / "final").exists()  # it stopped: steps 3-4 did not run
 
-    resumed = _cli(*OVERRIDES, f"trainer.output_dir={out}", "trainer.resume=auto")
+    # The line is the command: run it as printed.
+    resumed = _cli(*shlex.split(continuation)[1:])
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     assert f"resuming grpo from {checkpoint}" in resumed.stdout
     records = read_metrics(str(out / "metrics.jsonl"))

@@ -8,6 +8,7 @@ with per-rank seeds, so its curve differs; it must still run (synced generation)
 from __future__ import annotations
 
 import os
+import shlex
 import subprocess
 import sys
 
@@ -146,7 +147,9 @@ def test_sigterm_on_one_rank_checkpoints_every_rank_and_resume_completes(tmp_pat
     ours = [line for line in preempted.stderr.splitlines() if line.startswith("polyfsdp-train")]
     # Only rank 1 got the signal; both ranks saved at the same boundary and stopped (no hang).
     assert ours == [f"polyfsdp-train: stopped by SIGTERM after grpo step 1; checkpoint saved: {checkpoint}; "
-                    f"continue with trainer.resume=auto"], preempted.stderr[-3000:]
+                    f"continue with: torchrun --nproc_per_node=2 -m polyfsdp.trainer.train "
+                    f"{shlex.join([*OVERRIDES, *steps])} trainer.output_dir={out} trainer.resume=auto"], \
+        preempted.stderr[-3000:]
     assert {p.name for p in checkpoint.iterdir()} >= {"rng_rank0.pt", "rng_rank1.pt", "manifest.json"}
     resumed = _launch(out, 2, *steps, "trainer.resume=auto")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
