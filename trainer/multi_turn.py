@@ -125,6 +125,10 @@ class MultiTurnRollout:
             raise RewardError(f"{where} raised {type(exc).__name__}: {' '.join(str(exc).split())} "
                               f"(record {record}, turn {turn})") from None
 
+    def _overflows(self, trajectory, more: int) -> bool:
+        """Whether ``more`` tokens after the trajectory's would pass ``max_total_tokens``."""
+        return self.max_total is not None and len(trajectory.prompt) + len(trajectory.tokens) + more > self.max_total
+
     def _start(self, examples, n: int, tokenizer):
         trajectories, turns = [], None
         for example in examples:
@@ -151,7 +155,7 @@ class MultiTurnRollout:
         for turn in range(1, self.settings.max_turns + 1):
             active = [t for t in trajectories if not t.done]
             for t in active:
-                if self.max_total is not None and len(t.prompt) + len(t.tokens) + max_new_tokens > self.max_total:
+                if self._overflows(t, max_new_tokens):
                     t.done = t.truncated = True
             active = [t for t in active if not t.done]
             # Sampling may be collective (synced decoding): every rank takes the turn while any
@@ -181,7 +185,13 @@ class MultiTurnRollout:
                     elif not ended:  # the turn hit max_new_tokens: the conversation cannot go on
                         t.done = t.truncated = True
                     else:
-                        t.add(turns.after_assistant(step.messages, ended), sampled=False)
+                        following = turns.after_assistant(step.messages, ended)
+                        if self._overflows(t, len(following) + max_new_tokens):
+                            # The environment's reply and one more turn would not fit: the
+                            # conversation ends here (a reply nobody answers is not trained on).
+                            t.done = t.truncated = True
+                        else:
+                            t.add(following, sampled=False)
 
             on_every_rank(answer)
             env_time += time.perf_counter() - started
