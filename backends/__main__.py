@@ -6,6 +6,7 @@ import sys
 
 import torch
 
+from . import npu_versions
 from .base import BackendUnavailableError
 from .registry import ENV_OVERRIDE, available_backends, get_backend
 
@@ -23,7 +24,10 @@ def report() -> str:
     for status in available_backends():
         lines.append(f"{status.name:<8} {'yes' if status.available else 'no':<7} {status.reason or ''}")
     lines.append("")
-    lines.append(f"torch {torch.__version__} | transformers {_version('transformers')} | torch_npu {_version('torch_npu')}")
+    npu = npu_versions.installed_torch_npu() or "not installed"
+    cann = npu_versions.cann_version() or "not found"
+    lines.append(f"torch {torch.__version__} | torch_npu {npu} | CANN {cann} | transformers {_version('transformers')}")
+    lines.append(f"torch_npu for this torch: {npu_versions.matching_versions(torch.__version__)}")
     return "\n".join(lines)
 
 

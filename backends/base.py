@@ -2,8 +2,9 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from dataclasses import dataclass
 from types import ModuleType
-from typing import Callable
+from typing import Callable, Mapping, MutableMapping
 
 import torch
 
@@ -15,6 +16,17 @@ class BackendUnavailableError(RuntimeError):
 class UnknownBackendError(BackendUnavailableError, ValueError):
     """A backend name (``backend=`` or ``POLYFSDP_BACKEND``) that is not one of ours: a
     ValueError for callers, and one line from ``polyfsdp-train`` like any unusable backend."""
+
+
+@dataclass(frozen=True)
+class ModelFacts:
+    """What a backend may ask of a model before its fused ops replace the plain ones: the
+    shapes its config fixes and the dtype it computes in (the FSDP ``param_dtype``)."""
+
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    compute_dtype: torch.dtype
 
 
 class Backend(ABC):
@@ -37,6 +49,11 @@ class Backend(ABC):
     # Whether the device's memory IS host memory (the CPU): offloading to the host then
     # moves nothing (engines/offload.py turns it into a notice).
     memory_is_host: bool = False
+    # The caching allocator's settings variable (PYTORCH_CUDA_ALLOC_CONF, ...), None without one.
+    alloc_conf_variable: str | None = None
+    # torch's process-group timeout when the collective library sets none of its own.
+    process_group_timeout_s: float = 600.0
+
     # The vLLM build for this device (trainer/vllm_adapter.py names it in the install hint).
     vllm_package: str = "vllm"
 
@@ -122,13 +139,45 @@ class Backend(ABC):
     compile_by_default: bool = True
 
     def compile_unsupported(self) -> str | None:
-        """None when ``torch.compile`` (inductor) may build kernels on this device, else why not."""
+        """None when ``torch.compile`` (through :meth:`compile_backend`) may build kernels on
+        this device, else why not."""
         return f"torch.compile is not declared for the {self.name} backend"
+
+    def compile_backend(self):
+        """The ``backend=`` argument for ``torch.compile`` here (a name or a callable)."""
+        return "inductor"
 
     def fused_ops(self) -> dict[str, Callable]:
         """Fused kernels this backend offers, by op name (``rms_norm``, ``rotary_mul``,
         ``swiglu``, ``fusion_attention``). Patches are written against this table."""
         return {}
+
+    def prepare_process_group(self, environ: MutableMapping[str, str]) -> tuple[float, str | None]:
+        """Before the process group starts: set what the collective library reads from the
+        environment, and return (the process-group timeout in seconds, a line saying what was set
+        or None)."""
+        return self.process_group_timeout_s, None
+
+    def vllm_sleep_mode_conflict(self, rollout_engine_is_vllm: bool, environ: Mapping[str, str]) -> str | None:
+        """One line when the allocator settings conflict with vLLM's sleep mode, else None.
+        vLLM's sleep mode refuses ``expandable_segments:True``: its memory pool needs fixed
+        addresses (vllm-project/vllm#14189, pytorch/pytorch#147851; on Ascend the same through
+        PYTORCH_NPU_ALLOC_CONF, modelscope/ms-swift#6636). The vLLM rollout engine calls it
+        when it will sleep (trainer/vllm_rollout.py)."""
+        if not rollout_engine_is_vllm or self.alloc_conf_variable is None:
+            return None
+        conf = environ.get(self.alloc_conf_variable, "")
+        for item in conf.split(","):
+            key, _, value = item.partition(":")
+            if key.strip() == "expandable_segments" and value.strip().lower() in ("true", "1"):
+                return (f"{self.alloc_conf_variable}={conf!r} turns on expandable_segments, which vLLM's sleep "
+                        f"mode cannot run with: remove it (or set expandable_segments:False) for the vLLM rollout")
+        return None
+
+    def fused_op_unsupported(self, op: str, facts: ModelFacts) -> str | None:
+        """Why the fused op ``op`` must not run for a model with these facts (a documented
+        limit of the device's kernel), or None. Checked before a patch applies."""
+        return None
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} name={self.name!r}>"

@@ -18,6 +18,7 @@ class CUDABackend(Backend):
     dist_backend = "nccl"
     # Without flash-attn, or for fp32 compute: polyfsdp's per-sequence SDPA (varlen-equivalent).
     default_attn_implementation = "polyfsdp_varlen_sdpa"
+    alloc_conf_variable = "PYTORCH_CUDA_ALLOC_CONF"
 
     def availability(self) -> str | None:
         if not torch.cuda.is_available():

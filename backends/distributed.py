@@ -169,9 +169,12 @@ def barrier() -> None:
         dist.barrier()
 
 
-def init_distributed(backend: Backend, timeout_s: float = 600.0) -> DeviceMesh:
+def init_distributed(backend: Backend, timeout_s: float | None = None) -> DeviceMesh:
     """Initialise the process group from torchrun's variables (or a single-process group
-    when they are absent), bind the device, and return a 1-D ``DeviceMesh`` over all ranks."""
+    when they are absent), bind the device, and return a 1-D ``DeviceMesh`` over all ranks.
+    Before the group starts, the backend sets what its collective library reads from the
+    environment (``Backend.prepare_process_group``: HCCL's timeouts on NPUs, logged once by
+    rank 0); ``timeout_s`` (default: the backend's) is torch's process-group timeout."""
     rank = _env_int("RANK", 0)
     world_size = _env_int("WORLD_SIZE", 1)
     local_rank = _env_int("LOCAL_RANK", 0)
@@ -179,6 +182,10 @@ def init_distributed(backend: Backend, timeout_s: float = 600.0) -> DeviceMesh:
         raise ValueError(f"RANK={rank} must lie in [0, WORLD_SIZE={world_size})")
     backend.set_device(local_rank)
     if not dist.is_initialized():
+        backend_timeout_s, settings = backend.prepare_process_group(os.environ)
+        timeout_s = backend_timeout_s if timeout_s is None else timeout_s
+        if settings is not None and rank == 0:
+            logger.info("%s", settings)
         if "MASTER_ADDR" not in os.environ:
             if world_size != 1:
                 raise ValueError(f"WORLD_SIZE={world_size} but MASTER_ADDR is unset: launch with torchrun")

@@ -3,19 +3,26 @@
 Layout of ``directory``::
 
     step_000120/            a complete checkpoint (only ever created by an atomic rename)
-        .metadata, *.distcp model + optimizer shards (torch.distributed.checkpoint)
-        trainer_state.pt    step, extra, scheduler state, world size  (rank 0)
+        .metadata, *.distcp model + optimizer shards (torch.distributed.checkpoint), and those
+                            of every named part (a PPO run's critic) under ``parts.<name>.``
+        trainer_state.pt    step, extra, scheduler states, the parts' names, world size  (rank 0)
         rng_rank{r}.pt      RNG states of rank r
         manifest.json       every other file's size and SHA-256, written last (rank 0)
     .tmp-step_000130/       a save in progress (or one that crashed): never read
+    .tmp-del-step_000110/   an old checkpoint being deleted (or whose deletion crashed): never read
     latest                  text file naming the newest complete checkpoint
+
+A checkpoint is one unit: the engine's own model and optimizer plus any named *parts*
+(:class:`CheckpointPart`: other models trained in the same run, like PPO's critic) share one
+directory, one manifest and one ``latest``, and are kept or deleted together, so no crash can
+leave one part at a step the others lack.
 
 A save writes everything into the temporary directory, waits for every rank, then rank 0
 renames it into place and replaces ``latest`` atomically (temp file + ``os.replace``); older
-checkpoints beyond ``keep`` are deleted only after that. So a crash at any point leaves
-``latest`` naming a complete checkpoint. Loading checks the manifest and reads every pickle
-with an allow-list (``checkpoint_files.py``): a damaged or crafted checkpoint is a
-:class:`CheckpointError`, and nothing in it executes.
+checkpoints beyond ``keep`` are deleted only after that, each renamed out of the ``step_*``
+names first. So a crash at any point leaves ``latest`` naming a complete checkpoint. Loading
+checks the manifest and reads every pickle with an allow-list (``checkpoint_files.py``): a
+damaged or crafted checkpoint is a :class:`CheckpointError`, and nothing in it executes.
 """
 from __future__ import annotations
 
@@ -25,6 +32,7 @@ import os
 import random
 import re
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -44,13 +52,14 @@ from polyfsdp.backends.distributed import all_gather_object, barrier, current_ra
 from .checkpoint_files import (CheckpointError, CheckpointSaveError, SafeDcpLoadPlanner, SafeDcpReader,
                                check_dcp_metadata, load_plain, save_plain, verify_checkpoint, write_manifest)
 
-__all__ = ["CheckpointError", "CheckpointSaveError", "complete_checkpoints", "export_hf", "latest_checkpoint", "load_checkpoint",
-           "save_checkpoint", "step_dir_name", "verify_checkpoint"]
+__all__ = ["CheckpointError", "CheckpointPart", "CheckpointSaveError", "checkpoint_parts", "complete_checkpoints",
+           "export_hf", "latest_checkpoint", "load_checkpoint", "save_checkpoint", "step_dir_name", "verify_checkpoint"]
 
 logger = logging.getLogger(__name__)
 
 LATEST_FILE = "latest"
 TMP_PREFIX = ".tmp-"
+DELETING_PREFIX = f"{TMP_PREFIX}del-"  # an old checkpoint renamed out of the way before it is deleted
 TRAINER_STATE_FILE = "trainer_state.pt"
 # 2: RNG and trainer state hold only tensors and plain types (weights-only loading), manifest.json.
 FORMAT_VERSION = 2
@@ -174,6 +183,67 @@ def _sharded_state(model, optimizer) -> dict[str, Any]:
     return {"model": model_sd, "optim": optim_sd}
 
 
+@dataclass
+class CheckpointPart:
+    """One trained model of a checkpoint: its (sharded) module, optimizer and scheduler.
+
+    The engine itself is the checkpoint's main part; a run that trains more models (PPO's
+    critic) names each as a part of the same checkpoint, saved and loaded with it."""
+
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer | None = None
+    lr_scheduler: Any = None
+
+    def saved_state(self) -> dict[str, Any]:
+        """Model (+ optimizer) state for DCP. get_state_dict() initialises an empty optimizer
+        state with a zero-lr step, which would advance Adam's step count of the live run: an
+        optimizer that has not stepped yet is left out (and cleared on load) instead."""
+        optimizer = self.optimizer if self.optimizer is not None and self.optimizer.state else None
+        return _sharded_state(self.model, optimizer)
+
+    def saved_info(self, state: dict[str, Any]) -> dict[str, Any]:
+        """What trainer_state.pt records of this part besides its shards."""
+        return {"lr_scheduler": self.lr_scheduler.state_dict() if self.lr_scheduler is not None else None,
+                "has_optimizer_state": "optim" in state}
+
+    def state_to_load(self, info: dict[str, Any], where: Path) -> dict[str, Any]:
+        """The state dict DCP fills in for this part, given what the checkpoint recorded of it."""
+        if self.lr_scheduler is not None and info["lr_scheduler"] is None:
+            raise ValueError(f"{where}: checkpoint has no scheduler state but load_checkpoint was given "
+                             f"lr_scheduler={self.lr_scheduler!r}; pass lr_scheduler=None")
+        load_optim = self.optimizer is not None and info["has_optimizer_state"]
+        if self.optimizer is not None and not load_optim:
+            self.optimizer.state.clear()  # saved before the first optimizer step
+        return _sharded_state(self.model, self.optimizer if load_optim else None)
+
+    def restore(self, state: dict[str, Any], info: dict[str, Any]) -> None:
+        """Set the model, optimizer and scheduler from the state DCP loaded."""
+        if "optim" in state:
+            set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
+                           optim_state_dict=state["optim"], options=_LOAD_TRAINED_ONLY)
+        else:
+            set_model_state_dict(self.model, state["model"], options=_LOAD_TRAINED_ONLY)
+        if self.lr_scheduler is not None:
+            self.lr_scheduler.load_state_dict(info["lr_scheduler"])
+            if self.optimizer is not None:
+                # A scheduler's state does not include the optimizer's current lr.
+                for group, lr in zip(self.optimizer.param_groups, self.lr_scheduler.get_last_lr()):
+                    group["lr"] = lr
+
+
+_PART_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+
+
+def _check_parts(parts: dict | None) -> dict[str, CheckpointPart]:
+    parts = dict(parts or {})
+    for name, part in parts.items():
+        if not isinstance(name, str) or not _PART_NAME.match(name):
+            raise ValueError(f"checkpoint part names are identifiers, got {name!r}")
+        if not isinstance(part, CheckpointPart):
+            raise TypeError(f"checkpoint part {name!r}: expected a CheckpointPart, got {type(part).__name__}")
+    return parts
+
+
 # --------------------------------------------------------------------------- save / load
 
 
@@ -187,8 +257,10 @@ def save_checkpoint(
     backend=None,
     extra: dict | None = None,
     keep: int | None = None,
+    parts: dict[str, CheckpointPart] | None = None,
 ) -> Path:
-    """Save model and optimizer shards, scheduler, RNG states, ``step`` and ``extra``.
+    """Save model and optimizer shards, scheduler, RNG states, ``step`` and ``extra``, and
+    every named part of ``parts`` (its model, optimizer and scheduler), as one checkpoint.
 
     Collective: every rank calls it. Returns the final checkpoint path. ``keep`` keeps this
     checkpoint and the K-1 highest-step others (None keeps all); deletion happens only after
@@ -199,6 +271,8 @@ def save_checkpoint(
     if keep is not None and (not isinstance(keep, int) or keep < 1):
         raise ValueError(f"keep must be a positive int or None, got {keep!r}")
     _check_plain(extra, "extra")
+    main = CheckpointPart(model, optimizer, lr_scheduler)
+    parts = _check_parts(parts)
     directory = Path(directory)
     rank = current_rank()
     name = step_dir_name(step)
@@ -213,20 +287,21 @@ def save_checkpoint(
             tmp.mkdir()
 
     def write() -> None:
-        # get_state_dict() initialises an empty optimizer state with a zero-lr step, which would
-        # advance Adam's step count of the live run: an optimizer that has not stepped yet is
-        # left out (and cleared on load) instead.
-        state = _sharded_state(model, optimizer if optimizer is not None and optimizer.state else None)
-        dcp.save(state, checkpoint_id=str(tmp))
+        state = main.saved_state()
+        part_states = {part_name: part.saved_state() for part_name, part in parts.items()}
+        # One DCP save for all parts: one .metadata, and a part's shards are never apart from the rest.
+        dcp.save({**state, "parts": part_states} if parts else state, checkpoint_id=str(tmp))
         save_plain(_rng_state(backend), tmp / f"rng_rank{rank}.pt")
         if rank == 0:
+            main_info = main.saved_info(state)
             trainer_state = {
                 "format_version": FORMAT_VERSION,
                 "step": step,
                 "extra": extra,
-                "lr_scheduler": lr_scheduler.state_dict() if lr_scheduler is not None else None,
+                "lr_scheduler": main_info["lr_scheduler"],
                 "world_size": current_world_size(),
-                "has_optimizer_state": "optim" in state,
+                "has_optimizer_state": main_info["has_optimizer_state"],
+                "parts": {part_name: part.saved_info(part_states[part_name]) for part_name, part in parts.items()},
             }
             save_plain(trainer_state, tmp / TRAINER_STATE_FILE)
 
@@ -241,16 +316,35 @@ def save_checkpoint(
         _all_ranks_or_raise(stage, directory, tmp, final)
 
     if rank == 0:
+        _remove_leftovers(directory)
         if keep is not None:
             # The checkpoint just written always stays, even when an older step was re-saved
             # after newer ones (a run restarted from an earlier point).
             others = [p for p in complete_checkpoints(directory) if p != final]
             for old in others[: max(0, len(others) - (keep - 1))]:
                 logger.info("deleting old checkpoint %s (keep=%d)", old, keep)
-                shutil.rmtree(old)
+                _delete(old)
         logger.info("saved checkpoint %s", final)
     barrier()
     return final
+
+
+def _delete(checkpoint: Path) -> None:
+    """Delete a checkpoint directory; first renamed out of the ``step_*`` names, so a crash
+    halfway through leaves no partial checkpoint that looks like one."""
+    doomed = checkpoint.with_name(f"{DELETING_PREFIX}{checkpoint.name}")
+    os.rename(checkpoint, doomed)
+    shutil.rmtree(doomed)
+
+
+def _remove_leftovers(directory: Path) -> None:
+    """After a completed save: remove what crashed saves and deletions left behind (temporary
+    directories, and ``step_*`` directories without their trainer state from older code)."""
+    for path in directory.iterdir():
+        leftover = path.name.startswith(TMP_PREFIX) or (_STEP_DIR.match(path.name) and not _is_complete(path))
+        if leftover and path.is_dir():
+            logger.warning("removing %s, left by an interrupted save or deletion", path)
+            shutil.rmtree(path)
 
 
 def _all_ranks_or_raise(stage, directory: Path, tmp: Path, final: Path) -> None:
@@ -315,6 +409,13 @@ def _commit(directory: Path, tmp: Path, final: Path) -> None:
         _write_pointer(directory, final.name)
 
 
+def checkpoint_parts(path: str | os.PathLike) -> list[str]:
+    """Names of the parts checkpoint ``path`` holds besides its main one (reads only its
+    trainer state, weights-only; a damaged one is a :class:`CheckpointError`)."""
+    state = load_plain(Path(path) / TRAINER_STATE_FILE)
+    return sorted(state.get("parts") or {}) if isinstance(state, dict) else []
+
+
 def load_checkpoint(
     directory: str | os.PathLike,
     *,
@@ -322,8 +423,10 @@ def load_checkpoint(
     optimizer: torch.optim.Optimizer | None,
     lr_scheduler=None,
     backend=None,
+    parts: dict[str, CheckpointPart] | None = None,
 ) -> tuple[int, dict | None]:
-    """Restore what :func:`save_checkpoint` wrote; returns ``(step, extra)``.
+    """Restore what :func:`save_checkpoint` wrote, with the named ``parts`` (each must be in
+    the checkpoint; parts it holds beyond those are not loaded); returns ``(step, extra)``.
 
     ``directory`` is a checkpoint root (its latest complete checkpoint is used) or one
     ``step_*`` directory. Collective: every rank calls it.
@@ -334,6 +437,8 @@ def load_checkpoint(
         if found is None:
             raise FileNotFoundError(f"no complete checkpoint in {path} (expected step_* directories or a 'latest' file)")
         path = found
+    main = CheckpointPart(model, optimizer, lr_scheduler)
+    parts = _check_parts(parts)
     # Every rank checks the same files, so all of them raise (or none does) before a collective.
     verify_checkpoint(path)
     check_dcp_metadata(path)
@@ -341,29 +446,21 @@ def load_checkpoint(
     version = trainer_state.get("format_version") if isinstance(trainer_state, dict) else None
     if version != FORMAT_VERSION:
         raise CheckpointError(f"{path}: checkpoint format_version {version!r}, this code reads {FORMAT_VERSION}")
-    if lr_scheduler is not None and trainer_state["lr_scheduler"] is None:
-        raise ValueError(f"{path}: checkpoint has no scheduler state but load_checkpoint was given "
-                         f"lr_scheduler={lr_scheduler!r}; pass lr_scheduler=None")
+    saved_parts = trainer_state.get("parts") or {}
+    missing = sorted(set(parts) - set(saved_parts))
+    if missing:
+        raise CheckpointError(f"{path}: holds no part {', '.join(missing)} (its parts: "
+                              f"{', '.join(sorted(saved_parts)) or 'none'})")
     rank = current_rank()
     rng_file = path / f"rng_rank{rank}.pt"
     rng_state = load_plain(rng_file) if rng_file.is_file() else None
 
-    load_optim = optimizer is not None and trainer_state["has_optimizer_state"]
-    if optimizer is not None and not load_optim:
-        optimizer.state.clear()  # saved before the first optimizer step
-    state = _sharded_state(model, optimizer if load_optim else None)
-    _dcp_load(state, path)
-    if load_optim:
-        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
-                       options=_LOAD_TRAINED_ONLY)
-    else:
-        set_model_state_dict(model, state["model"], options=_LOAD_TRAINED_ONLY)
-    if lr_scheduler is not None:
-        lr_scheduler.load_state_dict(trainer_state["lr_scheduler"])
-        if optimizer is not None:
-            # A scheduler's state does not include the optimizer's current lr.
-            for group, lr in zip(optimizer.param_groups, lr_scheduler.get_last_lr()):
-                group["lr"] = lr
+    state = main.state_to_load(trainer_state, path)
+    part_states = {name: part.state_to_load(saved_parts[name], path) for name, part in parts.items()}
+    _dcp_load({**state, "parts": part_states} if parts else state, path)
+    main.restore(state, trainer_state)
+    for name, part in parts.items():
+        part.restore(part_states[name], saved_parts[name])
 
     if rng_state is not None:
         _set_rng_state(rng_state, backend)
@@ -430,25 +527,35 @@ def export_hf(
 
 class CheckpointMixin:
     """Checkpoint methods for an engine exposing ``module`` (the sharded model), ``optimizer``,
-    ``lr_scheduler``, ``backend`` and ``global_step`` (FSDPEngine includes it)."""
+    ``lr_scheduler``, ``backend`` and ``global_step`` (FSDPEngine includes it). ``parts`` names
+    other engines saved and loaded as parts of the same checkpoint (PPO's critic)."""
+
+    def checkpoint_part(self) -> CheckpointPart:
+        """This engine's model, optimizer and scheduler as a part of a checkpoint."""
+        return CheckpointPart(self.module, self.optimizer, self.lr_scheduler)
 
     def save_checkpoint(self, directory, step: int | None = None, extra: dict | None = None,
-                        keep: int | None = None) -> Path:
-        """Save the training state as checkpoint ``step`` (default: ``global_step``) under ``directory``."""
+                        keep: int | None = None, parts: dict | None = None) -> Path:
+        """Save the training state as checkpoint ``step`` (default: ``global_step``) under
+        ``directory``, with each engine of ``parts`` under its name."""
         step = self.global_step if step is None else step
         return save_checkpoint(
             directory, step, model=self.module, optimizer=self.optimizer,
             lr_scheduler=self.lr_scheduler, backend=self.backend, extra=extra, keep=keep,
+            parts={name: engine.checkpoint_part() for name, engine in (parts or {}).items()},
         )
 
-    def load_checkpoint(self, directory) -> tuple[int, dict | None]:
-        """Restore the latest checkpoint under ``directory`` (or that ``step_*`` directory);
-        sets ``global_step`` and returns ``(step, extra)``."""
+    def load_checkpoint(self, directory, parts: dict | None = None) -> tuple[int, dict | None]:
+        """Restore the latest checkpoint under ``directory`` (or that ``step_*`` directory), and
+        each engine of ``parts`` from its part; sets ``global_step`` and returns ``(step, extra)``."""
+        parts = parts or {}
         step, extra = load_checkpoint(
             directory, model=self.module, optimizer=self.optimizer,
             lr_scheduler=self.lr_scheduler, backend=self.backend,
+            parts={name: engine.checkpoint_part() for name, engine in parts.items()},
         )
-        self.global_step = step
+        for engine in (self, *parts.values()):
+            engine.global_step = step
         return step, extra
 
     def export_hf(self, directory, tokenizer=None, dtype: torch.dtype | None = None) -> Path:

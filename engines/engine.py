@@ -115,7 +115,7 @@ class FSDPEngine(CheckpointMixin):
                 raise ValueError("ModelConfig.lora is not supported for a critic (ModelConfig.value_head=True): "
                                  "the value head would stay frozen; train the critic without LoRA")
             # After the patches: they edit the base modules, which peft then wraps.
-            add_adapters(model, self.model_config.lora)
+            add_adapters(model, self.model_config.lora, self.model_config.seed)
         if self.is_critic:
             if self.engine_config.ulysses_sp_size > 1:
                 # The value head runs on whole sequences; its sequence-parallel split is not built.

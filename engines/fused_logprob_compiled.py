@@ -1,4 +1,5 @@
-"""The fused head's per-chunk work as ``torch.compile`` kernels (inductor: C++ on CPU, Triton on GPU).
+"""The fused head's per-chunk work as ``torch.compile`` kernels, through the device backend's compiler
+(``Backend.compile_backend``: inductor, i.e. C++ on CPU and Triton on GPU; torchair's on NPU).
 
 Same contract as the eager chunk functions in :mod:`fused_logprob` (the reference): the GEMMs
 stay where they are, only the elementwise/reduction work around them is compiled, so each
@@ -141,14 +142,19 @@ class CompiledChunkKernels:
         return self._call(_grad_logits_entropy_softcap, log_p, local, c1, c0, d.unsqueeze(1), tanh, out_dtype)
 
 
-_KERNELS: dict[bool, CompiledChunkKernels] = {}
+_KERNELS: dict[tuple, CompiledChunkKernels] = {}
+# torch.compile's backend for the kernels: the device backend's (``Backend.compile_backend``),
+# set by resolve_fused_kernel_impl when it picks "compiled"; one process has one device backend.
+_compiler: object = "inductor"
 
 
 def compiled_kernels(fallback_to_eager: bool = False) -> CompiledChunkKernels:
-    """The process-wide compiled kernels (one per fallback setting: a fallback, once taken, sticks)."""
-    if fallback_to_eager not in _KERNELS:
-        _KERNELS[fallback_to_eager] = CompiledChunkKernels(fallback_to_eager)
-    return _KERNELS[fallback_to_eager]
+    """The process-wide compiled kernels (one per fallback setting and compiler: a fallback,
+    once taken, sticks)."""
+    key = (fallback_to_eager, _compiler)
+    if key not in _KERNELS:
+        _KERNELS[key] = CompiledChunkKernels(fallback_to_eager, backend=_compiler)
+    return _KERNELS[key]
 
 
 def resolve_fused_kernel_impl(requested: str, backend) -> tuple[str, bool]:
@@ -163,4 +169,6 @@ def resolve_fused_kernel_impl(requested: str, backend) -> tuple[str, bool]:
         return "eager", False
     if reason is not None:
         raise ConfigFieldError("EngineConfig", "fused_kernel_impl", f"'compiled' is not available: {reason}")
+    global _compiler
+    _compiler = backend.compile_backend()
     return "compiled", bool(backend.compile_may_fail)

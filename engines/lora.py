@@ -41,15 +41,24 @@ def peft_lora_config(config: LoraConfig):
                            target_modules=targets, task_type="CAUSAL_LM", bias="none")
 
 
-def add_adapters(model: torch.nn.Module, config: LoraConfig) -> torch.nn.Module:
+# Added to the model seed for the adapters' draws: a stream apart from the base weights'.
+ADAPTER_SEED_OFFSET = 0x10_7A
+
+
+def add_adapters(model: torch.nn.Module, config: LoraConfig, seed: int = 0) -> torch.nn.Module:
     """Inject LoRA layers into ``model`` in place, freeze the rest, return the same model.
 
-    Adapters are kept in float32 whatever the base dtype (``ModelConfig.dtype='bfloat16'``
-    keeps the frozen base in bf16). A target that matches nothing raises peft's error.
+    The adapters' initial matrices are drawn from the host generator (the engine builds on the
+    host), forked and seeded from ``seed`` (``ModelConfig.seed``): the same seed gives the same
+    adapters in every process and every phase, and the caller's generator neither decides nor
+    advances. Adapters are kept in float32 whatever the base dtype (``ModelConfig.dtype='bfloat16'`` keeps the frozen
+    base in bf16). A target that matches nothing raises peft's error.
     """
     peft = require_peft()
     base_dtype = next(model.parameters()).dtype
-    wrapped = peft.get_peft_model(model, peft_lora_config(config))
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed + ADAPTER_SEED_OFFSET)
+        wrapped = peft.get_peft_model(model, peft_lora_config(config))
     inner = wrapped.get_base_model()
     if inner is not model:
         raise RuntimeError("peft returned a different model object; expected in-place injection")

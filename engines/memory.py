@@ -1,6 +1,7 @@
-"""Per-rank memory estimate of a training step, before the run, without building the model
-on a device: ``python -m polyfsdp.engines.memory --preset qwen2-small --tokens 4096 ...`` or
-``polyfsdp-train ... --estimate``.
+"""Per-rank memory estimates, before the run, without building the model on a device: one
+training micro-batch (``python -m polyfsdp.engines.memory --preset qwen2-small --tokens 4096``)
+and, through :class:`ModelMemory`, the pieces ``polyfsdp-train ... --estimate`` sums per phase
+(trainer/estimate.py): state, training micro-batches, no-grad passes and generation.
 
 Parameter, gradient and optimizer figures are exact counts: the model is built on the meta
 device (no storage), LoRA adapters are added there too, and every tensor is sized the way
@@ -8,7 +9,8 @@ FSDP2 shards it (dim 0 padded to a multiple of the world size). Activations are 
 from the tensors autograd saves per token in a Llama/Qwen-style decoder (listed in
 :func:`saved_per_token`), at the micro-batch token budget, with and without activation
 checkpointing; the logits path adds the ``(tokens, vocab)`` tensors that the fused head
-never materialises.
+never materialises. A no-grad pass keeps no activations: one layer's working set
+(:func:`layer_working_set_per_token`) and the head; generation adds its KV cache.
 """
 from __future__ import annotations
 
@@ -32,6 +34,8 @@ ADAM_STEP_BYTES = 4
 LOGITS_PATH_TENSORS = 3
 # The fused head's float32 (chunk, V) working buffers (engines/fused_logprob.py).
 FUSED_HEAD_BUFFERS = 2
+# Vocabulary-sized float32 tensors of a no-grad log-prob pass: the logits and log_softmax's output.
+INFERENCE_LOGITS_TENSORS = 2
 
 
 def hf_config_of(model_config: ModelConfig):
@@ -80,6 +84,14 @@ def lora_targets_per_layer(model) -> list[int]:
     return ranks
 
 
+def _attention_dims(hf_config) -> tuple[int, int]:
+    """``(query width, key/value width)`` of one attention layer."""
+    heads = hf_config.num_attention_heads
+    head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads
+    kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
+    return heads * head_dim, kv_heads * head_dim
+
+
 def saved_per_token(hf_config, lora_ranks: list[int] = ()) -> dict[str, int]:
     """Elements autograd keeps per token for backward, by place (no activation checkpointing):
 
@@ -89,13 +101,127 @@ def saved_per_token(hf_config, lora_ranks: list[int] = ()) -> dict[str, int]:
     - a LoRA linear: its ``lora_A`` output (rank).
     """
     h = hf_config.hidden_size
-    heads = hf_config.num_attention_heads
-    head_dim = getattr(hf_config, "head_dim", None) or h // heads
-    kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
-    q_dim, kv_dim = heads * head_dim, kv_heads * head_dim
+    q_dim, kv_dim = _attention_dims(hf_config)
     norm = 3 * h + 1
     layer = 2 * norm + (q_dim + 2 * kv_dim + 2 * q_dim) + 4 * hf_config.intermediate_size + sum(lora_ranks)
     return {"layer": layer, "layer_input": h, "final_norm": norm, "embedding": h}
+
+
+def layer_working_set_per_token(hf_config) -> int:
+    """Elements live at once, per token, inside one decoder layer's forward without autograd
+    (log-prob passes, generation's prefill): the residual stream and the normed input (2h)
+    beside the larger of attention's q, k, v, output and rotated q, k (3q + 3kv) and the gated
+    MLP's activated gate, up and their product (3 x intermediate)."""
+    h = hf_config.hidden_size
+    q_dim, kv_dim = _attention_dims(hf_config)
+    return 2 * h + max(3 * q_dim + 3 * kv_dim, 3 * hf_config.intermediate_size)
+
+
+def kv_cache_bytes(hf_config, rows: int, positions: int, compute_bytes: int) -> int:
+    """Generation's KV cache: keys and values of every layer, ``rows x positions`` (the
+    decoding loop preallocates prompt width + max_new_tokens positions, trainer/decode.py)."""
+    _, kv_dim = _attention_dims(hf_config)
+    return 2 * hf_config.num_hidden_layers * rows * positions * kv_dim * compute_bytes
+
+
+class ModelMemory:
+    """Per-rank memory figures of one engine's model under ``engine_config`` on ``world_size``
+    ranks: exact state bytes from the meta-device model (``value_head``: a critic, its LM head
+    replaced by ``hidden -> 1``), and the transient bytes of a training micro-batch, a no-grad
+    forward (log-prob and value passes) and a generation, each for a token count."""
+
+    def __init__(self, model_config: ModelConfig, engine_config: EngineConfig, world_size: int = 1,
+                 hf_config=None, value_head: bool = False) -> None:
+        if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
+            raise ValueError(f"world_size: expected an int >= 1, got {world_size!r}")
+        model = meta_model(model_config, hf_config)
+        if value_head:
+            from .value_head import install_value_head
+
+            with torch.device("meta"):
+                install_value_head(model, init_std=0.01, seed=0)
+        self.engine_config, self.world_size, self.value_head = engine_config, world_size, value_head
+        self.hf_config = model.config
+        params = list(model.parameters())
+        trainable = [p for p in params if p.requires_grad]
+        shard_bytes = lambda ps: sum(shard_numel(p.shape, world_size) * p.element_size() for p in ps)  # noqa: E731
+        self.num_params, self.num_trainable = sum(p.numel() for p in params), sum(p.numel() for p in trainable)
+        self.compute_bytes = TORCH_DTYPES[engine_config.param_dtype].itemsize
+        self.params = shard_bytes(params)
+        self.grads = shard_bytes(trainable)
+        self.optimizer = ADAM_MOMENTS * self.grads + ADAM_STEP_BYTES * len(trainable)
+        # rollout.unshard on several ranks: the whole model gathered in the compute dtype.
+        self.gathered = 0 if world_size == 1 else self.num_params * self.compute_bytes
+        self.saved = saved_per_token(self.hf_config, lora_targets_per_layer(model))
+        self.vocab = 1 if value_head else self.hf_config.vocab_size
+
+    def _head(self, tokens: int, tensors: int) -> int:
+        """The head's bytes at its peak: ``tensors`` float32 ``(tokens, vocab)`` tensors on the
+        logits path, the fused head's chunk buffers, nothing a critic's scalar head counts."""
+        if self.value_head:
+            return 0
+        if self.engine_config.use_fused_kernels:
+            return FUSED_HEAD_BUFFERS * default_chunk_size(tokens, self.vocab) * self.vocab * 4
+        return tokens * self.vocab * 4 * tensors
+
+    def activation_rows(self, tokens: int, entropy: bool) -> dict[str, int]:
+        """A training micro-batch of ``tokens`` tokens: saved activations with and without
+        checkpointing, the head's paths, and the step as configured (last row)."""
+        layers, saved = self.hf_config.num_hidden_layers, self.saved
+        per_token = self.compute_bytes * tokens
+        around_layers = saved["embedding"] + saved["final_norm"]
+        unfused = 0 if self.value_head else tokens * self.vocab * 4 * (LOGITS_PATH_TENSORS + int(entropy))
+        fused = 0 if self.value_head else FUSED_HEAD_BUFFERS * default_chunk_size(tokens, self.vocab) * self.vocab * 4
+        rows = {
+            f"activations saved, {tokens} tokens": per_token * (layers * saved["layer"] + around_layers),
+            # Checkpointing keeps each layer's input and recomputes one layer at a time in backward.
+            f"activations saved, {tokens} tokens, checkpointed": per_token * (layers * saved["layer_input"]
+                                                                             + around_layers),
+            "one layer recomputed (checkpointed)": per_token * saved["layer"],
+            "logits path (unfused)": unfused,
+            "fused head buffers": fused,
+            "logits the fused head avoids": max(0, unfused - fused),
+        }
+        head = fused if self.engine_config.use_fused_kernels else unfused
+        # The head's backward runs while every saved activation is alive; a checkpointed layer's
+        # recompute comes after the head's buffers are freed, so the larger of the two counts.
+        if self.engine_config.gradient_checkpointing:
+            step = rows[f"activations saved, {tokens} tokens, checkpointed"] + \
+                max(head, rows["one layer recomputed (checkpointed)"])
+        else:
+            step = rows[f"activations saved, {tokens} tokens"] + head
+        rows["step activations + head (as configured)"] = step
+        return rows
+
+    def train_step(self, tokens: int, entropy: bool) -> int:
+        """Activations and head of a training micro-batch of ``tokens`` tokens (as configured)."""
+        return self.activation_rows(tokens, entropy)["step activations + head (as configured)"]
+
+    def inference(self, tokens: int, entropy: bool = False) -> int:
+        """A no-grad forward over ``tokens`` tokens (``infer_batch``, ``infer_values``): one
+        layer's working set and the hidden states, then the head (logits and log-softmax
+        float32, plus exp(log-probs) for the entropy) or the fused head's buffers."""
+        body = self.compute_bytes * tokens * (layer_working_set_per_token(self.hf_config)
+                                              + self.hf_config.hidden_size)
+        return body + self._head(tokens, INFERENCE_LOGITS_TENSORS + int(entropy))
+
+    def generation(self, rows: int, prompt_width: int, new_tokens: int) -> int:
+        """Sampling ``new_tokens`` for ``rows`` left-padded prompts of ``prompt_width``: the KV
+        cache at its full size plus the larger of the prefill's layer working set (only the
+        last position's logits are kept) and a decoding step's float32 (rows, vocab) logits,
+        probabilities and log-probs."""
+        cache = kv_cache_bytes(self.hf_config, rows, prompt_width + new_tokens, self.compute_bytes)
+        prefill = self.compute_bytes * rows * prompt_width * layer_working_set_per_token(self.hf_config)
+        step = rows * self.vocab * 4 * INFERENCE_LOGITS_TENSORS + rows * self.vocab * self.compute_bytes
+        return cache + max(prefill, step)
+
+    def host_state(self, host_backend: bool) -> set[str]:
+        """Which of ``params``/``grads``/``optimizer`` live on the host (CPU offload)."""
+        offload = self.engine_config.offload
+        if offload == "none" or host_backend:
+            return set()
+        # offload=optimizer: AdamW state on the host (engines/host_optimizer.py); params: all three.
+        return {"params", "grads", "optimizer"} if offload == "params" else {"optimizer"}
 
 
 @dataclass
@@ -114,60 +240,28 @@ class MemoryEstimate:
         return "\n".join(lines + [f"note: {n}" for n in self.notes])
 
 
+STATE_ROWS = {"params": "parameters (sharded, master dtype)", "grads": "gradients (trainable only)",
+              "optimizer": "optimizer state (AdamW, trainable only)"}
+
+
 def estimate_memory(model_config: ModelConfig, engine_config: EngineConfig, world_size: int = 1,
                     tokens: int | None = None, host_backend: bool = False, entropy: bool = True,
                     hf_config=None) -> MemoryEstimate:
-    """Per-rank memory of a training step of ``model_config`` under ``engine_config`` on
-    ``world_size`` ranks, with ``tokens`` per micro-batch (default: the engine's
+    """Per-rank memory of one training micro-batch of ``model_config`` under ``engine_config``
+    on ``world_size`` ranks, with ``tokens`` per micro-batch (default: the engine's
     ``max_tokens_per_micro_batch``). ``host_backend``: the CPU backend (offload is a no-op);
-    ``entropy``: the loss needs the entropy (PPO with an entropy bonus; SFT does not)."""
-    if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
-        raise ValueError(f"world_size: expected an int >= 1, got {world_size!r}")
+    ``entropy``: the loss needs the entropy (PPO with an entropy bonus; SFT does not).
+    A whole job's phases: trainer/estimate.py."""
     tokens = engine_config.max_tokens_per_micro_batch if tokens is None else tokens
     if not isinstance(tokens, int) or isinstance(tokens, bool) or tokens < 1:
         raise ValueError(f"tokens: expected an int >= 1 (or set engine.max_tokens_per_micro_batch), got {tokens!r}")
-    model = meta_model(model_config, hf_config)
-    hf_config = model.config
-    params = list(model.parameters())
-    trainable = [p for p in params if p.requires_grad]
-    shard_bytes = lambda ps: sum(shard_numel(p.shape, world_size) * p.element_size() for p in ps)  # noqa: E731
-    compute_bytes = TORCH_DTYPES[engine_config.param_dtype].itemsize
-    saved = saved_per_token(hf_config, lora_targets_per_layer(model))
-    layers, vocab = hf_config.num_hidden_layers, hf_config.vocab_size
-    per_token = compute_bytes * tokens
-    around_layers = saved["embedding"] + saved["final_norm"]
-    unfused = tokens * vocab * 4 * (LOGITS_PATH_TENSORS + int(entropy))
-    fused = FUSED_HEAD_BUFFERS * default_chunk_size(tokens, vocab) * vocab * 4
-    rows = {
-        "parameters (sharded, master dtype)": shard_bytes(params),
-        "gradients (trainable only)": shard_bytes(trainable),
-        "optimizer state (AdamW, trainable only)": ADAM_MOMENTS * shard_bytes(trainable)
-        + ADAM_STEP_BYTES * len(trainable),
-        f"activations saved, {tokens} tokens": per_token * (layers * saved["layer"] + around_layers),
-        # Checkpointing keeps each layer's input and recomputes one layer at a time in backward.
-        f"activations saved, {tokens} tokens, checkpointed": per_token * (layers * saved["layer_input"]
-                                                                         + around_layers),
-        "one layer recomputed (checkpointed)": per_token * saved["layer"],
-        "logits path (unfused)": unfused,
-        "fused head buffers": fused,
-        "logits the fused head avoids": max(0, unfused - fused),
-    }
-    checkpointing = engine_config.gradient_checkpointing
-    head = fused if engine_config.use_fused_kernels else unfused
-    # The head's backward runs while every saved activation is alive; a checkpointed layer's
-    # recompute comes after the head's buffers are freed, so the larger of the two counts.
-    step = (rows[f"activations saved, {tokens} tokens, checkpointed"]
-            + max(head, rows["one layer recomputed (checkpointed)"])) if checkpointing else \
-        rows[f"activations saved, {tokens} tokens"] + head
-    rows["step activations + head (as configured)"] = step
-    state_rows = ("parameters (sharded, master dtype)", "gradients (trainable only)",
-                  "optimizer state (AdamW, trainable only)")
-    host = set()
-    if engine_config.offload != "none" and not host_backend:
-        # offload=optimizer: AdamW state on the host (engines/host_optimizer.py); params: all three.
-        host = set(state_rows) if engine_config.offload == "params" else {state_rows[2]}
+    memory = ModelMemory(model_config, engine_config, world_size, hf_config)
+    rows = {STATE_ROWS[key]: getattr(memory, key) for key in STATE_ROWS}
+    rows.update(memory.activation_rows(tokens, entropy))
+    host = {STATE_ROWS[key] for key in memory.host_state(host_backend)}
     # The device's peak: what stays on the device plus the step's activations.
-    rows["peak step estimate (as configured)"] = sum(rows[name] for name in state_rows if name not in host) + step
+    rows["peak step estimate (as configured)"] = sum(rows[name] for name in STATE_ROWS.values() if name not in host) \
+        + rows["step activations + head (as configured)"]
     estimate = MemoryEstimate(rows, host=host)
     if engine_config.offload == "params" and not host_backend:
         estimate.notes.append("offload=params: parameters, gradients and optimizer state on the host (the peak "
@@ -176,8 +270,8 @@ def estimate_memory(model_config: ModelConfig, engine_config: EngineConfig, worl
         estimate.notes.append("offload=optimizer: AdamW state on the host (the peak row leaves it out); the step "
                               "copies one parameter's shard and gradient to the host at a time")
     if model_config.lora.enabled:
-        estimate.notes.append(f"LoRA rank {model_config.lora.rank}: {sum(p.numel() for p in trainable):,} trained "
-                              f"of {sum(p.numel() for p in params):,} parameters; the KL reference (adapters off) "
+        estimate.notes.append(f"LoRA rank {model_config.lora.rank}: {memory.num_trainable:,} trained "
+                              f"of {memory.num_params:,} parameters; the KL reference (adapters off) "
                               f"costs no second copy")
     estimate.notes.append("FSDP2 also gathers one layer (and the root) unsharded in param_dtype while it runs")
     return estimate

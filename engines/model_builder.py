@@ -40,18 +40,19 @@ def build_model(config: ModelConfig, backend: Backend, patch_toggles=None, compu
     cast to it before attention runs."""
     register_attention()
     dtype = torch_dtype(config.dtype)
+    compute = torch_dtype(compute_dtype or config.dtype)
     if config.attn_implementation is not None:
-        return _build(config, dtype, config.attn_implementation, backend, patch_toggles)
-    attn = backend.attn_implementation(torch_dtype(compute_dtype or config.dtype))
+        return _build(config, dtype, config.attn_implementation, backend, patch_toggles, compute)
+    attn = backend.attn_implementation(compute)
     try:
-        return _build(config, dtype, attn, backend, patch_toggles)
+        return _build(config, dtype, attn, backend, patch_toggles, compute)
     except ValueError as exc:
         # The backend's choice is SDPA-based; families without SDPA support (e.g. Gemma-2,
         # for its attention soft-cap) run eager attention instead.
         if "does not support an attention implementation" not in str(exc):
             raise
         logger.warning("%s; using attn_implementation='eager' for this model", str(exc).split(".")[0])
-        return _build(config, dtype, "eager", backend, patch_toggles)
+        return _build(config, dtype, "eager", backend, patch_toggles, compute)
 
 
 def read_hf_config(path: str):
@@ -79,7 +80,8 @@ def _damaged_weights_file(directory: str) -> str | None:
     return None
 
 
-def _build(config: ModelConfig, dtype: torch.dtype, attn: str, backend: Backend, patch_toggles):
+def _build(config: ModelConfig, dtype: torch.dtype, attn: str, backend: Backend, patch_toggles,
+           compute_dtype: torch.dtype):
     if config.path is not None:
         _check_checkpoint_dir(config.path)
         if config.vocab_size is not None:
@@ -107,7 +109,8 @@ def _build(config: ModelConfig, dtype: torch.dtype, attn: str, backend: Backend,
     model.config.use_cache = False
     from polyfsdp.patches import apply_patches
 
-    report = apply_patches(model, backend, patch_toggles)
+    # The backend judges its fused ops by the dtype FSDP computes in, not the stored one.
+    report = apply_patches(model, backend, patch_toggles, compute_dtype=compute_dtype)
     logger.debug("built %s (%s, attn=%s)", type(model).__name__, config.dtype, attn)
     return model, report
 

@@ -52,8 +52,26 @@ def _merged_weight(layer, base: torch.Tensor) -> torch.Tensor:
     return merged.to(base.dtype)
 
 
-def full_weights(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
-    """``(checkpoint name, full tensor)`` of every parameter of ``model``, in module order."""
+def tied_output_name(model: torch.nn.Module) -> str | None:
+    """The checkpoint name of the output embedding when it is tied to the input one (one
+    parameter, so :func:`full_weights` yields it once), else None."""
+    inputs, outputs = model.get_input_embeddings(), model.get_output_embeddings()
+    if outputs is None or inputs is None or outputs.weight is not inputs.weight:
+        return None
+    return next(checkpoint_name(f"{name}.weight") for name, m in model.named_modules() if m is outputs)
+
+
+def full_weights(model: torch.nn.Module, untie: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+    """``(checkpoint name, full tensor)`` of every parameter of ``model``, in module order;
+    with ``untie`` a tied output embedding comes last under its own name too (for a receiver
+    holding it as a separate weight)."""
+    yield from _parameters(model)
+    tied = tied_output_name(model) if untie else None
+    if tied is not None:
+        yield tied, _full(model.get_input_embeddings().weight)
+
+
+def _parameters(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
     lora = _lora_layers(model)
     for name, param in model.named_parameters():
         owner = next((o for o in lora if name.startswith(o + ".")), None)
@@ -77,11 +95,12 @@ def _group(name: str) -> str:
     return match.group(1) if match else name.rpartition(".")[0]
 
 
-def weight_buckets(model: torch.nn.Module, bucket_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
+def weight_buckets(model: torch.nn.Module, bucket_bytes: int,
+                   untie: bool = False) -> Iterator[list[tuple[str, torch.Tensor]]]:
     """:func:`full_weights` in buckets of whole groups (decoder layers, other modules), each
     closed once it holds ``bucket_bytes`` or more; at most one bucket is alive at a time."""
     bucket, size, group = [], 0, None
-    for name, tensor in full_weights(model):
+    for name, tensor in full_weights(model, untie):
         here = _group(name)
         if bucket and here != group and size >= bucket_bytes:
             yield bucket

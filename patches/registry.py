@@ -11,11 +11,13 @@ import logging
 from dataclasses import dataclass
 from typing import Callable, Mapping
 
+import torch
 from torch import nn
 
 from polyfsdp.backends.distributed import current_rank
 
 from .edits import EditLog
+from .model_facts import model_facts
 from .report import APPLIED, FAILED, SKIPPED, PatchReport
 from .toggles import PatchToggles
 from .verify import ProbeCase, capture, compare
@@ -141,6 +143,19 @@ def _skip_reason(patch: Patch, toggles: PatchToggles, ops: Ops, backend_name: st
     return None
 
 
+def _limit_reason(patch: Patch, backend, facts) -> str | None:
+    """The backend's objection to running this patch's ops on this model (a documented kernel
+    limit its config violates), checked before the patch touches anything."""
+    check = getattr(backend, "fused_op_unsupported", None)
+    if facts is None or check is None:
+        return None
+    for op in patch.ops:
+        reason = check(op, facts)
+        if reason is not None:
+            return reason
+    return None
+
+
 def _apply_one(patch: Patch, model: nn.Module, ops: Ops, verify: bool) -> tuple[str, str, EditLog | None]:
     """Apply one patch in isolation: any exception or failed verification rolls back its edits."""
     try:
@@ -181,8 +196,11 @@ def _is_rank_zero() -> bool:
     return current_rank() == 0
 
 
-def apply_patches(model: nn.Module, backend, toggles: PatchToggles | Mapping | None = None) -> PatchReport:
-    """Apply every enabled patch for ``model.config.model_type`` whose ops ``backend.fused_ops()`` has.
+def apply_patches(model: nn.Module, backend, toggles: PatchToggles | Mapping | None = None,
+                  compute_dtype: torch.dtype | None = None) -> PatchReport:
+    """Apply every enabled patch for ``model.config.model_type`` whose ops ``backend.fused_ops()`` has
+    and whose ops the backend accepts for this model (``backend.fused_op_unsupported``; the model
+    computes in ``compute_dtype``, default its parameters' dtype).
 
     Each patch is isolated: a failure is rolled back and reported, the others still apply.
     Returns a :class:`PatchReport`; ``report.undo()`` restores the model exactly.
@@ -199,8 +217,9 @@ def apply_patches(model: nn.Module, backend, toggles: PatchToggles | Mapping | N
     if not candidates:
         report.note = f"no patches registered for model type {model_type!r}; model left unchanged"
     ops = dict(backend.fused_ops())
+    facts = model_facts(model, compute_dtype) if candidates else None
     for patch in candidates:
-        reason = _skip_reason(patch, toggles, ops, backend_name)
+        reason = _skip_reason(patch, toggles, ops, backend_name) or _limit_reason(patch, backend, facts)
         if reason is not None:
             report._record(patch.name, SKIPPED, reason)
             continue

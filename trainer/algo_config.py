@@ -134,8 +134,15 @@ class RolloutCorrectionSection:
     """The sampler's log-probs vs the trainer's: report the mismatch, and optionally weight
     the policy gradient by min(exp(logp_train - logp_rollout), tis_cap)."""
 
-    report_mismatch: bool = False
+    report_mismatch: bool | str = "auto"  # auto: with a separate sampler (rollout.engine=vllm)
     tis_cap: float | None = None
+
+    def resolve(self, where: str, separate_sampler: bool) -> None:
+        """Turn ``report_mismatch: auto`` into True exactly when another engine samples."""
+        if self.report_mismatch not in ("auto", True, False):
+            raise ConfigError(f"{where}.report_mismatch: expected auto, true or false, got {self.report_mismatch!r}")
+        if self.report_mismatch == "auto":
+            self.report_mismatch = separate_sampler
 
     def validate(self, where: str) -> None:
         if self.tis_cap is not None and not self.tis_cap > 0:

@@ -8,7 +8,7 @@ from omegaconf import DictConfig, OmegaConf
 
 CONFIG_MODULE = "polyfsdp.configs"
 CONFIG_NAME = "train"
-GROUPS = ("backend", "model", "engine", "patches", "algo", "data", "reward", "rollout", "trainer")
+GROUPS = ("backend", "model", "engine", "patches", "algo", "data", "reward", "rollout", "eval", "trainer")
 
 
 class ConfigError(ValueError):

@@ -21,6 +21,7 @@ from .algo_config import (RL_ALGOS, AlgoSection, GRPOSection, PPOSection,  # noq
                           RolloutCorrectionSection, SFTSection, check_choice, check_min)
 from .compose import GROUPS, ConfigError, available_options, compose, to_container  # noqa: F401 (re-exported)
 from .rollout_engines import check_rollout
+from .tracking import check_loggers
 
 logger = logging.getLogger(__name__)
 
@@ -106,6 +107,17 @@ class RolloutSection:
 
 
 @dataclass
+class EvalSection:
+    """Held-out evaluation (trainer/evaluation.py): ``n_samples`` completions per prompt at
+    ``temperature`` (0: greedy); with n_samples > 1 also mean@n, pass@k and maj@n, where a
+    sample passes when its reward >= ``pass_threshold``."""
+
+    n_samples: int = 1
+    temperature: float = 0.0
+    pass_threshold: float = 1.0
+
+
+@dataclass
 class TrainerSection:
     """Steps, batch sizes, logging, checkpoints, output directory, resume."""
 
@@ -125,6 +137,12 @@ class TrainerSection:
     plot: bool = True
     export: bool = True
     export_lora: str = "merged"  # with model.lora: the final export as merged weights or a peft adapter
+    # Experiment tracking (trainer/tracking): where metrics go, and how the trackers name the run.
+    logger: list | str = field(default_factory=lambda: ["console", "jsonl"])
+    project_name: str = "polyfsdp"
+    experiment_name: str | None = None  # null: the output directory's name
+    tags: list = field(default_factory=list)
+    log_val_generations: int = 0  # per evaluation, this many prompts' completions as a table
 
 
 @dataclass
@@ -141,6 +159,7 @@ class JobConfig:
     raw: dict
     reward: RewardSection = field(default_factory=RewardSection)
     rollout: RolloutSection = field(default_factory=RolloutSection)
+    eval: EvalSection = field(default_factory=EvalSection)
 
 
 # --------------------------------------------------------------------------- checks
@@ -219,6 +238,11 @@ def _validate_trainer(t: TrainerSection, algo: AlgoSection, world_size: int) -> 
                               f"got {getattr(t, key)}")
     check_choice("trainer.progress", t.progress, PROGRESS_MODES)
     check_choice("trainer.export_lora", t.export_lora, LORA_EXPORT_MODES)
+    t.logger = check_loggers(t.logger)
+    check_min("trainer.log_val_generations", t.log_val_generations, 0)
+    if not isinstance(t.tags, list) or not all(isinstance(tag, str) and tag for tag in t.tags):
+        raise ConfigError(f"trainer.tags: expected a list of names, e.g. trainer.tags=[baseline,lr1e-6], "
+                          f"got {t.tags!r}")
     if t.cpu_threads is not None:
         check_min("trainer.cpu_threads", t.cpu_threads, 1)
     if t.resume not in ("auto", "never") and not os.path.isdir(t.resume):
@@ -279,13 +303,22 @@ def _validate_reward(r: RewardSection) -> None:
         raise ConfigError(f"reward.kwargs: keys must be Python identifiers, got {sorted(map(str, r.kwargs or {}))}")
 
 
+def _validate_eval(e: EvalSection) -> None:
+    check_min("eval.n_samples", e.n_samples, 1)
+    if e.temperature < 0:
+        raise ConfigError(f"eval.temperature: expected >= 0 (0: greedy), got {e.temperature}")
+    if e.n_samples > 1 and e.temperature == 0:
+        raise ConfigError(f"eval.n_samples={e.n_samples}: greedy completions (eval.temperature=0) are all the same; "
+                          f"set eval.temperature>0 (e.g. 1.0) or eval.n_samples=1")
+
+
 def build_job_config(raw: dict, world_size: int = 1) -> JobConfig:
     """Convert a composed, resolved config dict into a validated :class:`JobConfig`."""
     unknown = [k for k in raw if k not in GROUPS]
     if unknown:
         raise ConfigError(f"{unknown[0]}: unknown top-level key; known: {', '.join(GROUPS)}")
     # rollout came later: configs saved before it (resumed runs) default it.
-    missing = [g for g in GROUPS if raw.get(g) is None and g != "rollout"]
+    missing = [g for g in GROUPS if raw.get(g) is None and g not in ("rollout", "eval")]
     if missing:
         raise ConfigError(f"{missing[0]}: missing; choose an option with {missing[0]}=OPTION "
                           f"({', '.join(available_options(missing[0]))})")
@@ -334,6 +367,10 @@ def build_job_config(raw: dict, world_size: int = 1) -> JobConfig:
     algo.sft.optim = _optim("algo.sft.optim", algo.sft.optim, trainer.sft_steps)
     algo.sft.validate("algo.sft")
     _validate_trainer(trainer, algo, world_size)
+    rollout = _section(RolloutSection, "rollout", raw.get("rollout") or {})
+    check_rollout(rollout, world_size)
+    if algo.rollout_correction is not None:
+        algo.rollout_correction.resolve("algo.rollout_correction", separate_sampler=rollout.engine == "vllm")
     if algo.rl:
         if algo.grpo is None:
             raise ConfigError(f"algo.grpo: algo={algo.name} needs its grpo section")
@@ -350,8 +387,8 @@ def build_job_config(raw: dict, world_size: int = 1) -> JobConfig:
                           f"{world_size}, got {data.eval_size}")
     reward = _section(RewardSection, "reward", raw["reward"])
     _validate_reward(reward)
-    rollout = _section(RolloutSection, "rollout", raw.get("rollout") or {})
-    check_rollout(rollout, world_size)
+    evaluation = _section(EvalSection, "eval", raw.get("eval") or {})
+    _validate_eval(evaluation)
     lora_enabled = model.model_config().lora.enabled
     if trainer.export_lora != "merged" and not lora_enabled:
         raise ConfigError(f"trainer.export_lora={trainer.export_lora!r} exports LoRA adapters; set model.lora.rank > 0")
@@ -363,7 +400,7 @@ def build_job_config(raw: dict, world_size: int = 1) -> JobConfig:
         raise ConfigError("model.lora: algo=ppo trains a critic, which LoRA does not support yet; "
                           "set model.lora.rank=0 or use algo=grpo")
     return JobConfig(backend=backend, model=model, engine=engine, patches=patches, algo=algo, data=data,
-                     trainer=trainer, raw=raw, reward=reward, rollout=rollout)
+                     trainer=trainer, raw=raw, reward=reward, rollout=rollout, eval=evaluation)
 
 
 def load_config(overrides: list[str], world_size: int = 1) -> JobConfig:

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from polyfsdp.backends.distributed import all_reduce_sum, current_rank, current_world_size
+from polyfsdp.backends.distributed import all_reduce_sum, current_world_size
 
 from .chat import example_prompt_tokens
 from .rank_errors import on_every_rank
@@ -29,6 +29,8 @@ class Rollout:
     reward_metrics: dict[str, list[float]] = field(default_factory=dict)
     # The sampler's log-prob of each response token (at the sampling temperature), when asked.
     log_probs: list[list[float]] | None = None
+    # Each completion's answer for majority votes (rewards.Scorer.score_with_answer), when asked.
+    answers: list[str | None] | None = None
     # Multi-turn (trainer/multi_turn.py): 1 for the response tokens the policy sampled, 0 for the
     # environment's; None: every response token was sampled.
     loss_masks: list[list[int]] | None = None
@@ -153,7 +155,8 @@ def _default_scorer():
 
 
 def rollout(engine, tokenizer, examples: list[Example], n: int, max_new_tokens: int, do_sample: bool,
-            temperature: float = 1.0, scorer=None, return_log_probs: bool = False, sampler=None) -> Rollout:
+            temperature: float = 1.0, scorer=None, return_log_probs: bool = False, sampler=None,
+            with_answers: bool = False) -> Rollout:
     """``n`` completions per example (grouped: example i owns rows i*n .. i*n+n-1), scored
     by ``scorer`` (a rewards.Scorer; default the built-in ``char_match``); ``sampler`` is the
     rollout engine (trainer/rollout_engines.py; default ``auto``)."""
@@ -161,7 +164,7 @@ def rollout(engine, tokenizer, examples: list[Example], n: int, max_new_tokens: 
 
     if getattr(sampler, "multi_turn", False):
         return sampler.rollout(engine, tokenizer, examples, n, max_new_tokens, do_sample, temperature, scorer,
-                               return_log_probs)
+                               return_log_probs, with_answers)
     prompts = [example_prompt_tokens(tokenizer, ex) for ex in examples for _ in range(n)]
     responses = (sampler or PolicyDecoding()).generate(engine, tokenizer, prompts, max_new_tokens, do_sample,
                                                        temperature, return_log_probs)
@@ -170,29 +173,7 @@ def rollout(engine, tokenizer, examples: list[Example], n: int, max_new_tokens: 
         responses, log_probs = responses
     texts = [tokenizer.decode(r) for r in responses]
     # A reward that raises on this rank's records must stop every rank (the next step is a collective).
+    answers = [] if with_answers else None
     rewards, extras = on_every_rank(lambda: (scorer or _default_scorer()).score_all(examples, texts, responses,
-                                                                                     group=n))
-    return Rollout(prompts, responses, texts, rewards, extras, log_probs)
-
-
-def evaluate_with_metrics(engine, tokenizer, examples: list[Example], max_new_tokens: int, chunk: int = 256,
-                          scorer=None, sampler=None) -> tuple[float, dict[str, float]]:
-    """Mean greedy reward over ``examples`` and the reward function's extra metrics
-    (``reward/<key>``, as in training records), both over all ranks."""
-    from .rewards import mean_over_ranks
-
-    mine = examples[current_rank()::current_world_size()]
-    total, extras = 0.0, {}
-    # Every rank runs the same number of generate calls, as synced generation needs.
-    chunks = max(1, -(-len(examples) // (current_world_size() * chunk)))
-    for c in range(chunks):
-        part = mine[c * chunk:(c + 1) * chunk] or mine[:1]
-        result = rollout(engine, tokenizer, part, 1, max_new_tokens, do_sample=False, scorer=scorer,
-                         sampler=sampler)
-        if mine[c * chunk:(c + 1) * chunk]:
-            total += sum(result.rewards)
-            for key, values in result.reward_metrics.items():
-                extras.setdefault(key, []).extend(values)
-    sums = torch.tensor([total, float(len(mine))], dtype=torch.float64, device=engine.device)
-    all_reduce_sum(sums)
-    return float(sums[0] / sums[1]), mean_over_ranks(extras)
+                                                                                     group=n, answers=answers))
+    return Rollout(prompts, responses, texts, rewards, extras, log_probs, answers)

@@ -4,13 +4,16 @@ Output directory layout::
 
     config.yaml          the resolved configuration
     metrics.jsonl        one record per step / evaluation (rank 0)
+    generations.jsonl    trainer.log_val_generations: the first prompts' completions at each evaluation
     init_model/          the preset's starting weights + tokenizer (presets only)
     checkpoints/sft/     engine checkpoints of the SFT phase (step_*/, latest)
-    checkpoints/grpo/    engine checkpoints of the GRPO phase (the PPO phase's actor under algo=ppo)
-    checkpoints/critic/  algo=ppo: the critic's checkpoints, at the same steps as the actor's
+    checkpoints/grpo/    engine checkpoints of the GRPO phase; under algo=ppo each holds the actor
+                         and the critic (its part "critic") as one unit
     sft_model/           the SFT-end weights: GRPO's starting point and its KL reference
     final/               Hugging Face export of the trained model + tokenizer
-    curves.png           reward and loss curves
+    curves.png           rewards, losses, KL, entropy, lengths, clip fraction, step time (redrawn at each evaluation)
+    trackers.json        trainer.logger's tracker run ids (a resumed run reopens them)
+    tensorboard/ wandb/ mlflow.db mlartifacts/   the trackers' own files (trainer.logger)
 
 Every batch and every sampling seed is a function of the step, and each checkpoint stores
 how many metrics records precede it, so ``trainer.resume=auto`` continues the same curve.
@@ -33,6 +36,7 @@ from omegaconf import OmegaConf
 from polyfsdp.backends.distributed import (all_reduce_max, barrier, broadcast_object, current_rank, current_world_size,
                                            init_distributed)
 from polyfsdp.backends.registry import get_backend
+from polyfsdp.engines.checkpoint import CheckpointError, checkpoint_parts
 from polyfsdp.engines.engine import FSDPEngine
 from polyfsdp.engines.lora import AdaptersOff
 from polyfsdp.engines.losses import SFTLoss
@@ -40,7 +44,8 @@ from polyfsdp.engines.losses import SFTLoss
 from .chat import PromptEncoder, check_position_budget, model_max_positions
 from .config import ConfigError, JobConfig
 from .data import build_source, check_generation_budget, check_tokenizer_covers, max_answer_tokens
-from .generate import evaluate_with_metrics
+from .evaluation import GENERATION_COLUMNS, EvalSettings, evaluate
+from .generations_log import GENERATIONS_FILE, GenerationsLog
 from .grpo import grpo_step
 from .ppo import ppo_step
 from .metrics import METRICS_FILE, MetricsLogger
@@ -53,11 +58,15 @@ from .resume import STATE_FILE, ResumePoint, check_same_run, find_resume, load_r
 from .sft import sft_step
 from .stop import Preempted, StopRequest
 from .task import TOKENIZER_FILE, load_tokenizer
+from .tracking import RunInfo, Trackers, TrackerStartError, start_trackers
 
 logger = logging.getLogger(__name__)
 
 CHECKPOINT_MARKER = "checkpoint saved:"
-CRITIC_DIR = "critic"  # checkpoints/critic/: algo=ppo's critic, next to checkpoints/grpo/
+CURVES_FILE = "curves.png"
+CRITIC_PART = "critic"  # algo=ppo: the critic's name in the RL phase's checkpoints
+# Where a polyfsdp before one-unit PPO checkpoints kept the critic's (checkpoints/critic/step_N).
+LEGACY_CRITIC_DIR = "critic"
 CRITIC_HEAD_FILE = "value_head.safetensors"  # final/: the critic's head (ModelConfig.value_head_path)
 
 
@@ -99,6 +108,8 @@ class Job:
         # Rank 0's output_dir wins: "${now:...}" may resolve differently on each rank.
         self.out = Path(broadcast_object(cfg.trainer.output_dir)).resolve()
         self.metrics = MetricsLogger(str(self.out / METRICS_FILE), enabled=self.rank == 0)
+        self.trackers = Trackers([])  # trainer.logger's trackers: started in run(), rank 0 only
+        self.generations = GenerationsLog(str(self.out / GENERATIONS_FILE), enabled=self.rank == 0)
         self.scorer = build_scorer(cfg.reward, cfg.data)  # a missing reward file fails before any model
         # A preset's character tokenizer: the one the run's initial model was built with, when
         # it exists (a continued run); else a fresh one that learns the data's characters.
@@ -171,27 +182,37 @@ class Job:
 
     def _evaluate(self, engine: FSDPEngine, tag: str, global_step: int) -> float:
         t = time.perf_counter()
-        value, extras = evaluate_with_metrics(engine, self.tokenizer, self.source.eval_examples, self.eval_tokens,
-                                              scorer=self.scorer, sampler=self.sampler)
-        self.metrics.log({"phase": "eval", "tag": tag, "global_step": global_step, "reward": value, **extras,
-                          "num_prompts": len(self.source.eval_examples), "time_s": time.perf_counter() - self.t0})
+        e = self.cfg.eval
+        settings = EvalSettings(e.n_samples, e.temperature, e.pass_threshold,
+                                seed=self.cfg.trainer.seed * 1_000_003 + global_step,
+                                rows=self.cfg.trainer.log_val_generations)
+        result = evaluate(engine, self.tokenizer, self.source.eval_examples, self.eval_tokens, self.scorer, settings,
+                          sampler=self.sampler)
+        self.metrics.log({"phase": "eval", "tag": tag, "global_step": global_step, "reward": result.reward,
+                          **result.metrics, "num_prompts": len(self.source.eval_examples),
+                          "time_s": time.perf_counter() - self.t0})
+        if self.rank == 0 and self.cfg.trainer.plot:
+            from .plot import plot_metrics
+
+            plot_metrics(self.metrics.path, str(self.out / CURVES_FILE))  # redrawn at every evaluation
+        if result.rows:
+            self.generations.write(tag, global_step, GENERATION_COLUMNS, result.rows)
+            self.trackers.log_table("val/generations", GENERATION_COLUMNS, result.rows, global_step)
+        passed = f", pass@{e.n_samples} {result.metrics[f'pass@{e.n_samples}']:.3f}" if e.n_samples > 1 else ""
         _say(f"held-out reward ({tag}, global step {global_step}, {len(self.source.eval_examples)} prompts, "
-             f"greedy): {value:.3f} "
+             f"{settings.describe()}): {result.reward:.3f}{passed} "
              f"[{time.perf_counter() - t:.1f}s]")
-        return value
+        return result.reward
 
     def _checkpoint(self, engine: FSDPEngine, phase: str, step: int, global_step: int) -> Path:
         extra = {"phase": phase, "phase_step": step, "global_step": global_step,
                  "metrics_lines": self.metrics.lines, "metrics_path": self.metrics.path,
                  "data_position": step * (self.cfg.trainer.sft_batch_size if phase == "sft"
                                           else self.cfg.trainer.prompts_per_step)}
-        if self.critic is not None and phase != "sft":
-            # Before the actor's: the actor's `latest` decides where a run resumes, so the
-            # critic's checkpoint of that step must already be complete.
-            self.critic.save_checkpoint(str(self.out / "checkpoints" / CRITIC_DIR), step=step, extra=extra,
-                                        keep=self.cfg.trainer.keep_checkpoints)
+        # algo=ppo: the critic is a part of the actor's checkpoint, so no crash can leave one
+        # of them at a step the other lacks, and pruning removes both together.
         path = engine.save_checkpoint(str(self.out / "checkpoints" / phase), step=step, extra=extra,
-                                      keep=self.cfg.trainer.keep_checkpoints)
+                                      keep=self.cfg.trainer.keep_checkpoints, parts=self._parts(phase))
         self.last_checkpoint = Path(path)  # before the line: a Ctrl-C right after it must name this one
         _say(f"{CHECKPOINT_MARKER} {path} (phase {phase}, step {step}, global step {global_step})")
         return self.last_checkpoint
@@ -236,6 +257,12 @@ class Job:
     # ------------------------------------------------------------------ phases
     def run(self) -> dict:
         """Run (or continue) the job; returns the held-out rewards by tag."""
+        try:
+            return self._run()
+        finally:
+            self.sampler.close()  # before the process group goes: a vLLM engine's groups hang off it
+
+    def _run(self) -> dict:
         cfg, out = self.cfg, self.out
         resume = None
         if self.rank == 0:
@@ -249,6 +276,29 @@ class Job:
             except OSError as exc:
                 raise ConfigError(f"trainer.output_dir: cannot create {out}: {exc.strerror or exc}") from None
         resume = broadcast_object(resume)
+        self.trackers = on_every_rank(lambda: self._start_trackers(resume is not None))
+        self.metrics.on_record = self.trackers.log_record
+        if self.trackers.trackers:
+            _say(f"trackers: {self.trackers.locations()}")
+        try:
+            return self._run_phases(resume)
+        finally:
+            self.trackers.close()
+
+    def _start_trackers(self, resuming: bool) -> Trackers:
+        """trainer.logger's trackers on rank 0 (none elsewhere); one that cannot start is a ConfigError."""
+        t = self.cfg.trainer
+        if self.rank != 0:
+            return Trackers([])
+        run = RunInfo(directory=self.out, project=t.project_name, name=t.experiment_name or self.out.name,
+                      tags=list(t.tags), config=self.cfg.raw)
+        try:
+            return start_trackers(t.logger, run, resuming)
+        except TrackerStartError as exc:
+            raise ConfigError(str(exc)) from None
+
+    def _run_phases(self, resume: ResumePoint | None) -> dict:
+        cfg, out = self.cfg, self.out
         start_dir = cfg.model.path or self._initial_model()
         _say(f"polyfsdp-train: {cfg.algo.name} on {cfg.data.source} data (reward {self.scorer.name}), "
              f"backend {self.backend.name}, "
@@ -292,15 +342,18 @@ class Job:
         if self.rank == 0 and source is not None and source != Path(self.metrics.path) and source.is_file():
             shutil.copyfile(source, self.metrics.path)
         self.metrics.start(lines)
+        self.trackers.continue_from(self.metrics.next_global_step())
+        self.generations.start(self.metrics.next_global_step())
 
     def _restore(self, engine: FSDPEngine, phase: Phase, resume: ResumePoint | None, fresh_metrics: bool) -> int:
         """Position the engine and the metrics file where ``phase`` continues; returns its first step."""
         if resume is not None and resume.checkpoint is not None:
-            _, extra = load_resume_checkpoint(engine, resume.checkpoint)
+            parts = self._parts(phase.name)
+            if parts:
+                self._refuse_legacy_critic(resume.checkpoint)
+            _, extra = load_resume_checkpoint(engine, resume.checkpoint, parts)
             self.last_checkpoint = resume.checkpoint
             step = int(extra["phase_step"])
-            if self.critic is not None and phase.name != "sft":
-                self._restore_critic(resume.checkpoint)
             if step > phase.steps:
                 # Nothing to run: a "final" evaluation at the lower step count would be mislabelled.
                 key = f"trainer.{phase.name}_steps"
@@ -317,20 +370,34 @@ class Job:
             self._evaluate(engine, "initial", 0)
         return 0
 
-    def _restore_critic(self, actor_checkpoint: Path) -> None:
-        """Load the critic's checkpoint of the actor's step (checkpoints/critic/step_N)."""
-        path = actor_checkpoint.parent.parent / CRITIC_DIR / actor_checkpoint.name
-        if not path.is_dir():
-            raise ConfigError(f"trainer.resume: algo=ppo needs the critic's checkpoint {path} next to "
-                              f"{actor_checkpoint} (was the run algo={self.cfg.algo.name}?)")
-        load_resume_checkpoint(self.critic, path)
+    def _parts(self, phase: str) -> dict[str, FSDPEngine]:
+        """The engines saved and loaded with ``phase``'s policy as parts of its checkpoints."""
+        return {CRITIC_PART: self.critic} if self.critic is not None and phase != "sft" else {}
+
+    def _refuse_legacy_critic(self, checkpoint: Path) -> None:
+        """A PPO checkpoint from before the critic was a part of it: its critic is elsewhere."""
+        legacy = checkpoint.parent.parent / LEGACY_CRITIC_DIR
+        try:
+            held = checkpoint_parts(checkpoint)
+        except CheckpointError:
+            return  # loading it names what is wrong
+        if legacy.is_dir() and CRITIC_PART not in held:
+            raise ConfigError(f"trainer.resume: {checkpoint} holds no critic: it was written by a polyfsdp that "
+                              f"kept algo=ppo's critic apart (in {legacy}), which this one does not load; finish "
+                              f"that run with the polyfsdp that started it, or start a new trainer.output_dir")
 
     def _step_function(self, phase: Phase, engine: FSDPEngine) -> Callable[[int, list], dict]:
         """``(phase step, this rank's examples) -> metrics`` for one training step of ``phase``."""
         cfg = self.cfg
         if phase.name == "sft":
             sft_loss = SFTLoss(agg_mode=cfg.algo.sft.agg_mode)
-            return lambda step, examples: sft_step(engine, self.tokenizer, examples, sft_loss)
+
+            def sft_fn(step: int, examples: list) -> dict:
+                # What draws from the generators (LoRA's dropout) is seeded per step: the same in
+                # every run of the seed, whatever the process's generator started from.
+                self.backend.manual_seed(self._step_seed(step) * 1024 + self.rank)
+                return sft_step(engine, self.tokenizer, examples, sft_loss)
+            return sft_fn
         g = cfg.algo.grpo
         # The reference is the GRPO starting point, frozen: a second engine, never stepped; with
         # LoRA it is the policy with its adapters off (they start at zero: the same model).
@@ -347,7 +414,7 @@ class Job:
 
         def step_fn(step: int, examples: list) -> dict:
             # Sampling (per rank) and mini-batch shuffles (same on all ranks) are seeded per step: exact resume.
-            step_seed = cfg.trainer.seed * 1_000_003 + step
+            step_seed = self._step_seed(step)
             more = lambda k: self._shard(self.source.batch(f"{phase.name}-refill{k}", step, phase.batch_size))  # noqa: E731
             if self.critic is not None:
                 return ppo_step(engine, self.critic, ref, self.tokenizer, examples, cfg.algo, ppo_loss, value_loss,
@@ -360,13 +427,18 @@ class Job:
                              sampler=self.sampler)
         return step_fn
 
+    def _step_seed(self, step: int) -> int:
+        """The seed of a phase's step ``step``, from trainer.seed (the same on every rank)."""
+        return self.cfg.trainer.seed * 1_000_003 + step
+
     def _run_phase(self, phase: Phase, resume: ResumePoint | None, fresh_metrics: bool) -> None:
         """Train ``phase`` from its start (or ``resume``), with evaluations, checkpoints, export."""
         engine = self._engine(phase.name, phase.start_dir)
         step_fn = self._step_function(phase, engine)  # builds GRPO's reference before a checkpoint sets the RNG
         start = self._restore(engine, phase, resume, fresh_metrics)
         every = self.cfg.trainer.eval_interval if phase.mid_evaluations else 0
-        progress = Progress(phase.name, phase.steps, start, self.cfg.trainer.progress, enabled=self.rank == 0)
+        progress = Progress(phase.name, phase.steps, start, self.cfg.trainer.progress,
+                            enabled=self.rank == 0 and "console" in self.cfg.trainer.logger)
         for step in range(start, phase.steps):
             examples = self._shard(self.source.batch(phase.name, step, phase.batch_size))
             global_step = phase.step_offset + step + 1
@@ -396,7 +468,6 @@ class Job:
         del engine, step_fn
 
     def _finish(self) -> dict:
-        self.sampler.close()
         rewards = {}
         for tag in ("initial", "after_sft", "final"):
             record = self.metrics.last("eval", tag)
@@ -404,10 +475,7 @@ class Job:
                 rewards[tag] = record["reward"]
         if self.rank == 0:
             if self.cfg.trainer.plot:
-                from .plot import plot_metrics
-
-                png = plot_metrics(self.metrics.path, str(self.out / "curves.png"))
-                _say(f"curves: {png}")
+                _say(f"curves: {self.out / CURVES_FILE}")  # drawn at the final evaluation
             _say(f"metrics: {self.metrics.path}")
             _say(f"done in {time.perf_counter() - self.t0:.1f}s")
             # The result is the last line: what a user (or `tail -1`) reads.

@@ -11,6 +11,7 @@ import json
 import logging
 import math
 import os
+from typing import Callable
 
 logger = logging.getLogger(__name__)
 
@@ -33,6 +34,8 @@ class MetricsLogger:
         self.enabled = enabled
         self.lines = 0
         self.history: list[dict] = []
+        # Called with every record logged (the experiment trackers' fan-out, trainer/tracking).
+        self.on_record: Callable[[dict], None] | None = None
 
     def start(self, keep_lines: int | None) -> None:
         """Start fresh (``keep_lines=None``) or keep the first ``keep_lines`` records of an
@@ -64,6 +67,13 @@ class MetricsLogger:
             with open(self.path, "a") as f:
                 f.write(json.dumps(record) + "\n")
                 f.flush()
+        if self.on_record is not None:
+            self.on_record(record)
+
+    def next_global_step(self) -> int:
+        """The global step after the newest record held (0 for an empty file): where a
+        (resumed) run's new records start."""
+        return max((int(r["global_step"]) + 1 for r in self.history if "global_step" in r), default=0)
 
     def last(self, phase: str, tag: str | None = None) -> dict | None:
         """The newest record of ``phase`` (and eval ``tag``), or None."""

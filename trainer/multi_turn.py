@@ -144,8 +144,9 @@ class MultiTurnRollout:
         return trajectories, turns
 
     def rollout(self, policy, tokenizer, examples, n: int, max_new_tokens: int, do_sample: bool,
-                temperature: float, scorer, return_log_probs: bool):
-        """``n`` conversations per example (grouped as :func:`~polyfsdp.trainer.generate.rollout`'s)."""
+                temperature: float, scorer, return_log_probs: bool, with_answers: bool = False):
+        """``n`` conversations per example (grouped as :func:`~polyfsdp.trainer.generate.rollout`'s);
+        ``with_answers``: no answer to vote on (None each), the environment judges."""
         from .generate import Rollout
 
         eos = tokenizer.eos_token_id
@@ -207,7 +208,8 @@ class MultiTurnRollout:
         return Rollout([t.prompt for t in trajectories], [t.tokens for t in trajectories],
                        [t.last_text for t in trajectories],
                        [t.reward for t in trajectories], {}, [t.log_probs for t in trajectories] if return_log_probs
-                       else None, loss_masks=[t.loss_mask for t in trajectories],
+                       else None, answers=[None] * len(trajectories) if with_answers else None,
+                       loss_masks=[t.loss_mask for t in trajectories],
                        rollout_metrics={**metrics, "env_time_s": [env_time]})
 
 

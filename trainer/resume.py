@@ -19,11 +19,15 @@ from .metrics import METRICS_FILE
 # Written next to the SFT-end export: how many metrics records precede GRPO's start.
 STATE_FILE = "polyfsdp_state.json"
 # Settings a continued run must share with the run it continues: they decide the model, the
-# data each step draws (a function of seed, phase, step and batch size) and the updates. The
-# rest (step counts, intervals, logging, engine modes, patches, backend) may change on resume.
-SAME_RUN_SECTIONS = ("model", "data", "reward", "algo.sft", "algo.grpo", "algo.ppo")
+# data each step draws (a function of seed, phase, step and batch size) and the updates (the
+# whole algo group: algorithm, advantage estimator, rollout correction, losses, KL, group size,
+# optimizers). The rest (step counts, intervals, logging, engine modes, patches, backend) may
+# change on resume.
+SAME_RUN_SECTIONS = ("model", "data", "reward", "algo")
 SAME_RUN_TRAINER_KEYS = ("seed", "sft_batch_size", "prompts_per_step")
-
+# Once the RL phase has its starting model (the SFT export, or none with sft_steps=0), the SFT
+# step count decides that model (the RL reference, LoRA's frozen base): it must stay too.
+RL_STARTED_TRAINER_KEYS = ("sft_steps",)
 
 @dataclass
 class ResumePoint:
@@ -113,41 +117,63 @@ def _leaves(tree, prefix: str) -> dict:
     return out
 
 
+def _algo_leaves(before_raw: dict, now_raw: dict) -> tuple[dict, dict]:
+    """The algo settings to compare: all of them, except that an algo=sft run may continue into
+    an RL algorithm (it has no RL settings to keep yet; only its SFT settings must stay)."""
+    old, new = _section(before_raw, "algo") or {}, _section(now_raw, "algo") or {}
+    if old.get("name") == "sft" and new.get("name") != "sft":
+        old, new = {"sft": old.get("sft")}, {"sft": new.get("sft")}
+    return _leaves(old, "algo"), _leaves(new, "algo")
+
+
 def check_same_run(cfg: JobConfig, run_dir: Path) -> None:
     """A run continued in (or from) ``run_dir`` must ask for the model, data and algorithm
     it was started with: its init_model and checkpoints would be loaded and the data stream
-    continued, while config.yaml claimed the new settings."""
+    continued, while config.yaml claimed the new settings. A run directory without its
+    config.yaml cannot be checked, so it is refused (its init_model would be reused whatever
+    ``model.overrides`` now say)."""
     saved = run_dir / "config.yaml"
-    trained = any((run_dir / name).exists() for name in ("checkpoints", "sft_model"))
-    if not ((trained or (run_dir / "init_model").exists()) and saved.is_file()):
+    held = [name for name in ("checkpoints", "sft_model", "init_model") if (run_dir / name).exists()]
+    if not held:
         return
+    if not saved.is_file():
+        raise ConfigError(f"trainer.resume={cfg.trainer.resume}: {run_dir} holds a run ({', '.join(held)}) but no "
+                          f"config.yaml, so this run's settings (model.overrides, data, algo) cannot be checked "
+                          f"against it; put its config.yaml back or choose another trainer.output_dir")
+    trained = "checkpoints" in held or "sft_model" in held
     # A run that stopped before its first checkpoint (a reward that raised at the first
     # evaluation, say) left only init_model, which the next run reuses: only the model must
     # match, so the user can fix the reward or the data and run again in the same directory.
-    sections = SAME_RUN_SECTIONS if trained else ("model",)
     before_raw = OmegaConf.to_container(OmegaConf.load(saved))
     before, now = {}, {}
-    for dotted in sections:
-        old, new = _section(before_raw, dotted), _section(cfg.raw, dotted)
-        if dotted in ("algo.grpo", "algo.ppo") and (old is None or new is None):
-            continue  # an SFT run continued into GRPO/PPO: no RL settings to keep yet
-        before.update(_leaves(old or {}, dotted))
-        now.update(_leaves(new or {}, dotted))
+    for dotted in SAME_RUN_SECTIONS if trained else ("model",):
+        if dotted == "algo":
+            old, new = _algo_leaves(before_raw, cfg.raw)
+        else:
+            old = _leaves(_section(before_raw, dotted) or {}, dotted)
+            new = _leaves(_section(cfg.raw, dotted) or {}, dotted)
+        before.update(old)
+        now.update(new)
+    trainer_keys = SAME_RUN_TRAINER_KEYS if trained else ()
+    if sft_complete(run_dir) or (run_dir / "checkpoints" / "grpo").is_dir():
+        trainer_keys += RL_STARTED_TRAINER_KEYS
     trainer_before = before_raw.get("trainer") or {}
-    for key in SAME_RUN_TRAINER_KEYS if trained else ():
+    for key in trainer_keys:
         before[f"trainer.{key}"], now[f"trainer.{key}"] = trainer_before.get(key), cfg.raw["trainer"].get(key)
     for name in list(now) + [k for k in before if k not in now]:
         if before.get(name) != now.get(name):
             raise ConfigError(f"trainer.resume={cfg.trainer.resume}: {run_dir} holds a run of {name}="
                               f"{before.get(name)!r}, but this run asks for {name}={now.get(name)!r}; keep "
                               f"the model, data and algo settings (and trainer.seed, sft_batch_size, "
-                              f"prompts_per_step) or choose another trainer.output_dir")
+                              f"prompts_per_step, and sft_steps once the RL phase began) or choose another "
+                              f"trainer.output_dir")
 
 
-def load_resume_checkpoint(engine, checkpoint: Path) -> tuple[int, dict]:
-    """Load a resume checkpoint; one that is incomplete or unreadable is a ConfigError."""
+def load_resume_checkpoint(engine, checkpoint: Path, parts: dict | None = None) -> tuple[int, dict]:
+    """Load a resume checkpoint (with the engines of ``parts``, e.g. PPO's critic); one that is
+    incomplete or unreadable is a ConfigError."""
     try:
-        return engine.load_checkpoint(str(checkpoint))
+        return engine.load_checkpoint(str(checkpoint), parts=parts)
     except CheckpointError as exc:
         raise ConfigError(f"trainer.resume: cannot load {checkpoint}: {exc}") from None
     except (OSError, ValueError, KeyError, RuntimeError) as exc:

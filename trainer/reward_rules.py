@@ -107,4 +107,24 @@ def math_boxed(data_source, solution_str: str, ground_truth, extra_info=None) ->
     return float(got == reference)
 
 
+def gsm8k_answer(solution_str: str) -> str | None:
+    """The number ``gsm8k`` would compare, as text (None: no number)."""
+    number = _gsm8k_number(solution_str)
+    return None if number is None else str(number)
+
+
+def boxed_answer(solution_str: str) -> str | None:
+    """The last ``\\boxed{}`` as ``math_boxed`` compares it (a number's value, else the
+    normalised text; None: no box)."""
+    got = last_boxed(solution_str)
+    if got is None:
+        return None
+    got = normalise_math(got)
+    value = _as_number(got)
+    return got if value is None else str(value)
+
+
+# The answer each built-in compares, for majority votes (eval.n_samples > 1: maj@n).
+BUILTIN_ANSWERS = {"char_match": str.strip, "exact_match": str.strip, "gsm8k": gsm8k_answer,
+                   "math_boxed": boxed_answer}
 BUILTIN_REWARDS = {"char_match": char_match, "exact_match": exact_match, "gsm8k": gsm8k, "math_boxed": math_boxed}

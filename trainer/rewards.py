@@ -19,7 +19,7 @@ from polyfsdp.backends.distributed import all_gather_object
 from .config import ConfigError
 from .data import DataError
 from .plugins import first_line, load_object
-from .reward_rules import BUILTIN_REWARDS
+from .reward_rules import BUILTIN_ANSWERS, BUILTIN_REWARDS
 
 # The rule each built-in task is scored with when reward.fn=auto.
 TASK_DEFAULT_REWARD = {"reverse": "char_match", "arith_words": "gsm8k"}
@@ -50,6 +50,12 @@ class Scorer:
 
     def score(self, example, solution_str: str, response_ids: list[int]) -> tuple[float, dict[str, float]]:
         """The reward of one completion and its extra numeric metrics."""
+        value, extras, _ = self.score_with_answer(example, solution_str, response_ids)
+        return value, extras
+
+    def score_with_answer(self, example, solution_str: str, response_ids: list[int]):
+        """``(reward, extra metrics, answer)``: the answer is the dict result's ``"pred"``
+        (verl's key), else what a built-in rule compares, else None (not comparable)."""
         record = example.where or f"with prompt {example.prompt!r}"
         extra_info = dict(example.extra_info or {})
         extra_info["response_ids"] = list(response_ids)
@@ -70,15 +76,22 @@ class Scorer:
         if not isinstance(value, numbers.Real) or not math.isfinite(float(value)):
             raise RewardError(f"reward.fn={self.name} returned {value!r} for record {record}; "
                               f"expected a finite number (or a dict with a finite 'score')")
-        return float(value), extras
+        pred = result.get("pred") if isinstance(result, dict) else None
+        if pred is None and self.name in BUILTIN_ANSWERS:
+            pred = BUILTIN_ANSWERS[self.name](solution_str)
+        return float(value), extras, None if pred is None else str(pred)
 
-    def score_all(self, examples, texts: list[str], responses: list[list[int]], group: int = 1):
+    def score_all(self, examples, texts: list[str], responses: list[list[int]], group: int = 1,
+                  answers: list | None = None):
         """Rewards of ``texts`` (row i answers ``examples[i // group]``) and, per extra metric,
-        the list of values that were reported."""
+        the list of values that were reported; each row's answer is appended to ``answers``
+        when given."""
         rewards, extras = [], {}
         for i, (text, ids) in enumerate(zip(texts, responses)):
-            value, more = self.score(examples[i // group], text, ids)
+            value, more, answer = self.score_with_answer(examples[i // group], text, ids)
             rewards.append(value)
+            if answers is not None:
+                answers.append(answer)
             for key, v in more.items():
                 extras.setdefault(key, []).append(v)
         return rewards, extras

@@ -18,8 +18,9 @@ USAGE = """usage: polyfsdp-train [GROUP=OPTION] [KEY=VALUE ...] [--cfg] [--estim
 
 Runs SFT warm-up then GRPO on the built-in task (defaults), or what the overrides say.
   --cfg      print the composed configuration and exit (also Hydra's --cfg job)
-  --estimate print the per-rank memory estimate of the run (parameters, gradients,
-             optimizer, activations) and exit; nothing is built on a device
+  --estimate print the job's per-rank memory, phase by phase (SFT update, RL rollout
+             with its KV cache, log-prob passes, critic, updates) and its peak, and exit;
+             nothing is built on a device (WORLD_SIZE sets the ranks)
   --help     this text
 Config groups (pick with GROUP=OPTION):
 {groups}
@@ -59,13 +60,13 @@ def _setup_logging() -> None:
         pass
 
 
-def _error(exc: BaseException) -> int:
+def _error(exc: BaseException, prog: str = "polyfsdp-train") -> int:
     from .rank_errors import RankError
 
     if isinstance(exc, RankError) and _rank() != 0:
         return EXIT_USAGE  # every rank has it: rank 0 prints the one line
     message = " ".join(str(exc).split()) or type(exc).__name__
-    prefix = "polyfsdp-train: error: " if _rank() == 0 else f"polyfsdp-train [rank {_rank()}]: error: "
+    prefix = f"{prog}: error: " if _rank() == 0 else f"{prog} [rank {_rank()}]: error: "
     print(prefix + message, file=sys.stderr, flush=True)
     return EXIT_USAGE
 

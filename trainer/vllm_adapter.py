@@ -109,7 +109,8 @@ def prompt_log_probs(llm, ids: list[int]) -> list[float]:
     """``log p(ids[t] | ids[:t])`` for t >= 1 at temperature 1 (vLLM's prompt log-probs)."""
     from vllm import SamplingParams
 
-    params = SamplingParams(max_tokens=1, temperature=1.0, prompt_logprobs=0, detokenize=False)
+    # Seeded: the one token it samples must not draw from the global generator.
+    params = SamplingParams(max_tokens=1, temperature=1.0, prompt_logprobs=0, detokenize=False, seed=0)
     out = llm.generate([{"prompt_token_ids": list(ids)}], params, use_tqdm=False)[0]
     return [step[tok].logprob for step, tok in zip(out.prompt_logprobs[1:], ids[1:])]
 

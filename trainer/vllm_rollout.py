@@ -19,7 +19,9 @@ Every vLLM call is in trainer/vllm_adapter.py.
 """
 from __future__ import annotations
 
+import copy
 import logging
+import os
 import shutil
 import tempfile
 import time
@@ -93,6 +95,10 @@ class VllmRolloutEngine(RolloutEngine):
         self.settings = VllmSettings.from_section(rollout.vllm)
         level = backend.rollout_sleep_level(lora) if self.settings.sleep_level == "auto" else self.settings.sleep_level
         self.sleep_level = level or 0
+        if self.sleep_level:
+            conflict = backend.vllm_sleep_mode_conflict(True, os.environ)
+            if conflict is not None:
+                raise ConfigError(f"rollout.engine=vllm: {conflict}")
         self.llm = None
         self.model_dir: str | None = None
         self.weight_version = 0           # syncs done (the start counts as the first)
@@ -110,15 +116,15 @@ class VllmRolloutEngine(RolloutEngine):
         from safetensors.torch import save_file
 
         directory = tempfile.mkdtemp(prefix="polyfsdp-vllm-")
-        config = policy.module.config
-        use_cache = config.use_cache
+        config = copy.deepcopy(policy.module.config)
         config.use_cache = True
-        try:
-            config.save_pretrained(directory)
-        finally:
-            config.use_cache = use_cache
+        # vLLM's copy keeps the output embedding as a weight of its own: reloading a tied
+        # input embedding leaves vLLM's LM head (its own processed copy on CPU) stale.
+        config.tie_word_embeddings = False
+        config.save_pretrained(directory)
         # Every rank joins each gather (collective) and writes its own local copy.
-        state = {name: tensor.to("cpu").contiguous() for name, tensor in full_weights(policy.module)}
+        state = {name: tensor.to("cpu", copy=True).contiguous()
+                 for name, tensor in full_weights(policy.module, untie=True)}
         save_file(state, f"{directory}/model.safetensors", metadata={"format": "pt"})
         del state
         kv_mb = self.settings.kv_cache_mb or (512 if self.backend.memory_is_host else None)
@@ -130,6 +136,10 @@ class VllmRolloutEngine(RolloutEngine):
         t0 = time.perf_counter()
         self.llm = vllm_adapter.start(options, install=self._install_hint())
         self.model_dir = directory
+        try:  # the first forward is where vLLM finds it has no kernel for a model (e.g. its head size)
+            vllm_adapter.prompt_log_probs(self.llm, probe_ids(config.vocab_size))
+        except Exception as exc:
+            raise vllm_adapter.start_error(exc) from None
         logger.info("vLLM rollout engine started in %.1fs", time.perf_counter() - t0)
 
     def _install_hint(self) -> str:
@@ -140,7 +150,7 @@ class VllmRolloutEngine(RolloutEngine):
         bucket_bytes = int(self.rollout.sync_bucket_mb * (1 << 20))
         if self._asleep:
             vllm_adapter.wake_up(self.llm, ["weights"])
-        for bucket in self.buckets(policy.module, bucket_bytes):
+        for bucket in self.buckets(policy.module, bucket_bytes, untie=True):
             vllm_adapter.load_weights(self.llm, bucket)
         vllm_adapter.reset_prefix_cache(self.llm)
 
@@ -175,12 +185,7 @@ class VllmRolloutEngine(RolloutEngine):
         """vLLM's vs the policy's log-probs of the probe: the largest difference; ConfigError
         (one line) beyond ``rollout.check_sync_tol``."""
         ids = probe_ids(policy.module.config.vocab_size)
-        try:
-            ours = vllm_adapter.prompt_log_probs(self.llm, ids)
-        except ConfigError:
-            raise
-        except Exception as exc:  # the first forward is where vLLM finds it cannot run a model
-            raise vllm_adapter.start_error(exc) from None
+        ours = vllm_adapter.prompt_log_probs(self.llm, ids)
         theirs = policy_probe_log_probs(policy, ids)
         error = max(abs(a - b) for a, b in zip(ours, theirs))
         self.last_sync_error = error
@@ -194,10 +199,11 @@ class VllmRolloutEngine(RolloutEngine):
     # ------------------------------------------------------------------ sampling
     def generate(self, policy, tokenizer, prompts, max_new_tokens, do_sample, temperature=1.0,
                  return_log_probs=False):
-        self.sync(policy)
         # One seed per request from the step's seeded generator: the draw depends only on
-        # trainer.seed, the step, the rank and the row, never on vLLM's scheduling.
+        # trainer.seed, the step, the rank and the row, never on vLLM's scheduling; drawn before
+        # the sync, whose work (a start after a resume, or not) must not move the generator.
         seeds = torch.randint(0, 2**31 - 1, (len(prompts),)).tolist()
+        self.sync(policy)
         completions, log_probs = vllm_adapter.sample(
             self.llm, prompts, max_new_tokens, temperature if do_sample else 0.0, seeds,
             [tokenizer.eos_token_id], return_log_probs)

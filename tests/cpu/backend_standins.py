@@ -5,29 +5,52 @@ import importlib.abc
 import importlib.machinery
 import types
 
+import pytest
 import torch
 
+from polyfsdp.backends import ENV_OVERRIDE, registry
 from polyfsdp.backends.cpu import CPUBackend
+
+@pytest.fixture(autouse=True)
+def fresh_registry(monkeypatch):
+    """Every backend created anew for the test and no POLYFSDP_BACKEND (import it to use it)."""
+    monkeypatch.delenv(ENV_OVERRIDE, raising=False)
+    registry._reset_cache()
+    yield
+    registry._reset_cache()
+
 
 CANN_ERROR = "libhccl.so: cannot open shared object file: No such file or directory"
 
 
+# What importing a torch_npu built for another torch raises (the symbol is one of c10's).
+UNDEFINED_SYMBOL_ERROR = ("/usr/lib/python3/site-packages/torch_npu/lib/libtorch_npu.so: undefined symbol: "
+                          "_ZN3c1021throwNullDataPtrErrorEv")
+
+
 class _BrokenLoader(importlib.abc.Loader):
-    """Raises the ImportError a torch_npu wheel raises when CANN is missing."""
+    """Raises the ImportError a broken torch_npu install raises (by default: CANN missing)."""
+
+    def __init__(self, message: str):
+        self.message = message
 
     def create_module(self, spec):
         return None
 
     def exec_module(self, module):
-        raise ImportError(CANN_ERROR)
+        raise ImportError(self.message)
 
 
 class BrokenTorchNpuFinder(importlib.abc.MetaPathFinder):
-    """Makes ``torch_npu`` look installed, but fail on import like a CANN-less install."""
+    """Makes ``torch_npu`` look installed, but fail on import like a CANN-less install (or with
+    ``message``, e.g. UNDEFINED_SYMBOL_ERROR)."""
+
+    def __init__(self, message: str = CANN_ERROR):
+        self.message = message
 
     def find_spec(self, fullname, path=None, target=None):
         if fullname == "torch_npu":
-            return importlib.machinery.ModuleSpec("torch_npu", _BrokenLoader())
+            return importlib.machinery.ModuleSpec("torch_npu", _BrokenLoader(self.message))
         return None
 
 
@@ -72,3 +95,25 @@ class HostMemoryAccelerator(CPUBackend):
 
     name = "cpu-as-accelerator"
     memory_is_host = False
+
+
+def torchair_standin(compiled_graphs: list) -> types.ModuleType:
+    """A stand-in ``torchair``: ``get_npu_backend()`` returns a torch.compile backend that records
+    each graph it is handed (its input count) and runs the graph as it is (eager)."""
+    module = types.ModuleType("torchair")
+
+    class CompilerConfig:
+        pass
+
+    def get_npu_backend(compiler_config=None):
+        assert isinstance(compiler_config, CompilerConfig)
+
+        def backend(graph_module, example_inputs):
+            compiled_graphs.append(len(example_inputs))
+            return graph_module.forward
+
+        return backend
+
+    module.CompilerConfig = CompilerConfig
+    module.get_npu_backend = get_npu_backend
+    return module

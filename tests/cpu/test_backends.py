@@ -8,16 +8,8 @@ import pytest
 import torch
 
 import polyfsdp.backends as backends
-from polyfsdp.backends import registry
 from backend_standins import CANN_ERROR, BrokenTorchNpuFinder, FakeNpuRuntime, working_torch_npu
-
-
-@pytest.fixture(autouse=True)
-def fresh_registry(monkeypatch):
-    monkeypatch.delenv(backends.ENV_OVERRIDE, raising=False)
-    registry._reset_cache()
-    yield
-    registry._reset_cache()
+from backend_standins import fresh_registry  # noqa: F401  (autouse fixture)
 
 
 @pytest.fixture

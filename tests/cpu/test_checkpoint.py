@@ -169,6 +169,58 @@ def test_bad_arguments_and_missing_checkpoint_raise_clear_errors(mesh, tmp_path)
         ckpt.load_checkpoint(tmp_path, model=model, optimizer=opt, lr_scheduler=sched)
 
 
+def test_named_parts_are_saved_loaded_and_pruned_with_the_checkpoint(mesh, tmp_path):
+    # A second model trained in the same run (PPO's critic) is a part of the same checkpoint.
+    actor, actor_opt, actor_sched = build_sharded(mesh, seed=0)
+    critic, critic_opt, critic_sched = build_sharded(mesh, seed=1, tied=False)
+    _train(actor, actor_opt, actor_sched, range(2))
+    _train(critic, critic_opt, critic_sched, range(3))
+    critic_part = ckpt.CheckpointPart(critic, critic_opt, critic_sched)
+    for step in (1, 2):
+        ckpt.save_checkpoint(tmp_path, step, model=actor, optimizer=actor_opt, lr_scheduler=actor_sched,
+                             extra={"at": step}, keep=1, parts={"critic": critic_part})
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step_000002"]
+    assert ckpt.checkpoint_parts(tmp_path / "step_000002") == ["critic"]
+
+    new_actor, new_actor_opt, new_actor_sched = build_sharded(mesh, seed=5)
+    new_critic, new_critic_opt, new_critic_sched = build_sharded(mesh, seed=6, tied=False)
+    step, extra = ckpt.load_checkpoint(
+        tmp_path, model=new_actor, optimizer=new_actor_opt, lr_scheduler=new_actor_sched,
+        parts={"critic": ckpt.CheckpointPart(new_critic, new_critic_opt, new_critic_sched)})
+    assert (step, extra) == (2, {"at": 2})
+    _assert_same(full_params(new_actor), full_params(actor))
+    _assert_same(_optim_state(new_actor_opt), _optim_state(actor_opt))
+    _assert_same(full_params(new_critic), full_params(critic))
+    _assert_same(_optim_state(new_critic_opt), _optim_state(critic_opt))
+    assert new_actor_sched.last_epoch == 2 and new_critic_sched.last_epoch == 3
+
+    # The main part alone still loads; a part the checkpoint lacks is one line naming it.
+    other, other_opt, _ = build_sharded(mesh, seed=7)
+    ckpt.load_checkpoint(tmp_path, model=other, optimizer=other_opt)
+    _assert_same(full_params(other), full_params(actor))
+    with pytest.raises(ckpt.CheckpointError, match=r"holds no part reward_model \(its parts: critic\)$"):
+        ckpt.load_checkpoint(tmp_path, model=other, optimizer=other_opt,
+                             parts={"reward_model": ckpt.CheckpointPart(new_critic)})
+
+
+def test_a_deletion_cut_short_leaves_no_partial_checkpoint_and_the_next_save_cleans_it(mesh, tmp_path, monkeypatch):
+    model, opt, sched = build_sharded(mesh, seed=0)
+    ckpt.save_checkpoint(tmp_path, 1, model=model, optimizer=opt, keep=1)
+
+    def crash(path, *args, **kwargs):
+        raise KeyboardInterrupt  # what a kill halfway through deleting step_000001 leaves
+
+    monkeypatch.setattr(ckpt.shutil, "rmtree", crash)
+    with pytest.raises(KeyboardInterrupt):
+        ckpt.save_checkpoint(tmp_path, 2, model=model, optimizer=opt, keep=1)
+    monkeypatch.undo()
+    # The old checkpoint was renamed out of the step_* names before its deletion began.
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".tmp-del-step_000001", "latest", "step_000002"]
+    assert ckpt.complete_checkpoints(tmp_path) == [tmp_path / "step_000002"]
+    ckpt.save_checkpoint(tmp_path, 3, model=model, optimizer=opt, keep=1)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step_000003"]
+
+
 @pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
 def test_export_hf_loads_with_from_pretrained_and_gives_same_logits(mesh, tmp_path, tied):
     model, opt, sched = build_sharded(mesh, seed=0, tied=tied)

@@ -233,8 +233,14 @@ def test_output_dir_that_cannot_be_created_is_a_one_line_error(tmp_path, capsys)
 
 
 def test_resume_from_an_incomplete_checkpoint_is_a_one_line_error(tmp_path, capsys):
+    from omegaconf import OmegaConf
+
+    from polyfsdp.trainer.config import load_config
+
     step = tmp_path / "old" / "checkpoints" / "sft" / "step_000001"
     step.mkdir(parents=True)  # e.g. a save that was killed halfway
+    # The run it belongs to wrote its config.yaml (without one the run is refused unchecked).
+    OmegaConf.save(OmegaConf.create(load_config(TINY).raw), tmp_path / "old" / "config.yaml")
     code = main([*TINY, f"trainer.output_dir={tmp_path / 'new'}", f"trainer.resume={step}"])
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1, err

@@ -12,8 +12,8 @@ from tests.npu.engine_checks import MODES, check_infer_every_mode, check_train_s
 
 
 class _CPUWithNpuReferenceOps(CPUBackend):
-    """The CPU device, with the NPU backend's attention choice and fused-op table (reference ops),
-    counting the calls of each op (so a test can tell the patched ops really ran)."""
+    """The CPU device, with the NPU backend's attention choice, fused-op table (reference ops) and
+    op limits, counting the calls of each op (so a test can tell the patched ops really ran)."""
 
     default_attn_implementation = NPUBackend.default_attn_implementation
 
@@ -27,6 +27,9 @@ class _CPUWithNpuReferenceOps(CPUBackend):
                 return op(*args, **kwargs)
             return call
         return {name: counted(name, op) for name, op in NPUBackend().fused_ops().items()}
+
+    def fused_op_unsupported(self, op, facts):
+        return NPUBackend().fused_op_unsupported(op, facts)
 
 
 @pytest.fixture

@@ -103,6 +103,9 @@ class _Standin:
     def compile_unsupported(self):
         return self.reason
 
+    def compile_backend(self):
+        return "inductor"
+
 
 def test_fused_kernel_impl_resolution_follows_the_backend(monkeypatch):
     assert flc.resolve_fused_kernel_impl("auto", _Standin(None)) == ("compiled", False)
@@ -134,7 +137,8 @@ def test_backends_declare_compile_support():
     from polyfsdp.backends.npu import NPUBackend
 
     npu = NPUBackend()
-    assert npu.compile_unsupported() is None and npu.compile_may_fail is True
+    # The NPU's compiler is torchair's, which needs torch_npu (tests/cpu/test_npu_compile.py).
+    assert "needs torch_npu" in npu.compile_unsupported() and npu.compile_may_fail is True
     assert CPUBackend().compile_may_fail is False and CUDABackend().compile_may_fail is False
     # auto: compiled on accelerators, eager on the CPU (compile time outweighs the head there).
     assert npu.compile_by_default and CUDABackend().compile_by_default and not CPUBackend().compile_by_default

@@ -1,5 +1,5 @@
 """algo=ppo end to end (tiny): config errors name the key, the critic warm-up trains only the
-critic, every PPO metric is logged, the critic checkpoints next to the actor."""
+critic, every PPO metric is logged, the critic is a part of the actor's checkpoints."""
 from __future__ import annotations
 
 import pytest
@@ -51,5 +51,8 @@ def test_tiny_ppo_job_warms_up_the_critic_then_trains_both(tmp_path):
     assert warm["actor_trained"] == 0.0 and "pg_loss" not in warm and "grad_norm" not in warm
     assert both["actor_trained"] == 1.0 and {"pg_loss", "grad_norm", "clip_frac", "entropy"} <= set(both)
     assert warm["vf_grad_norm"] > 0 and both["grad_norm"] > 0
-    for name in ("grpo", "critic"):
-        assert (tmp_path / "run" / "checkpoints" / name / "latest").is_file()
+    from polyfsdp.engines.checkpoint import checkpoint_parts, latest_checkpoint
+
+    checkpoints = tmp_path / "run" / "checkpoints"
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["grpo", "sft"]  # no critic/ of its own
+    assert checkpoint_parts(latest_checkpoint(checkpoints / "grpo")) == ["critic"]

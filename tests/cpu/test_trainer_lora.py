@@ -42,8 +42,9 @@ def test_estimate_prints_the_table_and_builds_nothing(tmp_path, capsys):
                  "--estimate"])
     assert code == 0
     text = capsys.readouterr().out
-    assert "LoRA rank 8" in text and "512 tokens per micro-batch" in text
-    assert "optimizer state (AdamW, trainable only)" in text and "activations saved, 512 tokens" in text
+    assert "LoRA rank 8" in text and "micro-batch budget 512" in text
+    assert "policy AdamW state" in text and "actor update micro-batch" in text and "peak over phases" in text
+    assert "reference parameters" not in text  # the adapters-off policy is the reference
     assert not out.exists()  # no run started
 
 

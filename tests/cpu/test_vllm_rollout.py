@@ -30,13 +30,14 @@ def engines(tmp_path_factory):
     require_vllm()
     built = {}
 
-    def get(preset, seed=3, **rollout):
-        key = (preset, seed, tuple(sorted(rollout.items())))
+    def get(preset, seed=3, model=(), lora=(), **rollout):
+        key = (preset, seed, model, lora, tuple(sorted(rollout.items())))
         if key not in built:
-            path = write_checkpoint(tmp_path_factory.mktemp(preset), preset, TOK, seed=seed)
-            policy = FSDPEngine(ModelConfig(path=path), EngineConfig(), OptimConfig(lr=1e-2)).initialize()
+            path = write_checkpoint(tmp_path_factory.mktemp(preset), preset, TOK, seed=seed, **dict(model))
+            policy = FSDPEngine(ModelConfig(path=path, lora=dict(lora) or None), EngineConfig(),
+                                OptimConfig(lr=1e-2)).initialize()
             settings = RolloutSection(engine="vllm", **{"check_sync_tol": 1e-5, **rollout})
-            built[key] = policy, build_rollout_engine(settings, get_backend("cpu"))
+            built[key] = policy, build_rollout_engine(settings, get_backend())
         return built[key]
 
     yield get
@@ -82,8 +83,10 @@ def _grpo(lr=1e-2):
 
 def test_sampled_log_probs_match_the_policy_after_every_grpo_step(engines):
     algo, loss, examples = _grpo()
-    # Small buckets: every decoder layer goes in a load of its own.
-    policy, sampler = engines("qwen2-tiny", seed=5, sync_bucket_mb=0.01)
+    # Small buckets (every decoder layer in a load of its own); tied embeddings, which vLLM's
+    # copy holds untied (its reload would leave a tied LM head stale).
+    policy, sampler = engines("qwen2-tiny", seed=5, model=(("tie_word_embeddings", True),), sync_bucket_mb=0.01)
+    assert policy.module.config.tie_word_embeddings
     before = [p.detach().clone() for p in policy.module.parameters()]
     for step, batch in enumerate(examples):
         metrics = grpo_step(policy, None, TOK, batch, algo, loss, sample_seed=step, sampler=sampler)
@@ -94,17 +97,37 @@ def test_sampled_log_probs_match_the_policy_after_every_grpo_step(engines):
     assert moved > 1e-3  # the weights vLLM had to follow did change
 
 
+def test_lora_policy_is_served_merged_after_every_step(engines):
+    pytest.importorskip("peft")
+    algo, loss, examples = _grpo()
+    policy, sampler = engines("qwen2-tiny", seed=7, lora=(("rank", 4), ("alpha", 8)))
+    adapters = [p for n, p in policy.module.named_parameters() if "lora_B" in n]
+    for step, batch in enumerate(examples[:2]):
+        metrics = grpo_step(policy, None, TOK, batch, algo, loss, sample_seed=step, sampler=sampler)
+        assert metrics["rollout_mismatch_abs_max"] < 1e-5, (step, metrics["rollout_mismatch_abs_max"])
+    assert max(p.abs().max().item() for p in adapters) > 1e-3  # B left zero: merged == base, nothing tested
+    sampler.generate(policy, TOK, PROMPTS, 2, do_sample=False)  # syncs the last step's adapters, checks them
+
+
 def test_a_parameter_left_out_of_the_sync_stops_the_run(engines, monkeypatch):
     algo, loss, examples = _grpo()
     policy, sampler = engines("qwen2-tiny")
     stream = sampler.buckets
     left_out = "model.layers.1.mlp.down_proj.weight"
 
-    def without_one(module, bucket_bytes):
-        for bucket in stream(module, bucket_bytes):
+    def without_one(module, bucket_bytes, untie):
+        for bucket in stream(module, bucket_bytes, untie):
             yield [(name, tensor) for name, tensor in bucket if name != left_out]
 
     monkeypatch.setattr(sampler, "buckets", without_one)
     grpo_step(policy, None, TOK, examples[0], algo, loss, sample_seed=0, sampler=sampler)  # syncs, then trains
     with pytest.raises(ConfigError, match=r"rollout.check_sync: after weight sync \d+, vLLM's log-probs"):
         sampler.generate(policy, TOK, PROMPTS, 4, do_sample=False)
+
+
+def test_a_model_vllm_cannot_serve_is_one_line_naming_the_fix(engines):
+    # Head size 16: vLLM's CPU attention has no kernel for it.
+    policy, sampler = engines("llama-tiny", model=(("hidden_size", 32), ("head_dim", 16)), check_sync=False)
+    with pytest.raises(ConfigError, match="vLLM cannot serve this model .*use rollout.engine=auto") as err:
+        sampler.generate(policy, TOK, PROMPTS, 4, do_sample=False)
+    assert "\n" not in str(err.value)

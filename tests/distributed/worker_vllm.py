@@ -1,0 +1,51 @@
+"""torchrun worker: rollout.engine=vllm on a sharded FSDP2 policy, one vLLM engine per rank.
+Each rank compares vLLM's greedy completions with our decoding loop's before and after an
+optimizer step (the sync gathers every shard on all ranks; check_sync at 1e-5 stops a stale
+one) and saves what it saw as rank<R>.pt."""
+import os
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "cpu"))
+from vllm_cases import write_checkpoint  # noqa: E402
+
+import torch  # noqa: E402
+
+from polyfsdp.backends import destroy_distributed  # noqa: E402
+from polyfsdp.backends.distributed import barrier, init_distributed  # noqa: E402
+from polyfsdp.backends.registry import get_backend  # noqa: E402
+from polyfsdp.engines import EngineConfig, FSDPEngine, ModelConfig, OptimConfig, SFTLoss  # noqa: E402
+from polyfsdp.trainer.batch import build_batch  # noqa: E402
+from polyfsdp.trainer.config import RolloutSection  # noqa: E402
+from polyfsdp.trainer.rollout_engines import PolicyDecoding, build_rollout_engine  # noqa: E402
+from polyfsdp.trainer.task import CharTokenizer  # noqa: E402
+
+
+def main(out_dir):
+    rank = int(os.environ["RANK"])
+    init_distributed(get_backend())
+    tok = CharTokenizer()
+    path = os.path.join(out_dir, "model")
+    if rank == 0:
+        write_checkpoint(path, "qwen2-tiny", tok, seed=3)
+    barrier()
+    policy = FSDPEngine(ModelConfig(path=path), EngineConfig(), OptimConfig(lr=1e-2)).initialize()
+    prompts = [[tok.bos_token_id] + tok.encode(s) for s in (("abc=", "ba=") if rank == 0 else ("hgfe=", "a="))]
+    builtin = PolicyDecoding("builtin")
+    sampler = build_rollout_engine(RolloutSection(engine="vllm", check_sync_tol=1e-5), get_backend())
+    seen = {"sharded": any(type(p).__name__ == "DTensor" for p in policy.module.parameters())}
+    try:
+        for stage in ("before", "after"):
+            seen[stage] = (sampler.generate(policy, tok, prompts, 8, do_sample=False),
+                           builtin.generate(policy, tok, prompts, 8, do_sample=False))
+            if stage == "before":
+                pairs = [(p, [tok.encode("x")[0]] * 3) for p in prompts]
+                policy.train_batch(build_batch(pairs, "no_padding", tok.pad_token_id), SFTLoss())
+        seen.update(weight_version=sampler.weight_version, sync_error=sampler.last_sync_error)
+    finally:
+        sampler.close()
+    torch.save(seen, os.path.join(out_dir, f"rank{rank}.pt"))
+    destroy_distributed()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])

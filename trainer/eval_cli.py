@@ -1,0 +1,204 @@
+"""``polyfsdp-eval``: evaluate a Hugging Face model directory (a run's ``final/`` export, or
+any local checkpoint) or a training checkpoint of a run (``OUTPUT_DIR/checkpoints/sft|grpo[/step_N]``)
+on held-out data with a reward function, the way ``polyfsdp-train`` evaluates
+(trainer/evaluation.py); prints a table and writes JSON.
+
+The data, reward and eval keys are polyfsdp-train's. For a run's export (a directory next to
+the run's ``config.yaml``) they default to that run's, so ``polyfsdp-eval runs/a/final``
+scores the same held-out prompts the run did; overrides change them (``eval.n_samples=8
+eval.temperature=1.0``, ``data=files data.val_files=[test.jsonl]``). Under ``torchrun`` every
+rank evaluates its share and rank 0 prints.
+"""
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from .compose import GROUPS, ConfigError, compose, to_container
+
+PROG = "polyfsdp-eval"
+USAGE = """usage: polyfsdp-eval MODEL_DIR [KEY=VALUE ...] [--json FILE]
+
+Evaluates the Hugging Face model in MODEL_DIR (or a run's checkpoint) on the held-out prompts
+of the data config (a run's export or checkpoint: that run's data, reward and eval settings
+unless overridden).
+  --json FILE  where to write the results (default: eval_results.json)
+Examples:
+  polyfsdp-eval runs/a/final
+  polyfsdp-eval runs/a/final eval.n_samples=8 eval.temperature=1.0
+  polyfsdp-eval runs/a/checkpoints/grpo/step_000050
+  polyfsdp-eval my_model data=files data.train_files=[train.jsonl] data.val_files=[test.jsonl] reward.fn=gsm8k
+"""
+DEFAULT_JSON = "eval_results.json"
+
+
+TRAINING_PHASES = ("sft", "grpo")
+
+
+@dataclass
+class ModelToEvaluate:
+    """Where the weights come from: ``weights`` (a Hugging Face directory), then, for a
+    training checkpoint, ``checkpoint`` of ``phase`` loaded into them; ``run_dir``: the
+    polyfsdp-train run it belongs to (None: a model outside any run)."""
+
+    weights: Path
+    run_dir: Path | None = None
+    checkpoint: Path | None = None
+    phase: str = "sft"
+
+
+def _run_dir(directory: Path) -> Path | None:
+    return directory if (directory / "config.yaml").is_file() and (directory / "metrics.jsonl").is_file() else None
+
+
+def locate_model(path: Path) -> ModelToEvaluate:
+    """What ``polyfsdp-eval PATH`` evaluates: a run's checkpoint (``checkpoints/<phase>`` means
+    its newest), or a Hugging Face directory (in a run, such as ``final/``, or not)."""
+    from polyfsdp.engines.checkpoint import latest_checkpoint
+
+    phase_dir = path if path.name in TRAINING_PHASES else path.parent
+    if phase_dir.name in TRAINING_PHASES and phase_dir.parent.name == "checkpoints":
+        run_dir = _run_dir(phase_dir.parent.parent)
+        if run_dir is None:
+            raise ConfigError(f"MODEL_DIR {str(path)!r}: a checkpoint outside a polyfsdp-train run directory (no "
+                              f"config.yaml and metrics.jsonl in {phase_dir.parent.parent})")
+        checkpoint = path if path != phase_dir else latest_checkpoint(phase_dir)
+        if checkpoint is None:
+            raise ConfigError(f"MODEL_DIR {str(path)!r}: no complete checkpoint in it")
+        # The phase's starting model (shape, tokenizer) takes the checkpoint's weights.
+        after_sft = phase_dir.name == "grpo" and (run_dir / "sft_model").is_dir()
+        start = run_dir / ("sft_model" if after_sft else "init_model")
+        return ModelToEvaluate(start, run_dir, checkpoint, phase_dir.name)
+    return ModelToEvaluate(path, _run_dir(path.parent))
+
+
+def eval_config(model: ModelToEvaluate, overrides: list[str], world_size: int = 1):
+    """The JobConfig to evaluate ``model`` with: its run's config (or the defaults) with
+    ``overrides`` applied; ``model.path`` is the directory the weights come from."""
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    from .config import build_job_config
+
+    bad = [o for o in overrides if "=" not in o]
+    if bad:
+        raise ConfigError(f"{bad[0]!r}: expected KEY=VALUE (see --help)")
+    weights = model.weights
+    if model.run_dir is None:
+        raw = to_container(compose([*overrides, f"model.path={weights}"]))
+    else:
+        raw = OmegaConf.to_container(OmegaConf.load(model.run_dir / "config.yaml"))
+        groups = {o.partition("=")[0] for o in overrides if o.partition("=")[0] in GROUPS}
+        for group in groups:
+            # A group choice (data=files): that option's section, composed as polyfsdp-train would.
+            mine = [o for o in overrides if o.partition("=")[0] == group or o.startswith(group + ".")]
+            raw[group] = to_container(compose(mine))[group]
+        keys = [o for o in overrides if o.partition("=")[0] not in groups and o.split(".")[0] not in groups]
+        try:
+            raw = OmegaConf.to_container(OmegaConf.merge(OmegaConf.create(raw), OmegaConf.from_dotlist(keys)),
+                                         resolve=True)
+        except OmegaConfBaseException as exc:
+            raise ConfigError(" ".join(str(exc).split())) from None
+        if model.checkpoint is not None and raw["model"].get("path") and (model.phase == "sft" or
+                                                                         not raw["trainer"].get("sft_steps")):
+            weights = Path(raw["model"]["path"])  # the run started from this local model, not init_model/
+        raw["model"]["path"] = str(weights)
+    return build_job_config(raw, world_size=world_size)
+
+
+def _table(metrics: dict[str, float]) -> str:
+    width = max(len(k) for k in metrics)
+    return "\n".join(f"{key:<{width}}  {value:.4f}" for key, value in metrics.items())
+
+
+def _take_json_flag(args: list[str]) -> tuple[str, list[str]]:
+    path, rest, i = DEFAULT_JSON, [], 0
+    while i < len(args):
+        if args[i] == "--json" and i + 1 < len(args):
+            path, i = args[i + 1], i + 2
+            continue
+        if args[i].startswith("--json="):
+            path = args[i].partition("=")[2]
+        else:
+            rest.append(args[i])
+        i += 1
+    return path, rest
+
+
+def evaluate_model(model_dir: Path, overrides: list[str], json_path: str) -> dict:
+    """Build the engine on ``model_dir``, evaluate, print (rank 0) and write the JSON; returns it."""
+    import os
+
+    from polyfsdp.backends.distributed import current_rank
+
+    from .evaluation import GENERATION_COLUMNS, EvalSettings, evaluate
+    from .job import Job
+    from .resume import load_resume_checkpoint
+
+    if not model_dir.is_dir():
+        raise ConfigError(f"MODEL_DIR {str(model_dir)!r} is not a directory (a Hugging Face model such as a run's "
+                          f"final/, or a run's checkpoints/grpo/step_N)")
+    model = locate_model(model_dir)
+    cfg = eval_config(model, overrides, world_size=int(os.environ.get("WORLD_SIZE", "1")))
+    job = Job(cfg)  # the trainer's tokenizer, data, reward and checks; nothing is written
+    engine = job._engine(model.phase, cfg.model.path)
+    if model.checkpoint is not None:
+        load_resume_checkpoint(engine, model.checkpoint)
+    e = cfg.eval
+    settings = EvalSettings(e.n_samples, e.temperature, e.pass_threshold, seed=cfg.trainer.seed * 1_000_003,
+                            rows=cfg.trainer.log_val_generations)
+    try:
+        result = evaluate(engine, job.tokenizer, job.source.eval_examples, job.eval_tokens, job.scorer, settings,
+                          sampler=job.sampler)
+    finally:
+        job.sampler.close()
+    metrics = {"reward": result.reward, **result.metrics}
+    report = {"model": str(model_dir), "num_prompts": len(job.source.eval_examples), "data": cfg.raw["data"],
+              "reward_fn": job.scorer.name, "eval": {**cfg.raw.get("eval", {}), "sampling": settings.describe()},
+              "metrics": metrics,
+              "generations": [dict(zip(GENERATION_COLUMNS, row)) for row in result.rows]}
+    if current_rank() == 0:
+        print(f"{PROG}: {model_dir} on {report['num_prompts']} held-out prompts ({cfg.data.source} data, reward "
+              f"{job.scorer.name}, {settings.describe()})")
+        print(_table(metrics))
+        try:
+            Path(json_path).write_text(json.dumps(report, indent=1))
+        except OSError as exc:
+            raise ConfigError(f"--json {json_path}: cannot write it: {exc.strerror or exc}") from None
+        print(f"results: {json_path}", flush=True)
+    return report
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Parse, evaluate; returns the process exit status (user errors: one line, status 2)."""
+    from polyfsdp.backends import BackendUnavailableError
+    from polyfsdp.backends.distributed import destroy_distributed
+
+    from .data import DataError
+    from .rank_errors import RankError
+    from .train import _error, _setup_logging
+
+    args = list(sys.argv[1:] if argv is None else argv)
+    if not args or "-h" in args or "--help" in args:
+        print(USAGE)
+        return 0 if args else 2
+    json_path, args = _take_json_flag(args)
+    if args[0].startswith("-") or "=" in args[0]:
+        return _error(ConfigError(f"the first argument is MODEL_DIR, got {args[0]!r} (see --help)"), PROG)
+    _setup_logging()
+    import torch.distributed as dist
+
+    owned_group, status = not dist.is_initialized(), 0
+    try:
+        evaluate_model(Path(args[0]).resolve(), args[1:], json_path)
+    except (ConfigError, DataError, BackendUnavailableError, RankError) as exc:
+        status = _error(exc, PROG)
+    if owned_group:
+        destroy_distributed(wait_for_peers=status == 0)  # after an error a peer may never arrive
+    return status
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,42 @@
+"""``trainer.logger=[...,wandb]``: a Weights & Biases run (``pip install polyfsdp[wandb]``).
+
+Its files go to ``OUTPUT_DIR/wandb``; ``WANDB_MODE=offline`` keeps everything there (``wandb
+sync`` uploads it later), otherwise it needs ``wandb login`` (or ``WANDB_API_KEY``). A resumed
+run reopens the same run id (``resume="allow"``). W&B keeps steps increasing: steps an earlier
+process already logged after the checkpoint are not replaced (their values are the same:
+a resumed run recomputes them exactly).
+"""
+from __future__ import annotations
+
+from .base import RunInfo, Tracker, TrackerStartError, require
+
+
+class WandbTracker(Tracker):
+    name = "wandb"
+    package = "wandb"
+
+    def start(self, run: RunInfo) -> str | None:
+        self.wandb = wandb = require("wandb", self.name)
+        try:
+            self.run = wandb.init(project=run.project, name=run.name, tags=list(run.tags), dir=str(run.directory),
+                                  id=run.resume_id, resume="allow" if run.resume_id else None,
+                                  config=run.config, settings=wandb.Settings(console="off", quiet=True))
+            if run.resume_id:
+                # A resumed run may change step counts or intervals: the config shows the latest.
+                self.run.config.update(run.config, allow_val_change=True)
+        except Exception as exc:  # noqa: BLE001 - wandb raises many kinds; all mean "did not start"
+            raise TrackerStartError(f"trainer.logger=wandb: wandb.init failed ({type(exc).__name__}: "
+                                    f"{' '.join(str(exc).split())[:200]}); run `wandb login`, or set "
+                                    f"WANDB_MODE=offline to keep the run in {run.directory / 'wandb'}") from None
+        self.location = (f"offline run {self.run.id} in {self.run.settings.sync_dir} (wandb sync uploads it)"
+                         if self.run.offline else f"run {self.run.id}: {self.run.url}")
+        return self.run.id
+
+    def log_metrics(self, metrics: dict[str, float], step: int) -> None:
+        self.run.log(metrics, step=step)
+
+    def log_table(self, key: str, columns: list[str], rows: list[list], step: int) -> None:
+        self.run.log({key: self.wandb.Table(columns=columns, data=rows)}, step=step)
+
+    def close(self) -> None:
+        self.run.finish()
