@@ -5,6 +5,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
+import socket
 from datetime import timedelta
 from typing import Any
 
@@ -197,7 +198,68 @@ def init_distributed(backend: Backend, timeout_s: float | None = None) -> Device
             dist.init_process_group(backend.dist_backend, rank=rank, world_size=world_size,
                                     timeout=timedelta(seconds=timeout_s))
         logger.debug("initialised %s process group: rank %d of %d", backend.dist_backend, rank, world_size)
+    _record_peers()
     return init_device_mesh(backend.device_type, (dist.get_world_size(),), mesh_dim_names=("fsdp",))
+
+
+# ----------------------------------------------------------------------------- lost peers
+# Every rank's (host, pid), gathered once at set-up, so that a rank whose collective fails
+# because a peer died can say which one: on its own host, by checking which pids are gone.
+_PEERS: list[tuple[str, int]] = []
+
+# What gloo, nccl and hccl say (inside RuntimeError / DistError) when a peer stops answering.
+PEER_FAILURE_MARKERS = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "Timed out",
+                        "timed out", "Socket Timeout", "NCCL communicator was aborted")
+
+
+def _record_peers() -> None:
+    global _PEERS
+    _PEERS = all_gather_object((socket.gethostname(), os.getpid()))
+
+
+def _process_gone(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            # A killed worker stays a zombie until its launcher reaps it: state Z (or X).
+            return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+    except FileNotFoundError:
+        return True
+    except OSError:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        except PermissionError:
+            return False
+        return False
+
+
+def lost_peers() -> list[int]:
+    """Ranks on this host whose process has ended (from the table gathered at set-up)."""
+    host = socket.gethostname()
+    return [rank for rank, (peer_host, pid) in enumerate(_PEERS)
+            if rank != current_rank() and peer_host == host and _process_gone(pid)]
+
+
+def collective_failure(exc: BaseException) -> str | None:
+    """A one-line description when ``exc`` is a collective that failed because a peer rank
+    died or stopped answering (None for any other error): which rank's process ended, when
+    that can be seen from here."""
+    dist_error = getattr(dist, "DistError", ())
+    text = " ".join(str(exc).split())
+    if not (isinstance(exc, dist_error) or (isinstance(exc, RuntimeError)
+                                            and any(m in text for m in PEER_FAILURE_MARKERS))):
+        return None
+    if len(_PEERS) < 2:
+        return None
+    lost = lost_peers()
+    detail = text[:160] + ("..." if len(text) > 160 else "")
+    if lost:
+        names = ", ".join(f"rank {r} (pid {_PEERS[r][1]})" for r in lost)
+        return (f"lost {names}: its process ended during a collective (it crashed or was killed; its own "
+                f"output says why), so this rank stops too [{detail}]")
+    return (f"a collective failed because a peer rank stopped answering (it died on another host, hung, or "
+            f"exceeded the process-group timeout) [{detail}]")
 
 
 def destroy_distributed(wait_for_peers: bool = True) -> None:

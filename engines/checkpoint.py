@@ -50,7 +50,8 @@ from torch.distributed.checkpoint.state_dict import (
 from polyfsdp.backends.distributed import all_gather_object, barrier, current_rank, current_world_size
 
 from .checkpoint_files import (CheckpointError, CheckpointSaveError, SafeDcpLoadPlanner, SafeDcpReader,
-                               check_dcp_metadata, load_plain, save_plain, verify_checkpoint, write_manifest)
+                               check_dcp_metadata, load_plain, remove_path, save_plain, verify_checkpoint,
+                               write_manifest)
 
 __all__ = ["CheckpointError", "CheckpointPart", "CheckpointSaveError", "checkpoint_parts", "complete_checkpoints",
            "export_hf", "latest_checkpoint", "load_checkpoint", "save_checkpoint", "step_dir_name", "verify_checkpoint"]
@@ -332,9 +333,12 @@ def save_checkpoint(
 def _delete(checkpoint: Path) -> None:
     """Delete a checkpoint directory; first renamed out of the ``step_*`` names, so a crash
     halfway through leaves no partial checkpoint that looks like one."""
+    if checkpoint.is_symlink():  # a link to other storage: the link goes, never its target
+        checkpoint.unlink()
+        return
     doomed = checkpoint.with_name(f"{DELETING_PREFIX}{checkpoint.name}")
     os.rename(checkpoint, doomed)
-    shutil.rmtree(doomed)
+    remove_path(doomed)
 
 
 def _remove_leftovers(directory: Path) -> None:
@@ -355,6 +359,12 @@ def _all_ranks_or_raise(stage, directory: Path, tmp: Path, final: Path) -> None:
         stage()
     except (OSError, CheckpointException) as exc:
         failure = _failure_text(exc)
+    except RuntimeError as exc:
+        # torch.save's zip writer reports a failed write as "unexpected pos N vs M", with the
+        # OSError as the context; any other RuntimeError is not a save failure.
+        if _os_error_in(exc) is None:
+            raise
+        failure = _failure_text(exc)
     failures = [f for f in all_gather_object(failure) if f is not None]
     if not failures:
         return
@@ -368,9 +378,23 @@ def _all_ranks_or_raise(stage, directory: Path, tmp: Path, final: Path) -> None:
 
 def _failure_text(exc: BaseException) -> str:
     exc = _first_cause(exc)
-    if isinstance(exc, OSError) and exc.strerror:
-        return f"{exc.strerror} ({exc.filename})" if exc.filename else exc.strerror
+    # torch.save turns the OSError of a failed write (a full disk) into "unexpected pos N vs M":
+    # the OSError it swallowed is still the RuntimeError's context.
+    os_error = _os_error_in(exc)
+    if os_error is not None:
+        return f"{os_error.strerror} ({os_error.filename})" if os_error.filename else os_error.strerror
     return " ".join(str(exc).split()) or type(exc).__name__
+
+
+def _os_error_in(exc: BaseException | None) -> OSError | None:
+    """The first OSError with an error text in ``exc``'s chain of causes and contexts."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        if isinstance(exc, OSError) and exc.strerror:
+            return exc
+        seen.add(id(exc))
+        exc = exc.__cause__ or exc.__context__
+    return None
 
 
 def _first_cause(exc: BaseException) -> BaseException:

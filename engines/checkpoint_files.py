@@ -19,6 +19,7 @@ import json
 import os
 import io
 import pickle
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -106,6 +107,16 @@ def verify_checkpoint(path: str | os.PathLike) -> None:
             raise CheckpointError(f"{path}: {name} has {actual} bytes, the manifest says {size} (truncated or damaged)")
         if _sha256(file) != sha256:
             raise CheckpointError(f"{path}: {name} does not match its checksum (damaged)")
+
+
+def remove_path(path: Path) -> None:
+    """Remove the file, directory or symbolic link at ``path``: a link itself, never its
+    target (a user may link a checkpoint or an export to other storage). Absent: nothing."""
+    path = Path(path)
+    if path.is_symlink() or path.is_file():
+        path.unlink()
+    elif path.exists():
+        shutil.rmtree(path)
 
 
 def save_plain(obj: Any, path: Path) -> None:

@@ -20,6 +20,7 @@ from polyfsdp.engines.lora import require_peft
 from .algo_config import (RL_ALGOS, AlgoSection, GRPOSection, PPOSection,  # noqa: F401 (re-exported)
                           RolloutCorrectionSection, SFTSection, check_choice, check_min)
 from .compose import GROUPS, ConfigError, available_options, compose, to_container  # noqa: F401 (re-exported)
+from .config_bounds import check_bounds
 from .rollout_engines import check_rollout
 from .tracking import check_loggers
 
@@ -84,6 +85,7 @@ class RewardSection:
 
     fn: str = "auto"
     kwargs: dict | None = None
+    timeout_s: float | None = 60.0  # one call's limit (trainer/reward_timeout.py); null: none
 
 
 @dataclass
@@ -134,6 +136,7 @@ class TrainerSection:
     seed: int = 0
     progress: str = "auto"
     cpu_threads: int | None = 1
+    dist_timeout_s: float = 600.0  # how long a collective waits for a silent peer rank
     plot: bool = True
     export: bool = True
     export_lora: str = "merged"  # with model.lora: the final export as merged weights or a peft adapter
@@ -322,6 +325,7 @@ def build_job_config(raw: dict, world_size: int = 1) -> JobConfig:
     if missing:
         raise ConfigError(f"{missing[0]}: missing; choose an option with {missing[0]}=OPTION "
                           f"({', '.join(available_options(missing[0]))})")
+    check_bounds(raw)  # first: NaN or a huge size would otherwise reach checks that assume a sane number
     backend = _section(dataclasses.make_dataclass("BackendSection", [("name", str)]), "backend",
                        raw.get("backend", {})).name
     check_choice("backend", backend, BACKEND_NAMES)

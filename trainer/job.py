@@ -37,6 +37,7 @@ from polyfsdp.backends.distributed import (all_reduce_max, barrier, broadcast_ob
                                            init_distributed)
 from polyfsdp.backends.registry import get_backend
 from polyfsdp.engines.checkpoint import CheckpointError, checkpoint_parts
+from polyfsdp.engines.checkpoint_files import remove_path
 from polyfsdp.engines.engine import FSDPEngine
 from polyfsdp.engines.lora import AdaptersOff
 from polyfsdp.engines.losses import SFTLoss
@@ -51,7 +52,7 @@ from .ppo import ppo_step
 from .metrics import METRICS_FILE, MetricsLogger
 from .model_init import write_initial_model
 from .progress import Progress
-from .rank_errors import on_every_rank
+from .rank_errors import check_same_data, on_every_rank
 from .rewards import build_scorer
 from .rollout_engines import build_rollout_engine
 from .resume import STATE_FILE, ResumePoint, check_same_run, find_resume, load_resume_checkpoint
@@ -103,7 +104,7 @@ class Job:
         if cfg.trainer.cpu_threads is not None:
             torch.set_num_threads(cfg.trainer.cpu_threads)
         self.backend = get_backend(cfg.backend)
-        init_distributed(self.backend)
+        init_distributed(self.backend, timeout_s=cfg.trainer.dist_timeout_s)
         self.rank, self.world = current_rank(), current_world_size()
         # Rank 0's output_dir wins: "${now:...}" may resolve differently on each rank.
         self.out = Path(broadcast_object(cfg.trainer.output_dir)).resolve()
@@ -121,7 +122,9 @@ class Job:
             raise ConfigError(str(exc)) from None
         encoder = PromptEncoder(self.tokenizer, cfg.data.apply_chat_template, cfg.data.max_prompt_length,
                                 cfg.data.overlong, cfg.model.path, grow_vocabulary=tokenizer_dir is None)
-        self.source = build_source(cfg.data, cfg.trainer.seed, encoder)
+        # A file missing on one rank stops every rank; then all must have read the same records.
+        self.source = on_every_rank(lambda: build_source(cfg.data, cfg.trainer.seed, encoder))
+        check_same_data(self.source, cfg.data)
         if encoder.added_characters:
             _say(f"character tokenizer: added the data's characters {encoder.added_characters!r} to its "
                  f"vocabulary ({self.tokenizer.vocab_size} tokens)")
@@ -241,17 +244,23 @@ class Job:
 
     def _export(self, engine: FSDPEngine, directory: Path, state: dict | None = None, lora: str = "merged") -> None:
         """Export engine's model + tokenizer to ``directory`` atomically (tmp + rename); a
-        LoRA model as merged weights or (``lora="adapter"``) a peft adapter directory."""
+        LoRA model as merged weights or (``lora="adapter"``) a peft adapter directory. A
+        failed write leaves no partial directory; an old ``directory`` that is a symbolic
+        link is unlinked, never followed (its target stays as it was)."""
         tmp = directory.with_name(directory.name + ".tmp")
-        if self.rank == 0 and tmp.exists():
-            shutil.rmtree(tmp)
-        engine.export_hf(str(tmp), tokenizer=self.tokenizer, **({"lora": lora} if lora != "merged" else {}))
         if self.rank == 0:
-            if state is not None:
-                (tmp / STATE_FILE).write_text(json.dumps(state))
-            if directory.exists():
-                shutil.rmtree(directory)
-            os.replace(tmp, directory)
+            remove_path(tmp)
+        try:
+            engine.export_hf(str(tmp), tokenizer=self.tokenizer, **({"lora": lora} if lora != "merged" else {}))
+            if self.rank == 0:
+                if state is not None:
+                    (tmp / STATE_FILE).write_text(json.dumps(state))
+                remove_path(directory)
+                os.replace(tmp, directory)
+        except BaseException:
+            if self.rank == 0:
+                shutil.rmtree(tmp, ignore_errors=True)  # a full disk: give back what was written
+            raise
         barrier()
 
     # ------------------------------------------------------------------ phases

@@ -3,7 +3,9 @@
 Each record carries ``phase`` (sft, grpo, eval), the phase ``step`` and the run-wide
 ``global_step``, so the SFT and GRPO curves form one x-axis. A resumed run first cuts the
 file back to the line count stored in its checkpoint, then appends: the curve continues
-exactly where the checkpoint left it, with no duplicated or orphaned records.
+exactly where the checkpoint left it, with no duplicated or orphaned records. A record is
+appended whole or not at all: a write that fails partway (a full disk) is cut back off and
+raised as a one-line :class:`MetricsWriteError`.
 """
 from __future__ import annotations
 
@@ -18,6 +20,10 @@ logger = logging.getLogger(__name__)
 METRICS_FILE = "metrics.jsonl"
 # Wall-clock fields differ between two runs of the same job; everything else must not.
 TIMING_KEYS = ("time_s", "step_time_s", "gen_time_s", "tokens_per_s")
+
+
+class MetricsWriteError(Exception):
+    """A metrics record that could not be written (e.g. a full disk); one-line message."""
 
 
 def _clean(value):
@@ -61,12 +67,10 @@ class MetricsLogger:
     def log(self, record: dict) -> None:
         """Append one record (flushed at once, so a killed run loses nothing it logged)."""
         record = {k: _clean(v) for k, v in record.items()}
+        if self.enabled:
+            _append_whole(self.path, (json.dumps(record) + "\n").encode())
         self.history.append(record)
         self.lines += 1
-        if self.enabled:
-            with open(self.path, "a") as f:
-                f.write(json.dumps(record) + "\n")
-                f.flush()
         if self.on_record is not None:
             self.on_record(record)
 
@@ -81,6 +85,24 @@ class MetricsLogger:
             if record.get("phase") == phase and (tag is None or record.get("tag") == tag):
                 return record
         return None
+
+
+def _append_whole(path: str, data: bytes) -> None:
+    """Append ``data`` with unbuffered writes; if one fails, truncate the file back to its
+    size before, so no torn line is left for a resumed run (or a reader) to trip over."""
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        size = os.fstat(fd).st_size
+        try:
+            done = 0
+            while done < len(data):
+                done += os.write(fd, data[done:])
+        except OSError as exc:
+            os.ftruncate(fd, size)
+            raise MetricsWriteError(f"cannot append a record to {path}: {exc.strerror or exc} "
+                                    f"(the file keeps its {size} bytes of whole records)") from None
+    finally:
+        os.close(fd)
 
 
 def read_metrics(path: str) -> list[dict]:

@@ -24,10 +24,13 @@ PANELS = (
 )
 
 
-def _values(records: list[dict], key: str) -> list[float]:
+def _curve(records: list[dict], key: str) -> tuple[list[int], list[float]]:
+    """(global steps, values) of the records that hold ``key``: a GRPO step whose groups all
+    had equal rewards (algo.grpo.filter_groups) trains nothing and logs no loss."""
+    having = [r for r in records if key in r]
     # metrics.jsonl stores non-finite numbers as "nan"/"inf" strings (valid JSON); plotted as
     # strings they would turn the axis categorical.
-    return [float(r[key]) for r in records]
+    return [r["global_step"] for r in having], [float(r[key]) for r in having]
 
 
 def plot_metrics(metrics_path: str, png_path: str) -> str:
@@ -45,9 +48,9 @@ def plot_metrics(metrics_path: str, png_path: str) -> str:
     fig, axes = plt.subplots(2, 4, figsize=(16, 7), sharex=True)
     for ax, (title, lines) in zip(axes.flat, PANELS):
         for phase, key, label, fmt in lines:
-            rows = [r for r in by_phase.get(phase, []) if key in r]
-            if rows:
-                ax.plot([r["global_step"] for r in rows], _values(rows, key), fmt, lw=1, ms=3, label=label)
+            steps, values = _curve(by_phase.get(phase, []), key)
+            if steps:
+                ax.plot(steps, values, fmt, lw=1, ms=3, label=label)
         ax.set_title(title, fontsize=10)
         ax.grid(alpha=0.3)
         if sft and grpo:

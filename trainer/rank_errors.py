@@ -7,11 +7,18 @@ rank 0 makes), then lets every rank learn whether any failed (one ``all_gather_o
 """
 from __future__ import annotations
 
+import hashlib
 from typing import Callable, TypeVar
 
 from polyfsdp.backends.distributed import all_gather_object, current_rank, current_world_size
 
 T = TypeVar("T")
+
+
+def error_prefix(rank: int | None = None, prog: str = "polyfsdp-train") -> str:
+    """How ``prog`` starts an error line on ``rank`` (default: this process's)."""
+    rank = current_rank() if rank is None else rank
+    return f"{prog}: error: " if rank == 0 else f"{prog} [rank {rank}]: error: "
 
 
 class RankError(Exception):
@@ -51,3 +58,27 @@ def on_every_rank(work: Callable[[], T]) -> T:
     if rank == current_rank() and not was_user_error:
         raise error
     raise RankError(rank, message)
+
+
+def _fingerprint(source) -> tuple[int, int, str]:
+    digest = hashlib.sha256()
+    train, held_out = getattr(source, "train_examples", []), source.eval_examples
+    for example in (*train, *held_out):
+        digest.update(repr((example.prompt, example.answer)).encode())
+    return len(train), len(held_out), digest.hexdigest()
+
+
+def check_same_data(source, data) -> None:
+    """One ConfigError on every rank unless every rank read the same records (the files of
+    ``data`` differ between hosts, say): each rank would otherwise index a different list."""
+    if current_world_size() == 1:
+        return
+    from .config import ConfigError
+
+    prints = all_gather_object(_fingerprint(source))
+    for rank, other in enumerate(prints):
+        if other != prints[0]:
+            files = data.path or data.train_files or f"data.task={data.task}"
+            raise ConfigError(f"data: rank {rank} read different records than rank 0 ({other[0]} training and "
+                              f"{other[1]} evaluation records vs {prints[0][0]} and {prints[0][1]}, or the same "
+                              f"counts with other contents) from {files}; every rank must read identical files")

@@ -28,6 +28,9 @@ SAME_RUN_TRAINER_KEYS = ("seed", "sft_batch_size", "prompts_per_step")
 # Once the RL phase has its starting model (the SFT export, or none with sft_steps=0), the SFT
 # step count decides that model (the RL reference, LoRA's frozen base): it must stay too.
 RL_STARTED_TRAINER_KEYS = ("sft_steps",)
+# Keys of those sections that change how a run is guarded, not what it computes.
+SAME_RUN_IGNORED = ("reward.timeout_s",)
+
 
 @dataclass
 class ResumePoint:
@@ -161,7 +164,7 @@ def check_same_run(cfg: JobConfig, run_dir: Path) -> None:
     for key in trainer_keys:
         before[f"trainer.{key}"], now[f"trainer.{key}"] = trainer_before.get(key), cfg.raw["trainer"].get(key)
     for name in list(now) + [k for k in before if k not in now]:
-        if before.get(name) != now.get(name):
+        if before.get(name) != now.get(name) and name not in SAME_RUN_IGNORED:
             raise ConfigError(f"trainer.resume={cfg.trainer.resume}: {run_dir} holds a run of {name}="
                               f"{before.get(name)!r}, but this run asks for {name}={now.get(name)!r}; keep "
                               f"the model, data and algo settings (and trainer.seed, sft_batch_size, "

@@ -3,14 +3,18 @@
 
 The function is called as ``fn(data_source, solution_str, ground_truth, extra_info, **kwargs)``
 and returns a number or a dict holding ``"score"`` (its other numeric keys become metrics).
-Anything else (an exception, NaN/inf, a non-number) stops the run with one line: a silent
-zero would train on a broken signal.
+Anything else (an exception, ``sys.exit``, NaN/inf, a number beyond ``MAX_ABS_REWARD``, a
+non-number, a call longer than ``reward.timeout_s``) stops the run with one line: a silent
+zero would train on a broken signal. Each call gets its own deep copy of the record's
+``extra_info``, so what a function changes there never reaches the next call.
 """
 from __future__ import annotations
 
+import copy
 import inspect
 import math
 import numbers
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -19,11 +23,16 @@ from polyfsdp.backends.distributed import all_gather_object
 from .config import ConfigError
 from .data import DataError
 from .plugins import first_line, load_object
+from .rank_errors import error_prefix
 from .reward_rules import BUILTIN_ANSWERS, BUILTIN_REWARDS
+from .reward_timeout import CallDeadline, RewardTimeout
 
 # The rule each built-in task is scored with when reward.fn=auto.
 TASK_DEFAULT_REWARD = {"reverse": "char_match", "arith_words": "gsm8k"}
 FILE_DEFAULT_REWARD = "char_match"
+# Rewards (and their numeric extras) beyond this magnitude are refused: group means and
+# variances of larger values overflow float32 (1e308 is finite, its square is not).
+MAX_ABS_REWARD = 1e9
 
 
 class RewardError(DataError):
@@ -40,13 +49,56 @@ def load_reward_fn(spec: str) -> Callable:
     return load_object(spec, "reward.fn", BUILTIN_REWARDS)
 
 
+def _as_reward(value) -> float | None:
+    """``value`` as a float when it is a real number within +-MAX_ABS_REWARD, else None
+    (an int like 10**400 does not even convert)."""
+    if not isinstance(value, numbers.Real):
+        return None
+    try:
+        number = float(value)
+    except (OverflowError, ValueError):
+        return None
+    return number if math.isfinite(number) and abs(number) <= MAX_ABS_REWARD else None
+
+
 @dataclass
 class Scorer:
-    """A reward function with its ``reward.kwargs``; ``name`` is how errors cite it."""
+    """A reward function with its ``reward.kwargs``; ``name`` is how errors cite it;
+    ``timeout_s`` bounds each call (None: no limit)."""
 
     fn: Callable
     name: str
     kwargs: dict = field(default_factory=dict)
+    timeout_s: float | None = None
+    _deadline: CallDeadline | None = field(default=None, init=False, repr=False, compare=False)
+
+    def _limit(self, record: str):
+        if self.timeout_s is None:
+            return nullcontext()
+        if self._deadline is None:
+            self._deadline = CallDeadline(self.timeout_s)
+        return self._deadline.limit(f"{error_prefix()}reward.fn={self.name} did not return within "
+                                    f"reward.timeout_s={self.timeout_s:g} s (nor {self._deadline.grace_s:g} s later) "
+                                    f"for record "
+                                    f"{record}; stopping this process")
+
+    def _call(self, example, solution_str: str, response_ids: list[int], record: str):
+        extra_info = copy.deepcopy(example.extra_info or {})
+        extra_info["response_ids"] = list(response_ids)
+        where = f"(record {record}, completion {solution_str[:80]!r})"
+        try:
+            with self._limit(record):
+                return self.fn(example.data_source, solution_str, example.answer, extra_info, **self.kwargs)
+        except RewardTimeout:
+            raise RewardError(f"reward.fn={self.name} took longer than reward.timeout_s={self.timeout_s:g} s "
+                              f"{where}; make it faster or raise reward.timeout_s") from None
+        except SystemExit as exc:
+            # A reward that exits would end the run with the reward's status (0: "success").
+            raise RewardError(f"reward.fn={self.name} called sys.exit({exc.code!r}) {where}; a reward must return "
+                              f"a number, not end the process") from None
+        except Exception as exc:
+            raise RewardError(f"reward.fn={self.name} raised {type(exc).__name__}: {first_line(exc)} "
+                              f"{where}") from None
 
     def score(self, example, solution_str: str, response_ids: list[int]) -> tuple[float, dict[str, float]]:
         """The reward of one completion and its extra numeric metrics."""
@@ -57,13 +109,7 @@ class Scorer:
         """``(reward, extra metrics, answer)``: the answer is the dict result's ``"pred"``
         (verl's key), else what a built-in rule compares, else None (not comparable)."""
         record = example.where or f"with prompt {example.prompt!r}"
-        extra_info = dict(example.extra_info or {})
-        extra_info["response_ids"] = list(response_ids)
-        try:
-            result = self.fn(example.data_source, solution_str, example.answer, extra_info, **self.kwargs)
-        except Exception as exc:
-            raise RewardError(f"reward.fn={self.name} raised {type(exc).__name__}: {first_line(exc)} "
-                              f"(record {record}, completion {solution_str[:80]!r})") from None
+        result = self._call(example, solution_str, response_ids, record)
         extras: dict[str, float] = {}
         value = result
         if isinstance(result, dict):
@@ -71,15 +117,17 @@ class Scorer:
                 raise RewardError(f"reward.fn={self.name} returned a dict without 'score' (keys "
                                   f"{sorted(result)}) for record {record}")
             value = result["score"]
-            extras = {k: float(v) for k, v in result.items()
-                      if k != "score" and isinstance(v, numbers.Real) and math.isfinite(float(v))}
-        if not isinstance(value, numbers.Real) or not math.isfinite(float(value)):
-            raise RewardError(f"reward.fn={self.name} returned {value!r} for record {record}; "
-                              f"expected a finite number (or a dict with a finite 'score')")
+            extras = {k: v for k, v in ((k, _as_reward(v)) for k, v in result.items() if k != "score")
+                      if v is not None}
+        number = _as_reward(value)
+        if number is None:
+            shown = f"{value!r}"[:40] + ("..." if len(f"{value!r}") > 40 else "")
+            raise RewardError(f"reward.fn={self.name} returned {shown} for record {record}; expected a finite "
+                              f"number within +-{MAX_ABS_REWARD:g} (or a dict with such a 'score')")
         pred = result.get("pred") if isinstance(result, dict) else None
         if pred is None and self.name in BUILTIN_ANSWERS:
             pred = BUILTIN_ANSWERS[self.name](solution_str)
-        return float(value), extras, None if pred is None else str(pred)
+        return number, extras, None if pred is None else str(pred)
 
     def score_all(self, examples, texts: list[str], responses: list[list[int]], group: int = 1,
                   answers: list | None = None):
@@ -119,7 +167,7 @@ def build_scorer(reward_section, data) -> Scorer:
     spec = reward_section.fn if reward_section.fn != "auto" else default_reward_name(data)
     fn, kwargs = load_reward_fn(spec), dict(reward_section.kwargs or {})
     check_signature(fn, spec, kwargs)
-    return Scorer(fn, spec, kwargs)
+    return Scorer(fn, spec, kwargs, timeout_s=reward_section.timeout_s)
 
 
 def mean_over_ranks(extras: dict[str, list[float]]) -> dict[str, float]:

@@ -8,11 +8,12 @@ directory change, no Hydra log files, and every configuration mistake is one lin
 """
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import sys
 
-from .config import GROUPS, ConfigError, available_options, load_config
+from .startup import EXIT_INTERRUPTED, interrupted_while_starting
 
 USAGE = """usage: polyfsdp-train [GROUP=OPTION] [KEY=VALUE ...] [--cfg] [--estimate] [--help]
 
@@ -35,8 +36,11 @@ Examples:
 
 # Errors a user causes before training starts: printed as one line, exit status 2.
 EXIT_USAGE = 2
-# Stopped by Ctrl-C (SIGINT), the shell's convention 128 + 2.
-EXIT_INTERRUPTED = 130
+__all__ = ["EXIT_INTERRUPTED", "EXIT_USAGE", "main"]
+# A full disk or quota: one line saying so, whichever file was being written (metrics are
+# appended whole, checkpoints and the export leave no partial directory behind).
+DISK_FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
+DISK_FULL_TEXT = "No space left on device"
 
 
 def _rank() -> int:
@@ -61,13 +65,12 @@ def _setup_logging() -> None:
 
 
 def _error(exc: BaseException, prog: str = "polyfsdp-train") -> int:
-    from .rank_errors import RankError
+    from .rank_errors import RankError, error_prefix
 
     if isinstance(exc, RankError) and _rank() != 0:
         return EXIT_USAGE  # every rank has it: rank 0 prints the one line
     message = " ".join(str(exc).split()) or type(exc).__name__
-    prefix = f"{prog}: error: " if _rank() == 0 else f"{prog} [rank {_rank()}]: error: "
-    print(prefix + message, file=sys.stderr, flush=True)
+    print(error_prefix(_rank(), prog) + message, file=sys.stderr, flush=True)
     return EXIT_USAGE
 
 
@@ -97,6 +100,8 @@ def _say_stop(line: str) -> None:
 
 
 def _usage() -> str:
+    from .config import GROUPS, available_options
+
     groups = "\n".join(f"  {g:<8} {', '.join(available_options(g))}" for g in GROUPS)
     return USAGE.format(groups=groups)
 
@@ -109,6 +114,8 @@ CFG_VALUES = ("job", "all")
 def _take_cfg_flag(args: list[str]) -> tuple[bool, list[str]]:
     """(whether to print the config, the remaining overrides): ``--cfg``, ``--cfg job``,
     ``--cfg=all``; a Hydra section this entry point does not have is one ConfigError."""
+    from .config import ConfigError
+
     show, rest, i = False, [], 0
     while i < len(args):
         arg = args[i]
@@ -128,10 +135,37 @@ def _take_cfg_flag(args: list[str]) -> tuple[bool, list[str]]:
 
 def main(argv: list[str] | None = None) -> int:
     """Parse overrides, validate, run the job; returns the process exit status."""
+    try:
+        return _main(argv)
+    except KeyboardInterrupt:
+        # Ctrl-C while torch and transformers load, or while the job is set up (the run
+        # itself catches its own, to say how to continue).
+        return interrupted_while_starting().code
+
+
+def _known_failure(exc: BaseException) -> str | None:
+    """The one line for a failure outside the user's config: a full disk, or a peer rank that
+    died or stopped answering (every surviving rank says which); None for anything else."""
+    from polyfsdp.backends.distributed import collective_failure
+
+    fix = "free some space (or choose another trainer.output_dir) and resume"
+    if isinstance(exc, OSError) and exc.errno in DISK_FULL_ERRNOS:
+        where = f" ({exc.filename})" if exc.filename else ""
+        return f"{exc.strerror}{where}; {fix}"
+    text = " ".join(str(exc).split())
+    if DISK_FULL_TEXT in text:
+        # safetensors' own error for a failed write (its message carries the OS's words).
+        return f"{DISK_FULL_TEXT} ({type(exc).__name__}: {text[:160]}); {fix}"
+    return collective_failure(exc)
+
+
+def _main(argv: list[str] | None) -> int:
     from polyfsdp.backends import BackendUnavailableError
     from polyfsdp.backends.distributed import destroy_distributed
 
+    from .config import ConfigError, load_config
     from .data import DataError
+    from .metrics import MetricsWriteError
     from .stop import EXIT_TERMINATED, Preempted, continue_command
 
     args = list(sys.argv[1:] if argv is None else argv)
@@ -155,7 +189,7 @@ def main(argv: list[str] | None = None) -> int:
 
     # CheckpointError: a save that failed (full disk, unwritable output); a damaged checkpoint
     # to resume from is already a ConfigError naming trainer.resume. RankError: one rank's error.
-    user_errors = (ConfigError, DataError, BackendUnavailableError, CheckpointError, RankError)
+    user_errors = (ConfigError, DataError, BackendUnavailableError, CheckpointError, RankError, MetricsWriteError)
     import torch.distributed as dist
 
     # Tear down only a process group this call created (an embedding process may own one).
@@ -178,6 +212,11 @@ def main(argv: list[str] | None = None) -> int:
         job = Job(cfg)
     except user_errors as exc:
         return _error(exc)
+    except Exception as exc:
+        line = _known_failure(exc)
+        if line is None:
+            raise
+        return _error(ConfigError(line))
     finished = False
     try:
         with job.stop:
@@ -198,6 +237,11 @@ def main(argv: list[str] | None = None) -> int:
             _say_stop(f"polyfsdp-train: {_interrupted_line(job)}{cause}; continue with: "
                       f"{continue_command(overrides, job.out, world_size)}")
         return EXIT_INTERRUPTED
+    except Exception as exc:
+        line = _known_failure(exc)
+        if line is None:
+            raise
+        return _error(ConfigError(line))
     finally:
         if owned_group:
             destroy_distributed(wait_for_peers=finished)

@@ -1,6 +1,7 @@
 """Damaged and crafted checkpoints: the manifest catches damage without loading, every pickle is
 read with an allow-list (nothing in a checkpoint executes), and both are one-line CheckpointErrors."""
 import errno
+import io
 import json
 import os
 import pickle
@@ -233,16 +234,38 @@ def _disk_full(*args, **kwargs):
     raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), "/injected/file")
 
 
-@pytest.mark.parametrize("where", ["shards", "rng file", "manifest"])
+class _FillingDisk(io.RawIOBase):
+    """A file on a disk that fills up: the first writes land, then every one fails."""
+
+    def __init__(self):
+        self.writes = 0
+
+    def writable(self):
+        return True
+
+    def write(self, data):
+        self.writes += 1
+        if self.writes > 2:
+            _disk_full()
+        return len(data)
+
+
+def _save_plain_on_a_filling_disk(obj, path):
+    # torch.save reports the failed write as "[enforce fail ...] unexpected pos N vs M".
+    torch.save(obj, _FillingDisk())
+
+
+@pytest.mark.parametrize("where", ["shards", "rng file", "rng bytes", "manifest"])
 def test_disk_full_during_a_save_keeps_the_previous_checkpoint_latest(saved, monkeypatch, where):
     import torch.distributed.checkpoint.filesystem as dcp_filesystem
 
     from polyfsdp.engines import checkpoint_files
 
     path, (model, opt, sched) = saved
-    target = {"shards": (dcp_filesystem, "_write_item"), "rng file": (ckpt, "save_plain"),
-              "manifest": (checkpoint_files.json, "dump")}[where]
-    monkeypatch.setattr(*target, _disk_full)
+    target = {"shards": (dcp_filesystem, "_write_item", _disk_full), "rng file": (ckpt, "save_plain", _disk_full),
+              "rng bytes": (ckpt, "save_plain", _save_plain_on_a_filling_disk),
+              "manifest": (checkpoint_files.json, "dump", _disk_full)}[where]
+    monkeypatch.setattr(*target)
     with pytest.raises(ckpt.CheckpointSaveError) as info:
         ckpt.save_checkpoint(path.parent, 2, model=model, optimizer=opt, lr_scheduler=sched)
     monkeypatch.undo()

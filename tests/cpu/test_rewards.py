@@ -147,3 +147,95 @@ def test_a_reward_that_cannot_take_the_arguments_is_refused_before_any_model(tmp
     with pytest.raises(ConfigError, match=expected.replace("F", re.escape(f"{tmp_path / 'r.py'}:f"), 1)) as info:
         build_scorer(cfg.reward, cfg.data)
     assert "\n" not in str(info.value)
+
+
+def _spin(*args, **kwargs):
+    while True:
+        pass
+
+
+def _spin_swallowing_exceptions(*args, **kwargs):
+    while True:
+        try:
+            _spin()
+        except Exception:  # a reward's catch-all must not swallow the timeout
+            pass
+
+
+@pytest.mark.parametrize("fn", [_spin, _spin_swallowing_exceptions], ids=["loop", "loop_catching_exception"])
+def test_a_reward_call_longer_than_its_timeout_is_one_line_naming_record_and_key(fn):
+    scorer = Scorer(fn, "F:spin", timeout_s=0.2)
+    with pytest.raises(RewardError) as info:
+        scorer.score(EXAMPLE, "4", [2])
+    assert str(info.value) == ("reward.fn=F:spin took longer than reward.timeout_s=0.2 s (record train.jsonl line 3, "
+                               "completion '4'); make it faster or raise reward.timeout_s")
+    # The scorer keeps working after a timeout, and a fast call is never interrupted.
+    scorer.fn = lambda *args: 0.5
+    assert [scorer.score(EXAMPLE, "4", [2])[0] for _ in range(200)] == [0.5] * 200
+
+
+def test_the_timeout_is_a_documented_config_key():
+    assert load_config([]).reward.timeout_s == 60
+    assert load_config(["reward.timeout_s=null"]).reward.timeout_s is None
+    assert build_scorer(load_config(["reward.timeout_s=2.5"]).reward, load_config([]).data).timeout_s == 2.5
+
+
+STUCK_IN_C = """
+import time
+from polyfsdp.trainer.reward_timeout import CallDeadline
+from polyfsdp.trainer.rewards import Scorer
+from polyfsdp.trainer.task import Example
+scorer = Scorer(lambda *a: time.sleep(3600), "F:sleep", timeout_s=0.2)
+scorer._deadline = CallDeadline(0.2, grace_s=0.3)
+scorer.score(Example(prompt="p", answer="a", where="data.jsonl line 5"), "x", [1])
+"""
+
+
+def test_a_reward_stuck_in_c_code_ends_the_process_with_one_line():
+    import subprocess
+
+    proc = subprocess.run([sys.executable, "-c", STUCK_IN_C], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert proc.stderr.strip() == ("polyfsdp-train: error: reward.fn=F:sleep did not return within reward.timeout_s="
+                                   "0.2 s (nor 0.3 s later) for record data.jsonl line 5; stopping this process")
+
+
+@pytest.mark.parametrize("value,shown", [(10**400, "1000000000"), (1e308, "1e+308"), (-1e10, "-10000000000.0"),
+                                         ({"score": 10**400}, "1000000000")])
+def test_an_overflowing_reward_is_one_line_naming_the_record(value, shown):
+    with pytest.raises(RewardError) as info:
+        Scorer(lambda *args: value, "F:big").score(EXAMPLE, "4", [])
+    message = str(info.value)
+    assert message.startswith(f"reward.fn=F:big returned {shown}") and "for record train.jsonl line 3" in message
+    assert "\n" not in message and len(message) < 250, message
+
+
+def test_overflowing_extra_metrics_are_dropped_like_non_finite_ones():
+    assert Scorer(lambda *args: {"score": 1, "huge": 10**400, "ok": 2}, "F").score(EXAMPLE, "4", []) == \
+        (1.0, {"ok": 2.0})
+
+
+@pytest.mark.parametrize("code", [0, 1, None])
+def test_a_reward_calling_sys_exit_is_an_error_not_the_end_of_the_run(code):
+    def leave(*args):
+        sys.exit(code)
+
+    with pytest.raises(RewardError, match=rf"^reward.fn=F:exit called sys.exit\({code!r}\) \(record train.jsonl line 3"):
+        Scorer(leave, "F:exit").score(EXAMPLE, "4", [])
+
+
+def test_nested_extra_info_changed_by_a_reward_does_not_reach_the_next_call():
+    example = Example(prompt="p", answer="a", extra_info={"meta": {"seen": []}, "tags": ["x"]})
+    seen = []
+
+    def mutate(data_source, solution_str, ground_truth, extra_info=None):
+        seen.append(len(extra_info["meta"]["seen"]) + len(extra_info["tags"]))
+        extra_info["meta"]["seen"].append(solution_str)
+        extra_info["tags"].append("y")
+        return 0.0
+
+    scorer = Scorer(mutate, "F:mutate")
+    for text in ("a", "b", "c"):
+        scorer.score(example, text, [])
+    assert seen == [1, 1, 1]
+    assert example.extra_info == {"meta": {"seen": []}, "tags": ["x"]}

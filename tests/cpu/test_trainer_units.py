@@ -353,7 +353,21 @@ def test_continuing_a_run_with_other_data_or_algo_settings_is_a_config_error(tmp
         check_same_run(load_config([override]), run)
     # What only changes how the run is carried out may differ.
     check_same_run(load_config(["trainer.grpo_steps=300", "trainer.checkpoint_interval=5", "engine.pad_mode=left_right",
-                                "engine.use_fused_kernels=true", "trainer.progress=lines"]), run)
+                                "engine.use_fused_kernels=true", "trainer.progress=lines", "reward.timeout_s=5",
+                                "trainer.dist_timeout_s=1200"]), run)
+
+
+def test_a_run_saved_before_the_timeout_keys_continues(tmp_path):
+    from omegaconf import OmegaConf
+
+    from polyfsdp.trainer.resume import check_same_run
+
+    run = tmp_path / "run"
+    (run / "checkpoints").mkdir(parents=True)
+    raw = load_config([]).raw
+    del raw["reward"]["timeout_s"], raw["trainer"]["dist_timeout_s"]
+    OmegaConf.save(OmegaConf.create(raw), run / "config.yaml")
+    check_same_run(load_config([]), run)
 
 
 def test_an_sft_run_may_continue_into_grpo(tmp_path):
