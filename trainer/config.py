@@ -106,6 +106,7 @@ class RolloutSection:
     max_turns: int = 1
     max_total_tokens: int | None = None
     env_add_reward_fn: bool = False
+    env_timeout_s: float | None = 60.0
 
 
 @dataclass

@@ -22,7 +22,8 @@ from dataclasses import dataclass, field
 from polyfsdp.backends.distributed import all_reduce_max, current_world_size
 
 from .environments import as_env_step, check_messages, load_environment, parse_tool_calls
-from .rank_errors import on_every_rank
+from .rank_errors import error_prefix, on_every_rank
+from .reward_timeout import CallDeadline, RewardTimeout
 from .rewards import RewardError
 
 # A placeholder exchange: the tokens the template puts around an environment turn are the
@@ -90,6 +91,7 @@ class MultiTurnSettings:
     max_turns: int
     max_total_tokens: int | None
     add_reward_fn: bool
+    timeout_s: float | None = 60.0
 
 
 class MultiTurnRollout:
@@ -103,6 +105,7 @@ class MultiTurnRollout:
         self.env_class = load_environment(settings.env)
         self.max_total = settings.max_total_tokens or max_positions
         self.name = f"{base.name} + {settings.env}"
+        self._deadline = CallDeadline(settings.timeout_s) if settings.timeout_s is not None else None
 
     def close(self) -> None:
         self.base.close()
@@ -115,7 +118,17 @@ class MultiTurnRollout:
         where = f"rollout.env={self.settings.env} {method}()"
         record = trajectory.example.where or f"with prompt {trajectory.example.prompt!r}"
         try:
-            return call()
+            if self._deadline is None:
+                return call()
+            with self._deadline.limit(f"{error_prefix()}{where} did not return within rollout.env_timeout_s="
+                                      f"{self.settings.timeout_s:g} s (record {record}, turn {turn}); stopping"):
+                return call()
+        except RewardTimeout:
+            raise RewardError(f"{where} took longer than rollout.env_timeout_s={self.settings.timeout_s:g} s "
+                              f"(record {record}, turn {turn})") from None
+        except SystemExit as exc:
+            raise RewardError(f"{where} called sys.exit({exc.code!r}) (record {record}, turn {turn}); an "
+                              f"environment must return, not end the process") from None
         except (ValueError, TypeError) as exc:
             if str(exc).startswith(where):
                 raise RewardError(f"{exc} (record {record}, turn {turn})") from None

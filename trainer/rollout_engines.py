@@ -95,5 +95,5 @@ def build_rollout_engine(rollout, backend, lora: bool = False, max_positions: in
     from .multi_turn import MultiTurnRollout, MultiTurnSettings
 
     settings = MultiTurnSettings(rollout.env, dict(rollout.env_kwargs or {}), rollout.max_turns,
-                                 rollout.max_total_tokens, rollout.env_add_reward_fn)
+                                 rollout.max_total_tokens, rollout.env_add_reward_fn, rollout.env_timeout_s)
     return MultiTurnRollout(engine, settings, max_positions)
