@@ -14,25 +14,31 @@ from tensordict import TensorDict
 from polyfsdp.engines.jagged import make_jagged
 
 
-def _seq_values(prompt: Sequence[int], response: Sequence[int]) -> tuple[list[int], list[float]]:
+def _seq_values(prompt: Sequence[int], response: Sequence[int],
+                loss_mask: Sequence[int] | None = None) -> tuple[list[int], list[float]]:
+    """Ids and response mask of ``prompt + response``; ``loss_mask`` (one 0/1 per response token,
+    multi-turn) keeps only the tokens the policy sampled."""
     ids = list(prompt) + list(response)
     mask = [0.0] * len(ids)
-    for t in range(len(prompt) - 1, len(ids) - 1):
-        mask[t] = 1.0
+    if loss_mask is not None and len(loss_mask) != len(response):
+        raise ValueError(f"build_batch: a loss mask of {len(loss_mask)} values for {len(response)} response tokens")
+    for k, t in enumerate(range(len(prompt) - 1, len(ids) - 1)):
+        mask[t] = 1.0 if loss_mask is None else float(loss_mask[k])
     return ids, mask
 
 
 def build_batch(pairs: Sequence[tuple[Sequence[int], Sequence[int]]], pad_mode: str, pad_token_id: int,
                 token_fields: dict[str, Sequence[torch.Tensor]] | None = None) -> TensorDict:
     """A TensorDict with ``input_ids``, ``response_mask`` (and ``attention_mask`` for
-    ``left_right``) for sequences ``prompt + response``. ``token_fields`` are extra
+    ``left_right``) for sequences ``prompt + response``; a pair may carry a third item, the
+    response's loss mask (multi-turn: 0 for environment tokens). ``token_fields`` are extra
     per-token fields, one flat tensor per sequence (length = its prompt + response)."""
     if not pairs:
         raise ValueError("build_batch: expected at least one (prompt, response) pair, got none")
-    for prompt, _ in pairs:
+    for prompt, *_ in pairs:
         if len(prompt) < 1:
             raise ValueError("build_batch: every prompt needs at least one token (e.g. <bos>)")
-    seqs = [_seq_values(p, r) for p, r in pairs]
+    seqs = [_seq_values(*pair) for pair in pairs]
     lengths = [len(ids) for ids, _ in seqs]
     fields = {"response_mask": [torch.tensor(m, dtype=torch.float32) for _, m in seqs]}
     for name, values in (token_fields or {}).items():
@@ -52,13 +58,13 @@ def build_batch(pairs: Sequence[tuple[Sequence[int], Sequence[int]]], pad_mode: 
         return TensorDict(data, batch_size=[len(seqs)])
     if pad_mode == "left_right":
         # Prompts left-padded to a common end, responses right-padded after it.
-        p_len = max(len(p) for p, _ in pairs)
-        r_len = max(len(r) for _, r in pairs)
+        p_len = max(len(pair[0]) for pair in pairs)
+        r_len = max(len(pair[1]) for pair in pairs)
         width = p_len + r_len
         dense = torch.full((len(seqs), width), pad_token_id, dtype=torch.long)
         attention = torch.zeros((len(seqs), width), dtype=torch.long)
         dense_fields = {name: torch.zeros((len(seqs), width)) for name in fields}
-        for i, (prompt, _) in enumerate(pairs):
+        for i, (prompt, *_) in enumerate(pairs):
             start = p_len - len(prompt)
             end = start + lengths[i]
             dense[i, start:end] = ids[i]
@@ -69,9 +75,10 @@ def build_batch(pairs: Sequence[tuple[Sequence[int], Sequence[int]]], pad_mode: 
     raise ValueError(f"pad_mode: got {pad_mode!r}; allowed values: 'no_padding', 'left_right'")
 
 
-def response_mask(prompt: Sequence[int], response: Sequence[int]) -> torch.Tensor:
-    """The per-token response mask of ``prompt + response`` (engine alignment), flat."""
-    return torch.tensor(_seq_values(prompt, response)[1], dtype=torch.float32)
+def response_mask(prompt: Sequence[int], response: Sequence[int], loss_mask: Sequence[int] | None = None) -> torch.Tensor:
+    """The per-token response mask of ``prompt + response`` (engine alignment), flat; with
+    ``loss_mask``, only the response tokens it marks."""
+    return torch.tensor(_seq_values(prompt, response, loss_mask)[1], dtype=torch.float32)
 
 
 def response_field(prompt: Sequence[int], values: Sequence[float]) -> torch.Tensor:

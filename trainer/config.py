@@ -100,6 +100,13 @@ class RolloutSection:
     check_sync: bool = True
     check_sync_tol: float = 1e-3
     vllm: dict = field(default_factory=dict)
+    # Multi-turn (trainer/multi_turn.py): an environment plug-in and its limits.
+    env: str | None = None
+    env_kwargs: dict = field(default_factory=dict)
+    max_turns: int = 1
+    max_total_tokens: int | None = None
+    env_add_reward_fn: bool = False
+    env_timeout_s: float | None = 60.0
 
 
 @dataclass
@@ -390,6 +397,9 @@ def build_job_config(raw: dict, world_size: int = 1) -> JobConfig:
     lora_enabled = model.model_config().lora.enabled
     if trainer.export_lora != "merged" and not lora_enabled:
         raise ConfigError(f"trainer.export_lora={trainer.export_lora!r} exports LoRA adapters; set model.lora.rank > 0")
+    if rollout.env is not None and algo.name == "ppo":
+        raise ConfigError("rollout.env: multi-turn rollouts train with the group estimators (algo=grpo) for now; "
+                          "the critic's GAE over environment turns is not supported yet")
     if algo.name == "ppo" and lora_enabled:
         # The critic is built from model.*: under LoRA its value head would stay frozen.
         raise ConfigError("model.lora: algo=ppo trains a critic, which LoRA does not support yet; "

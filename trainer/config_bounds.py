@@ -43,6 +43,9 @@ BOUNDS: tuple[tuple[str, float | None, float | None], ...] = (
     # A peer that stays silent longer than a week is gone.
     ("trainer.dist_timeout_s", 1, 7 * 24 * 3600),
     ("reward.timeout_s", 0.001, 7 * 24 * 3600),
+    ("rollout.env_timeout_s", 0.001, 7 * 24 * 3600),
+    ("rollout.max_turns", 1, 1024),
+    ("rollout.max_total_tokens", 2, 2 ** 24),
     ("data.eval_size", None, MAX_BATCH),
     ("data.max_prompt_length", None, MAX_TOKENS),
     ("data.min_len", None, 4096),

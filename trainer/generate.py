@@ -31,6 +31,18 @@ class Rollout:
     log_probs: list[list[float]] | None = None
     # Each completion's answer for majority votes (rewards.Scorer.score_with_answer), when asked.
     answers: list[str | None] | None = None
+    # Multi-turn (trainer/multi_turn.py): 1 for the response tokens the policy sampled, 0 for the
+    # environment's; None: every response token was sampled.
+    loss_masks: list[list[int]] | None = None
+    # Per-trajectory values of the rollout itself (multi-turn: turns, tool calls, truncations).
+    rollout_metrics: dict[str, list[float]] = field(default_factory=dict)
+
+    def pairs(self) -> list[tuple]:
+        """(prompt, response) per row, with the row's loss mask as a third item when there is one
+        (what trainer/batch.py builds batches from)."""
+        if self.loss_masks is None:
+            return list(zip(self.prompt_ids, self.response_ids))
+        return list(zip(self.prompt_ids, self.response_ids, self.loss_masks))
 
 
 UNSHARD_CHOICES = ("auto", True, False)
@@ -150,6 +162,9 @@ def rollout(engine, tokenizer, examples: list[Example], n: int, max_new_tokens: 
     rollout engine (trainer/rollout_engines.py; default ``auto``)."""
     from .rollout_engines import PolicyDecoding
 
+    if getattr(sampler, "multi_turn", False):
+        return sampler.rollout(engine, tokenizer, examples, n, max_new_tokens, do_sample, temperature, scorer,
+                               return_log_probs, with_answers)
     prompts = [example_prompt_tokens(tokenizer, ex) for ex in examples for _ in range(n)]
     responses = (sampler or PolicyDecoding()).generate(engine, tokenizer, prompts, max_new_tokens, do_sample,
                                                        temperature, return_log_probs)

@@ -14,6 +14,7 @@ from .advantages import group_advantages, reinforce_plus_plus_advantages
 from .batch import build_batch, response_field, response_mask
 from .grpo_sampling import sample_groups
 from .grpo_updates import mini_batch_plan, old_and_ref_log_probs, run_updates, summarise_updates
+from .multi_turn import rollout_metrics
 from .rewards import mean_over_ranks
 from .task import Example
 
@@ -24,7 +25,7 @@ __all__ = ["grpo_step", "group_advantages"]
 def _advantages(algo, roll, pairs, old, ref, device) -> list[torch.Tensor]:
     """Per-token advantages, one flat tensor per sequence, for ``algo.adv_estimator``."""
     g = algo.grpo
-    masks = [response_mask(p, r) for p, r in pairs]
+    masks = [response_mask(*pair) for pair in pairs]
     if algo.adv_estimator == "reinforce_plus_plus":
         kl = [o - r for o, r in zip(old, ref)] if ref is not None and g.kl_coef > 0 else None
         return reinforce_plus_plus_advantages(roll.rewards, masks, kl, g.kl_coef,
@@ -51,8 +52,8 @@ def grpo_step(policy, ref, tokenizer, examples: list[Example], algo, loss_fn, sa
     t_gen = time.perf_counter() - t0
     metrics = _reward_metrics(first, policy.device)
     metrics.update(sampled.metrics)
-    pairs = list(zip(roll.prompt_ids, roll.response_ids))
-    lengths = [len(p) + len(r) for p, r in pairs]
+    pairs = roll.pairs()
+    lengths = [len(pair[0]) + len(pair[1]) for pair in pairs]
     token_fields: dict[str, list[torch.Tensor]] = {}
     if roll.log_probs is not None:
         token_fields["rollout_log_probs"] = [response_field(p, lp) for p, lp in zip(roll.prompt_ids, roll.log_probs)]
@@ -75,6 +76,7 @@ def grpo_step(policy, ref, tokenizer, examples: list[Example], algo, loss_fn, sa
         "step_time_s": time.perf_counter() - t0,
     })
     metrics.update(mean_over_ranks(first.reward_metrics))
+    metrics.update(rollout_metrics(first.rollout_metrics))
     if len(updates) > 1:
         metrics["update_metrics"] = updates
     return metrics

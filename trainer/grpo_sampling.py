@@ -36,15 +36,21 @@ def _select(roll: Rollout, groups: list[int], n: int) -> Rollout:
     rows = [i * n + j for i in groups for j in range(n)]
     pick = lambda values: None if values is None else [values[r] for r in rows]  # noqa: E731
     return Rollout(pick(roll.prompt_ids), pick(roll.response_ids), pick(roll.texts), pick(roll.rewards),
-                   {k: pick(v) for k, v in roll.reward_metrics.items()}, pick(roll.log_probs))
+                   {k: pick(v) for k, v in roll.reward_metrics.items()}, pick(roll.log_probs),
+                   answers=pick(roll.answers), loss_masks=pick(roll.loss_masks), rollout_metrics=roll.rollout_metrics)
 
 
 def _concat(parts: list[Rollout]) -> Rollout:
     join = lambda name: [x for p in parts for x in getattr(p, name)]  # noqa: E731
     log_probs = None if parts[0].log_probs is None else join("log_probs")
+    loss_masks = None if parts[0].loss_masks is None else join("loss_masks")
+    answers = None if parts[0].answers is None else join("answers")
     keys = parts[0].reward_metrics.keys()
     return Rollout(join("prompt_ids"), join("response_ids"), join("texts"), join("rewards"),
-                   {k: [x for p in parts for x in p.reward_metrics.get(k, [])] for k in keys}, log_probs)
+                   {k: [x for p in parts for x in p.reward_metrics.get(k, [])] for k in keys}, log_probs,
+                   answers=answers, loss_masks=loss_masks,
+                   rollout_metrics={k: [x for p in parts for x in p.rollout_metrics.get(k, [])]
+                                    for k in parts[0].rollout_metrics})
 
 
 def sample_groups(policy, tokenizer, examples: list[Example], g, log_probs: bool, scorer,

@@ -146,7 +146,8 @@ class Job:
                               "algo.grpo.max_new_tokens" if grpo is not None else "the longest answer")
         self.critic: FSDPEngine | None = None  # algo=ppo's critic, during the RL phase
         # One rollout engine for the whole job (a vLLM engine follows the policy across phases).
-        self.sampler = build_rollout_engine(cfg.rollout, self.backend, lora=cfg.model.model_config().lora.enabled)
+        self.sampler = build_rollout_engine(cfg.rollout, self.backend, lora=cfg.model.model_config().lora.enabled,
+                                            max_positions=model_max_positions(cfg.model))
         self.t0 = time.perf_counter()
         self.stop = StopRequest()       # train.main installs it around run()
         self.position: tuple[str, int] | None = None  # (phase, steps done) of the last finished step

@@ -48,11 +48,11 @@ def ppo_step(policy, critic, ref, tokenizer, examples: list[Example], algo, acto
     t_gen = time.perf_counter() - t0
     metrics = _reward_metrics(sampled.first, device)
     metrics.update(sampled.metrics)
-    pairs = list(zip(roll.prompt_ids, roll.response_ids))
+    pairs = roll.pairs()
     if pairs:
         metrics.update(_train(policy, critic, ref, tokenizer, roll, pairs, algo, actor_loss, value_loss,
                               mini_batches, shuffle_seed, train_actor))
-    metrics.update({"tokens": float(sum(len(a) + len(b) for a, b in pairs)), "gen_time_s": t_gen,
+    metrics.update({"tokens": float(sum(len(pair[0]) + len(pair[1]) for pair in pairs)), "gen_time_s": t_gen,
                     "step_time_s": time.perf_counter() - t0, "actor_trained": float(train_actor)})
     metrics.update(mean_over_ranks(sampled.first.reward_metrics))
     return metrics
@@ -64,7 +64,7 @@ def _train(policy, critic, ref, tokenizer, roll, pairs, algo, actor_loss, value_
     device = policy.device
     pad_mode = policy.engine_config.pad_mode
     batch = build_batch(pairs, pad_mode, tokenizer.pad_token_id)
-    masks = [response_mask(a, b) for a, b in pairs]
+    masks = [response_mask(*pair) for pair in pairs]
     token_fields = {}
     if roll.log_probs is not None:
         token_fields["rollout_log_probs"] = [response_field(a, lp) for a, lp in zip(roll.prompt_ids, roll.log_probs)]

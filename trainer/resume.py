@@ -13,7 +13,7 @@ from omegaconf import OmegaConf
 
 from polyfsdp.engines.checkpoint import CheckpointError, complete_checkpoints, latest_checkpoint, verify_checkpoint
 
-from .config import ConfigError, JobConfig
+from .config import ConfigError, JobConfig, RolloutSection
 from .metrics import METRICS_FILE
 
 # Written next to the SFT-end export: how many metrics records precede GRPO's start.
@@ -30,6 +30,8 @@ SAME_RUN_TRAINER_KEYS = ("seed", "sft_batch_size", "prompts_per_step")
 RL_STARTED_TRAINER_KEYS = ("sft_steps",)
 # Keys of those sections that change how a run is guarded, not what it computes.
 SAME_RUN_IGNORED = ("reward.timeout_s",)
+# The rollout keys that define the task a multi-turn run trains on (its engine may change).
+SAME_RUN_ROLLOUT_KEYS = ("env", "env_kwargs", "max_turns", "max_total_tokens", "env_add_reward_fn")
 
 
 @dataclass
@@ -160,16 +162,20 @@ def check_same_run(cfg: JobConfig, run_dir: Path) -> None:
     trainer_keys = SAME_RUN_TRAINER_KEYS if trained else ()
     if sft_complete(run_dir) or (run_dir / "checkpoints" / "grpo").is_dir():
         trainer_keys += RL_STARTED_TRAINER_KEYS
-    trainer_before = before_raw.get("trainer") or {}
-    for key in trainer_keys:
-        before[f"trainer.{key}"], now[f"trainer.{key}"] = trainer_before.get(key), cfg.raw["trainer"].get(key)
+    for section, keys in (("trainer", trainer_keys), ("rollout", SAME_RUN_ROLLOUT_KEYS if trained else ())):
+        section_before, section_now = before_raw.get(section) or {}, cfg.raw.get(section) or {}
+        for key in keys:
+            # A key a run saved before it existed had its default, which is what None stands for here.
+            default = getattr(RolloutSection(), key) if section == "rollout" else None
+            old, new = section_before.get(key, default), section_now.get(key, default)
+            before[f"{section}.{key}"], now[f"{section}.{key}"] = old, new
     for name in list(now) + [k for k in before if k not in now]:
         if before.get(name) != now.get(name) and name not in SAME_RUN_IGNORED:
             raise ConfigError(f"trainer.resume={cfg.trainer.resume}: {run_dir} holds a run of {name}="
                               f"{before.get(name)!r}, but this run asks for {name}={now.get(name)!r}; keep "
                               f"the model, data and algo settings (and trainer.seed, sft_batch_size, "
-                              f"prompts_per_step, and sft_steps once the RL phase began) or choose another "
-                              f"trainer.output_dir")
+                              f"prompts_per_step, and sft_steps once the RL phase began, and the rollout's "
+                              f"environment) or choose another trainer.output_dir")
 
 
 def load_resume_checkpoint(engine, checkpoint: Path, parts: dict | None = None) -> tuple[int, dict]:

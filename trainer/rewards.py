@@ -11,13 +11,9 @@ zero would train on a broken signal. Each call gets its own deep copy of the rec
 from __future__ import annotations
 
 import copy
-import importlib
-import importlib.util
 import inspect
 import math
 import numbers
-import os
-import sys
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Callable
@@ -26,6 +22,7 @@ from polyfsdp.backends.distributed import all_gather_object
 
 from .config import ConfigError
 from .data import DataError
+from .plugins import first_line, load_object
 from .rank_errors import error_prefix
 from .reward_rules import BUILTIN_ANSWERS, BUILTIN_REWARDS
 from .reward_timeout import CallDeadline, RewardTimeout
@@ -47,57 +44,9 @@ def default_reward_name(data) -> str:
     return TASK_DEFAULT_REWARD.get(data.task, FILE_DEFAULT_REWARD) if data.source == "builtin" else FILE_DEFAULT_REWARD
 
 
-def _load_file(path: str, spec: str):
-    if not os.path.isfile(path):
-        # Relative paths are read from where polyfsdp-train was started, not from the data's folder.
-        where = "" if os.path.isabs(path) else f" in the working directory {os.getcwd()}"
-        raise ConfigError(f"reward.fn={spec}: no such file {path!r}{where}")
-    name = "polyfsdp_user_reward_" + os.path.splitext(os.path.basename(path))[0]
-    module_spec = importlib.util.spec_from_file_location(name, path)
-    if module_spec is None or module_spec.loader is None:
-        raise ConfigError(f"reward.fn={spec}: cannot import {path!r} as Python")
-    module = importlib.util.module_from_spec(module_spec)
-    # The file's own directory first, so it can import its neighbours; it stays there because
-    # reward functions often import them lazily, inside the function, at call time.
-    directory = os.path.dirname(os.path.abspath(path))
-    if directory not in sys.path:
-        sys.path.insert(0, directory)
-    try:
-        module_spec.loader.exec_module(module)
-    except Exception as exc:
-        raise ConfigError(f"reward.fn={spec}: importing {path} raised {type(exc).__name__}: {_first_line(exc)}") from None
-    return module
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return text.splitlines()[0] if text else ""
-
-
 def load_reward_fn(spec: str) -> Callable:
     """The callable ``spec`` names: a built-in name, ``FILE.py:fn`` or ``module:fn``."""
-    if spec in BUILTIN_REWARDS:
-        return BUILTIN_REWARDS[spec]
-    target, sep, attr = spec.rpartition(":")
-    if not sep or not target or not attr:
-        raise ConfigError(f"reward.fn={spec}: expected a built-in ({', '.join(BUILTIN_REWARDS)}), "
-                          f"path/to/file.py:function or package.module:function")
-    if target.endswith(".py") or os.sep in target or "/" in target:
-        module = _load_file(target, spec)
-    else:
-        try:
-            module = importlib.import_module(target)
-        except ImportError as exc:
-            raise ConfigError(f"reward.fn={spec}: cannot import module {target!r}: {_first_line(exc)}") from None
-        except Exception as exc:
-            raise ConfigError(f"reward.fn={spec}: importing {target} raised {type(exc).__name__}: "
-                              f"{_first_line(exc)}") from None
-    fn = getattr(module, attr, None)
-    if fn is None:
-        raise ConfigError(f"reward.fn={spec}: {target} has no function {attr!r}")
-    if not callable(fn):
-        raise ConfigError(f"reward.fn={spec}: {target}.{attr} is not callable")
-    return fn
+    return load_object(spec, "reward.fn", BUILTIN_REWARDS)
 
 
 def _as_reward(value) -> float | None:
@@ -148,7 +97,7 @@ class Scorer:
             raise RewardError(f"reward.fn={self.name} called sys.exit({exc.code!r}) {where}; a reward must return "
                               f"a number, not end the process") from None
         except Exception as exc:
-            raise RewardError(f"reward.fn={self.name} raised {type(exc).__name__}: {_first_line(exc)} "
+            raise RewardError(f"reward.fn={self.name} raised {type(exc).__name__}: {first_line(exc)} "
                               f"{where}") from None
 
     def score(self, example, solution_str: str, response_ids: list[int]) -> tuple[float, dict[str, float]]:

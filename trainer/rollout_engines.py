@@ -67,12 +67,33 @@ def check_rollout(rollout, world_size: int = 1) -> None:
     from .vllm_rollout import VllmSettings
 
     VllmSettings.from_section(rollout.vllm)
+    if isinstance(rollout.max_turns, bool) or not isinstance(rollout.max_turns, int) or rollout.max_turns < 1:
+        raise ConfigError(f"rollout.max_turns: expected an int >= 1, got {rollout.max_turns!r}")
+    if rollout.env is None and rollout.max_turns > 1:
+        raise ConfigError("rollout.max_turns > 1 needs an environment to answer the turns: set rollout.env "
+                          "(a built-in such as calculator, path/to/file.py:Class or package.module:Class)")
+    total = rollout.max_total_tokens
+    if total is not None and (isinstance(total, bool) or not isinstance(total, int) or total < 2):
+        raise ConfigError(f"rollout.max_total_tokens: expected an int >= 2 or null, got {total!r}")
+    if rollout.env is not None:
+        from .environments import load_environment
+
+        load_environment(rollout.env)  # a missing file or class is one line before any model is built
 
 
-def build_rollout_engine(rollout, backend, lora: bool = False) -> RolloutEngine:
-    """The rollout engine ``rollout.engine`` names (config checked by :func:`check_rollout`)."""
+def build_rollout_engine(rollout, backend, lora: bool = False, max_positions: int | None = None) -> RolloutEngine:
+    """The rollout engine ``rollout.engine`` names (config checked by :func:`check_rollout`),
+    running conversations with ``rollout.env`` when one is set."""
     if rollout.engine == "vllm":
         from .vllm_rollout import VllmRolloutEngine
 
-        return VllmRolloutEngine(rollout, backend, lora=lora)
-    return PolicyDecoding(rollout.engine, rollout.unshard)
+        engine = VllmRolloutEngine(rollout, backend, lora=lora)
+    else:
+        engine = PolicyDecoding(rollout.engine, rollout.unshard)
+    if rollout.env is None:
+        return engine
+    from .multi_turn import MultiTurnRollout, MultiTurnSettings
+
+    settings = MultiTurnSettings(rollout.env, dict(rollout.env_kwargs or {}), rollout.max_turns,
+                                 rollout.max_total_tokens, rollout.env_add_reward_fn, rollout.env_timeout_s)
+    return MultiTurnRollout(engine, settings, max_positions)

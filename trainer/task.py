@@ -84,8 +84,9 @@ class CharTokenizer:
         text = "".join(f"[{m['role']}] {m['content']} " for m in messages)
         return text + "[assistant] " if add_generation_prompt else text
 
-    def apply_chat_template(self, messages, add_generation_prompt: bool = True) -> list[int]:
-        """``<bos>`` then the tokens of :meth:`chat_text`."""
+    def apply_chat_template(self, messages, add_generation_prompt: bool = True, tools=None) -> list[int]:
+        """``<bos>`` then the tokens of :meth:`chat_text`. ``tools`` are not rendered: this
+        tokenizer has no tool syntax, so an environment describes its tools in its messages."""
         return [self.bos_token_id] + self.encode(self.chat_text(messages, add_generation_prompt))
 
     def save_pretrained(self, directory: str) -> None:
@@ -145,10 +146,12 @@ class HFTokenizerAdapter:
         """Whether the tokenizer can render chat messages."""
         return bool(getattr(self.tok, "chat_template", None))
 
-    def apply_chat_template(self, messages, add_generation_prompt: bool = True) -> list[int]:
-        """The token ids of ``messages`` rendered by the tokenizer's own chat template."""
+    def apply_chat_template(self, messages, add_generation_prompt: bool = True, tools=None) -> list[int]:
+        """The token ids of ``messages`` rendered by the tokenizer's own chat template (with the
+        ``tools`` JSON schemas, when given)."""
         ids = self.tok.apply_chat_template(list(messages), add_generation_prompt=add_generation_prompt,
-                                           tokenize=True, return_dict=False)
+                                           tokenize=True, return_dict=False,
+                                           **({"tools": list(tools)} if tools else {}))
         if isinstance(ids, dict) or hasattr(ids, "keys"):  # some versions return a BatchEncoding anyway
             ids = ids["input_ids"]
         return [int(i) for i in ids]
