@@ -338,7 +338,7 @@ def _delete(checkpoint: Path) -> None:
         return
     doomed = checkpoint.with_name(f"{DELETING_PREFIX}{checkpoint.name}")
     os.rename(checkpoint, doomed)
-    remove_path(doomed)
+    shutil.rmtree(doomed)
 
 
 def _remove_leftovers(directory: Path) -> None:

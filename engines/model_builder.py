@@ -65,7 +65,8 @@ def read_hf_config(path: str):
         reason = " ".join(str(exc).split())
         if "trust_remote_code" in reason:
             reason = ("its config.json maps the model to the directory's own Python code (auto_map), which "
-                      "polyfsdp never runs; use a model type this transformers version ships")
+                      "polyfsdp never runs (trust_remote_code=False); use a model type this transformers "
+                      "version ships")
         raise ValueError(f"ModelConfig.path: could not read a model config from {path!r}: {reason}") from None
 
 

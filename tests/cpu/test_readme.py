@@ -70,3 +70,24 @@ def test_readme_own_data_keys_exist_in_the_configs():
                                                                        "default.yaml").read_text()
     for key in set(re.findall(r"`(?:data|reward)\.(\w+)", section)):
         assert re.search(rf"^{key}:", configs, flags=re.M), key
+
+
+def test_readme_multi_turn_example_runs_as_written(tmp_path):
+    # The multi-turn section's environment file and command, with few steps.
+    import shlex
+
+    section = (ROOT / "README.md").read_text().split("## Multi-turn", 1)[1].split("\n## ", 1)[0]
+    files = dict(re.findall(r"```python (\S+)\n(.*?)```", section, flags=re.S))
+    assert set(files) == {"my_env.py"}
+    (tmp_path / "my_env.py").write_text(files["my_env.py"])
+    command = shlex.split(re.findall(r"```bash\n(.*?)```", section, flags=re.S)[0].replace("\\\n", " "))
+    assert command[0] == "polyfsdp-train"
+    tiny = ["trainer.sft_steps=2", "trainer.grpo_steps=2", "trainer.prompts_per_step=2", "algo.grpo.group_size=2",
+            "trainer.sft_batch_size=4", "data.eval_size=4", "trainer.progress=off", "trainer.plot=false",
+            "trainer.export=false", "trainer.checkpoint_interval=0", "trainer.output_dir=out"]
+    result = subprocess.run([sys.executable, "-m", "polyfsdp.trainer.train", *command[1:], *tiny], cwd=tmp_path,
+                            capture_output=True, text=True, timeout=300, env={**os.environ, "POLYFSDP_BACKEND": "cpu"})
+    assert result.returncode == 0, result.stderr[-3000:]
+    records = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
+    grpo = [r for r in records if r["phase"] == "grpo"]
+    assert len(grpo) == 2 and all(r["multi_turn/turns_mean"] >= 1.0 for r in grpo)

@@ -22,7 +22,7 @@ def _run_dir(tmp_path, overrides=(), holds=("checkpoints",)):
 @pytest.mark.parametrize("saved, override, name, before, now", [
     ([], "algo.adv_estimator=rloo", "algo.adv_estimator", "'grpo'", "'rloo'"),
     ([], "algo.rollout_correction.tis_cap=2.0", "algo.rollout_correction.tis_cap", "None", "2.0"),
-    ([], "algo.rollout_correction.report_mismatch=true", "algo.rollout_correction.report_mismatch", "False",
+    ([], "algo.rollout_correction.report_mismatch=true", "algo.rollout_correction.report_mismatch", "'auto'",
      "True"),
     ([], "algo.grpo.agg_mode=seq-mean-token-mean", "algo.grpo.agg_mode", "'token-mean'", "'seq-mean-token-mean'"),
     ([], "algo.grpo.kl_type=k1", "algo.grpo.kl_type", "'k3'", "'k1'"),
