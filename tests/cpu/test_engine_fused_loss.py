@@ -133,3 +133,19 @@ def test_a_loss_that_is_not_token_separable_keeps_todays_path(head_calls):
     _step(new, batch, Subclassed(), 1.0)
     assert not head_calls
     _assert_steps_equal(stepped_new, _step(old, batch, SequenceSquaredNLL(), 1.0))
+
+
+def test_gradients_accumulate_over_two_forward_backward_calls(head_calls):
+    new, old = _two_engines("qwen2-tiny-tied")
+    first, second = _batch(seed=31), _batch(seed=32)
+    loss_fn = PPOLoss(**PPO_ALL_TERMS)
+
+    def two_calls(engine):
+        sums = [engine.forward_backward(batch, loss_fn) for batch in (first, second)]
+        grads = {n: p.grad.detach().clone() for n, p in engine.module.named_parameters() if p.grad is not None}
+        per_call = {f"call{i}:{k}": v for i, call in enumerate(sums) for k, v in call.items()}
+        return per_call, grads, engine.optimizer_step()
+
+    stepped_new = two_calls(new)
+    assert len(head_calls) == 2
+    _assert_steps_equal(stepped_new, two_calls(old))
