@@ -149,3 +149,15 @@ def test_gradients_accumulate_over_two_forward_backward_calls(head_calls):
     stepped_new = two_calls(new)
     assert len(head_calls) == 2
     _assert_steps_equal(stepped_new, two_calls(old))
+
+
+def test_a_bfloat16_head_keeps_todays_four_gemm_path(head_calls):
+    new, old = _two_engines("qwen2-tiny-tied", param_dtype="bfloat16")
+    batch = _batch()
+    stepped_new = _step(new, batch, SFTLoss(), 1.0)
+    assert not head_calls  # fused_logprob_loss refuses low precision: the head applies the loss to its outputs
+    stepped_old = _step(old, batch, SFTLoss(), 1.0)
+    for key in stepped_old[0]:
+        assert torch.equal(stepped_new[0][key], stepped_old[0][key]), key
+    for name, g in stepped_old[1].items():  # the very same computation
+        assert torch.equal(stepped_new[1][name], g), name
