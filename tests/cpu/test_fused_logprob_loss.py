@@ -14,13 +14,13 @@ SEQ_LENS = (9, 1, 14, 6, 11)  # N = 41 tokens: several chunks of 8 with a ragged
 H, V, CHUNK = 8, 50, 8
 
 
-def _batch(seed=0):
+def _batch(seed=0, seq_lens=SEQ_LENS, h=H, v=V):
     g = torch.Generator().manual_seed(seed)
-    n = sum(SEQ_LENS)
-    hidden = torch.randn(n, H, generator=g)
-    weight = torch.randn(V, H, generator=g) / H**0.5 * 3
-    labels = torch.randint(0, V, (n,), generator=g)
-    offsets = torch.tensor([0, *torch.tensor(SEQ_LENS).cumsum(0).tolist()])
+    n = sum(seq_lens)
+    hidden = torch.randn(n, h, generator=g)
+    weight = torch.randn(v, h, generator=g) / h**0.5 * 3
+    labels = torch.randint(0, v, (n,), generator=g)
+    offsets = torch.tensor([0, *torch.tensor(seq_lens).cumsum(0).tolist()])
     labels[offsets[1:] - 1] = -100  # the last position of every sequence has no next token
     mask = (torch.rand(n, generator=g) > 0.3).float()
     mask[offsets[1:] - 1] = 0.0
@@ -39,7 +39,7 @@ def _loss_of(loss_fn, fields, offsets):
     def loss_of(log_probs, entropy):
         inputs = LossInputs(log_probs=log_probs, entropy=entropy, fields=fields, offsets=offsets,
                             global_num_tokens=float(fields["response_mask"].sum()) + 7.0,
-                            global_num_seqs=len(SEQ_LENS) + 3)
+                            global_num_seqs=offsets.numel() + 2)
         return loss_fn(inputs)
     return loss_of
 
@@ -136,3 +136,41 @@ def test_separability_is_declared_by_the_loss_class_itself():
     assert is_token_separable(SFTLoss()) and is_token_separable(PPOLoss())
     assert not is_token_separable(Rescaled()) and not is_token_separable(NotALoss())
     assert not is_token_separable(lambda inputs: None)
+
+
+def _full_logits_float64(hidden, weight, labels, temperature, softcap):
+    """Per-token (log-prob, entropy) from whole float64 logits, by plain autograd."""
+    z = hidden @ weight.t()
+    if softcap is not None:
+        z = softcap * torch.tanh(z / softcap)
+    log_p = torch.log_softmax(z / temperature[:, None], dim=-1)
+    valid = labels != -100
+    zero = torch.zeros((), dtype=z.dtype)
+    lp = torch.where(valid, log_p.gather(1, labels.clamp(min=0)[:, None]).squeeze(1), zero)
+    return lp, torch.where(valid, -(log_p.exp() * log_p).sum(-1), zero)
+
+
+@pytest.mark.parametrize("softcap", [None, 2.0])
+@pytest.mark.parametrize("loss_fn", [pytest.param(SFTLoss(agg_mode="seq-mean-token-mean"), id="sft"),
+                                     pytest.param(_ppo_variants("seq-mean-token-sum")[1], id="ppo-all-terms")])
+def test_float64_gradients_equal_whole_logits_autograd(loss_fn, softcap):
+    # An independent reference: no chunks, no hand-derived logits gradient. (The losses compute
+    # in float32, so finite differences cannot check them; autograd through them can.)
+    hidden, weight, labels, offsets, fields, temperature = _batch(seed=4)
+    loss_of = _loss_of(loss_fn, fields, offsets)
+    h64, w64, t64 = hidden.double(), weight.double(), temperature.double()
+    got = [h64.clone().requires_grad_(), w64.clone().requires_grad_()]
+    loss, metrics, _, _ = fused_logprob_loss(*got, labels, loss_of, temperature=t64, chunk_size=CHUNK, softcap=softcap,
+                                             return_entropy=loss_fn.requires_entropy)
+    loss.backward()
+    ref = [h64.clone().requires_grad_(), w64.clone().requires_grad_()]
+    lp, ent = _full_logits_float64(*ref, labels, t64, softcap)
+    ref_loss, ref_metrics = loss_of(lp, ent if loss_fn.requires_entropy else None)
+    ref_loss.backward()
+    torch.testing.assert_close(loss, ref_loss.detach(), rtol=1e-6, atol=1e-7)
+    for key in ref_metrics:
+        torch.testing.assert_close(metrics[key], ref_metrics[key], rtol=1e-6, atol=1e-7, msg=key)
+    for new, old in zip(got, ref):
+        scale = float(old.grad.abs().max())
+        assert scale > 0
+        torch.testing.assert_close(new.grad, old.grad, rtol=1e-5, atol=1e-6 * scale)
