@@ -24,7 +24,8 @@ per row) and keeps only per-token statistics (logsumexp, label logit, entropy). 
 backward recomputes the logits in vocabulary slices holding the same number of elements
 (``chunk_size * V``), so ``grad_weight`` rows are written once by one GEMM over all tokens
 and only the small ``(N, H)`` ``grad_hidden`` is accumulated. Total work: four GEMMs
-(forward, recompute, two gradient GEMMs). The working set is two float32 buffers of
+(forward, recompute, two gradient GEMMs); with a token-separable loss known in the forward,
+:mod:`fused_logprob_loss` needs three. The working set is two float32 buffers of
 ``chunk_size * V`` elements in the forward; the backward holds one, plus one when an
 entropy gradient is involved, plus one with soft-cap; see :func:`default_chunk_size` for
 the rule. ``return_entropy=False`` skips all entropy work in forward and backward.

@@ -91,21 +91,24 @@ class _FusedLogProbLoss(torch.autograd.Function):
             loss, metrics = loss_of(log_probs, entropy)
         outputs["metrics"] = metrics
         outputs["log_probs"], outputs["entropy"] = log_probs, entropy
-        # Saved like any intermediate: autograd frees them with the graph after the backward
-        # (kept for a second backward only under retain_graph).
-        ctx.save_for_backward(grad_hidden, grad_weight)
+        # Kept on ctx (not saved tensors) so the backward can scale them in place and drop
+        # them: a second (V, H) buffer would break the memory budget. Hence one backward only.
+        ctx.grads = (grad_hidden, grad_weight)
         return loss.detach().clone()
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_loss):
-        grad_hidden, grad_weight = ctx.saved_tensors
+        if ctx.grads is None:
+            raise RuntimeError("fused_logprob_loss: its loss supports one backward (the gradients were computed in "
+                               "the forward and are handed over once); run the forward again instead of retain_graph")
+        grad_hidden, grad_weight = ctx.grads
+        ctx.grads = None
         if grad_loss is None:
             return (None,) * 13
-        # The loss is the output; its gradient only scales the stored input gradients (out of
-        # place: a saved tensor changed in place would break a retain_graph second backward).
-        grad_hidden = None if grad_hidden is None else grad_hidden * grad_loss.to(grad_hidden.dtype)
-        grad_weight = None if grad_weight is None else grad_weight * grad_loss.to(grad_weight.dtype)
+        # The loss is the output; its gradient only scales the stored input gradients.
+        grad_hidden = None if grad_hidden is None else grad_hidden.mul_(grad_loss.to(grad_hidden.dtype))
+        grad_weight = None if grad_weight is None else grad_weight.mul_(grad_loss.to(grad_weight.dtype))
         return (grad_hidden, grad_weight) + (None,) * 11
 
 

@@ -111,6 +111,15 @@ def test_frozen_weight_gets_no_gradient_and_hidden_still_does():
     assert weight.grad is None and h.grad is not None and h.grad.abs().sum() > 0
 
 
+def test_a_second_backward_is_refused_with_the_fix():
+    hidden, weight, labels, offsets, fields, _ = _batch()
+    h = hidden.clone().requires_grad_()
+    loss, _, _, _ = fused_logprob_loss(h, weight, labels, _loss_of(SFTLoss(), fields, offsets), chunk_size=CHUNK)
+    loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="supports one backward.*run the forward again"):
+        loss.backward()
+
+
 def test_outputs_equal_todays_log_probs_and_entropy():
     hidden, weight, labels, offsets, fields, temperature = _batch()
     loss_of = _loss_of(PPOLoss(entropy_coef=0.1), fields, offsets)
