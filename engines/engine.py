@@ -30,10 +30,12 @@ from .checkpoint import CheckpointMixin
 from .config import EngineConfig, ModelConfig, OptimConfig
 from .dp_balance import Balanced, balance, replicas, restore
 from .flat_batch import FlatBatch, batch_to_flat, flat_to_caller
-from .forward_logprobs import FUSED_HEAD_METHOD, forward_logprobs, fused_head_support, install_fused_head
+from .forward_logprobs import (FUSED_HEAD_METHOD, forward_logprobs, forward_loss, fused_head_support,
+                               install_fused_head)
 from .fused_logprob_compiled import resolve_fused_kernel_impl
 from .lora import add_adapters, adapters_disabled, export_lora
 from .loss_inputs import LossInputs
+from .losses import is_token_separable
 from .micro_batch import count_micro_batches, is_placeholder, merge, split
 from .model_builder import build_model
 from .offload import host_grad_norm, offload_policy, optimizer_on_host
@@ -236,6 +238,14 @@ class FSDPEngine(CheckpointMixin):
                                 fused=self._use_fused(), softcap=self._softcap, return_entropy=return_entropy,
                                 fused_impl=self._fused_impl)
 
+    def _fuses_loss(self, loss_fn) -> bool:
+        """Whether ``loss_fn`` is taken inside the fused head's forward (3 GEMMs instead of 4,
+        engines/fused_logprob_loss.py): ``fuse_loss_into_head`` is on, the fused head serves
+        this model, and the loss declares itself token-separable. A critic, sequence
+        parallelism and any other loss keep the head's outputs -> loss -> backward path."""
+        return (self.engine_config.fuse_loss_into_head and not self.is_critic and self._sp is None
+                and is_token_separable(loss_fn) and self._use_fused())
+
     def _to_flat(self, batch: TensorDict, temperature, keys, checks: BatchChecks) -> FlatBatch:
         """The edge: caller's layout -> FlatBatch on the device, with value checks queued."""
         if not isinstance(batch, TensorDict):
@@ -391,27 +401,38 @@ class FSDPEngine(CheckpointMixin):
 
         model = self.module
         micro_batches = self._micro_batches(flat)
+        fuse_loss = self._fuses_loss(loss_fn)
         sums: dict[str, torch.Tensor] = {}
         with self.train_mode():
             for i, (micro, index) in enumerate(micro_batches):
                 set_gradient_sync(model, i == len(micro_batches) - 1)
-                log_probs, entropy = self.forward_flat(micro, need_entropy)
-                if is_placeholder(index):
-                    # A placeholder: join the collectives, contribute nothing.
-                    if log_probs.requires_grad:
-                        (log_probs.sum() * 0.0).backward()
-                    continue
-                if micro.total == 0:
-                    continue
-                # A critic's forward gives values where a policy's gives log-probs.
-                inputs = LossInputs(log_probs=None if self.is_critic else log_probs, entropy=entropy,
-                                    values=log_probs if self.is_critic else None, fields=dict(micro.fields),
-                                    offsets=micro.offsets, global_num_tokens=global_tokens,
-                                    global_num_seqs=global_seqs,
-                                    extras={"seq_fields": micro.seq_fields, "micro_batch": i,
-                                            "num_micro_batches": len(micro_batches)})
-                loss, metrics = loss_fn(inputs)
-                loss.backward()
+
+                def loss_of(log_probs, entropy, micro=micro, i=i):
+                    # A critic's forward gives values where a policy's gives log-probs.
+                    return loss_fn(LossInputs(log_probs=None if self.is_critic else log_probs, entropy=entropy,
+                                              values=log_probs if self.is_critic else None,
+                                              fields=dict(micro.fields), offsets=micro.offsets,
+                                              global_num_tokens=global_tokens, global_num_seqs=global_seqs,
+                                              extras={"seq_fields": micro.seq_fields, "micro_batch": i,
+                                                      "num_micro_batches": len(micro_batches)}))
+
+                if fuse_loss and micro.total > 0 and not is_placeholder(index):
+                    loss, metrics = forward_loss(model, micro, loss_of,
+                                                 use_remove_padding=self.engine_config.use_remove_padding,
+                                                 softcap=self._softcap, return_entropy=need_entropy,
+                                                 fused_impl=self._fused_impl)
+                    loss.backward()
+                else:
+                    log_probs, entropy = self.forward_flat(micro, need_entropy)
+                    if is_placeholder(index):
+                        # A placeholder: join the collectives, contribute nothing.
+                        if log_probs.requires_grad:
+                            (log_probs.sum() * 0.0).backward()
+                        continue
+                    if micro.total == 0:
+                        continue
+                    loss, metrics = loss_of(log_probs, entropy)
+                    loss.backward()
                 for key, value in {"loss": loss, **metrics}.items():
                     value = torch.as_tensor(value).detach().to(device=self.device, dtype=torch.float64)
                     sums[key] = _combine(key, sums.get(key), value)

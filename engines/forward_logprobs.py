@@ -24,6 +24,7 @@ import torch
 from . import jagged
 from .flat_batch import FlatBatch
 from .fused_logprob import check_labels_on_host, fused_logprob_entropy
+from .fused_logprob_loss import FULL_PRECISION, LossOf, fused_logprob_loss
 from .jagged import IGNORE_INDEX
 
 # Host copy of ``cu_seq_lens_q`` for attention functions that need the boundaries on the
@@ -97,6 +98,9 @@ class FusedHeadCall:
     softcap: float | None
     impl: str = "eager"
     compile_fallback: bool = False
+    # A token-separable loss taken inside the head's forward (engines/fused_logprob_loss.py):
+    # the call then returns ``(loss, metrics)`` instead of ``(log_probs, entropy)``.
+    loss_of: LossOf | None = None
 
 
 def fused_head_support(model) -> tuple[float | None, str | None]:
@@ -120,12 +124,18 @@ def fused_head_support(model) -> tuple[float | None, str | None]:
 
 def _fused_head(self, model_inputs: dict, labels: torch.Tensor, call: FusedHeadCall):
     """Run the decoder body, flatten its hidden states to real tokens, apply the fused op."""
-    hidden = self.model(**model_inputs, use_cache=False).last_hidden_state
+    hidden = call.to_flat(self.model(**model_inputs, use_cache=False).last_hidden_state)
     # Labels and temperatures were validated at the batch edge (engines/batch_checks.py).
-    return fused_logprob_entropy(call.to_flat(hidden), self.lm_head.weight, labels, temperature=call.temperature,
-                                 return_entropy=call.return_entropy, ignore_index=IGNORE_INDEX,
-                                 softcap=call.softcap, check_values=False, impl=call.impl,
-                                 compile_fallback=call.compile_fallback)
+    options = dict(temperature=call.temperature, return_entropy=call.return_entropy, ignore_index=IGNORE_INDEX,
+                   softcap=call.softcap, check_values=False, impl=call.impl, compile_fallback=call.compile_fallback)
+    weight = self.lm_head.weight
+    if call.loss_of is None:
+        return fused_logprob_entropy(hidden, weight, labels, **options)
+    if hidden.dtype in FULL_PRECISION and weight.dtype == hidden.dtype:
+        loss, metrics, _, _ = fused_logprob_loss(hidden, weight, labels, call.loss_of, **options)
+        return loss, metrics
+    # Low-precision heads keep the 4-GEMM backward (fused_logprob_loss's docstring says why).
+    return call.loss_of(*fused_logprob_entropy(hidden, weight, labels, **options))
 
 
 def install_fused_head(model) -> None:
@@ -159,6 +169,25 @@ def logprob_entropy_from_logits(logits: torch.Tensor, labels: torch.Tensor, temp
 
 
 # ----------------------------------------------------------------------------- the path
+def _fused_head_call(model, flat: FlatBatch, layout, *, softcap: float | None, return_entropy: bool,
+                     fused_impl: tuple[str, bool], loss_of: LossOf | None = None):
+    """Run the fused head installed on ``model`` over ``flat`` (see FusedHeadCall)."""
+    labels = jagged.next_token_labels_flat(flat.input_ids, flat.offsets, fill=IGNORE_INDEX)
+    call = FusedHeadCall(to_flat=lambda h: layout.to_flat(h, flat), temperature=flat.token_temperature(),
+                         return_entropy=return_entropy, softcap=softcap, impl=fused_impl[0],
+                         compile_fallback=fused_impl[1], loss_of=loss_of)
+    return getattr(model, FUSED_HEAD_METHOD)(layout.model_inputs(flat), labels, call)
+
+
+def forward_loss(model, flat: FlatBatch, loss_of: LossOf, *, use_remove_padding: bool, softcap: float | None,
+                 return_entropy: bool, fused_impl: tuple[str, bool] = ("eager", False)):
+    """``(loss, metrics)`` of a token-separable ``loss_of(log_probs, entropy)`` on a non-empty
+    ``flat`` through the fused head, with the loss gradient taken inside the head's forward
+    (engines/fused_logprob_loss.py); ``loss.backward()`` then only scales the stored gradients."""
+    return _fused_head_call(model, flat, row_inputs(use_remove_padding), softcap=softcap,
+                            return_entropy=return_entropy, fused_impl=fused_impl, loss_of=loss_of)
+
+
 def forward_logprobs(model, flat: FlatBatch, *, use_remove_padding: bool, fused: bool, softcap: float | None,
                      return_entropy: bool, fused_impl: tuple[str, bool] = ("eager", False)
                      ) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -169,14 +198,12 @@ def forward_logprobs(model, flat: FlatBatch, *, use_remove_padding: bool, fused:
         empty = flat.input_ids.new_zeros(0, dtype=torch.float32)
         return empty, (empty if return_entropy else None)
     layout = row_inputs(use_remove_padding)
+    if fused:
+        return _fused_head_call(model, flat, layout, softcap=softcap, return_entropy=return_entropy,
+                                fused_impl=fused_impl)
     labels = jagged.next_token_labels_flat(flat.input_ids, flat.offsets, fill=IGNORE_INDEX)
     inputs = layout.model_inputs(flat)
     temperature = flat.token_temperature()
-    if fused:
-        call = FusedHeadCall(to_flat=lambda h: layout.to_flat(h, flat), temperature=temperature,
-                             return_entropy=return_entropy, softcap=softcap, impl=fused_impl[0],
-                             compile_fallback=fused_impl[1])
-        return getattr(model, FUSED_HEAD_METHOD)(inputs, labels, call)
     logits = model(**inputs, use_cache=False).logits
     return logprob_entropy_from_logits(layout.to_flat(logits, flat), labels, temperature,
                                        return_entropy=return_entropy, ignore_index=IGNORE_INDEX, check_values=False)

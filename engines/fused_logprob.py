@@ -24,7 +24,8 @@ per row) and keeps only per-token statistics (logsumexp, label logit, entropy). 
 backward recomputes the logits in vocabulary slices holding the same number of elements
 (``chunk_size * V``), so ``grad_weight`` rows are written once by one GEMM over all tokens
 and only the small ``(N, H)`` ``grad_hidden`` is accumulated. Total work: four GEMMs
-(forward, recompute, two gradient GEMMs). The working set is two float32 buffers of
+(forward, recompute, two gradient GEMMs); with a token-separable loss known in the forward,
+:mod:`fused_logprob_loss` needs three. The working set is two float32 buffers of
 ``chunk_size * V`` elements in the forward; the backward holds one, plus one when an
 entropy gradient is involved, plus one with soft-cap; see :func:`default_chunk_size` for
 the rule. ``return_entropy=False`` skips all entropy work in forward and backward.
@@ -275,6 +276,28 @@ class _FusedLogProbEntropy(torch.autograd.Function):
         return grad_hidden, grad_weight, None, None, None, None, None, None, None
 
 
+def logit_grad_factors(head: "_Head", g_lp: torch.Tensor, g_ent: torch.Tensor | None,
+                       entropy: torch.Tensor | None, rows: slice):
+    """Per-row factors ``(d, c1, c0)`` of the gradient w.r.t. the raw GEMM output ``z`` of
+    ``rows``, from the gradients ``g_lp``/``g_ent`` of those rows' log-prob and entropy.
+
+    dL/dy_j = g_lp*(onehot_j - p_j) - g_ent*p_j*(y_j - E[y]) with y_j - E[y] = log p_j + H, and
+    dy/dz = pre (no soft-cap) or inv_t * (1 - tanh^2) (soft-cap): the row part goes into the
+    factors, the elementwise part is applied per slice. Hence dL/dz_j = p_j * (c1 * log p_j + c0)
+    + d * onehot_j. Without entropy (``g_ent`` None) dL/dz = d * (onehot - p) and c1 = c0 = None:
+    callers keep the row factor out of the slice (fold ``-d`` into the hidden rows for
+    grad_weight and apply it to grad_hidden afterwards).
+    """
+    row_scale = head.inv_t if head.softcap is not None else head.pre
+    row_scale = row_scale[rows].squeeze(1) if isinstance(row_scale, torch.Tensor) else row_scale
+    d = g_lp * row_scale
+    if g_ent is None:
+        return d, None, None
+    c1 = (-g_ent * row_scale).unsqueeze(1)
+    c0 = (-(g_ent * entropy + g_lp) * row_scale).unsqueeze(1)
+    return d, c1, c0
+
+
 def _backward(hidden, weight, labels, valid, lse, entropy, g_lp, g_ent, temperature, softcap,
               chunk_elems, need_h, need_w, kernels):
     """Gradients for hidden and weight, recomputing the logits one vocabulary slice at a time."""
@@ -285,21 +308,9 @@ def _backward(hidden, weight, labels, valid, lse, entropy, g_lp, g_ent, temperat
     zero = torch.zeros((), dtype=acc, device=dev)
     g_lp = torch.zeros(n, dtype=acc, device=dev) if g_lp is None else torch.where(valid, g_lp.to(acc), zero)
     use_ent = g_ent is not None
-    # d y / d z = pre (no soft-cap) or inv_t * (1 - tanh^2) (soft-cap): the row part goes
-    # into the per-row coefficients below, the elementwise part is applied per slice.
-    row_scale = head.inv_t if softcap is not None else head.pre
-    row_scale = row_scale.squeeze(1) if isinstance(row_scale, torch.Tensor) else row_scale
-    # dL/dy_j = g_lp*(onehot_j - p_j) - g_ent*p_j*(y_j - E[y]) with y_j - E[y] = log p_j + H.
-    # Hence dL/dz_j = p_j * (c1 * log p_j + c0) + d * onehot_j with the row factors below.
-    d = g_lp * row_scale
     if use_ent:
         g_ent = torch.where(valid, g_ent.to(acc), zero)
-        c1 = (-g_ent * row_scale).unsqueeze(1)
-        c0 = (-(g_ent * entropy + g_lp) * row_scale).unsqueeze(1)
-    else:
-        # Without entropy dL/dz = d * (onehot - p): keep the row factor out of the slice
-        # (folded into the hidden rows for grad_weight and applied to grad_hidden at the end).
-        c1 = c0 = None
+    d, c1, c0 = logit_grad_factors(head, g_lp, g_ent, entropy, slice(0, n))
     # bfloat16 keeps float32's exponent range, so its gradient GEMMs stay in bfloat16;
     # float16 would flush tiny p * g products to zero, so it runs them in float32.
     gemm_dtype = torch.float32 if hidden.dtype == torch.float16 else hidden.dtype
@@ -367,18 +378,22 @@ def fused_logprob_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: to
     compile, e.g. the NPU).
     """
     _check_inputs(hidden, weight, labels, temperature, chunk_size, softcap, check_values)
-    if impl not in FUSED_KERNEL_IMPLS:
-        raise ValueError(f"impl must be one of {', '.join(map(repr, FUSED_KERNEL_IMPLS))}; got {impl!r}")
+    kernels = kernels_for(impl, compile_fallback)
     n, v = hidden.shape[0], weight.shape[0]
     if check_values:
         check_labels_on_host(labels, v, int(ignore_index))
     if chunk_size is None:
         chunk_size = default_chunk_size(n, v)
+    return _FusedLogProbEntropy.apply(hidden, weight, labels, temperature, bool(return_entropy),
+                                      int(chunk_size), int(ignore_index), softcap, kernels)
+
+
+def kernels_for(impl: str, compile_fallback: bool = False):
+    """The chunk kernels for ``impl`` (``"eager"`` or ``"compiled"``, see fused_logprob_entropy)."""
+    if impl not in FUSED_KERNEL_IMPLS:
+        raise ValueError(f"impl must be one of {', '.join(map(repr, FUSED_KERNEL_IMPLS))}; got {impl!r}")
     if impl == "compiled":
         from .fused_logprob_compiled import compiled_kernels
 
-        kernels = compiled_kernels(fallback_to_eager=bool(compile_fallback))
-    else:
-        kernels = EAGER_KERNELS
-    return _FusedLogProbEntropy.apply(hidden, weight, labels, temperature, bool(return_entropy),
-                                      int(chunk_size), int(ignore_index), softcap, kernels)
+        return compiled_kernels(fallback_to_eager=bool(compile_fallback))
+    return EAGER_KERNELS

@@ -170,10 +170,23 @@ def kl_penalty(log_probs: torch.Tensor, ref_log_probs: torch.Tensor, kl_type: st
 # --------------------------------------------------------------------------- losses
 
 
+def is_token_separable(loss_fn) -> bool:
+    """Whether ``loss_fn`` declares itself token-separable: a sum over tokens of a function of
+    that token's log-prob, entropy and per-token fields, with normalisers fixed before the step
+    (global counts, constants), so each token's gradient needs that token alone. The fused head
+    then takes the loss gradient inside its forward (engines/fused_logprob_loss.py). The
+    declaration (``token_separable = True``) counts only on the loss's own class: a subclass may
+    change ``__call__`` and must declare it again."""
+    return vars(type(loss_fn)).get("token_separable", False) is True
+
+
+
+
 class SFTLoss:
     """Negative log-likelihood of the tokens selected by ``mask_field`` (the response)."""
 
     requires_entropy = False
+    token_separable = True  # every aggregation mode weights tokens by constants of the step
 
     def __init__(self, agg_mode: str = "token-mean", mask_field: str = "response_mask"):
         self.agg_mode = _check_agg_mode(agg_mode)
@@ -202,6 +215,10 @@ class PPOLoss:
     are from the old ones; ``tis_cap`` also weights each token's policy-gradient term by
     ``min(exp(old - rollout), tis_cap)`` (truncated importance sampling).
     """
+
+    # Clipping, dual-clip, TIS weights, k1/k3 and the entropy bonus are per token; the
+    # aggregation weights are constants of the step (is_token_separable).
+    token_separable = True
 
     def __init__(
         self,

@@ -24,7 +24,7 @@ def test_benchmark_quick_run_prints_every_path_and_matches_the_reference():
     assert done.returncode == 0, done.stdout + done.stderr
     rows = [line.split() for line in done.stdout.splitlines()]
     paths = {row[0] for row in rows if len(row) >= 6 and row[1] == "fwd+bwd"}
-    assert paths == {"floor", "naive", "eager", "compiled"}, done.stdout
+    assert paths == {"floor", "naive", "eager", "compiled", "eager-loss", "compiled-loss"}, done.stdout
     assert "ERROR" not in done.stdout
     assert "match the float64 reference" in done.stdout
 
@@ -65,3 +65,20 @@ def test_check_names_the_row_that_misses_a_target():
     big = bench._check_targets(bench.LARGE, results(1.25, 200))
     assert len(big) == 1 and "extra peak 0.250 of naive" in big[0]
     assert bench._check_targets(bench.TINY, results(9.0, 800)) == []  # no target at the smoke shape
+
+
+def test_check_names_a_slow_loss_in_forward_row():
+    bench = _load()
+
+    def results(loss_s, compiled_s=1.1):
+        return {("floor", "fwd+bwd"): {"median_s": 1.0, "peak_extra_bytes": 0},
+                ("naive", "fwd+bwd"): {"median_s": 1.5, "peak_extra_bytes": 800},
+                ("compiled", "fwd+bwd"): {"median_s": compiled_s, "peak_extra_bytes": 90},
+                ("compiled-loss", "fwd+bwd"): {"median_s": loss_s, "peak_extra_bytes": 90}}
+
+    assert bench._check_targets(bench.SHAPE, results(1.1)) == []
+    slow = bench._check_targets(bench.SHAPE, results(1.18))
+    assert slow == ["compiled-loss fwd+bwd at (2048, 1024, 32768): 1.18x the floor > target 1.15x"]
+    assert bench._check_targets(bench.LARGE, results(1.2, compiled_s=1.25)) == []
+    slower = bench._check_targets(bench.LARGE, results(1.3, compiled_s=1.25))
+    assert len(slower) == 1 and "1.04x the compiled path's time" in slower[0]
