@@ -22,9 +22,9 @@ from dataclasses import dataclass, field
 from polyfsdp.backends.distributed import all_reduce_max, current_world_size
 
 from .environments import as_env_step, check_messages, load_environment, parse_tool_calls
-from .rank_errors import error_prefix, on_every_rank
-from .reward_timeout import CallDeadline, RewardTimeout
-from .rewards import RewardError
+from .rank_errors import on_every_rank
+from .reward_timeout import CallDeadline
+from .rewards import RewardError, call_user_code
 
 # A placeholder exchange: the tokens the template puts around an environment turn are the
 # difference between rendering it after this exchange and rendering the exchange alone.
@@ -114,29 +114,17 @@ class MultiTurnRollout:
         """One-turn generation (the base engine's), for callers that need no environment."""
         return self.base.generate(*args, **kwargs)
 
-    def _env_call(self, trajectory, method: str, turn: int, call):
+    def _env_call(self, trajectory, method: str, turn: int, call, check):
+        """``check(call())``: the environment's ``method`` under ``rollout.env_timeout_s``, its
+        result checked; every failure one line naming the environment, the record and the turn."""
         where = f"rollout.env={self.settings.env} {method}()"
         record = trajectory.example.where or f"with prompt {trajectory.example.prompt!r}"
+        context = f"(record {record}, turn {turn})"
+        result = call_user_code(call, where, context, self._deadline, "rollout.env_timeout_s")
         try:
-            if self._deadline is None:
-                return call()
-            with self._deadline.limit(f"{error_prefix()}{where} did not return within rollout.env_timeout_s="
-                                      f"{self.settings.timeout_s:g} s (record {record}, turn {turn}); stopping"):
-                return call()
-        except RewardTimeout:
-            raise RewardError(f"{where} took longer than rollout.env_timeout_s={self.settings.timeout_s:g} s "
-                              f"(record {record}, turn {turn})") from None
-        except SystemExit as exc:
-            raise RewardError(f"{where} called sys.exit({exc.code!r}) (record {record}, turn {turn}); an "
-                              f"environment must return, not end the process") from None
-        except (ValueError, TypeError) as exc:
-            if str(exc).startswith(where):
-                raise RewardError(f"{exc} (record {record}, turn {turn})") from None
-            raise RewardError(f"{where} raised {type(exc).__name__}: {' '.join(str(exc).split())} "
-                              f"(record {record}, turn {turn})") from None
-        except Exception as exc:
-            raise RewardError(f"{where} raised {type(exc).__name__}: {' '.join(str(exc).split())} "
-                              f"(record {record}, turn {turn})") from None
+            return check(result, where)
+        except ValueError as exc:
+            raise RewardError(f"{exc} {context}") from None
 
     def _overflows(self, trajectory, more: int) -> bool:
         """Whether ``more`` tokens after the trajectory's would pass ``max_total_tokens``."""
@@ -148,8 +136,7 @@ class MultiTurnRollout:
             for _ in range(n):
                 env = self.env_class(**self.settings.env_kwargs)
                 holder = Trajectory(example, env, [])
-                where = f"rollout.env={self.settings.env} reset()"
-                messages = self._env_call(holder, "reset", 0, lambda: check_messages(env.reset(example), where))
+                messages = self._env_call(holder, "reset", 0, lambda: env.reset(example), check_messages)
                 if turns is None:
                     turns = ChatTurns(tokenizer, getattr(env, "tools", None))
                 holder.prompt = turns.prompt(messages)
@@ -190,8 +177,7 @@ class MultiTurnRollout:
                     t.turns += 1
                     t.last_text = tokenizer.decode(tokens)
                     t.tool_calls += len(parse_tool_calls(t.last_text))
-                    where = f"rollout.env={self.settings.env} step()"
-                    step = self._env_call(t, "step", turn, lambda: as_env_step(t.env.step(t.last_text), where))
+                    step = self._env_call(t, "step", turn, lambda: t.env.step(t.last_text), as_env_step)
                     t.reward += step.reward
                     ended = bool(tokens) and tokens[-1] == eos
                     if step.done or turn == self.settings.max_turns:

@@ -14,7 +14,6 @@ import copy
 import inspect
 import math
 import numbers
-from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -37,6 +36,29 @@ MAX_ABS_REWARD = 1e9
 
 class RewardError(DataError):
     """A reward function that failed or returned something unusable; one-line message."""
+
+
+def call_user_code(call, who: str, where: str, deadline: CallDeadline | None, timeout_key: str):
+    """``call()`` of the user's code (a reward function, an environment) under ``deadline``
+    (None: no limit): an exception, ``sys.exit`` or an overrun is a one-line RewardError naming
+    ``who`` and ``where`` (the record); a call stuck in C past the grace period ends the process
+    with that line."""
+    try:
+        if deadline is None:
+            return call()
+        hard_stop = (f"{error_prefix()}{who} did not return within {timeout_key}={deadline.timeout_s:g} s (nor "
+                     f"{deadline.grace_s:g} s later) {where}; stopping this process")
+        with deadline.limit(hard_stop):
+            return call()
+    except RewardTimeout:
+        raise RewardError(f"{who} took longer than {timeout_key}={deadline.timeout_s:g} s {where}; make it faster "
+                          f"or raise {timeout_key}") from None
+    except SystemExit as exc:
+        # User code that exits would end the run with its status (0: "success").
+        raise RewardError(f"{who} called sys.exit({exc.code!r}) {where}; it must return, not end the "
+                          f"process") from None
+    except Exception as exc:
+        raise RewardError(f"{who} raised {type(exc).__name__}: {first_line(exc)} {where}") from None
 
 
 def default_reward_name(data) -> str:
@@ -72,33 +94,15 @@ class Scorer:
     timeout_s: float | None = None
     _deadline: CallDeadline | None = field(default=None, init=False, repr=False, compare=False)
 
-    def _limit(self, record: str):
-        if self.timeout_s is None:
-            return nullcontext()
-        if self._deadline is None:
-            self._deadline = CallDeadline(self.timeout_s)
-        return self._deadline.limit(f"{error_prefix()}reward.fn={self.name} did not return within "
-                                    f"reward.timeout_s={self.timeout_s:g} s (nor {self._deadline.grace_s:g} s later) "
-                                    f"for record "
-                                    f"{record}; stopping this process")
-
     def _call(self, example, solution_str: str, response_ids: list[int], record: str):
         extra_info = copy.deepcopy(example.extra_info or {})
         extra_info["response_ids"] = list(response_ids)
-        where = f"(record {record}, completion {solution_str[:80]!r})"
-        try:
-            with self._limit(record):
-                return self.fn(example.data_source, solution_str, example.answer, extra_info, **self.kwargs)
-        except RewardTimeout:
-            raise RewardError(f"reward.fn={self.name} took longer than reward.timeout_s={self.timeout_s:g} s "
-                              f"{where}; make it faster or raise reward.timeout_s") from None
-        except SystemExit as exc:
-            # A reward that exits would end the run with the reward's status (0: "success").
-            raise RewardError(f"reward.fn={self.name} called sys.exit({exc.code!r}) {where}; a reward must return "
-                              f"a number, not end the process") from None
-        except Exception as exc:
-            raise RewardError(f"reward.fn={self.name} raised {type(exc).__name__}: {first_line(exc)} "
-                              f"{where}") from None
+        if self.timeout_s is not None and self._deadline is None:
+            self._deadline = CallDeadline(self.timeout_s)
+        return call_user_code(
+            lambda: self.fn(example.data_source, solution_str, example.answer, extra_info, **self.kwargs),
+            f"reward.fn={self.name}", f"(record {record}, completion {solution_str[:80]!r})", self._deadline,
+            "reward.timeout_s")
 
     def score(self, example, solution_str: str, response_ids: list[int]) -> tuple[float, dict[str, float]]:
         """The reward of one completion and its extra numeric metrics."""

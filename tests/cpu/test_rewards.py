@@ -197,7 +197,7 @@ def test_a_reward_stuck_in_c_code_ends_the_process_with_one_line():
     proc = subprocess.run([sys.executable, "-c", STUCK_IN_C], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert proc.stderr.strip() == ("polyfsdp-train: error: reward.fn=F:sleep did not return within reward.timeout_s="
-                                   "0.2 s (nor 0.3 s later) for record data.jsonl line 5; stopping this process")
+                                   "0.2 s (nor 0.3 s later) (record data.jsonl line 5, completion 'x'); stopping this process")
 
 
 @pytest.mark.parametrize("value,shown", [(10**400, "1000000000"), (1e308, "1e+308"), (-1e10, "-10000000000.0"),
