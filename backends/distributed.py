@@ -6,6 +6,7 @@ import ctypes
 import logging
 import os
 import socket
+import time
 from datetime import timedelta
 from typing import Any
 
@@ -234,11 +235,22 @@ def _process_gone(pid: int) -> bool:
         return False
 
 
-def lost_peers() -> list[int]:
-    """Ranks on this host whose process has ended (from the table gathered at set-up)."""
+# A killed peer's sockets close before its process is a zombie: how long a rank that saw the
+# connection drop looks for the process's end before saying the peer stopped answering.
+LOST_PEER_WAIT_S = 3.0
+
+
+def lost_peers(wait_s: float = LOST_PEER_WAIT_S) -> list[int]:
+    """Ranks on this host whose process has ended (from the table gathered at set-up),
+    looking for up to ``wait_s`` seconds."""
     host = socket.gethostname()
-    return [rank for rank, (peer_host, pid) in enumerate(_PEERS)
-            if rank != current_rank() and peer_host == host and _process_gone(pid)]
+    deadline = time.monotonic() + wait_s
+    while True:
+        lost = [rank for rank, (peer_host, pid) in enumerate(_PEERS)
+                if rank != current_rank() and peer_host == host and _process_gone(pid)]
+        if lost or time.monotonic() >= deadline:
+            return lost
+        time.sleep(0.05)
 
 
 def collective_failure(exc: BaseException) -> str | None:

@@ -14,6 +14,8 @@ import copy
 import inspect
 import math
 import numbers
+import os
+import traceback
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -58,7 +60,29 @@ def call_user_code(call, who: str, where: str, deadline: CallDeadline | None, ti
         raise RewardError(f"{who} called sys.exit({exc.code!r}) {where}; it must return, not end the "
                           f"process") from None
     except Exception as exc:
-        raise RewardError(f"{who} raised {type(exc).__name__}: {first_line(exc)} {where}") from None
+        if os.environ.get(TRACEBACK_SWITCH) == "1":
+            traceback.print_exc()  # the whole story, on request; the one line follows
+        raise RewardError(f"{who} raised {type(exc).__name__}: {first_line(exc)}{_user_frame(exc)} "
+                          f"{where}") from None
+
+
+# POLYFSDP_TRACEBACK=1 prints the full traceback of a failing reward function or environment.
+TRACEBACK_SWITCH = "POLYFSDP_TRACEBACK"
+# polyfsdp's own package folders (siblings of this one, wherever they are installed).
+_OWN_DIRS = tuple(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), name) + os.sep
+                  for name in ("trainer", "engines", "backends", "patches"))
+
+
+def _user_frame(exc: BaseException) -> str:
+    """`` at file:line`` of the innermost frame of ``exc``'s traceback in the user's own code
+    (not polyfsdp's, not the standard library's or a package's), else ''."""
+    frames = traceback.extract_tb(exc.__traceback__)
+    for frame in reversed(frames):
+        path = os.path.abspath(frame.filename)
+        if not (path.startswith(_OWN_DIRS) or "site-packages" in path or "/lib/python" in path
+                or frame.filename.startswith("<")):
+            return f" at {frame.filename}:{frame.lineno}"
+    return ""
 
 
 def default_reward_name(data) -> str:

@@ -98,7 +98,7 @@ class _Malformed(_Raises):
         return EnvStep([{"role": "user"}], 0.0, False)
 
 
-@pytest.mark.parametrize("env,expected", [(_Raises, "step() raised KeyError: 'boom' (record r7, turn 1)"),
+@pytest.mark.parametrize("env,expected", [(_Raises, f"step() raised KeyError: 'boom' at {__file__}:"),
                                           (_Malformed, "step() returned the message {'role': 'user'}")])
 def test_a_failing_environment_is_one_line_naming_it_the_record_and_the_turn(env, expected, monkeypatch):
     import polyfsdp.trainer.multi_turn as multi_turn
@@ -109,6 +109,7 @@ def test_a_failing_environment_is_one_line_naming_it_the_record_and_the_turn(env
         _multi_turn(ScriptedSampler(tok, ["a"]), env="mine").rollout(
             _Policy(), tok, [Example("p", "", where="r7")], 1, 8, True, 1.0, None, False)
     assert expected in str(info.value) and "rollout.env=mine" in str(info.value) and "\n" not in str(info.value)
+    assert str(info.value).endswith("(record r7, turn 1)"), str(info.value)
 
 
 def test_tool_calls_are_parsed_and_the_calculator_answers_them():

@@ -30,6 +30,9 @@ def crash(data_source, solution_str, ground_truth, extra_info=None):
 
 
 
+CRASH_LINE = next(i for i, line in enumerate(REWARD_FILE.splitlines(), 1) if "checker exploded" in line)
+
+
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     return write_model_dir(tmp_path_factory.mktemp("bpe") / "model")
@@ -260,7 +263,9 @@ def _cli(*args):
 
 
 @pytest.mark.parametrize("fn,expected", [
-    ("my_reward.py:crash", "reward.fn=my_reward.py:crash raised ValueError: checker exploded (record "),
+    # The user's file and line: where the reward raised.
+    ("my_reward.py:crash", "reward.fn=my_reward.py:crash raised ValueError: checker exploded at {tmp}/my_reward.py:"
+     f"{CRASH_LINE} (record "),
     ("my_reward.py:nope", "reward.fn=my_reward.py:nope: my_reward.py has no function 'nope'"),
 ])
 def test_reward_failures_at_the_cli_are_one_line_without_traceback(tmp_path, fn, expected):
@@ -272,6 +277,7 @@ def test_reward_failures_at_the_cli_are_one_line_without_traceback(tmp_path, fn,
                           env={**os.environ, "POLYFSDP_BACKEND": "cpu"})
     assert proc.returncode != 0 and "Traceback" not in proc.stderr + proc.stdout
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    expected = expected.replace("{tmp}", str(tmp_path))
     assert len(lines) == 1 and lines[0].startswith("polyfsdp-train: error: " + expected), proc.stderr
     if "nope" in fn:  # found before any model was built
         assert not (tmp_path / "out" / "init_model").exists()

@@ -99,7 +99,8 @@ def test_dict_metrics_are_averaged_over_what_was_reported(reward_file):
 
 
 @pytest.mark.parametrize("name,expected", [
-    ("boom", "reward.fn=F:boom raised KeyError: 'no checker for toy' (record train.jsonl line 3, completion '4')"),
+    ("boom", "reward.fn=F:boom raised KeyError: 'no checker for toy' at {reward_file}:{boom_line} (record train.jsonl "
+             "line 3, completion '4')"),
     ("nan", "reward.fn=F:nan returned nan for record train.jsonl line 3; expected a finite number"),
     ("text", "reward.fn=F:text returned '1.0' for record train.jsonl line 3; expected a finite number"),
     ("no_score", "reward.fn=F:no_score returned a dict without 'score' (keys ['acc']) for record train.jsonl line 3"),
@@ -108,6 +109,8 @@ def test_a_failing_reward_stops_with_one_line_naming_function_record_and_value(n
     scorer = Scorer(load_reward_fn(f"{reward_file}:{name}"), f"F:{name}")
     with pytest.raises(RewardError) as info:
         scorer.score(EXAMPLE, "4", [2])
+    boom_line = next(i for i, line in enumerate(open(reward_file).read().splitlines(), 1) if "raise KeyError" in line)
+    expected = expected.format(reward_file=reward_file, boom_line=boom_line)
     assert "\n" not in str(info.value) and str(info.value).startswith(expected), str(info.value)
 
 
@@ -239,3 +242,22 @@ def test_nested_extra_info_changed_by_a_reward_does_not_reach_the_next_call():
         scorer.score(example, text, [])
     assert seen == [1, 1, 1]
     assert example.extra_info == {"meta": {"seen": []}, "tags": ["x"]}
+
+
+def test_a_raising_reward_names_the_users_file_and_line(tmp_path, monkeypatch, capsys):
+    from polyfsdp.trainer.rewards import load_reward_fn
+
+    path = tmp_path / "my_reward.py"
+    path.write_text("def helper(x):\n    return 1 / x\n\n\ndef score(data_source, solution_str, ground_truth, "
+                    "extra_info=None):\n    return helper(0)\n")
+    scorer = Scorer(load_reward_fn(f"{path}:score"), "my_reward.py:score")
+    with pytest.raises(RewardError) as info:
+        scorer.score(EXAMPLE, "4", [2])
+    assert f"raised ZeroDivisionError: division by zero at {path}:2 (record " in str(info.value), str(info.value)
+    assert capsys.readouterr().err == ""
+    # The documented switch prints the whole traceback before the one line.
+    monkeypatch.setenv("POLYFSDP_TRACEBACK", "1")
+    with pytest.raises(RewardError):
+        scorer.score(EXAMPLE, "4", [2])
+    err = capsys.readouterr().err
+    assert "Traceback (most recent call last)" in err and "return helper(0)" in err
