@@ -129,8 +129,9 @@ def test_an_error_on_one_rank_stops_every_rank_promptly_with_one_line(tmp_path):
     assert two.returncode != 0
     ours = [line for line in two.stderr.splitlines() if line.startswith("polyfsdp-train")]
     assert len(ours) == 1, two.stderr[-3000:]
+    raise_line = RANK1_BAD_RECORD_REWARD.splitlines().index('        raise ValueError("bad record")') + 1
     assert ours[0].startswith(f"polyfsdp-train: error: rank 1: reward.fn={tmp_path / 'bad.py'}:score raised "
-                              f"ValueError: bad record (record "), ours[0]
+                              f"ValueError: bad record at {tmp_path / 'bad.py'}:{raise_line} (record "), ours[0]
     assert "Traceback" not in two.stdout
 
 
