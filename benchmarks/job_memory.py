@@ -16,6 +16,8 @@ import subprocess
 import sys
 import tempfile
 
+from memory_table import peak_rss_rise
+
 MIB = 2 ** 20
 # A model large enough that the job's memory dominates the allocator's noise, small enough
 # for a busy 2-core machine: qwen2 with hidden 512, 4 layers; the built-in reverse task.
@@ -36,14 +38,6 @@ JOBS = {  # name -> overrides (on top of MODEL and QUICK)
 }
 
 
-def _kib(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    raise RuntimeError(f"/proc/self/status has no {field}")
-
-
 def child(overrides: list[str]) -> dict:
     """Run one job in this process: the measured peak rise and the estimate's peak (bytes)."""
     import torch
@@ -62,13 +56,10 @@ def child(overrides: list[str]) -> dict:
     (torch.nn.functional.silu(x @ x).softmax(-1).sum()).backward()  # warm the kernels
     estimate = estimate_job(load_config(overrides), world_size=1)
     peak, where = estimate.peak()
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")  # reset the peak RSS (VmHWM) to the current RSS
-    before = _kib("VmRSS")
-    code = main(overrides)
+    code, rise = peak_rss_rise(lambda: main(overrides))
     if code != 0:
         raise RuntimeError(f"job exited {code}")
-    return {"measured": (_kib("VmHWM") - before) * 1024, "estimated": peak, "at": where}
+    return {"measured": rise, "estimated": peak, "at": where}
 
 
 def run_job(name: str, output_dir: str) -> dict:

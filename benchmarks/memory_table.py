@@ -34,6 +34,16 @@ def _rss_kib(field: str) -> int:
     raise RuntimeError(f"/proc/self/status has no {field}")
 
 
+def peak_rss_rise(work):
+    """``(work(), bytes)``: what ``work`` returns and how far this process's peak RSS rose above
+    its RSS just before it (Linux /proc: the peak is reset first)."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # reset the peak RSS (VmHWM) to the current RSS
+    before = _rss_kib("VmRSS")
+    result = work()
+    return result, (_rss_kib("VmHWM") - before) * 1024
+
+
 def child(preset: str, tokens: int, rank: int, checkpointing: bool, fused: bool) -> dict:
     """One case, in this process: measured step rise and the estimate's rows (bytes)."""
     import torch
@@ -56,11 +66,7 @@ def child(preset: str, tokens: int, rank: int, checkpointing: bool, fused: bool)
     batch = TensorDict({"input_ids": make_jagged(ids, offsets), "response_mask": make_jagged(mask, offsets)},
                        batch_size=[4])
     engine.train_batch(batch, SFTLoss())  # warm-up: optimizer state exists, gradients are None again
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")  # reset the peak RSS (VmHWM) to the current RSS
-    before = _rss_kib("VmRSS")
-    engine.forward_backward(batch, SFTLoss())
-    rise = (_rss_kib("VmHWM") - before) * 1024
+    _, rise = peak_rss_rise(lambda: engine.forward_backward(batch, SFTLoss()))
     estimate = estimate_memory(model_config, engine_config, world_size=1, tokens=tokens, host_backend=True,
                                entropy=False)  # SFTLoss needs no entropy
     return {"measured_rise": rise, "rows": estimate.rows}
