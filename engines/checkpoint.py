@@ -50,8 +50,7 @@ from torch.distributed.checkpoint.state_dict import (
 from polyfsdp.backends.distributed import all_gather_object, barrier, current_rank, current_world_size
 
 from .checkpoint_files import (CheckpointError, CheckpointSaveError, SafeDcpLoadPlanner, SafeDcpReader,
-                               check_dcp_metadata, load_plain, remove_path, save_plain, verify_checkpoint,
-                               write_manifest)
+                               check_dcp_metadata, load_plain, save_plain, verify_checkpoint, write_manifest)
 
 __all__ = ["CheckpointError", "CheckpointPart", "CheckpointSaveError", "checkpoint_parts", "complete_checkpoints",
            "export_hf", "latest_checkpoint", "load_checkpoint", "save_checkpoint", "step_dir_name", "verify_checkpoint"]

@@ -110,10 +110,6 @@ class MultiTurnRollout:
     def close(self) -> None:
         self.base.close()
 
-    def generate(self, *args, **kwargs):
-        """One-turn generation (the base engine's), for callers that need no environment."""
-        return self.base.generate(*args, **kwargs)
-
     def _env_call(self, trajectory, method: str, turn: int, call, check):
         """``check(call())``: the environment's ``method`` under ``rollout.env_timeout_s``, its
         result checked; every failure one line naming the environment, the record and the turn."""
