@@ -52,6 +52,15 @@ def available_backends() -> list[BackendStatus]:
     return statuses
 
 
+def backend_memory_is_host(name: str) -> bool:
+    """Whether backend ``name`` computes in host memory, without requiring it to be usable
+    here (a GPU job may be estimated on a laptop); ``auto`` is what this machine would pick."""
+    name = _check_name(name, "backend")
+    if name == "auto":
+        return get_backend("auto").memory_is_host
+    return _FACTORIES[name].memory_is_host
+
+
 def get_backend(name: str = "auto") -> Backend:
     """Return the backend called ``name`` (auto | cpu | cuda | npu).
 

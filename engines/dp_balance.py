@@ -64,7 +64,7 @@ def _assemble(sequences: list[dict], like: FlatBatch, device) -> FlatBatch:
     temperature = torch.stack([s["temperature"].float() for s in sequences]) if sequences else like.temperature
     flat = FlatBatch(cat([s["input_ids"] for s in sequences], like.input_ids[:0].cpu()), offsets, lengths,
                      fields, seq_fields, temperature)
-    return flat.to(device) if device.type != "cpu" else flat
+    return flat.to(device)  # tensors already on ``device`` are kept, not copied
 
 
 @dataclass

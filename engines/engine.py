@@ -263,7 +263,7 @@ class FSDPEngine(CheckpointMixin):
             raise ValueError(f"temperature: expected a float > 0 (finite) or a (B,) tensor, got {temperature!r}")
         else:
             flat.temperature = float(temperature)
-        flat = flat.to(self.device) if self.device.type != "cpu" else flat
+        flat = flat.to(self.device)  # tensors already on the device are kept, not copied
         if self.engine_config.check_inputs:
             checks.token_ids(flat.input_ids, self.module.get_input_embeddings().num_embeddings)
             if torch.is_tensor(flat.temperature):

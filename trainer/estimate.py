@@ -228,17 +228,6 @@ def _hf_config(cfg, tokenizer):
     return preset_config(cfg.model.preset, **{**dict(cfg.model.overrides), "vocab_size": tokenizer.vocab_size})
 
 
-def _memory_is_host(backend: str) -> bool:
-    """Whether the job's backend computes in host memory (CPU: offload is a no-op). A named
-    backend is taken at its word (a GPU job may be estimated on a laptop); ``auto`` is what
-    this machine would pick."""
-    if backend == "auto":
-        from polyfsdp.backends.registry import get_backend
-
-        return get_backend("auto").memory_is_host
-    return backend == "cpu"
-
-
 def estimate_job(cfg, world_size: int) -> JobEstimate:
     """The per-rank memory of ``cfg``'s job on ``world_size`` ranks, phase by phase."""
     from .data import DataError
@@ -249,7 +238,11 @@ def estimate_job(cfg, world_size: int) -> JobEstimate:
         raise ConfigError(str(exc)) from None
     hf_config = _hf_config(cfg, lengths.tokenizer)
     model_config = cfg.model.model_config()
-    host_backend = _memory_is_host(cfg.backend)
+    # Host memory (CPU): offload is a no-op. A named backend is taken at its word (a GPU
+    # job may be estimated on a laptop); ``auto`` is what this machine would pick.
+    from polyfsdp.backends.registry import backend_memory_is_host
+
+    host_backend = backend_memory_is_host(cfg.backend)
     policy = ModelMemory(model_config, cfg.engine, world_size, hf_config)
     grpo = cfg.algo.grpo
     lora = model_config.lora.enabled

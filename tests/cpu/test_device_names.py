@@ -6,7 +6,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 CHECKED_FOLDERS = ("engines", "patches", "trainer", "configs", "benchmarks")
-FORBIDDEN = re.compile(r"\b(cuda|npu|nccl|hccl)\b|torch\.cuda|torch_npu")
+# A comparison with "cpu" is a device decision too: ask the backend (memory_is_host, ...).
+FORBIDDEN = re.compile(r"\b(cuda|npu|nccl|hccl)\b|torch\.cuda|torch_npu"
+                       r"""|(==|!=)\s*["']cpu["']|["']cpu["']\s*(==|!=)""")
 
 
 def _violations() -> list[str]:
@@ -20,9 +22,10 @@ def _violations() -> list[str]:
 
 
 def test_pattern_catches_device_names():
-    for text in ('x.to("cuda")', "import torch_npu", "torch.cuda.synchronize()", "backend='hccl'", "npu"):
+    for text in ('x.to("cuda")', "import torch_npu", "torch.cuda.synchronize()", "backend='hccl'", "npu",
+                 'device.type != "cpu"', "backend == 'cpu'", '"cpu" == name'):
         assert FORBIDDEN.search(text), text
-    for text in ("accelerator", "cudagraph_free", "CPU"):
+    for text in ("accelerator", "cudagraph_free", "CPU", 'torch.device("cpu")', 'map_location="cpu"'):
         assert not FORBIDDEN.search(text), text
 
 

@@ -1,0 +1,139 @@
+"""Guards that keep the layout docs/architecture.md describes: imports point one way, the
+wheel ships every package, the paths the docs cite exist, the engine YAML and the engine
+dataclass give the same defaults."""
+from __future__ import annotations
+
+import ast
+import dataclasses
+import re
+import tomllib
+from pathlib import Path
+
+import yaml
+
+from polyfsdp.engines.config import EngineConfig, LoraConfig, OptimConfig
+
+ROOT = Path(__file__).resolve().parents[2]
+# Lower layers never import higher ones: trainer -> engines -> patches -> backends.
+LAYERS = {"backends": 0, "patches": 1, "engines": 2, "trainer": 3}
+DOCS = ("README.md", "docs/architecture.md")
+CITED_PATH = re.compile(r"`((?:backends|patches|engines|trainer|configs|tests|benchmarks|scripts|docs)/[^`\s]*)`")
+
+
+def _imported_layers(path: Path, package: str) -> list[tuple[int, str]]:
+    """``(line, top-level polyfsdp folder)`` of every polyfsdp import in ``path``."""
+    found = []
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    module_package = parts[:-1] if parts[-1] != "__init__" else parts[:-1]
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        names = []
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = module_package[:len(module_package) - node.level + 1]
+                names = [".".join(("polyfsdp", *base, *([node.module] if node.module else [])))]
+            elif node.module:
+                names = [node.module]
+        for name in names:
+            pieces = name.split(".")
+            if pieces[0] == "polyfsdp" and len(pieces) > 1 and pieces[1] in LAYERS:
+                found.append((node.lineno, pieces[1]))
+    return found
+
+
+def _upward_imports() -> list[str]:
+    violations = []
+    for folder, layer in LAYERS.items():
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            for line, target in _imported_layers(path, folder):
+                if LAYERS[target] > layer:
+                    violations.append(f"{path.relative_to(ROOT)}:{line} imports polyfsdp.{target}")
+    return violations
+
+
+def test_the_import_check_sees_relative_and_absolute_imports(tmp_path, monkeypatch):
+    engines = tmp_path / "engines" / "sub"
+    engines.mkdir(parents=True)
+    probe = engines / "probe.py"
+    probe.write_text("from ...trainer import job\nimport polyfsdp.trainer.config\nfrom ..backends import x\n"
+                     "from . import sibling\n")
+    monkeypatch.setattr(f"{__name__}.ROOT", tmp_path)
+    assert [target for _, target in _imported_layers(probe, "engines")] == ["trainer", "trainer", "engines",
+                                                                              "engines"]
+
+
+def test_imports_point_one_way():
+    violations = _upward_imports()
+    assert not violations, "upward imports (trainer -> engines -> patches -> backends):\n" + "\n".join(violations)
+
+
+def _source_packages() -> set[str]:
+    packages = set()
+    for init in ROOT.glob("*/**/__init__.py"):
+        folder = init.parent.relative_to(ROOT)
+        if folder.parts[0] in (*LAYERS, "configs"):
+            packages.add(".".join(("polyfsdp", *folder.parts)))
+    return packages
+
+
+def test_the_wheel_lists_every_package():
+    """pyproject names packages one by one (the source folders sit at the top level, mapped
+    under ``polyfsdp.``): a sub-package missing there is missing from a non-editable install."""
+    setuptools = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    listed = set(setuptools["packages"])
+    assert listed == _source_packages(), "pyproject [tool.setuptools] packages vs folders with __init__.py"
+
+
+def _cited_paths() -> list[tuple[str, str]]:
+    cited = []
+    for doc in DOCS:
+        for match in CITED_PATH.finditer((ROOT / doc).read_text()):
+            path = re.split(r"[:(]", match.group(1))[0]  # `file.py:Name`, `file.py::test`
+            if not any(c in path for c in "<*{"):  # templates such as `backends/<name>.py`
+                cited.append((doc, path))
+    return cited
+
+
+def test_every_path_the_docs_cite_exists():
+    cited = _cited_paths()
+    assert len(cited) > 50, "the citation pattern stopped matching the docs"
+    missing = [f"{doc}: {path}" for doc, path in cited if not (ROOT / path).exists()]
+    assert not missing, "paths cited in the docs that do not exist:\n" + "\n".join(missing)
+
+
+def _defaults(config_class) -> dict:
+    return {f.name: f.default for f in dataclasses.fields(config_class)}
+
+
+def _plain(value):
+    return list(value) if isinstance(value, tuple) else value
+
+
+def test_engine_yaml_defaults_equal_engine_config_defaults():
+    shipped = yaml.safe_load((ROOT / "configs" / "engine" / "default.yaml").read_text())
+    assert shipped == {name: _plain(value) for name, value in _defaults(EngineConfig).items()}
+
+
+def test_model_lora_yaml_defaults_equal_lora_config_defaults():
+    for family in sorted((ROOT / "configs" / "model").glob("*.yaml")):
+        lora = yaml.safe_load(family.read_text())["lora"]
+        assert lora == {name: _plain(value) for name, value in _defaults(LoraConfig).items()}, family.name
+
+
+# The phases' optimizer settings are the job's tuning for its tiny default model and differ
+# from OptimConfig's API defaults on purpose (OptimConfig.lr=1e-5 suits a pretrained model).
+JOB_TUNED_OPTIM_FIELDS = {"lr", "impl"}
+
+
+def test_phase_optim_yaml_has_every_optim_field_and_api_defaults_elsewhere():
+    api = {name: _plain(value) for name, value in _defaults(OptimConfig).items()}
+    for algo in sorted((ROOT / "configs" / "algo").glob("*.yaml")):
+        for phase, section in yaml.safe_load(algo.read_text()).items():
+            if not isinstance(section, dict) or "optim" not in section:
+                continue
+            optim = section["optim"]
+            assert set(optim) == set(api), f"{algo.name}: {phase}.optim keys"
+            differing = {k for k in api if optim[k] != api[k]}
+            assert differing <= JOB_TUNED_OPTIM_FIELDS, f"{algo.name}: {phase}.optim differs from OptimConfig in " \
+                f"{sorted(differing - JOB_TUNED_OPTIM_FIELDS)}"
