@@ -95,6 +95,9 @@ def train_on_rollout(policy, critic, ref, tokenizer, roll, pairs, algo, actor_lo
         rewards=roll.rewards, masks=masks, group_size=g.group_size, algo=algo, old_log_probs=old,
         ref_log_probs=ref_lp, values=values, kl=[o - r for o, r in zip(old, ref_lp)] if kl_in_reward else None,
         kl_coef=g.kl_coef, sum_over_ranks=over_ranks))
+    if critic is not None and result.returns is None:
+        raise ValueError(f"algo.adv_estimator={algo.adv_estimator} declares needs_critic but returned no returns "
+                         f"(the critic's targets): return Advantages(advantages, returns)")
     token_fields["advantages"] = result.advantages
     plan = mini_batch_plan(len(pairs) // g.group_size, g.group_size, mini_batches, g.epochs, shuffle_seed)
     out: dict = {}

@@ -56,3 +56,22 @@ def test_tiny_ppo_job_warms_up_the_critic_then_trains_both(tmp_path):
     checkpoints = tmp_path / "run" / "checkpoints"
     assert sorted(p.name for p in checkpoints.iterdir()) == ["rl", "sft"]  # no critic/ of its own
     assert checkpoint_parts(latest_checkpoint(checkpoints / "rl")) == ["critic"]
+
+
+def test_ppo_update_many_logs_one_record_per_update_with_both_engines(tmp_path):
+    """The one RL step's per-update records hold for PPO too: each optimizer step's record has
+    the critic's numbers (vf_*) and, after the warm-up, the actor's; the step's record holds
+    their summary."""
+    out = tmp_path / "run"
+    code = main([*TINY_PPO, "algo.critic.critic_warmup=1", "algo.actor.epochs=2", "trainer.checkpoint_interval=0",
+                 f"trainer.output_dir={out}"])
+    assert code == 0
+    records = read_metrics(str(out / "metrics.jsonl"))
+    updates = [r for r in records if r["phase"] == "rl_update"]
+    assert [(u["step"], u["update"]) for u in updates] == [(1, 1), (1, 2), (2, 1), (2, 2)]
+    assert all({"vf_loss", "vf_grad_norm"} <= set(u) and "vf_updates" not in u for u in updates)
+    assert all("pg_loss" not in u for u in updates if u["step"] == 1)  # the critic's warm-up
+    assert all({"pg_loss", "grad_norm", "vf_loss"} <= set(u) for u in updates if u["step"] == 2)
+    steps = {r["step"]: r for r in records if r["phase"] == "rl"}
+    assert steps[1]["vf_updates"] == 2 and steps[2]["updates"] == 2
+    assert steps[2]["vf_loss"] == pytest.approx(sum(u["vf_loss"] for u in updates if u["step"] == 2) / 2)
