@@ -25,6 +25,7 @@ import torch
 from polyfsdp.backends.distributed import all_reduce_sum
 
 from .batch import build_batch, per_sequence, response_field, response_mask
+from .compose import ConfigError
 from .estimators import AdvantageInputs
 from .gae import explained_variance
 from .multi_turn import rollout_metrics
@@ -96,7 +97,7 @@ def train_on_rollout(policy, critic, ref, tokenizer, roll, pairs, algo, actor_lo
         ref_log_probs=ref_lp, values=values, kl=[o - r for o, r in zip(old, ref_lp)] if kl_in_reward else None,
         kl_coef=g.kl_coef, sum_over_ranks=over_ranks))
     if critic is not None and result.returns is None:
-        raise ValueError(f"algo.adv_estimator={algo.adv_estimator} declares needs_critic but returned no returns "
+        raise ConfigError(f"algo.adv_estimator={algo.adv_estimator} declares needs_critic but returned no returns "
                          f"(the critic's targets): return Advantages(advantages, returns)")
     token_fields["advantages"] = result.advantages
     plan = mini_batch_plan(len(pairs) // g.group_size, g.group_size, mini_batches, g.epochs, shuffle_seed)
