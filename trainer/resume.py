@@ -168,8 +168,8 @@ def check_same_run(cfg: JobConfig, run_dir: Path) -> None:
     # evaluation, say) left only init_model, which the next run reuses: only the model must
     # match, so the user can fix the reward or the data and run again in the same directory.
     before_raw = OmegaConf.to_container(OmegaConf.load(saved))
-    if trained and (run_dir / "checkpoints" / LEGACY_RL_PHASE).is_dir() or \
-            any(renamed_key(f"algo.{key}") for key in (_section(before_raw, "algo") or {})):
+    if trained and ((run_dir / "checkpoints" / LEGACY_RL_PHASE).is_dir()
+                    or any(renamed_key(f"algo.{key}") for key in (_section(before_raw, "algo") or {}))):
         raise ConfigError(legacy_run_line(run_dir))
     before, now = {}, {}
     for dotted in SAME_RUN_SECTIONS if trained else ("model",):
