@@ -59,6 +59,10 @@ def test_the_yaml_comment_and_the_readme_list_the_registered_policy_losses():
     table = _readme_table("### Policy losses (`algo.actor.policy_loss`)")
     assert [row[0] for row in table] == list(POLICY_LOSSES)
     assert {row[0]: row[2] for row in table} == {n: p.summary for n, p in POLICY_LOSSES.items()}
+    for name, declares, _ in table:
+        entry = POLICY_LOSSES[name]
+        assert declares.startswith(f"clip range {entry.clip_ratio_low:g} / {entry.clip_ratio_high:g} by default")
+        assert (f"agg_mode {entry.agg_mode}" in declares) == (entry.agg_mode is not None)
 
 
 def test_declarations_decide_what_a_config_computes():
