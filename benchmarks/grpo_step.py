@@ -1,4 +1,4 @@
-"""GRPO step speed: polyfsdp's ``grpo_step`` against TRL's GRPOTrainer, side by side.
+"""GRPO step speed: polyfsdp's ``rl_step`` against TRL's GRPOTrainer, side by side.
 
 Same checkpoint (bench_task.py, built in code), same prompts, sampling settings, optimizer
 settings and thread count; runs interleaved per seed (polyfsdp first on even seeds, TRL

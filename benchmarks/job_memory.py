@@ -26,10 +26,10 @@ MODEL = ["model.overrides.hidden_size=512", "model.overrides.intermediate_size=1
          "model.overrides.num_key_value_heads=2"]
 # Two steps: AdamW's state appears at the first optimizer step, so from the second step on the
 # job holds what every later step holds (the estimate counts it throughout).
-QUICK = ["trainer.sft_steps=2", "trainer.grpo_steps=2", "trainer.sft_batch_size=64",
+QUICK = ["trainer.sft_steps=2", "trainer.rl_steps=2", "trainer.sft_batch_size=64",
          "trainer.prompts_per_step=16", "data.eval_size=4", "trainer.export=false",
          "trainer.checkpoint_interval=0", "trainer.plot=false", "trainer.progress=off", "trainer.eval_interval=0"]
-RL = ["trainer.sft_steps=0", "algo.grpo.group_size=8", "algo.grpo.max_new_tokens=16"]
+RL = ["trainer.sft_steps=0", "algo.actor.group_size=8", "algo.actor.max_new_tokens=16"]
 JOBS = {  # name -> overrides (on top of MODEL and QUICK)
     "sft": ["algo=sft", "trainer.sft_batch_size=256"],
     "grpo": RL,

@@ -1,4 +1,4 @@
-"""polyfsdp's side of the GRPO benchmarks: the trainer's own ``grpo_step`` on a checkpoint
+"""polyfsdp's side of the GRPO benchmarks: the trainer's own ``rl_step`` on a checkpoint
 from bench_task.py, with a per-phase timer (rollout, old log-probs, train)."""
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ from contextlib import contextmanager
 from bench_task import addition_reward
 from polyfsdp.engines import EngineConfig, FSDPEngine, ModelConfig, OptimConfig
 from polyfsdp.trainer import generate as gen_mod
-from polyfsdp.trainer import grpo as grpo_mod
-from polyfsdp.trainer import grpo_sampling
-from polyfsdp.trainer.algo_config import AlgoSection, GRPOSection
+from polyfsdp.trainer import rl_step as rl_step_mod
+from polyfsdp.trainer import sampling
+from polyfsdp.trainer.algo_config import AlgoSection, ActorSection
 from polyfsdp.trainer.rewards import Scorer
 from polyfsdp.trainer.task import Example, load_tokenizer
 
@@ -37,15 +37,15 @@ class PhaseTimer:
 
 @contextmanager
 def timed_phases(engine, timer: PhaseTimer):
-    """Time grpo_step's phases without editing trainer/grpo.py."""
-    saved = grpo_sampling.rollout, engine.infer_batch, engine.train_batch
-    grpo_sampling.rollout = timer.wrap("rollout", gen_mod.rollout)
+    """Time rl_step's phases without editing trainer/rl_step.py."""
+    saved = sampling.rollout, engine.infer_batch, engine.train_batch
+    sampling.rollout = timer.wrap("rollout", gen_mod.rollout)
     engine.infer_batch = timer.wrap("old_log_probs", engine.infer_batch)
     engine.train_batch = timer.wrap("train", engine.train_batch)
     try:
         yield timer
     finally:
-        grpo_sampling.rollout = saved[0]
+        sampling.rollout = saved[0]
         del engine.infer_batch, engine.train_batch
 
 
@@ -70,7 +70,7 @@ class PolyfsdpGRPO:
         self.tokenizer = load_tokenizer(path)
         self.engine = FSDPEngine(ModelConfig(path=path), EngineConfig(**(engine_kwargs or {})),
                                  OptimConfig(lr=lr, grad_clip=1.0, **(optim_kwargs or {}))).initialize()
-        self.cfg = AlgoSection(grpo=GRPOSection(group_size=group_size, max_new_tokens=max_new_tokens,
+        self.cfg = AlgoSection(actor=ActorSection(group_size=group_size, max_new_tokens=max_new_tokens,
                                                 temperature=1.0, kl_coef=0.0, entropy_coef=0.0, clip_ratio_low=0.2,
                                                 clip_ratio_high=0.28, **(grpo_kwargs or {})))
         self.loss = None  # built per step: the loss normalises over the step's prompt count
@@ -80,10 +80,10 @@ class PolyfsdpGRPO:
     def step(self, prompts: list[dict], seed: int) -> dict:
         """One GRPO step on ``prompts`` (dicts with prompt/answer); returns its metrics."""
         examples = [Example(prompt=p["prompt"], answer=p["answer"]) for p in prompts]
-        loss = self.cfg.ppo_loss(len(prompts))
+        loss = self.cfg.actor_loss(len(prompts))
         with hf_generate_only(self.hf_generate):
-            return grpo_mod.grpo_step(self.engine, None, self.tokenizer, examples, self.cfg, loss, sample_seed=seed,
-                                      scorer=self.scorer, mini_batches=self.cfg.grpo.mini_batches(len(prompts)))
+            return rl_step_mod.rl_step(self.engine, None, self.tokenizer, examples, self.cfg, loss, sample_seed=seed,
+                                       scorer=self.scorer, mini_batches=self.cfg.actor.mini_batches(len(prompts)))
 
     def run(self, batches: list[list[dict]], seed: int, warmup: int) -> tuple[list[float], list[float], dict]:
         """Step through ``batches``; per timed step its wall seconds and tokens, and the

@@ -3,7 +3,7 @@
 The public face (docs/architecture.md)::
 
     from polyfsdp.engines import (FSDPEngine, EngineConfig, ModelConfig, LoraConfig, OptimConfig,
-                                  SFTLoss, PPOLoss, ValueLoss, LossInputs, make_jagged)
+                                  SFTLoss, PPOLoss, GSPOLoss, ValueLoss, LossInputs, make_jagged)
 
 Names are imported on first use, so ``import polyfsdp.engines.jagged`` stays light.
 """
@@ -20,6 +20,7 @@ _PUBLIC = {
     "OptimConfig": "config",
     "SFTLoss": "losses",
     "PPOLoss": "losses",
+    "GSPOLoss": "losses",
     "ValueLoss": "value_loss",
     "LossInputs": "loss_inputs",
     "make_jagged": "jagged",

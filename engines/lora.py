@@ -151,7 +151,7 @@ def export_lora(directory, *, model: torch.nn.Module, config: LoraConfig, mode: 
 
 
 class AdaptersOff:
-    """An engine seen with its LoRA adapters off: the frozen base model as GRPO's KL
+    """An engine seen with its LoRA adapters off: the frozen base model as the RL phase's KL
     reference, without building a second model. Only inference is offered."""
 
     def __init__(self, engine) -> None:

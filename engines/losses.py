@@ -34,6 +34,11 @@ _LOG_RATIO_CLAMP = 20.0
 # verl's bounds on the k3 KL estimate (core_algos.kl_penalty, low_var_kl).
 K3_LOG_RATIO_BOUND = 20.0
 K3_BOUND = 10.0
+# GSPO (GSPOLoss): verl's default clip range for sequence-level ratios, and its bound on the
+# sequence log-ratio.
+GSPO_CLIP_RATIO_LOW = 3e-4
+GSPO_CLIP_RATIO_HIGH = 4e-4
+GSPO_LOG_RATIO_CLAMP = 10.0
 
 
 # --------------------------------------------------------------------------- segments
@@ -276,39 +281,17 @@ class PPOLoss:
     def __call__(self, inputs: LossInputs) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """Return ``(loss, metrics)``: pg_loss, clip fractions, ratio mean/max, approx_kl,
         [clip_frac_lower], [kl], [entropy], [rollout_mismatch_*, tis_weight_mean]."""
-        _check_inputs(inputs, self.required_fields, need_entropy=self.requires_entropy, loss_name="PPOLoss")
+        _check_inputs(inputs, self.required_fields, need_entropy=self.requires_entropy,
+                      loss_name=type(self).__name__)
         fields = inputs.fields
         log_probs = inputs.log_probs.float()
         mask = fields["response_mask"].to(log_probs.dtype)
         old = log_probs.detach() if self.on_policy else fields["old_log_probs"].to(log_probs.dtype)
         adv = fields["advantages"].to(log_probs.dtype)
 
-        log_ratio = torch.clamp(log_probs - old, -_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP)
-        ratio = torch.exp(log_ratio)
-        loss_unclipped = -adv * ratio
-        loss_clipped = -adv * torch.clamp(ratio, 1.0 - self.clip_ratio_low, 1.0 + self.clip_ratio_high)
-        pg = torch.maximum(loss_unclipped, loss_clipped)
-        clipped = loss_clipped > loss_unclipped  # = (A > 0, ratio > 1 + high) or (A < 0, ratio < 1 - low)
-        metrics = {"clip_frac": _token_share(clipped.float(), mask, inputs),
-                   "clip_frac_high": _token_share((clipped & (adv > 0)).float(), mask, inputs),
-                   "clip_frac_low": _token_share((clipped & (adv < 0)).float(), mask, inputs),
-                   "ratio_mean": _token_share(ratio, mask, inputs),
-                   "ratio_max": _masked_max(ratio, mask)}
-        if self.dual_clip_c is not None:
-            cap = -adv * self.dual_clip_c
-            negative = adv < 0
-            metrics["clip_frac_lower"] = _token_share(((pg > cap) & negative).float(), mask, inputs)
-            pg = torch.where(negative, torch.minimum(pg, cap), pg)
+        pg_loss, metrics = self._policy_gradient(inputs, log_probs, old, adv, mask)
         if self.report_mismatch:
-            rollout = fields["rollout_log_probs"].to(log_probs.dtype)
-            metrics.update(_mismatch_metrics(old, rollout, mask, inputs))
-            if self.tis_cap is not None:
-                # Truncated importance sampling: the rollout came from the sampler's
-                # distribution, the gradient is taken under the trainer's.
-                weight = torch.clamp(torch.exp(torch.clamp(old - rollout, max=_LOG_RATIO_CLAMP)), max=self.tis_cap)
-                metrics["tis_weight_mean"] = _token_share(weight, mask, inputs)
-                pg = pg * weight.detach()
-        pg_loss = aggregate(pg, mask, inputs, self.agg_mode, self.agg_norm_tokens)
+            metrics.update(_mismatch_metrics(old, fields["rollout_log_probs"].to(log_probs.dtype), mask, inputs))
         loss = pg_loss
         metrics["pg_loss"] = pg_loss.detach()
         # k1 estimate of KL(old || new), the usual PPO diagnostic.
@@ -326,6 +309,96 @@ class PPOLoss:
             if self.entropy_coef != 0.0:
                 loss = loss - self.entropy_coef * aggregate(entropy, mask, inputs, self.agg_mode, self.agg_norm_tokens)
         return loss, metrics
+
+    def _policy_gradient(self, inputs: LossInputs, log_probs: torch.Tensor, old: torch.Tensor, adv: torch.Tensor,
+                         mask: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """The clipped policy-gradient term's share of the step loss and its metrics: per token,
+        aggregated with ``agg_mode`` (a subclass may change what one term is, e.g. GSPOLoss)."""
+        log_ratio = torch.clamp(log_probs - old, -_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP)
+        ratio = torch.exp(log_ratio)
+        loss_unclipped = -adv * ratio
+        loss_clipped = -adv * torch.clamp(ratio, 1.0 - self.clip_ratio_low, 1.0 + self.clip_ratio_high)
+        pg = torch.maximum(loss_unclipped, loss_clipped)
+        clipped = loss_clipped > loss_unclipped  # = (A > 0, ratio > 1 + high) or (A < 0, ratio < 1 - low)
+        metrics = _clip_metrics(clipped, adv, ratio, mask, inputs)
+        if self.dual_clip_c is not None:
+            cap = -adv * self.dual_clip_c
+            negative = adv < 0
+            metrics["clip_frac_lower"] = _token_share(((pg > cap) & negative).float(), mask, inputs)
+            pg = torch.where(negative, torch.minimum(pg, cap), pg)
+        if self.tis_cap is not None:
+            # Truncated importance sampling: the rollout came from the sampler's
+            # distribution, the gradient is taken under the trainer's.
+            rollout = inputs.fields["rollout_log_probs"].to(log_probs.dtype)
+            weight = torch.clamp(torch.exp(torch.clamp(old - rollout, max=_LOG_RATIO_CLAMP)), max=self.tis_cap)
+            metrics["tis_weight_mean"] = _token_share(weight, mask, inputs)
+            pg = pg * weight.detach()
+        return aggregate(pg, mask, inputs, self.agg_mode, self.agg_norm_tokens), metrics
+
+
+class GSPOLoss(PPOLoss):
+    """GSPO's clipped policy loss (Zheng et al., 2025, "Group Sequence Policy Optimization"):
+    one importance ratio per SEQUENCE, ``s_i = exp(mean over i's response tokens of (logp -
+    old_logp))``, clipped like PPO's, ``pg_i = max(-A_i * s_i, -A_i * clip(s_i, 1 - low, 1 +
+    high))`` with ``A_i`` the mean of the sequence's token advantages, and the step loss the
+    mean of ``pg_i`` over the step's sequences (a sequence without response tokens adds 0).
+    Every token's gradient depends on its whole sequence, so this is not a sum of per-token
+    terms (not token-separable: the fused head keeps today's path).
+
+    ``sequence_level=False`` is GSPO-token: per-token terms with ``s_i,t = sg[s_i] *
+    exp(logp_t - sg[logp_t])`` (value s_i, gradient s_i * d logp_t) and per-token advantages,
+    aggregated with ``agg_mode`` (verl's "gspo"); with one advantage per sequence and
+    seq-mean-token-mean it equals the sequence-level loss in value and gradient. The KL and
+    entropy terms are PPOLoss's, aggregated with ``agg_mode``. Dual-clip and TIS are not
+    defined for it. The paper's clip ranges are ~1e-4 (sequence ratios stay close to 1).
+    """
+
+    token_separable = False  # s_i couples the tokens of a sequence
+
+    def __init__(self, clip_ratio_low: float = GSPO_CLIP_RATIO_LOW, clip_ratio_high: float = GSPO_CLIP_RATIO_HIGH,
+                 sequence_level: bool = True, agg_mode: str = "seq-mean-token-mean", **kwargs):
+        for key in ("dual_clip_c", "tis_cap"):
+            if kwargs.get(key) is not None:
+                raise ValueError(f"{key} applies to the per-token ppo policy loss, not to GSPO; leave it null")
+        super().__init__(clip_ratio_low=clip_ratio_low, clip_ratio_high=clip_ratio_high, agg_mode=agg_mode, **kwargs)
+        self.sequence_level = sequence_level
+
+    def _policy_gradient(self, inputs: LossInputs, log_probs: torch.Tensor, old: torch.Tensor, adv: torch.Tensor,
+                         mask: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        offsets = inputs.offsets.to(log_probs.device)
+        seq = segment_ids(offsets, log_probs.numel())
+        tokens = segment_sum(mask, offsets)
+        seq_log_ratio = segment_sum((log_probs - old) * mask, offsets) / tokens.clamp_min(1.0)
+        # verl's bound on the sequence log-ratio (exp stays finite far beyond any clip range).
+        seq_log_ratio = torch.clamp(seq_log_ratio, max=GSPO_LOG_RATIO_CLAMP)
+        if self.sequence_level:
+            ratio = torch.exp(seq_log_ratio)
+            seq_adv = segment_sum(adv * mask, offsets) / tokens.clamp_min(1.0)
+            unclipped = -seq_adv * ratio
+            clipped_loss = -seq_adv * torch.clamp(ratio, 1.0 - self.clip_ratio_low, 1.0 + self.clip_ratio_high)
+            pg = torch.maximum(unclipped, clipped_loss) * (tokens > 0)
+            pg_loss = pg.sum() / inputs.global_num_seqs
+            # Metrics per token (shares like PPOLoss'): each token carries its sequence's values.
+            clipped, ratio, adv = (clipped_loss > unclipped)[seq], ratio[seq], seq_adv[seq]
+        else:
+            ratio = torch.exp(seq_log_ratio.detach()[seq] + log_probs - log_probs.detach())
+            unclipped = -adv * ratio
+            clipped_loss = -adv * torch.clamp(ratio, 1.0 - self.clip_ratio_low, 1.0 + self.clip_ratio_high)
+            pg_loss = aggregate(torch.maximum(unclipped, clipped_loss), mask, inputs, self.agg_mode,
+                                self.agg_norm_tokens)
+            clipped = clipped_loss > unclipped
+        return pg_loss, _clip_metrics(clipped, adv, ratio, mask, inputs)
+
+
+def _clip_metrics(clipped: torch.Tensor, adv: torch.Tensor, ratio: torch.Tensor, mask: torch.Tensor,
+                  inputs: LossInputs) -> dict[str, torch.Tensor]:
+    """Clip fractions (all, A > 0 at the upper bound, A < 0 at the lower) and the ratio's mean
+    and max over the response tokens."""
+    return {"clip_frac": _token_share(clipped.float(), mask, inputs),
+            "clip_frac_high": _token_share((clipped & (adv > 0)).float(), mask, inputs),
+            "clip_frac_low": _token_share((clipped & (adv < 0)).float(), mask, inputs),
+            "ratio_mean": _token_share(ratio, mask, inputs),
+            "ratio_max": _masked_max(ratio, mask)}
 
 
 def _masked_max(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

@@ -1,4 +1,4 @@
-"""The training application: Hydra entrypoint, SFT and GRPO loops, the built-in task."""
+"""The training application: Hydra entrypoint, SFT and RL loops, the built-in task."""
 from .startup import interrupted_while_starting
 
 try:

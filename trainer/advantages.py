@@ -1,5 +1,6 @@
-"""Advantage estimators (``algo.adv_estimator``): from one rollout's rewards to per-token
-advantages. Groups are consecutive runs of ``group_size`` completions of one prompt.
+"""The advantage estimators' arithmetic (registered, with what each needs, in
+trainer/estimators.py): from one rollout's rewards to per-token advantages. Groups are
+consecutive runs of ``group_size`` completions of one prompt.
 
 - ``grpo``: (r - group mean) / (group std + eps) (``norm_adv_by_std=false``: no division).
 - ``dr_grpo``: r - group mean; the loss aggregates with a constant normaliser
@@ -18,7 +19,6 @@ from typing import Callable, Sequence
 
 import torch
 
-ADV_ESTIMATORS = ("grpo", "dr_grpo", "rloo", "reinforce_plus_plus")
 GROUP_ESTIMATORS = ("grpo", "dr_grpo", "rloo")
 # Added to the std before dividing: a constant group has std 0 and must give 0, not NaN.
 STD_EPS = 1e-6
@@ -45,13 +45,14 @@ def group_advantages(rewards: torch.Tensor, group_size: int, estimator: str = "g
     return centred.reshape(-1).float()
 
 
-def _sum_over_ranks(values: list[float]) -> list[float]:
+def sum_on_one_rank(values: list[float]) -> list[float]:
+    """The ``sum_over_ranks`` of a single process: the values themselves."""
     return values
 
 
 def reinforce_plus_plus_advantages(rewards: Sequence[float], masks: Sequence[torch.Tensor],
                                    kl: Sequence[torch.Tensor] | None, kl_coef: float,
-                                   sum_over_ranks: Callable[[list[float]], list[float]] = _sum_over_ranks
+                                   sum_over_ranks: Callable[[list[float]], list[float]] = sum_on_one_rank
                                    ) -> list[torch.Tensor]:
     """Per-token advantages, one flat tensor per sequence (in the engine's alignment).
 
@@ -87,7 +88,7 @@ def token_level_rewards(rewards: Sequence[float], masks: Sequence[torch.Tensor],
 
 
 def whiten(values: Sequence[torch.Tensor], masks: Sequence[torch.Tensor],
-           sum_over_ranks: Callable[[list[float]], list[float]] = _sum_over_ranks) -> list[torch.Tensor]:
+           sum_over_ranks: Callable[[list[float]], list[float]] = sum_on_one_rank) -> list[torch.Tensor]:
     """``(v - mean) / sqrt(var + eps)`` over every masked token of the batch (verl's
     masked_whiten: unbiased variance), zero off the masks; ``sum_over_ranks`` sums the
     moments over ranks so every rank uses the same statistics. One float32 tensor per sequence."""

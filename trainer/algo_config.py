@@ -1,6 +1,7 @@
-"""The ``algo`` group's sections: SFT, GRPO (update-many, advantage estimators, group
-filtering), PPO's critic and GAE, and the rollout/train mismatch correction; mirrored by
-configs/algo/*.yaml."""
+"""The ``algo`` group's sections: SFT, the RL phase's actor (rollout, policy loss,
+update-many, group filtering), the critic and GAE of the critic estimators, and the
+rollout/train mismatch correction; mirrored by configs/algo/*.yaml. Which estimator and
+policy loss need what is declared with them (trainer/estimators.py, trainer/policy_losses.py)."""
 from __future__ import annotations
 
 import os
@@ -8,17 +9,15 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from polyfsdp.engines.config import OptimConfig
-from polyfsdp.engines.losses import AGG_MODES, DEFAULT_CLIP_RATIO_HIGH, KL_TYPES, PPO_AGG_MODES, PPOLoss
+from polyfsdp.engines.losses import AGG_MODES, KL_TYPES, PPO_AGG_MODES, PPOLoss
 from polyfsdp.engines.value_loss import ValueLoss
 
-from .advantages import ADV_ESTIMATORS
 from .compose import ConfigError
+from .estimators import Estimator, resolve_estimator
+from .policy_losses import policy_loss_entry
 
-# Dr. GRPO sums each sequence's token losses and divides by a constant (the generation budget).
-DR_GRPO_AGG_MODE = "seq-mean-token-sum-norm"
-# Algorithms with an RL phase after the SFT warm-up, and PPO's advantage estimator.
+# algo presets with an RL phase after the SFT warm-up (configs/algo/<name>.yaml).
 RL_ALGOS = ("grpo", "ppo")
-PPO_ADV_ESTIMATORS = ("gae",)
 
 
 def check_choice(key: str, value: Any, allowed) -> None:
@@ -45,16 +44,17 @@ class SFTSection:
 
 
 @dataclass
-class GRPOSection:
-    """GRPO phase: its optimizer (``optim``), sampling, advantage normalisation, PPO loss
-    terms, and how one rollout is split into optimizer steps."""
+class ActorSection:
+    """The RL phase's policy: its optimizer (``optim``), sampling, advantage normalisation,
+    the policy loss and its terms, and how one rollout is split into optimizer steps."""
 
     optim: OptimConfig = field(default_factory=OptimConfig)
     group_size: int = 8
     temperature: float = 1.0
     max_new_tokens: int = 8
-    clip_ratio_low: float = 0.2
-    clip_ratio_high: float = DEFAULT_CLIP_RATIO_HIGH
+    policy_loss: str = "ppo"
+    clip_ratio_low: float | None = None   # None: the policy loss's default (trainer/policy_losses.py)
+    clip_ratio_high: float | None = None
     dual_clip_c: float | None = None
     kl_coef: float = 0.01
     kl_type: str = "k3"
@@ -82,6 +82,7 @@ class GRPOSection:
         if not self.temperature > 0:
             raise ConfigError(f"{where}.temperature: expected > 0, got {self.temperature}")
         check_choice(f"{where}.agg_mode", self.agg_mode, PPO_AGG_MODES)
+        policy_loss_entry(self.policy_loss, f"{where}.policy_loss")
         check_choice(f"{where}.kl_type", self.kl_type, KL_TYPES)
         size = self.mini_batch_size
         if size is not None:
@@ -95,9 +96,10 @@ class GRPOSection:
 
 
 @dataclass
-class PPOSection:
-    """algo=ppo: the critic (its optimizer ``optim``, value-head init, clipped value loss)
-    and GAE. The rollout and the actor's loss are ``algo.grpo``'s."""
+class CriticSection:
+    """A critic estimator's (gae, algo=ppo): the critic (its optimizer ``optim``, value-head
+    init, clipped value loss, warm-up) and GAE's discounts. The rollout and the actor's loss
+    are ``algo.actor``'s."""
 
     optim: OptimConfig = field(default_factory=OptimConfig)
     gamma: float = 1.0
@@ -156,57 +158,88 @@ class RolloutCorrectionSection:
 
 @dataclass
 class AlgoSection:
-    """``algo=grpo`` (SFT warm-up then GRPO), ``algo=ppo`` (SFT warm-up then PPO with a
-    critic: the RL phase keeps GRPO's names and rollout settings) or ``algo=sft`` (SFT only)."""
+    """``algo=grpo`` (SFT warm-up then RL with a group estimator), ``algo=ppo`` (the same with
+    the critic estimator gae and its ``critic`` section) or ``algo=sft`` (SFT only). What the
+    RL phase computes follows from ``adv_estimator`` and ``actor.policy_loss``."""
 
     name: str = "grpo"
     adv_estimator: str = "grpo"
     sft: SFTSection = field(default_factory=SFTSection)
-    grpo: GRPOSection | None = None
-    ppo: PPOSection | None = None
+    actor: ActorSection | None = None
+    critic: CriticSection | None = None
     rollout_correction: RolloutCorrectionSection = field(default_factory=RolloutCorrectionSection)
 
     @property
     def rl(self) -> bool:
-        """Whether an RL phase follows the SFT warm-up (grpo or ppo)."""
+        """Whether an RL phase follows the SFT warm-up."""
         return self.name in RL_ALGOS
+
+    @property
+    def estimator(self) -> Estimator:
+        """The registered (or user's) estimator ``adv_estimator`` names."""
+        return resolve_estimator(self.adv_estimator)
 
     @property
     def kl_in_reward(self) -> bool:
         """Whether the KL penalty goes into the per-token reward instead of the actor's loss."""
-        return self.adv_estimator == "reinforce_plus_plus" or (self.ppo is not None and self.ppo.kl_in_reward)
+        est = self.estimator
+        return est.kl_in_reward or (est.needs_critic and self.critic is not None and self.critic.kl_in_reward)
 
-    def validate_grpo(self, prompts_per_step: int, world_size: int) -> None:
-        """The RL settings, together (estimator, loss, correction, PPO's critic)."""
-        if self.name == "ppo":
-            check_choice("algo.adv_estimator", self.adv_estimator, PPO_ADV_ESTIMATORS)
-            if self.ppo is None:
-                raise ConfigError("algo.ppo: algo=ppo needs its ppo section (the critic and GAE settings)")
-            self.ppo.validate("algo.ppo")
-        else:
-            check_choice("algo.adv_estimator", self.adv_estimator, ADV_ESTIMATORS)
-        self.grpo.validate("algo.grpo", prompts_per_step, world_size)
+    def needs_old_log_probs(self, actor_loss, has_reference: bool) -> bool:
+        """The one rule for computing the rollout's old log-probs: a loss off policy (one update
+        per rollout is on policy: ratio == 1, the loss uses its own log-probs), an estimator that
+        reads them, or the KL in the reward (logp_old - logp_ref, when there is a reference)."""
+        return (not actor_loss.on_policy or self.estimator.needs_old_log_probs
+                or (self.kl_in_reward and has_reference))
+
+    def validate_rl(self, prompts_per_step: int, world_size: int) -> None:
+        """The RL settings, together (estimator, critic, policy loss, correction)."""
+        est = self.estimator
+        if est.needs_critic and self.critic is None:
+            raise ConfigError(f"algo.adv_estimator: {self.adv_estimator} learns a critic, which needs the algo.critic "
+                              f"section: use algo=ppo (or algo=ppo algo.adv_estimator={self.adv_estimator})")
+        if not est.needs_critic and self.critic is not None:
+            raise ConfigError(f"algo.adv_estimator: got {self.adv_estimator!r}, which uses no critic, but "
+                              f"algo={self.name} configures one (algo.critic); use algo=grpo for it, or a critic "
+                              f"estimator (gae)")
+        if self.critic is not None:
+            self.critic.validate("algo.critic")
+        self.actor.validate("algo.actor", prompts_per_step, world_size)
         self.rollout_correction.validate("algo.rollout_correction")
-        if self.adv_estimator == "dr_grpo" and self.grpo.agg_mode not in ("token-mean", DR_GRPO_AGG_MODE):
-            raise ConfigError(f"algo.grpo.agg_mode: adv_estimator=dr_grpo aggregates with {DR_GRPO_AGG_MODE}; "
-                              f"leave agg_mode at its default, got {self.grpo.agg_mode!r}")
+        loss = policy_loss_entry(self.actor.policy_loss)
+        if est.agg_mode and loss.agg_mode and est.agg_mode != loss.agg_mode:
+            raise ConfigError(f"algo.actor.policy_loss: adv_estimator={self.adv_estimator} aggregates with "
+                              f"{est.agg_mode}, policy_loss={loss.name} with {loss.agg_mode}; choose another pair")
+        for who, mode in ((f"adv_estimator={self.adv_estimator}", est.agg_mode),
+                          (f"policy_loss={loss.name}", loss.agg_mode)):
+            if mode and self.actor.agg_mode not in ("token-mean", mode):
+                raise ConfigError(f"algo.actor.agg_mode: {who} aggregates with {mode}; leave agg_mode at its "
+                                  f"default, got {self.actor.agg_mode!r}")
+        if not loss.per_token_corrections:
+            for key, value in (("algo.actor.dual_clip_c", self.actor.dual_clip_c),
+                               ("algo.rollout_correction.tis_cap", self.rollout_correction.tis_cap)):
+                if value is not None:
+                    raise ConfigError(f"{key}: applies to the per-token ppo policy loss, not to policy_loss="
+                                      f"{loss.name}; leave it null")
         try:
-            self.ppo_loss(prompts_per_step)
+            self.actor_loss(prompts_per_step)
         except ValueError as exc:
-            raise ConfigError(f"algo.grpo: {exc}") from None
+            raise ConfigError(f"algo.actor: {exc}") from None
 
-    def ppo_loss(self, prompts_per_step: int) -> PPOLoss:
-        """The PPO loss these settings describe (entropy always reported). With one update
-        per rollout the old log-probs are the current ones (ratio == 1), never computed.
-        reinforce_plus_plus (and algo.ppo.kl_in_reward) put the KL penalty into the reward,
-        so not into the loss."""
-        g = self.grpo
-        agg_mode = DR_GRPO_AGG_MODE if self.adv_estimator == "dr_grpo" else g.agg_mode
-        return PPOLoss(clip_ratio_low=g.clip_ratio_low, clip_ratio_high=g.clip_ratio_high,
-                       dual_clip_c=g.dual_clip_c,
-                       kl_coef=0.0 if self.kl_in_reward else g.kl_coef,
-                       kl_type=g.kl_type, entropy_coef=g.entropy_coef, agg_mode=agg_mode, report_entropy=True,
-                       on_policy=g.updates_per_rollout(prompts_per_step) == 1,
-                       tis_cap=self.rollout_correction.tis_cap,
-                       report_mismatch=self.rollout_correction.report_mismatch,
-                       agg_norm_tokens=float(g.max_new_tokens))
+    def actor_loss(self, prompts_per_step: int) -> PPOLoss:
+        """The policy loss these settings describe (entropy always reported). With one update
+        per rollout the old log-probs are the current ones (ratio == 1), never computed. An
+        estimator with the KL in the reward (reinforce_plus_plus, algo.critic.kl_in_reward)
+        takes it out of the loss."""
+        g = self.actor
+        entry = policy_loss_entry(g.policy_loss)
+        agg_mode = self.estimator.agg_mode or entry.agg_mode or g.agg_mode
+        corrections = {"dual_clip_c": g.dual_clip_c, "tis_cap": self.rollout_correction.tis_cap} \
+            if entry.per_token_corrections else {}
+        return entry.loss_class(
+            clip_ratio_low=entry.clip_ratio_low if g.clip_ratio_low is None else g.clip_ratio_low,
+            clip_ratio_high=entry.clip_ratio_high if g.clip_ratio_high is None else g.clip_ratio_high,
+            kl_coef=0.0 if self.kl_in_reward else g.kl_coef, kl_type=g.kl_type, entropy_coef=g.entropy_coef,
+            agg_mode=agg_mode, report_entropy=True, on_policy=g.updates_per_rollout(prompts_per_step) == 1,
+            report_mismatch=self.rollout_correction.report_mismatch, agg_norm_tokens=float(g.max_new_tokens),
+            **corrections, **entry.options)

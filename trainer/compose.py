@@ -11,6 +11,32 @@ CONFIG_NAME = "train"
 GROUPS = ("backend", "model", "engine", "patches", "algo", "data", "reward", "rollout", "eval", "trainer")
 
 
+# Keys renamed when the RL phase stopped being named after GRPO (old -> new). A user's old key
+# is one line naming the new one; a run's saved config.yaml is read with the new names.
+RENAMED_KEYS = {"trainer.grpo_steps": "trainer.rl_steps", "algo.grpo": "algo.actor", "algo.ppo": "algo.critic"}
+
+
+def renamed_key(key: str) -> str | None:
+    """``"OLD was renamed NEW"`` when dotted ``key`` (an override's, ``+``/``~`` allowed) is or
+    lies under a renamed key, else None."""
+    key = key.lstrip("+~")
+    for old, new in RENAMED_KEYS.items():
+        if key == old or key.startswith(old + "."):
+            return f"{old} was renamed {new}" + (f" ({new}{key[len(old):]})" if key != old else "")
+    return None
+
+
+def upgrade_saved_config(raw: dict) -> dict:
+    """A saved config (a run's config.yaml) with the renamed keys under their new names."""
+    raw = {k: dict(v) if isinstance(v, dict) else v for k, v in raw.items()}
+    for old, new in RENAMED_KEYS.items():
+        (group, old_leaf), new_leaf = old.split("."), new.split(".")[1]
+        section = raw.get(group)
+        if isinstance(section, dict) and old_leaf in section and new_leaf not in section:
+            section[new_leaf] = section.pop(old_leaf)
+    return raw
+
+
 class ConfigError(ValueError):
     """A configuration mistake; ``str()`` is one line naming the key and what was expected."""
 
@@ -29,7 +55,7 @@ def _keys(node, prefix: str = "") -> list[str]:
 
 def _did_you_mean(key: str, overrides: list[str]) -> str:
     """'did you mean X?' for an unknown ``key``: the same leaf name under the key's own section
-    (``algo.grpo.lr`` -> ``algo.grpo.optim.lr``), else the closest spelling; '' if none is close."""
+    (``algo.actor.lr`` -> ``algo.actor.optim.lr``), else the closest spelling; '' if none is close."""
     import difflib
 
     others = [o for o in overrides if o.lstrip("+~").partition("=")[0] != key]
@@ -58,6 +84,8 @@ def _hydra_error(exc: Exception, overrides: list[str]) -> ConfigError:
     match = re.search(r"Could not override '([^']+)'", text)
     if match and "not in struct" in f"{text} {exc.__cause__}":
         key = match.group(1)
+        if renamed_key(key):
+            return ConfigError(f"{key}: {renamed_key(key)}")
         hint = _did_you_mean(key, overrides)
         return ConfigError(f"{key}: unknown key; {hint or 'check the spelling'} "
                            f"(`polyfsdp-train --cfg` prints every key)")

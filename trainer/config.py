@@ -17,9 +17,10 @@ from polyfsdp.backends.registry import BACKEND_NAMES
 from polyfsdp.engines.config import EngineConfig, ModelConfig, OptimConfig
 from polyfsdp.engines.lora import require_peft
 
-from .algo_config import (RL_ALGOS, AlgoSection, GRPOSection, PPOSection,  # noqa: F401 (re-exported)
+from .algo_config import (RL_ALGOS, ActorSection, AlgoSection, CriticSection,  # noqa: F401 (re-exported)
                           RolloutCorrectionSection, SFTSection, check_choice, check_min)
-from .compose import GROUPS, ConfigError, available_options, compose, to_container  # noqa: F401 (re-exported)
+from .compose import (GROUPS, ConfigError, available_options, compose, renamed_key,  # noqa: F401 (re-exported)
+                      to_container)
 from .config_bounds import check_bounds
 from .rollout_engines import check_rollout
 from .tracking import check_loggers
@@ -125,7 +126,7 @@ class TrainerSection:
     """Steps, batch sizes, logging, checkpoints, output directory, resume."""
 
     sft_steps: int = 40
-    grpo_steps: int = 150
+    rl_steps: int = 150
     sft_batch_size: int = 64
     prompts_per_step: int = 32
     eval_interval: int = 25
@@ -203,6 +204,8 @@ def _section(cls, where: str, data: Any, nested: dict | None = None):
     known = [f.name for f in dataclasses.fields(cls)]
     for key in data:
         if key not in known:
+            if renamed_key(f"{where}.{key}"):
+                raise ConfigError(f"{where}.{key}: {renamed_key(f'{where}.{key}')}")
             raise ConfigError(f"{where}.{key}: unknown key; known keys: {', '.join(known)}")
     kwargs = {}
     for key, value in data.items():
@@ -232,7 +235,7 @@ def _optim(where: str, data: Any, phase_steps: int) -> OptimConfig:
 
 
 def _validate_trainer(t: TrainerSection, algo: AlgoSection, world_size: int) -> None:
-    for key in ("sft_steps", "grpo_steps", "eval_interval", "checkpoint_interval"):
+    for key in ("sft_steps", "rl_steps", "eval_interval", "checkpoint_interval"):
         check_min(f"trainer.{key}", getattr(t, key), 0)
     for key in ("sft_batch_size", "prompts_per_step", "log_interval", "keep_checkpoints"):
         check_min(f"trainer.{key}", getattr(t, key), 1)
@@ -363,8 +366,8 @@ def build_job_config(raw: dict, world_size: int = 1) -> JobConfig:
         raise ConfigError(str(exc) if str(exc).startswith("patches") else f"patches: {exc}") from None
 
     trainer = _section(TrainerSection, "trainer", raw["trainer"])
-    algo = _section(AlgoSection, "algo", raw["algo"], nested={"sft": SFTSection, "grpo": GRPOSection,
-                                                              "ppo": PPOSection,
+    algo = _section(AlgoSection, "algo", raw["algo"], nested={"sft": SFTSection, "actor": ActorSection,
+                                                              "critic": CriticSection,
                                                               "rollout_correction": RolloutCorrectionSection})
     check_choice("algo.name", algo.name, RL_ALGOS + ("sft",))
     if algo.sft is None:
@@ -377,14 +380,14 @@ def build_job_config(raw: dict, world_size: int = 1) -> JobConfig:
     if algo.rollout_correction is not None:
         algo.rollout_correction.resolve("algo.rollout_correction", separate_sampler=rollout.engine == "vllm")
     if algo.rl:
-        if algo.grpo is None:
-            raise ConfigError(f"algo.grpo: algo={algo.name} needs its grpo section")
+        if algo.actor is None:
+            raise ConfigError(f"algo.actor: algo={algo.name} needs its actor section")
         # The schedule counts optimizer steps: several per rollout with mini-batches or epochs.
-        updates = algo.grpo.updates_per_rollout(trainer.prompts_per_step)
-        algo.grpo.optim = _optim("algo.grpo.optim", algo.grpo.optim, trainer.grpo_steps * max(updates, 1))
-        if algo.ppo is not None:
-            algo.ppo.optim = _optim("algo.ppo.optim", algo.ppo.optim, trainer.grpo_steps * max(updates, 1))
-        algo.validate_grpo(trainer.prompts_per_step, world_size)
+        updates = algo.actor.updates_per_rollout(trainer.prompts_per_step)
+        algo.actor.optim = _optim("algo.actor.optim", algo.actor.optim, trainer.rl_steps * max(updates, 1))
+        if algo.critic is not None:
+            algo.critic.optim = _optim("algo.critic.optim", algo.critic.optim, trainer.rl_steps * max(updates, 1))
+        algo.validate_rl(trainer.prompts_per_step, world_size)
     data = _section(DataSection, "data", raw["data"])
     _validate_data(data)
     if data.eval_size < world_size:
@@ -397,10 +400,10 @@ def build_job_config(raw: dict, world_size: int = 1) -> JobConfig:
     lora_enabled = model.model_config().lora.enabled
     if trainer.export_lora != "merged" and not lora_enabled:
         raise ConfigError(f"trainer.export_lora={trainer.export_lora!r} exports LoRA adapters; set model.lora.rank > 0")
-    if rollout.env is not None and algo.name == "ppo":
-        raise ConfigError("rollout.env: multi-turn rollouts train with the group estimators (algo=grpo) for now; "
-                          "the critic's GAE over environment turns is not supported yet")
-    if algo.name == "ppo" and lora_enabled:
+    if rollout.env is not None and algo.rl and not algo.estimator.multi_turn:
+        raise ConfigError(f"rollout.env: multi-turn rollouts train with the group estimators (algo=grpo) for now; "
+                          f"adv_estimator={algo.adv_estimator} over environment turns is not supported yet")
+    if algo.rl and algo.estimator.needs_critic and lora_enabled:
         # The critic is built from model.*: under LoRA its value head would stay frozen.
         raise ConfigError("model.lora: algo=ppo trains a critic, which LoRA does not support yet; "
                           "set model.lora.rank=0 or use algo=grpo")

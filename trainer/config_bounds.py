@@ -30,13 +30,13 @@ MAX_MAGNITUDE = 10**9
 # (dotted-path pattern, lowest, highest), first match wins; ``None``: the default's end.
 BOUNDS: tuple[tuple[str, float | None, float | None], ...] = (
     ("*.seed", 0, MAX_SEED),
-    ("algo.grpo.group_size", None, MAX_GROUP_SIZE),
-    ("algo.grpo.max_new_tokens", None, MAX_TOKENS),
-    ("algo.grpo.mini_batch_size", None, MAX_BATCH),
-    ("algo.grpo.epochs", None, 1024),
-    ("algo.grpo.max_sample_batches", None, 1024),
+    ("algo.actor.group_size", None, MAX_GROUP_SIZE),
+    ("algo.actor.max_new_tokens", None, MAX_TOKENS),
+    ("algo.actor.mini_batch_size", None, MAX_BATCH),
+    ("algo.actor.epochs", None, 1024),
+    ("algo.actor.max_sample_batches", None, 1024),
     # Sampling divides logits by it: below 1e-3 float32 logits overflow, above 1e3 it is noise.
-    ("algo.grpo.temperature", 1e-3, 1e3),
+    ("algo.actor.temperature", 1e-3, 1e3),
     ("trainer.prompts_per_step", None, MAX_BATCH),
     ("trainer.sft_batch_size", None, MAX_BATCH),
     ("trainer.cpu_threads", None, 4096),

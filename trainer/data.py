@@ -14,6 +14,9 @@ import random
 from .task import CharTokenizer, Example, ReverseTask
 
 logger = logging.getLogger(__name__)
+# The stream the RL phase's prompts are drawn under (``batch(stream, step, count)``): kept from
+# when the phase was called grpo, so a seed draws the same prompts as it did then.
+RL_DATA_STREAM = "grpo"
 
 
 class DataError(ValueError):
@@ -317,6 +320,6 @@ def check_generation_budget(source, tokenizer, max_new_tokens: int) -> None:
     answers are cut off, and their reward can never reach 1."""
     need = max_answer_tokens(source, tokenizer) + 1
     if need > max_new_tokens:
-        logger.warning("algo.grpo.max_new_tokens=%d cannot hold the longest answer (%d tokens with <eos>): "
-                       "its completions are cut off and never earn full reward; set algo.grpo.max_new_tokens=%d",
+        logger.warning("algo.actor.max_new_tokens=%d cannot hold the longest answer (%d tokens with <eos>): "
+                       "its completions are cut off and never earn full reward; set algo.actor.max_new_tokens=%d",
                        max_new_tokens, need, need)

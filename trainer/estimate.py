@@ -5,9 +5,9 @@ Each phase's batches are the job's own: the data source is read as the job reads
 tokenizer, seed and draws), every step's examples are split over the ranks and into micro-batches
 by the engine's planner (``engines/micro_batch.py``), and the largest micro-batch is what is
 estimated. What cannot be known before the run is bounded: RL completions are counted at
-``algo.grpo.max_new_tokens`` (the decoding loop's KV cache is that size anyway). The bytes come
+``algo.actor.max_new_tokens`` (the decoding loop's KV cache is that size anyway). The bytes come
 from ``engines/memory.py`` (``ModelMemory``): exact parameter, gradient and AdamW shards, the
-reference copy of a full fine-tune (none with LoRA: its adapters off), PPO's critic, and each
+reference copy of a full fine-tune (none with LoRA: its adapters off), a critic estimator's critic, and each
 step's activations, head buffers and KV cache.
 """
 from __future__ import annotations
@@ -19,6 +19,7 @@ from polyfsdp.engines.micro_batch import plan_micro_batches
 from polyfsdp.engines.presets import preset_config
 
 from .compose import ConfigError
+from .data import RL_DATA_STREAM
 
 EVAL_CHUNK = 256  # prompts per evaluation generate call (trainer/evaluation.py: COMPLETIONS_PER_CALL)
 
@@ -166,7 +167,7 @@ def _sft_phase(cfg, lengths: _Lengths, world: int, policy: ModelMemory, host_bac
 
 def _rl_phase(cfg, lengths: _Lengths, world: int, policy: ModelMemory, critic: ModelMemory | None,
               reference: ModelMemory | None, host_backend: bool, est: JobEstimate) -> None:
-    g, t = cfg.algo.grpo, cfg.trainer
+    g, t = cfg.algo.actor, cfg.trainer
     n, new = g.group_size, g.max_new_tokens
     packed, budget = cfg.engine.use_remove_padding, cfg.engine.max_tokens_per_micro_batch
     host = policy.host_state(host_backend)
@@ -177,7 +178,7 @@ def _rl_phase(cfg, lengths: _Lengths, world: int, policy: ModelMemory, critic: M
         state.update(_state_rows("critic", critic, host))
     resident = sum(state.values())
     # The rollout of every step: each rank's prompts x group_size completions at max_new_tokens.
-    shares = list(lengths.batches("grpo", t.grpo_steps, t.prompts_per_step, world))
+    shares = list(lengths.batches(RL_DATA_STREAM, t.rl_steps, t.prompts_per_step, world))
     prompt_lengths = [[lengths.prompt(ex) for ex in share for _ in range(n)] for share in shares]
     gen_rows, width = max((len(p), max(p, default=0)) for p in prompt_lengths)
     full = [[p + new for p in ps] for ps in prompt_lengths]
@@ -187,8 +188,8 @@ def _rl_phase(cfg, lengths: _Lengths, world: int, policy: ModelMemory, critic: M
     mini_groups = -(-groups_per_rank // max(1, min(g.mini_batches(t.prompts_per_step), groups_per_rank)))
     longest = [sorted(ps[::n], reverse=True)[:mini_groups] for ps in full]
     update_rows, update_tokens = _largest(([p for p in ps for _ in range(n)] for ps in longest), budget, packed)
-    loss = cfg.algo.ppo_loss(t.prompts_per_step)
-    need_old = not loss.on_policy or (cfg.algo.kl_in_reward and g.kl_coef > 0)
+    loss = cfg.algo.actor_loss(t.prompts_per_step)
+    need_old = cfg.algo.needs_old_log_probs(loss, has_reference=g.kl_coef > 0)
     gathered = policy.gathered if cfg.rollout.unshard is not False else 0
     steps = [Step("rollout generation (KV cache)", gen_rows, gen_rows * (width + new),
                   gathered + policy.generation(gen_rows, width, new), resident)]
@@ -210,7 +211,7 @@ def _rl_phase(cfg, lengths: _Lengths, world: int, policy: ModelMemory, critic: M
     if critic is not None:
         est.state[name]["critic gradients (during its update)"] = _device_grads(critic, host)
     est.steps[name] = steps
-    est.notes.append(f"{name}: completions counted at algo.grpo.max_new_tokens={new} (an upper bound; the KV "
+    est.notes.append(f"{name}: completions counted at algo.actor.max_new_tokens={new} (an upper bound; the KV "
                      f"cache is that size)")
     if gathered:
         est.notes.append(f"{name}: generation holds the whole model gathered ({gathered / MIB:.2f} MiB, "
@@ -244,7 +245,7 @@ def estimate_job(cfg, world_size: int) -> JobEstimate:
 
     host_backend = backend_memory_is_host(cfg.backend)
     policy = ModelMemory(model_config, cfg.engine, world_size, hf_config)
-    grpo = cfg.algo.grpo
+    actor = cfg.algo.actor
     lora = model_config.lora.enabled
     est = JobEstimate(
         f"memory estimate per rank: world size {world_size}, master {model_config.dtype}, compute "
@@ -254,16 +255,16 @@ def estimate_job(cfg, world_size: int) -> JobEstimate:
         + ("; CPU: every row is host memory" if host_backend else ""))
     if lengths.note:
         est.notes.append(lengths.note)
-    eval_tokens = grpo.max_new_tokens if grpo is not None else lengths.max_answer() + 2  # Job.eval_tokens
+    eval_tokens = actor.max_new_tokens if actor is not None else lengths.max_answer() + 2  # Job.eval_tokens
     if cfg.trainer.sft_steps > 0 or not cfg.algo.rl:
         _sft_phase(cfg, lengths, world_size, policy, host_backend, est, eval_tokens)
     if cfg.algo.rl:
         reference = ModelMemory(replace(model_config, lora=replace(model_config.lora, rank=0)), cfg.engine,
-                                world_size, hf_config) if grpo.kl_coef > 0 and not lora else None
+                                world_size, hf_config) if actor.kl_coef > 0 and not lora else None
         critic = ModelMemory(model_config, cfg.engine, world_size, hf_config, value_head=True) \
-            if cfg.algo.name == "ppo" else None
+            if cfg.algo.estimator.needs_critic else None
         _rl_phase(cfg, lengths, world_size, policy, critic, reference, host_backend, est)
-        if lora and grpo.kl_coef > 0:
+        if lora and actor.kl_coef > 0:
             est.notes.append("LoRA: the KL reference is the policy with its adapters off (no second copy)")
     if cfg.engine.offload != "none" and not host_backend:
         est.notes.append(f"offload={cfg.engine.offload}: the host holds the rows shown as 0 "

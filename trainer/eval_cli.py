@@ -1,5 +1,5 @@
 """``polyfsdp-eval``: evaluate a Hugging Face model directory (a run's ``final/`` export, or
-any local checkpoint) or a training checkpoint of a run (``OUTPUT_DIR/checkpoints/sft|grpo[/step_N]``)
+any local checkpoint) or a training checkpoint of a run (``OUTPUT_DIR/checkpoints/sft|rl[/step_N]``)
 on held-out data with a reward function, the way ``polyfsdp-train`` evaluates
 (trainer/evaluation.py); prints a table and writes JSON.
 
@@ -16,7 +16,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from .compose import GROUPS, ConfigError, compose, to_container
+from .compose import GROUPS, ConfigError, compose, to_container, upgrade_saved_config
 
 PROG = "polyfsdp-eval"
 USAGE = """usage: polyfsdp-eval MODEL_DIR [KEY=VALUE ...] [--json FILE]
@@ -28,13 +28,15 @@ unless overridden).
 Examples:
   polyfsdp-eval runs/a/final
   polyfsdp-eval runs/a/final eval.n_samples=8 eval.temperature=1.0
-  polyfsdp-eval runs/a/checkpoints/grpo/step_000050
+  polyfsdp-eval runs/a/checkpoints/rl/step_000050
   polyfsdp-eval my_model data=files data.train_files=[train.jsonl] data.val_files=[test.jsonl] reward.fn=gsm8k
 """
 DEFAULT_JSON = "eval_results.json"
 
 
-TRAINING_PHASES = ("sft", "grpo")
+# A run's phases (trainer/resume.py's PHASES), and the RL phase's old name (LEGACY_RL_PHASE):
+# an old run's checkpoints still evaluate. Literal here: resume.py imports torch, --help must not.
+TRAINING_PHASES = ("sft", "rl", "grpo")
 
 
 @dataclass
@@ -68,7 +70,7 @@ def locate_model(path: Path) -> ModelToEvaluate:
         if checkpoint is None:
             raise ConfigError(f"MODEL_DIR {str(path)!r}: no complete checkpoint in it")
         # The phase's starting model (shape, tokenizer) takes the checkpoint's weights.
-        after_sft = phase_dir.name == "grpo" and (run_dir / "sft_model").is_dir()
+        after_sft = phase_dir.name != "sft" and (run_dir / "sft_model").is_dir()
         start = run_dir / ("sft_model" if after_sft else "init_model")
         return ModelToEvaluate(start, run_dir, checkpoint, phase_dir.name)
     return ModelToEvaluate(path, _run_dir(path.parent))
@@ -89,7 +91,7 @@ def eval_config(model: ModelToEvaluate, overrides: list[str], world_size: int = 
     if model.run_dir is None:
         raw = to_container(compose([*overrides, f"model.path={weights}"]))
     else:
-        raw = OmegaConf.to_container(OmegaConf.load(model.run_dir / "config.yaml"))
+        raw = upgrade_saved_config(OmegaConf.to_container(OmegaConf.load(model.run_dir / "config.yaml")))
         groups = {o.partition("=")[0] for o in overrides if o.partition("=")[0] in GROUPS}
         for group in groups:
             # A group choice (data=files): that option's section, composed as polyfsdp-train would.
@@ -139,7 +141,7 @@ def evaluate_model(model_dir: Path, overrides: list[str], json_path: str) -> dic
 
     if not model_dir.is_dir():
         raise ConfigError(f"MODEL_DIR {str(model_dir)!r} is not a directory (a Hugging Face model such as a run's "
-                          f"final/, or a run's checkpoints/grpo/step_N)")
+                          f"final/, or a run's checkpoints/rl/step_N)")
     model = locate_model(model_dir)
     cfg = eval_config(model, overrides, world_size=int(os.environ.get("WORLD_SIZE", "1")))
     job = Job(cfg)  # the trainer's tokenizer, data, reward and checks; nothing is written

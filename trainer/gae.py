@@ -19,12 +19,12 @@ from typing import Callable, Sequence
 import torch
 from torch.nn.utils.rnn import pad_sequence
 
-from .advantages import _sum_over_ranks, token_level_rewards, whiten
+from .advantages import sum_on_one_rank, token_level_rewards, whiten
 
 
 def gae_advantages(rewards: Sequence[float], masks: Sequence[torch.Tensor], values: Sequence[torch.Tensor],
                    gamma: float, lam: float, kl: Sequence[torch.Tensor] | None = None, kl_coef: float = 0.0,
-                   sum_over_ranks: Callable[[list[float]], list[float]] = _sum_over_ranks
+                   sum_over_ranks: Callable[[list[float]], list[float]] = sum_on_one_rank
                    ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """``(advantages, returns)``, one flat float32 tensor per sequence in the engine's
     alignment. ``masks[i]``: sequence i's response positions; ``values[i]``: the critic's
@@ -54,7 +54,7 @@ def gae_advantages(rewards: Sequence[float], masks: Sequence[torch.Tensor], valu
 
 def explained_variance(values: Sequence[torch.Tensor], returns: Sequence[torch.Tensor],
                        masks: Sequence[torch.Tensor],
-                       sum_over_ranks: Callable[[list[float]], list[float]] = _sum_over_ranks) -> float:
+                       sum_over_ranks: Callable[[list[float]], list[float]] = sum_on_one_rank) -> float:
     """``1 - Var(returns - values) / Var(returns)`` over every response token of the batch
     (all ranks): 1 is a perfect critic, 0 no better than a constant, negative worse. 0 when
     the returns are constant."""

@@ -1,4 +1,4 @@
-"""The training job: SFT warm-up, then GRPO, with evaluation, checkpoints and resume.
+"""The training job: SFT warm-up, then RL, with evaluation, checkpoints and resume.
 
 Output directory layout::
 
@@ -7,9 +7,9 @@ Output directory layout::
     generations.jsonl    trainer.log_val_generations: the first prompts' completions at each evaluation
     init_model/          the preset's starting weights + tokenizer (presets only)
     checkpoints/sft/     engine checkpoints of the SFT phase (step_*/, latest)
-    checkpoints/grpo/    engine checkpoints of the GRPO phase; under algo=ppo each holds the actor
-                         and the critic (its part "critic") as one unit
-    sft_model/           the SFT-end weights: GRPO's starting point and its KL reference
+    checkpoints/rl/      engine checkpoints of the RL phase; with a critic estimator (algo=ppo) each
+                         holds the actor and the critic (its part "critic") as one unit
+    sft_model/           the SFT-end weights: the RL phase's starting point and its KL reference
     final/               Hugging Face export of the trained model + tokenizer
     curves.png           rewards, losses, KL, entropy, lengths, clip fraction, step time (redrawn at each evaluation)
     trackers.json        trainer.logger's tracker run ids (a resumed run reopens them)
@@ -44,18 +44,17 @@ from polyfsdp.engines.losses import SFTLoss
 
 from .chat import PromptEncoder, check_position_budget, model_max_positions
 from .config import ConfigError, JobConfig
-from .data import build_source, check_generation_budget, check_tokenizer_covers, max_answer_tokens
+from .data import RL_DATA_STREAM, build_source, check_generation_budget, check_tokenizer_covers, max_answer_tokens
 from .evaluation import GENERATION_COLUMNS, EvalSettings, evaluate
 from .generations_log import GENERATIONS_FILE, GenerationsLog
-from .grpo import grpo_step
-from .ppo import ppo_step
 from .metrics import METRICS_FILE, MetricsLogger
 from .model_init import write_initial_model
 from .progress import Progress
 from .rank_errors import check_same_data, on_every_rank
 from .rewards import build_scorer
+from .rl_step import rl_step
 from .rollout_engines import build_rollout_engine
-from .resume import STATE_FILE, ResumePoint, check_same_run, find_resume, load_resume_checkpoint
+from .resume import RL_PHASE, STATE_FILE, ResumePoint, check_same_run, find_resume, load_resume_checkpoint
 from .sft import sft_step
 from .stop import Preempted, StopRequest
 from .task import TOKENIZER_FILE, load_tokenizer
@@ -65,7 +64,7 @@ logger = logging.getLogger(__name__)
 
 CHECKPOINT_MARKER = "checkpoint saved:"
 CURVES_FILE = "curves.png"
-CRITIC_PART = "critic"  # algo=ppo: the critic's name in the RL phase's checkpoints
+CRITIC_PART = "critic"  # a critic estimator's value model: its name in the RL phase's checkpoints
 # Where a polyfsdp before one-unit PPO checkpoints kept the critic's (checkpoints/critic/step_N).
 LEGACY_CRITIC_DIR = "critic"
 CRITIC_HEAD_FILE = "value_head.safetensors"  # final/: the critic's head (ModelConfig.value_head_path)
@@ -83,16 +82,17 @@ def _say(message: str) -> None:
 
 @dataclass
 class Phase:
-    """What differs between the SFT and GRPO phases; :meth:`Job._run_phase` runs either."""
+    """What differs between the SFT and RL phases; :meth:`Job._run_phase` runs either."""
 
-    name: str                 # "sft" | "grpo": checkpoints/<name>/, metrics records, data stream
+    name: str                 # "sft" | "rl": checkpoints/<name>/, metrics records
+    stream: str               # the data stream its examples are drawn from (source.batch)
     steps: int                # the phase's optimizer steps
     batch_size: int           # examples drawn per step, over all ranks
     step_offset: int          # global step of the phase's start
     start_dir: str            # the model the phase starts from
     end_tag: str              # the evaluation at its end ("after_sft" or "final")
     export_dir: Path | None   # where its end model is exported (None: not exported)
-    export_state: bool        # write the metrics position with the export (GRPO's starting point)
+    export_state: bool        # write the metrics position with the export (the RL phase's starting point)
     mid_evaluations: bool     # evaluate every trainer.eval_interval steps
 
 
@@ -135,16 +135,16 @@ class Job:
                                        f"trainer.output_dir")
         else:
             check_tokenizer_covers(self.source, self.tokenizer)
-        grpo = cfg.algo.grpo
-        if grpo is not None:
+        actor = cfg.algo.actor
+        if actor is not None:
             # Rank 0 checks; the others learn its verdict instead of waiting for it in a collective.
-            on_every_rank(lambda: check_generation_budget(self.source, self.tokenizer, grpo.max_new_tokens)
+            on_every_rank(lambda: check_generation_budget(self.source, self.tokenizer, actor.max_new_tokens)
                           if self.rank == 0 else None)
-        self.eval_tokens = grpo.max_new_tokens if grpo is not None else \
+        self.eval_tokens = actor.max_new_tokens if actor is not None else \
             max_answer_tokens(self.source, self.tokenizer) + 2
         check_position_budget(self.source, model_max_positions(cfg.model), self.eval_tokens,
-                              "algo.grpo.max_new_tokens" if grpo is not None else "the longest answer")
-        self.critic: FSDPEngine | None = None  # algo=ppo's critic, during the RL phase
+                              "algo.actor.max_new_tokens" if actor is not None else "the longest answer")
+        self.critic: FSDPEngine | None = None  # a critic estimator's value model, during the RL phase
         # One rollout engine for the whole job (a vLLM engine follows the policy across phases).
         self.sampler = build_rollout_engine(cfg.rollout, self.backend, lora=cfg.model.model_config().lora.enabled,
                                             max_positions=model_max_positions(cfg.model))
@@ -161,11 +161,11 @@ class Job:
 
     def _engine(self, phase: str, model_dir: str, role: str = "policy") -> FSDPEngine:
         """An initialised engine for ``phase`` on ``model_dir``; ``role`` names it in the patch
-        summary (``critic``: algo=ppo's value model, with its own optimizer)."""
-        section = self.cfg.algo.sft if phase == "sft" else self.cfg.algo.grpo
+        summary (``critic``: a critic estimator's value model, with its own optimizer)."""
+        section = self.cfg.algo.sft if phase == "sft" else self.cfg.algo.actor
         model_config = self.cfg.model.model_config(path=model_dir)
         if role == "critic":
-            section = self.cfg.algo.ppo
+            section = self.cfg.algo.critic
             model_config = replace(model_config, value_head=True, value_head_init_std=section.value_head_init_std,
                                    value_head_path=section.value_head_path)
         engine = FSDPEngine(model_config, self.cfg.engine, section.optim,
@@ -178,7 +178,7 @@ class Job:
         if engine.patch_report is not None and engine.patch_report.failed:
             _say(str(engine.patch_report))  # a failed patch is worth the whole table
         elif engine.patch_report is not None and (model_dir, engine.patch_report.summary()) not in self._patches_shown:
-            # GRPO's reference is the policy's starting model: its summary would repeat the policy's.
+            # The RL reference is the policy's starting model: its summary would repeat the policy's.
             self._patches_shown.add((model_dir, engine.patch_report.summary()))
             _say(f"[{phase} {role}] {engine.patch_report.summary()}")
         return engine
@@ -212,7 +212,7 @@ class Job:
                  "metrics_lines": self.metrics.lines, "metrics_path": self.metrics.path,
                  "data_position": step * (self.cfg.trainer.sft_batch_size if phase == "sft"
                                           else self.cfg.trainer.prompts_per_step)}
-        # algo=ppo: the critic is a part of the actor's checkpoint, so no crash can leave one
+        # A critic is a part of the actor's checkpoint, so no crash can leave one
         # of them at a step the other lacks, and pruning removes both together.
         path = engine.save_checkpoint(str(self.out / "checkpoints" / phase), step=step, extra=extra,
                                       keep=self.cfg.trainer.keep_checkpoints, parts=self._parts(phase))
@@ -328,22 +328,22 @@ class Job:
             raise ConfigError(f"model.overrides: {exc}") from None
 
     def _phases(self, start_dir: str, resume: ResumePoint | None) -> list[Phase]:
-        """The phases still to run: SFT (unless skipped, or already done when resuming GRPO), then GRPO."""
+        """The phases still to run: SFT (unless skipped, or already done when resuming RL), then RL."""
         cfg, t = self.cfg, self.cfg.trainer
-        grpo = cfg.algo.rl
+        rl = cfg.algo.rl
         sft_dir = self.out / "sft_model" if t.sft_steps > 0 else Path(start_dir)
-        if resume is not None and resume.run_dir != self.out and resume.phase == "grpo" and t.sft_steps > 0:
+        if resume is not None and resume.run_dir != self.out and resume.phase == RL_PHASE and t.sft_steps > 0:
             sft_dir = resume.run_dir / "sft_model"
         phases = []
-        if (resume is None or resume.phase == "sft") and (t.sft_steps > 0 or not grpo):
-            end_dir = sft_dir if grpo else (self.out / "final" if t.export else None)
-            phases.append(Phase("sft", t.sft_steps, t.sft_batch_size, 0, start_dir,
-                                end_tag="after_sft" if grpo else "final", export_dir=end_dir, export_state=grpo,
+        if (resume is None or resume.phase == "sft") and (t.sft_steps > 0 or not rl):
+            end_dir = sft_dir if rl else (self.out / "final" if t.export else None)
+            phases.append(Phase("sft", "sft", t.sft_steps, t.sft_batch_size, 0, start_dir,
+                                end_tag="after_sft" if rl else "final", export_dir=end_dir, export_state=rl,
                                 mid_evaluations=False))
-        if grpo:
-            phases.append(Phase("grpo", t.grpo_steps, t.prompts_per_step, t.sft_steps, str(sft_dir), end_tag="final",
-                                export_dir=self.out / "final" if t.export else None, export_state=False,
-                                mid_evaluations=True))
+        if rl:
+            phases.append(Phase(RL_PHASE, RL_DATA_STREAM, t.rl_steps, t.prompts_per_step, t.sft_steps, str(sft_dir),
+                                end_tag="final", export_dir=self.out / "final" if t.export else None,
+                                export_state=False, mid_evaluations=True))
         return phases
 
     def _start_metrics(self, resume: ResumePoint | None, lines: int | None) -> None:
@@ -407,33 +407,29 @@ class Job:
                 self.backend.manual_seed(self._step_seed(step) * 1024 + self.rank)
                 return sft_step(engine, self.tokenizer, examples, sft_loss)
             return sft_fn
-        g = cfg.algo.grpo
-        # The reference is the GRPO starting point, frozen: a second engine, never stepped; with
+        g = cfg.algo.actor
+        # The reference is the RL starting point, frozen: a second engine, never stepped; with
         # LoRA it is the policy with its adapters off (they start at zero: the same model).
         ref = None
         if g.kl_coef > 0:
             ref = AdaptersOff(engine) if engine.model_config.lora.enabled else \
-                self._engine("grpo", phase.start_dir, role="reference")
-        ppo_loss = cfg.algo.ppo_loss(phase.batch_size)
+                self._engine(phase.name, phase.start_dir, role="reference")
+        actor_loss = cfg.algo.actor_loss(phase.batch_size)
         mini_batches = g.mini_batches(phase.batch_size)
-        if cfg.algo.name == "ppo":
+        value_loss, warmup = None, 0
+        if cfg.algo.estimator.needs_critic:
             # The critic starts from the same model as the actor, with a fresh value head.
-            self.critic = self._engine("grpo", phase.start_dir, role="critic")
-            value_loss = cfg.algo.ppo.value_loss()
+            self.critic = self._engine(phase.name, phase.start_dir, role="critic")
+            value_loss, warmup = cfg.algo.critic.value_loss(), cfg.algo.critic.critic_warmup
 
         def step_fn(step: int, examples: list) -> dict:
             # Sampling (per rank) and mini-batch shuffles (same on all ranks) are seeded per step: exact resume.
             step_seed = self._step_seed(step)
-            more = lambda k: self._shard(self.source.batch(f"{phase.name}-refill{k}", step, phase.batch_size))  # noqa: E731
-            if self.critic is not None:
-                return ppo_step(engine, self.critic, ref, self.tokenizer, examples, cfg.algo, ppo_loss, value_loss,
-                                sample_seed=step_seed * 1024 + self.rank, shuffle_seed=step_seed,
-                                mini_batches=mini_batches, train_actor=step >= cfg.algo.ppo.critic_warmup,
-                                scorer=self.scorer, more_examples=more, sampler=self.sampler)
-            return grpo_step(engine, ref, self.tokenizer, examples, cfg.algo, ppo_loss,
-                             sample_seed=step_seed * 1024 + self.rank, shuffle_seed=step_seed,
-                             mini_batches=mini_batches, scorer=self.scorer, more_examples=more,
-                             sampler=self.sampler)
+            more = lambda k: self._shard(self.source.batch(f"{phase.stream}-refill{k}", step, phase.batch_size))  # noqa: E731
+            return rl_step(engine, ref, self.tokenizer, examples, cfg.algo, actor_loss,
+                           sample_seed=step_seed * 1024 + self.rank, shuffle_seed=step_seed,
+                           mini_batches=mini_batches, scorer=self.scorer, more_examples=more, sampler=self.sampler,
+                           critic=self.critic, value_loss=value_loss, train_actor=step >= warmup)
         return step_fn
 
     def _step_seed(self, step: int) -> int:
@@ -443,13 +439,13 @@ class Job:
     def _run_phase(self, phase: Phase, resume: ResumePoint | None, fresh_metrics: bool) -> None:
         """Train ``phase`` from its start (or ``resume``), with evaluations, checkpoints, export."""
         engine = self._engine(phase.name, phase.start_dir)
-        step_fn = self._step_function(phase, engine)  # builds GRPO's reference before a checkpoint sets the RNG
+        step_fn = self._step_function(phase, engine)  # builds the RL reference before a checkpoint sets the RNG
         start = self._restore(engine, phase, resume, fresh_metrics)
         every = self.cfg.trainer.eval_interval if phase.mid_evaluations else 0
         progress = Progress(phase.name, phase.steps, start, self.cfg.trainer.progress,
                             enabled=self.rank == 0 and "console" in self.cfg.trainer.logger)
         for step in range(start, phase.steps):
-            examples = self._shard(self.source.batch(phase.name, step, phase.batch_size))
+            examples = self._shard(self.source.batch(phase.stream, step, phase.batch_size))
             global_step = phase.step_offset + step + 1
             self._record(phase.name, step + 1, global_step, step_fn(step, examples), progress)
             if every and (step + 1) % every == 0 and step + 1 != phase.steps:
@@ -467,11 +463,11 @@ class Job:
         self._evaluate(engine, phase.end_tag, end_step)
         if phase.export_dir is not None:
             state = {"metrics_lines": self.metrics.lines, "global_step": end_step} if phase.export_state else None
-            # A phase feeding the next one (the SFT model GRPO starts from) is always merged weights.
+            # A phase feeding the next one (the SFT model RL starts from) is always merged weights.
             lora = "merged" if phase.export_state else self.cfg.trainer.export_lora
             self._export(engine, phase.export_dir, state=state, lora=lora)
             if self.critic is not None:
-                # Beside the actor: algo.ppo.value_head_path of a later run starts its critic's head here.
+                # Beside the actor: algo.critic.value_head_path of a later run starts its critic's head here.
                 self.critic.export_value_head(phase.export_dir / CRITIC_HEAD_FILE)
         self.critic = None
         del engine, step_fn

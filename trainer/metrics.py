@@ -1,7 +1,7 @@
 """Metrics as JSON lines (rank 0 writes; other ranks hold a no-op logger).
 
-Each record carries ``phase`` (sft, grpo, eval), the phase ``step`` and the run-wide
-``global_step``, so the SFT and GRPO curves form one x-axis. A resumed run first cuts the
+Each record carries ``phase`` (sft, rl, rl_update, eval), the phase ``step`` and the run-wide
+``global_step``, so the SFT and RL curves form one x-axis. A resumed run first cuts the
 file back to the line count stored in its checkpoint, then appends: the curve continues
 exactly where the checkpoint left it, with no duplicated or orphaned records. A record is
 appended whole or not at all: a write that fails partway (a full disk) is cut back off and

@@ -12,21 +12,21 @@ logger = logging.getLogger(__name__)
 # (title, [(phase, record key, legend label, matplotlib format)]): the first two panels are the
 # reward and the loss, in that order.
 PANELS = (
-    ("mean reward", [("grpo", "reward", "GRPO train reward (sampled)", "-"),
+    ("mean reward", [("rl", "reward", "RL train reward (sampled)", "-"),
                      ("eval", "reward", "held-out reward", "o-")]),
-    ("loss", [("sft", "loss", "SFT loss (NLL)", "-"), ("grpo", "loss", "GRPO loss", "-")]),
-    ("KL to the reference", [("grpo", "kl", "GRPO kl", "-")]),
-    ("entropy", [("grpo", "entropy", "GRPO entropy", "-")]),
-    ("response length (tokens)", [("grpo", "response_len", "GRPO response length", "-")]),
-    ("clip fraction", [("grpo", "clip_frac", "GRPO clip fraction", "-")]),
-    ("gradient norm", [("sft", "grad_norm", "SFT", "-"), ("grpo", "grad_norm", "GRPO", "-")]),
-    ("step time (s)", [("sft", "step_time_s", "SFT", "-"), ("grpo", "step_time_s", "GRPO", "-")]),
+    ("loss", [("sft", "loss", "SFT loss (NLL)", "-"), ("rl", "loss", "RL loss", "-")]),
+    ("KL to the reference", [("rl", "kl", "RL kl", "-")]),
+    ("entropy", [("rl", "entropy", "RL entropy", "-")]),
+    ("response length (tokens)", [("rl", "response_len", "RL response length", "-")]),
+    ("clip fraction", [("rl", "clip_frac", "RL clip fraction", "-")]),
+    ("gradient norm", [("sft", "grad_norm", "SFT", "-"), ("rl", "grad_norm", "RL", "-")]),
+    ("step time (s)", [("sft", "step_time_s", "SFT", "-"), ("rl", "step_time_s", "RL", "-")]),
 )
 
 
 def _curve(records: list[dict], key: str) -> tuple[list[int], list[float]]:
-    """(global steps, values) of the records that hold ``key``: a GRPO step whose groups all
-    had equal rewards (algo.grpo.filter_groups) trains nothing and logs no loss."""
+    """(global steps, values) of the records that hold ``key``: an RL step whose groups all
+    had equal rewards (algo.actor.filter_groups) trains nothing and logs no loss."""
     having = [r for r in records if key in r]
     # metrics.jsonl stores non-finite numbers as "nan"/"inf" strings (valid JSON); plotted as
     # strings they would turn the axis categorical.
@@ -44,7 +44,7 @@ def plot_metrics(metrics_path: str, png_path: str) -> str:
     by_phase: dict[str, list[dict]] = {}
     for r in records:
         by_phase.setdefault(r.get("phase"), []).append(r)
-    sft, grpo = by_phase.get("sft", []), by_phase.get("grpo", [])
+    sft, rl = by_phase.get("sft", []), by_phase.get("rl", [])
     fig, axes = plt.subplots(2, 4, figsize=(16, 7), sharex=True)
     for ax, (title, lines) in zip(axes.flat, PANELS):
         for phase, key, label, fmt in lines:
@@ -53,7 +53,7 @@ def plot_metrics(metrics_path: str, png_path: str) -> str:
                 ax.plot(steps, values, fmt, lw=1, ms=3, label=label)
         ax.set_title(title, fontsize=10)
         ax.grid(alpha=0.3)
-        if sft and grpo:
+        if sft and rl:
             ax.axvline(sft[-1]["global_step"], color="grey", ls="--", lw=0.8)
         if ax.get_legend_handles_labels()[0]:
             ax.legend(loc="best", fontsize=7)
@@ -62,7 +62,7 @@ def plot_metrics(metrics_path: str, png_path: str) -> str:
     axes.flat[0].set_ylim(-0.02, 1.02)
     for ax in axes[1]:
         ax.set_xlabel("global step")
-    fig.suptitle("polyfsdp-train: SFT warm-up, then GRPO (dashed: SFT end)" if sft and grpo else "polyfsdp-train")
+    fig.suptitle("polyfsdp-train: SFT warm-up, then RL (dashed: SFT end)" if sft and rl else "polyfsdp-train")
     fig.subplots_adjust(left=0.04, right=0.99, bottom=0.08, top=0.9, wspace=0.22, hspace=0.25)  # tight_layout: 2x slower
     fig.savefig(png_path, dpi=80)
     plt.close(fig)

@@ -13,11 +13,18 @@ from omegaconf import OmegaConf
 
 from polyfsdp.engines.checkpoint import CheckpointError, complete_checkpoints, latest_checkpoint, verify_checkpoint
 
+from .compose import renamed_key
 from .config import ConfigError, JobConfig, RolloutSection
 from .metrics import METRICS_FILE
 
-# Written next to the SFT-end export: how many metrics records precede GRPO's start.
+# Written next to the SFT-end export: how many metrics records precede the RL phase's start.
 STATE_FILE = "polyfsdp_state.json"
+# The RL phase: checkpoints/rl/, metrics records of phase "rl". Before it was named after one
+# algorithm it was "grpo": such a run (its checkpoints, its config.yaml's algo.grpo) is refused
+# with one line, since its records and settings carry the old names.
+RL_PHASE = "rl"
+LEGACY_RL_PHASE = "grpo"
+PHASES = ("sft", RL_PHASE)
 # Settings a continued run must share with the run it continues: they decide the model, the
 # data each step draws (a function of seed, phase, step and batch size) and the updates (the
 # whole algo group: algorithm, advantage estimator, rollout correction, losses, KL, group size,
@@ -43,6 +50,13 @@ class ResumePoint:
     run_dir: Path
 
 
+def legacy_run_line(run_dir: Path) -> str:
+    """The one line refusing to continue a run started before the RL phase got neutral names."""
+    return (f"trainer.resume: {run_dir} was started by a polyfsdp that named the RL phase grpo (checkpoints/grpo/, "
+            f"algo.grpo, trainer.grpo_steps; now checkpoints/rl/, algo.actor, algo.critic, trainer.rl_steps); "
+            f"finish it with the polyfsdp that started it, or choose another trainer.output_dir")
+
+
 def sft_complete(run_dir: Path) -> bool:
     """Whether ``run_dir`` holds the SFT phase's finished export."""
     return (run_dir / "sft_model" / STATE_FILE).is_file()
@@ -51,12 +65,14 @@ def sft_complete(run_dir: Path) -> bool:
 def _explicit_point(cfg: JobConfig, mode: str) -> ResumePoint:
     path = Path(mode).resolve()
     # PATH is .../checkpoints/<phase>[/step_N] of a polyfsdp-train run.
-    phase_dir = path if path.name in ("sft", "grpo") else path.parent
-    if phase_dir.name not in ("sft", "grpo") or phase_dir.parent.name != "checkpoints":
+    phase_dir = path if path.name in (*PHASES, LEGACY_RL_PHASE) else path.parent
+    if phase_dir.name == LEGACY_RL_PHASE and phase_dir.parent.name == "checkpoints":
+        raise ConfigError(legacy_run_line(phase_dir.parent.parent))
+    if phase_dir.name not in PHASES or phase_dir.parent.name != "checkpoints":
         raise ConfigError(f"trainer.resume: {mode!r} is not a polyfsdp-train checkpoint "
-                          f"(expected OUTPUT_DIR/checkpoints/sft|grpo[/step_N])")
-    if phase_dir.name == "grpo" and cfg.algo.name == "sft":
-        raise ConfigError(f"trainer.resume: {mode!r} is a GRPO checkpoint, but algo=sft runs no GRPO phase; "
+                          f"(expected OUTPUT_DIR/checkpoints/sft|rl[/step_N])")
+    if phase_dir.name == RL_PHASE and cfg.algo.name == "sft":
+        raise ConfigError(f"trainer.resume: {mode!r} is an RL checkpoint, but algo=sft runs no RL phase; "
                           f"resume with algo=grpo or from OUTPUT_DIR/checkpoints/sft")
     found = path if path.name.startswith("step_") else latest_checkpoint(path)
     if found is None:
@@ -93,15 +109,17 @@ def find_resume(cfg: JobConfig, out: Path, say=print) -> ResumePoint | None:
     if mode != "auto":
         return _explicit_point(cfg, mode)
     ckpt_root = out / "checkpoints"
-    grpo_ckpt = newest_intact_checkpoint(ckpt_root / "grpo", say)
-    if cfg.algo.name == "sft" and (sft_complete(out) or grpo_ckpt is not None):
-        # Resuming its SFT checkpoints would cut the GRPO records and overwrite final/.
-        raise ConfigError(f"trainer.resume=auto: {out} holds an algo=grpo run, but algo=sft was asked for; "
-                          f"choose another trainer.output_dir or resume with algo=grpo")
-    if cfg.algo.rl and grpo_ckpt is not None:
-        return ResumePoint("grpo", grpo_ckpt, out)
+    if (ckpt_root / LEGACY_RL_PHASE).is_dir():
+        raise ConfigError(legacy_run_line(out))
+    rl_ckpt = newest_intact_checkpoint(ckpt_root / RL_PHASE, say)
+    if cfg.algo.name == "sft" and (sft_complete(out) or rl_ckpt is not None):
+        # Resuming its SFT checkpoints would cut the RL records and overwrite final/.
+        raise ConfigError(f"trainer.resume=auto: {out} holds an RL run, but algo=sft was asked for; "
+                          f"choose another trainer.output_dir or resume with its RL algo (grpo, ppo)")
+    if cfg.algo.rl and rl_ckpt is not None:
+        return ResumePoint(RL_PHASE, rl_ckpt, out)
     if cfg.algo.rl and cfg.trainer.sft_steps > 0 and sft_complete(out):
-        return ResumePoint("grpo", None, out)
+        return ResumePoint(RL_PHASE, None, out)
     sft_ckpt = newest_intact_checkpoint(ckpt_root / "sft", say)
     return ResumePoint("sft", sft_ckpt, out) if sft_ckpt is not None else None
 
@@ -150,6 +168,9 @@ def check_same_run(cfg: JobConfig, run_dir: Path) -> None:
     # evaluation, say) left only init_model, which the next run reuses: only the model must
     # match, so the user can fix the reward or the data and run again in the same directory.
     before_raw = OmegaConf.to_container(OmegaConf.load(saved))
+    if trained and ((run_dir / "checkpoints" / LEGACY_RL_PHASE).is_dir()
+                    or any(renamed_key(f"algo.{key}") for key in (_section(before_raw, "algo") or {}))):
+        raise ConfigError(legacy_run_line(run_dir))
     before, now = {}, {}
     for dotted in SAME_RUN_SECTIONS if trained else ("model",):
         if dotted == "algo":
@@ -160,7 +181,7 @@ def check_same_run(cfg: JobConfig, run_dir: Path) -> None:
         before.update(old)
         now.update(new)
     trainer_keys = SAME_RUN_TRAINER_KEYS if trained else ()
-    if sft_complete(run_dir) or (run_dir / "checkpoints" / "grpo").is_dir():
+    if sft_complete(run_dir) or (run_dir / "checkpoints" / RL_PHASE).is_dir():
         trainer_keys += RL_STARTED_TRAINER_KEYS
     for section, keys in (("trainer", trainer_keys), ("rollout", SAME_RUN_ROLLOUT_KEYS if trained else ())):
         section_before, section_now = before_raw.get(section) or {}, cfg.raw.get(section) or {}

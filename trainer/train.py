@@ -1,6 +1,6 @@
 """``polyfsdp-train``: the Hydra-configured entry point (also ``python -m polyfsdp.trainer.train``).
 
-With no arguments it runs the default job (SFT warm-up + GRPO on the built-in task, CPU
+With no arguments it runs the default job (SFT warm-up + RL (GRPO) on the built-in task, CPU
 minutes). Arguments are Hydra overrides (``engine.pad_mode=left_right``, ``model=llama``,
 ``model.path=DIR``); under ``torchrun --nproc_per_node N`` every rank runs this. The
 config is composed with Hydra's compose API rather than ``@hydra.main``: no working
@@ -17,7 +17,7 @@ from .startup import EXIT_INTERRUPTED, interrupted_while_starting
 
 USAGE = """usage: polyfsdp-train [GROUP=OPTION] [KEY=VALUE ...] [--cfg] [--estimate] [--help]
 
-Runs SFT warm-up then GRPO on the built-in task (defaults), or what the overrides say.
+Runs SFT warm-up then RL (GRPO) on the built-in task (defaults), or what the overrides say.
   --cfg      print the composed configuration and exit (also Hydra's --cfg job)
   --estimate print the job's per-rank memory, phase by phase (SFT update, RL rollout
              with its KV cache, log-prob passes, critic, updates) and its peak, and exit;
@@ -25,9 +25,12 @@ Runs SFT warm-up then GRPO on the built-in task (defaults), or what the override
   --help     this text
 Config groups (pick with GROUP=OPTION):
 {groups}
+RL choices (registered; docs: configs/algo/grpo.yaml, README):
+  algo.adv_estimator   {estimators}, or path/to/file.py:NAME / package.module:NAME
+  algo.actor.policy_loss {losses}
 Examples:
   polyfsdp-train
-  polyfsdp-train trainer.grpo_steps=50 engine.pad_mode=left_right
+  polyfsdp-train trainer.rl_steps=50 engine.pad_mode=left_right
   polyfsdp-train model.path=/path/to/hf_checkpoint data=jsonl data.path=train.jsonl
   polyfsdp-train model.path=DIR data=files data.train_files=[a.parquet] reward.fn=my_reward.py:compute_score
   torchrun --nproc_per_node 2 -m polyfsdp.trainer.train trainer.output_dir=runs/a
@@ -101,9 +104,11 @@ def _say_stop(line: str) -> None:
 
 def _usage() -> str:
     from .config import GROUPS, available_options
+    from .estimators import ESTIMATORS
+    from .policy_losses import POLICY_LOSSES
 
     groups = "\n".join(f"  {g:<8} {', '.join(available_options(g))}" for g in GROUPS)
-    return USAGE.format(groups=groups)
+    return USAGE.format(groups=groups, estimators=", ".join(ESTIMATORS), losses=", ".join(POLICY_LOSSES))
 
 
 # Hydra's own spelling is ``--cfg job`` (or all/hydra): accepted, so Hydra habits work.

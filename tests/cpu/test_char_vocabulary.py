@@ -55,16 +55,16 @@ def test_polyfsdp_train_runs_on_text_outside_the_default_characters_and_continue
     args = [sys.executable, "-m", "polyfsdp.trainer.train", "data=files",
             f"data.train_files=[{_write(tmp_path / 'train.jsonl', ROWS)}]", "data.eval_size=2",
             f"trainer.output_dir={out}", "trainer.progress=off", "trainer.plot=false", "trainer.export=false",
-            "trainer.sft_steps=2", "trainer.sft_batch_size=4", "trainer.prompts_per_step=2", "algo.grpo.group_size=2",
-            "algo.grpo.max_new_tokens=4", "trainer.eval_interval=0", "trainer.checkpoint_interval=1"]
-    first = subprocess.run(args + ["trainer.grpo_steps=1"], capture_output=True, text=True, timeout=300)
+            "trainer.sft_steps=2", "trainer.sft_batch_size=4", "trainer.prompts_per_step=2", "algo.actor.group_size=2",
+            "algo.actor.max_new_tokens=4", "trainer.eval_interval=0", "trainer.checkpoint_interval=1"]
+    first = subprocess.run(args + ["trainer.rl_steps=1"], capture_output=True, text=True, timeout=300)
     assert first.returncode == 0, first.stderr[-2000:]
     assert "character tokenizer: added the data's characters" in first.stdout
     saved = json.loads((out / "init_model" / "char_tokenizer.json").read_text())
     config = json.loads((out / "init_model" / "config.json").read_text())
     assert set("%é≠") <= set(saved["chars"]) and config["vocab_size"] == len(saved["vocab"])
     # A continued run reads the vocabulary its initial model was built with.
-    more = subprocess.run(args + ["trainer.grpo_steps=2", "trainer.resume=auto"], capture_output=True, text=True,
+    more = subprocess.run(args + ["trainer.rl_steps=2", "trainer.resume=auto"], capture_output=True, text=True,
                           timeout=300)
     assert more.returncode == 0, more.stderr[-2000:]
     assert "character tokenizer: added" not in more.stdout

@@ -18,10 +18,10 @@ from polyfsdp.trainer.train import main
 
 # Few, small steps: every phase, evaluation, checkpoint and export still runs.
 TINY = [
-    "trainer.sft_steps=2", "trainer.grpo_steps=2", "trainer.sft_batch_size=8", "trainer.prompts_per_step=4",
+    "trainer.sft_steps=2", "trainer.rl_steps=2", "trainer.sft_batch_size=8", "trainer.prompts_per_step=4",
     "data.eval_size=8", "trainer.progress=lines",
 ]
-TINY_GRPO = ["algo.grpo.group_size=4"]
+TINY_GRPO = ["algo.actor.group_size=4"]
 NON_DEFAULT_MODES = ["engine.use_remove_padding=false", "engine.use_fused_kernels=true", "engine.pad_mode=left_right",
                      "engine.max_tokens_per_micro_batch=40"]
 
@@ -56,7 +56,7 @@ def default_run(tmp_path_factory):
 def test_default_job_runs_sft_then_grpo_and_writes_everything(default_run):
     out, records = default_run
     assert [r["step"] for r in _steps(records, "sft")] == [1, 2]
-    grpo = _steps(records, "grpo")
+    grpo = _steps(records, "rl")
     assert [(r["step"], r["global_step"]) for r in grpo] == [(1, 3), (2, 4)]
     for r in grpo:
         assert 0.0 <= r["reward"] <= 1.0
@@ -64,7 +64,7 @@ def test_default_job_runs_sft_then_grpo_and_writes_everything(default_run):
             assert math.isfinite(r[key]), key
     assert set(_evals(records)) == {"initial", "after_sft", "final"}
     assert (out / "curves.png").stat().st_size > 0
-    assert (out / "checkpoints" / "grpo" / "latest").is_file()
+    assert (out / "checkpoints" / "rl" / "latest").is_file()
     # The export is an ordinary Hugging Face checkpoint with the character tokenizer.
     from transformers import AutoModelForCausalLM
 
@@ -81,20 +81,20 @@ def test_non_default_modes_train_to_the_same_numbers(default_run, tmp_path):
     # must agree.
     _, reference = default_run
     _, records = _run(tmp_path, "modes", *NON_DEFAULT_MODES)
-    for phase in ("sft", "grpo"):
+    for phase in ("sft", "rl"):
         ours, theirs = _steps(records, phase), _steps(reference, phase)
         assert len(ours) == len(theirs) == 2
         for a, b in zip(ours, theirs):
             assert a["loss"] == pytest.approx(b["loss"], rel=1e-4, abs=1e-5), (phase, a["step"])
             assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4), (phase, a["step"])
-    assert [r["reward"] for r in _steps(records, "grpo")] == [r["reward"] for r in _steps(reference, "grpo")]
+    assert [r["reward"] for r in _steps(records, "rl")] == [r["reward"] for r in _steps(reference, "rl")]
     assert _evals(records) == _evals(reference)
 
 
 def test_sft_only_job_trains_evaluates_and_exports(tmp_path):
     out, records = _run(tmp_path, "sft", "algo=sft")
     assert [r["step"] for r in _steps(records, "sft")] == [1, 2]
-    assert not _steps(records, "grpo")
+    assert not _steps(records, "rl")
     assert set(_evals(records)) == {"initial", "final"}
     assert (out / "final" / "config.json").is_file()
     assert not (out / "sft_model").exists()
@@ -181,23 +181,23 @@ def _comparable(records):
 
 # Update-many with shuffled mini-batches, group filtering (extra sampling rounds) and TIS:
 # every new source of randomness must be seeded per step for the resumed curve to match.
-UPDATE_MANY = ["algo.grpo.epochs=2", "algo.grpo.mini_batch_size=2", "algo.grpo.filter_groups=true",
+UPDATE_MANY = ["algo.actor.epochs=2", "algo.actor.mini_batch_size=2", "algo.actor.filter_groups=true",
                "algo.adv_estimator=rloo", "algo.rollout_correction.tis_cap=2.0"]
 
 
 # PPO: the critic's checkpoint must resume too (its values decide the advantages after the kill).
-PPO_CRITIC = ["algo=ppo", "algo.grpo.epochs=2", "algo.grpo.mini_batch_size=2", "algo.ppo.critic_warmup=1"]
+PPO_CRITIC = ["algo=ppo", "algo.actor.epochs=2", "algo.actor.mini_batch_size=2", "algo.critic.critic_warmup=1"]
 
 
 @pytest.mark.parametrize("algo", [[], UPDATE_MANY, PPO_CRITIC], ids=["default", "update_many", "ppo_critic"])
 def test_resume_after_sigkill_continues_the_same_curve(tmp_path, algo):
-    overrides = [*TINY, *TINY_GRPO, "trainer.sft_steps=4", "trainer.grpo_steps=4", "trainer.checkpoint_interval=2",
+    overrides = [*TINY, *TINY_GRPO, "trainer.sft_steps=4", "trainer.rl_steps=4", "trainer.checkpoint_interval=2",
                  "trainer.plot=false", "trainer.export=false", *algo]
     # Uninterrupted reference run.
     _, reference = _run(tmp_path, "full", *overrides[len(TINY) + len(TINY_GRPO):])
 
     out = tmp_path / "killed"
-    command = [sys.executable, os.path.join(os.path.dirname(__file__), "cli_kill_child.py"), "grpo", "2",
+    command = [sys.executable, os.path.join(os.path.dirname(__file__), "cli_kill_child.py"), "rl", "2",
                *overrides, f"trainer.output_dir={out}"]
     proc = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
                             text=True)
@@ -205,7 +205,7 @@ def test_resume_after_sigkill_continues_the_same_curve(tmp_path, algo):
     try:
         for line in proc.stdout:
             seen.append(line)
-            if line.startswith("checkpoint saved:") and "(phase grpo, step 2," in line:
+            if line.startswith("checkpoint saved:") and "(phase rl, step 2," in line:
                 proc.send_signal(signal.SIGKILL)
                 break
     finally:
@@ -215,7 +215,7 @@ def test_resume_after_sigkill_continues_the_same_curve(tmp_path, algo):
 
     resumed = _cli(*overrides, f"trainer.output_dir={out}", "trainer.resume=auto")
     assert resumed.returncode == 0, resumed.stderr[-2000:]
-    assert "resuming grpo from" in resumed.stdout
+    assert "resuming rl from" in resumed.stdout
     records = read_metrics(str(out / "metrics.jsonl"))
     assert [(r["phase"], r.get("step"), r.get("tag")) for r in records] == \
         [(r["phase"], r.get("step"), r.get("tag")) for r in reference]
@@ -248,8 +248,8 @@ def test_resume_from_an_incomplete_checkpoint_is_a_one_line_error(tmp_path, caps
 
 
 @pytest.mark.parametrize("override,suggestion", [
-    ("algo.grpo.lr=1e-3", "did you mean algo.grpo.optim.lr?"),  # the same leaf, one section down
-    ("trainer.grpo_stepz=3", "did you mean trainer.grpo_steps?"),  # a misspelling
+    ("algo.actor.lr=1e-3", "did you mean algo.actor.optim.lr?"),  # the same leaf, one section down
+    ("trainer.rl_stepz=3", "did you mean trainer.rl_steps?"),  # a misspelling
 ])
 def test_an_unknown_key_suggests_the_key_that_was_meant(override, suggestion, capsys):
     from polyfsdp.trainer.train import main

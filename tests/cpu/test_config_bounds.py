@@ -9,18 +9,18 @@ import typing
 import pytest
 
 from polyfsdp.engines.config import EngineConfig, LoraConfig, OptimConfig
-from polyfsdp.trainer.algo_config import GRPOSection, PPOSection, RolloutCorrectionSection, SFTSection
+from polyfsdp.trainer.algo_config import ActorSection, CriticSection, RolloutCorrectionSection, SFTSection
 from polyfsdp.trainer.compose import compose, to_container
 from polyfsdp.trainer.config import (ConfigError, DataSection, ModelSection, RewardSection, TrainerSection,
                                      build_job_config)
 from polyfsdp.trainer.config_bounds import BOUNDS, bounds_for
 
-# Where each section of the config lives; algo.ppo.* exists under algo=ppo.
+# Where each section of the config lives; algo.critic.* exists under algo=ppo.
 SECTIONS = [(TrainerSection, "trainer"), (DataSection, "data"), (ModelSection, "model"), (LoraConfig, "model.lora"),
             (RewardSection, "reward"), (EngineConfig, "engine"), (SFTSection, "algo.sft"),
-            (OptimConfig, "algo.sft.optim"), (GRPOSection, "algo.grpo"), (OptimConfig, "algo.grpo.optim"),
-            (RolloutCorrectionSection, "algo.rollout_correction"), (PPOSection, "algo.ppo"),
-            (OptimConfig, "algo.ppo.optim")]
+            (OptimConfig, "algo.sft.optim"), (ActorSection, "algo.actor"), (OptimConfig, "algo.actor.optim"),
+            (RolloutCorrectionSection, "algo.rollout_correction"), (CriticSection, "algo.critic"),
+            (OptimConfig, "algo.critic.optim")]
 
 
 def _is_number(hint) -> bool:
@@ -42,7 +42,7 @@ BAD_VALUES = [float("nan"), float("inf"), float("-inf"), 1e30, -1e30, 10**12, -1
 
 
 def _with(key: str, value):
-    raw = copy.deepcopy(BASE["ppo" if key.startswith("algo.ppo") else "grpo"])
+    raw = copy.deepcopy(BASE["ppo" if key.startswith("algo.critic") else "grpo"])
     *parents, leaf = key.split(".")
     node = raw
     for part in parents:
@@ -54,9 +54,9 @@ def _with(key: str, value):
 def test_the_key_list_covers_the_sections():
     keys = numeric_keys()
     assert len(keys) > 40
-    for key in ("algo.grpo.entropy_coef", "algo.grpo.kl_coef", "model.lora.alpha", "trainer.seed",
-                "trainer.cpu_threads", "algo.grpo.temperature", "model.lora.rank", "algo.sft.optim.lr",
-                "algo.grpo.group_size", "trainer.prompts_per_step", "algo.grpo.max_new_tokens",
+    for key in ("algo.actor.entropy_coef", "algo.actor.kl_coef", "model.lora.alpha", "trainer.seed",
+                "trainer.cpu_threads", "algo.actor.temperature", "model.lora.rank", "algo.sft.optim.lr",
+                "algo.actor.group_size", "trainer.prompts_per_step", "algo.actor.max_new_tokens",
                 "trainer.sft_batch_size", "reward.timeout_s", "trainer.dist_timeout_s"):
         assert key in keys
 
@@ -64,7 +64,7 @@ def test_the_key_list_covers_the_sections():
 @pytest.mark.parametrize("key", numeric_keys())
 def test_every_numeric_key_refuses_non_finite_and_huge_values(key):
     build_job_config(_with(key, None) if key.endswith(("mini_batch_size", "tis_cap", "dual_clip_c")) else
-                     copy.deepcopy(BASE["ppo" if key.startswith("algo.ppo") else "grpo"]))
+                     copy.deepcopy(BASE["ppo" if key.startswith("algo.critic") else "grpo"]))
     for value in BAD_VALUES:
         with pytest.raises(ConfigError) as info:
             build_job_config(_with(key, value))
@@ -76,12 +76,12 @@ def test_every_numeric_key_refuses_non_finite_and_huge_values(key):
     ("model.lora.alpha=1e12", "model.lora.alpha: expected at most 65536, got 1e+12"),
     ("trainer.seed=20000000000", "trainer.seed: expected at most 4294967295, got 20000000000"),
     ("trainer.cpu_threads=1000000000000", "trainer.cpu_threads: expected at most 4096"),
-    ("algo.grpo.temperature=inf", "algo.grpo.temperature: expected a finite number, got inf"),
+    ("algo.actor.temperature=inf", "algo.actor.temperature: expected a finite number, got inf"),
     ("model.lora.rank=1000000000000", "model.lora.rank: expected at most 65536"),
     ("algo.sft.optim.lr=1e30", "algo.sft.optim.lr: expected at most 1, got 1e+30"),
-    ("algo.grpo.group_size=1000000000000", "algo.grpo.group_size: expected at most 65536"),
-    ("algo.grpo.entropy_coef=nan", "algo.grpo.entropy_coef: expected a finite number, got nan"),
-    ("algo.grpo.kl_coef=-inf", "algo.grpo.kl_coef: expected a finite number, got -inf"),
+    ("algo.actor.group_size=1000000000000", "algo.actor.group_size: expected at most 65536"),
+    ("algo.actor.entropy_coef=nan", "algo.actor.entropy_coef: expected a finite number, got nan"),
+    ("algo.actor.kl_coef=-inf", "algo.actor.kl_coef: expected a finite number, got -inf"),
 ])
 def test_the_reported_values_are_refused_by_the_command_line(override, expected):
     raw = to_container(compose([override]))
@@ -91,17 +91,17 @@ def test_the_reported_values_are_refused_by_the_command_line(override, expected)
 
 def test_the_ends_of_each_range_are_accepted():
     for pattern, low, high in BOUNDS:
-        key = pattern.replace("*", "grpo" if pattern.startswith("algo") else "trainer")
+        key = pattern.replace("*", "actor" if pattern.startswith("algo") else "trainer")
         if key not in numeric_keys():
             continue
         for end in (low, high):
             if end is None:
                 continue
-            if key == "algo.grpo.mini_batch_size":
+            if key == "algo.actor.mini_batch_size":
                 continue  # must also divide prompts_per_step: checked by the section
             raw = _with(key, end)
             if key in ("trainer.prompts_per_step", "trainer.sft_batch_size"):
-                raw["algo"]["grpo"]["mini_batch_size"] = None
+                raw["algo"]["actor"]["mini_batch_size"] = None
             if key == "data.min_len":
                 raw["data"]["max_len"] = end
             if key == "data.max_len":

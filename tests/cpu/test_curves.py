@@ -15,7 +15,7 @@ def test_each_panel_draws_its_records(tmp_path, monkeypatch):
     metrics.log({"phase": "eval", "tag": "initial", "global_step": 0, "reward": 0.1})
     metrics.log({"phase": "sft", "step": 1, "global_step": 1, "loss": 2.0, "grad_norm": 3.0, "step_time_s": 0.1})
     for step in (2, 3):
-        metrics.log({"phase": "grpo", "step": step - 1, "global_step": step, "reward": 0.2 * step, "loss": -0.1,
+        metrics.log({"phase": "rl", "step": step - 1, "global_step": step, "reward": 0.2 * step, "loss": -0.1,
                      "kl": 0.01 * step, "entropy": 4.0 - step, "response_len": 5.0 + step, "clip_frac": 0.1,
                      "grad_norm": 1.0, "step_time_s": 0.2})
     figures = []
@@ -40,8 +40,8 @@ def test_the_trainer_redraws_the_curves_at_every_evaluation(tmp_path, monkeypatc
 
     monkeypatch.setattr(plot, "plot_metrics", record)
     out = tmp_path / "run"
-    assert main(["trainer.sft_steps=2", "trainer.grpo_steps=4", "trainer.eval_interval=2", "trainer.sft_batch_size=8",
-                 "trainer.prompts_per_step=4", "data.eval_size=8", "algo.grpo.group_size=4", "trainer.progress=off",
+    assert main(["trainer.sft_steps=2", "trainer.rl_steps=4", "trainer.eval_interval=2", "trainer.sft_batch_size=8",
+                 "trainer.prompts_per_step=4", "data.eval_size=8", "algo.actor.group_size=4", "trainer.progress=off",
                  "trainer.export=false", "trainer.checkpoint_interval=0", f"trainer.output_dir={out}"]) == 0
     evals = [r for r in read_metrics(str(out / "metrics.jsonl")) if r["phase"] == "eval"]
     assert [r["tag"] for r in evals] == ["initial", "after_sft", "step", "final"]

@@ -14,8 +14,8 @@ from polyfsdp.trainer.eval_cli import main as eval_main
 from polyfsdp.trainer.metrics import read_metrics
 from polyfsdp.trainer.train import main as train_main
 
-TINY = ["trainer.sft_steps=8", "trainer.grpo_steps=2", "trainer.sft_batch_size=8", "trainer.prompts_per_step=4",
-        "data.eval_size=8", "trainer.progress=off", "algo.grpo.group_size=4", "trainer.plot=false",
+TINY = ["trainer.sft_steps=8", "trainer.rl_steps=2", "trainer.sft_batch_size=8", "trainer.prompts_per_step=4",
+        "data.eval_size=8", "trainer.progress=off", "algo.actor.group_size=4", "trainer.plot=false",
         "trainer.checkpoint_interval=100"]  # one checkpoint per phase, at its end
 
 
@@ -41,7 +41,7 @@ def test_training_checkpoints_score_what_the_run_printed_at_their_step(exported_
     evals = {r["tag"]: r["reward"] for r in read_metrics(str(out / "metrics.jsonl")) if r["phase"] == "eval"}
     assert evals["after_sft"] != evals["final"]  # the two checkpoints are told apart
     checkpoints = out / "checkpoints"
-    for path, tag in ((checkpoints / "sft" / "step_000008", "after_sft"), (checkpoints / "grpo", "final")):
+    for path, tag in ((checkpoints / "sft" / "step_000008", "after_sft"), (checkpoints / "rl", "final")):
         assert eval_main([str(path), "--json", str(tmp_path / "r.json")]) == 0
         assert json.loads((tmp_path / "r.json").read_text())["metrics"]["reward"] == evals[tag], tag
 

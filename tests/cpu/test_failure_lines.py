@@ -48,12 +48,12 @@ def test_a_reward_calling_sys_exit_0_is_not_a_successful_run(tmp_path, capsys):
 
 def test_filter_groups_with_no_informative_group_finishes_and_plots(tmp_path, capsys):
     out = tmp_path / "out"
-    code = main([*TINY, "algo.grpo.group_size=2", "trainer.sft_steps=0", "trainer.grpo_steps=2",
+    code = main([*TINY, "algo.actor.group_size=2", "trainer.sft_steps=0", "trainer.rl_steps=2",
                  "trainer.checkpoint_interval=0", "trainer.export=false", "trainer.plot=true",
-                 "algo.grpo.filter_groups=true", "algo.grpo.max_sample_batches=1", _reward(tmp_path, "    return 0.5\n"),
+                 "algo.actor.filter_groups=true", "algo.actor.max_sample_batches=1", _reward(tmp_path, "    return 0.5\n"),
                  f"trainer.output_dir={out}"])
     assert code == 0, _error_lines(capsys)
-    grpo = [r for r in read_metrics(str(out / "metrics.jsonl")) if r["phase"] == "grpo"]
+    grpo = [r for r in read_metrics(str(out / "metrics.jsonl")) if r["phase"] == "rl"]
     assert len(grpo) == 2 and all("loss" not in r for r in grpo)  # no group carried a signal: nothing trained
     assert (out / "curves.png").stat().st_size > 0
 
@@ -157,7 +157,7 @@ class CtrlC:
 
 
 sys.meta_path.insert(0, CtrlC())
-sys.argv = ["polyfsdp-train", "trainer.output_dir=" + sys.argv[2], "trainer.sft_steps=1", "trainer.grpo_steps=0"]
+sys.argv = ["polyfsdp-train", "trainer.output_dir=" + sys.argv[2], "trainer.sft_steps=1", "trainer.rl_steps=0"]
 import runpy
 runpy.run_module("polyfsdp.trainer.train", run_name="__main__")
 """

@@ -2,25 +2,25 @@
 step count, the loss each setting builds, and DAPO group filtering's bookkeeping."""
 import pytest
 
-from polyfsdp.trainer import grpo_sampling
+from polyfsdp.trainer import sampling
 from polyfsdp.trainer.config import ConfigError, load_config
 from polyfsdp.trainer.generate import Rollout
 from polyfsdp.trainer.task import Example
 
 
 @pytest.mark.parametrize("overrides,world,expected", [
-    (["algo.grpo.mini_batch_size=5"], 1, "algo.grpo.mini_batch_size: must divide trainer.prompts_per_step=32, got 5"),
-    (["algo.grpo.mini_batch_size=1"], 2, "algo.grpo.mini_batch_size: must be a multiple of the world size 2"),
-    (["algo.grpo.mini_batch_size=0"], 1, "algo.grpo.mini_batch_size: expected an int >= 1, got 0"),
-    (["algo.grpo.epochs=0"], 1, "algo.grpo.epochs: expected an int >= 1, got 0"),
-    (["algo.grpo.max_sample_batches=0"], 1, "algo.grpo.max_sample_batches: expected an int >= 1"),
+    (["algo.actor.mini_batch_size=5"], 1, "algo.actor.mini_batch_size: must divide trainer.prompts_per_step=32, got 5"),
+    (["algo.actor.mini_batch_size=1"], 2, "algo.actor.mini_batch_size: must be a multiple of the world size 2"),
+    (["algo.actor.mini_batch_size=0"], 1, "algo.actor.mini_batch_size: expected an int >= 1, got 0"),
+    (["algo.actor.epochs=0"], 1, "algo.actor.epochs: expected an int >= 1, got 0"),
+    (["algo.actor.max_sample_batches=0"], 1, "algo.actor.max_sample_batches: expected an int >= 1"),
     (["algo.adv_estimator=ppo"], 1, "algo.adv_estimator: got 'ppo'; allowed values: grpo, dr_grpo, rloo"),
     (["algo.rollout_correction.tis_cap=0"], 1, "algo.rollout_correction.tis_cap: expected > 0 or null, got 0"),
     (["+algo.rollout_correction.cap=2"], 1, "algo.rollout_correction.cap: unknown key"),
-    (["algo.grpo.filter_groups=maybe"], 1, "algo.grpo.filter_groups: expected bool, got 'maybe'"),
-    (["algo.adv_estimator=dr_grpo", "algo.grpo.agg_mode=seq-mean-token-mean"], 1,
-     "algo.grpo.agg_mode: adv_estimator=dr_grpo aggregates with seq-mean-token-sum-norm"),
-    (["algo.grpo.agg_mode=seq-mean-token-sum-norm"], 1, None),  # a PPO aggregation on its own too
+    (["algo.actor.filter_groups=maybe"], 1, "algo.actor.filter_groups: expected bool, got 'maybe'"),
+    (["algo.adv_estimator=dr_grpo", "algo.actor.agg_mode=seq-mean-token-mean"], 1,
+     "algo.actor.agg_mode: adv_estimator=dr_grpo aggregates with seq-mean-token-sum-norm"),
+    (["algo.actor.agg_mode=seq-mean-token-sum-norm"], 1, None),  # a PPO aggregation on its own too
 ])
 def test_new_algo_keys_are_validated(overrides, world, expected):
     if expected is None:
@@ -33,27 +33,27 @@ def test_new_algo_keys_are_validated(overrides, world, expected):
 
 def test_defaults_keep_one_on_policy_update_per_rollout():
     cfg = load_config([])
-    loss = cfg.algo.ppo_loss(cfg.trainer.prompts_per_step)
-    assert cfg.algo.grpo.updates_per_rollout(cfg.trainer.prompts_per_step) == 1
+    loss = cfg.algo.actor_loss(cfg.trainer.prompts_per_step)
+    assert cfg.algo.actor.updates_per_rollout(cfg.trainer.prompts_per_step) == 1
     assert loss.on_policy and "old_log_probs" not in loss.required_fields and "rollout_log_probs" not in \
         loss.required_fields
-    assert cfg.algo.grpo.optim.total_steps == cfg.trainer.grpo_steps
+    assert cfg.algo.actor.optim.total_steps == cfg.trainer.rl_steps
 
 
 def test_update_many_counts_optimizer_steps_in_the_schedule_and_reads_old_log_probs():
-    cfg = load_config(["algo.grpo.epochs=2", "algo.grpo.mini_batch_size=8", "trainer.grpo_steps=10"])
-    assert cfg.algo.grpo.updates_per_rollout(cfg.trainer.prompts_per_step) == 8
-    assert cfg.algo.grpo.optim.total_steps == 80
-    assert "old_log_probs" in cfg.algo.ppo_loss(cfg.trainer.prompts_per_step).required_fields
+    cfg = load_config(["algo.actor.epochs=2", "algo.actor.mini_batch_size=8", "trainer.rl_steps=10"])
+    assert cfg.algo.actor.updates_per_rollout(cfg.trainer.prompts_per_step) == 8
+    assert cfg.algo.actor.optim.total_steps == 80
+    assert "old_log_probs" in cfg.algo.actor_loss(cfg.trainer.prompts_per_step).required_fields
 
 
 def test_estimators_shape_the_loss():
-    dr = load_config(["algo.adv_estimator=dr_grpo", "algo.grpo.max_new_tokens=12"]).algo.ppo_loss(32)
+    dr = load_config(["algo.adv_estimator=dr_grpo", "algo.actor.max_new_tokens=12"]).algo.actor_loss(32)
     assert (dr.agg_mode, dr.agg_norm_tokens) == ("seq-mean-token-sum-norm", 12.0)
-    rpp = load_config(["algo.adv_estimator=reinforce_plus_plus"]).algo.ppo_loss(32)
+    rpp = load_config(["algo.adv_estimator=reinforce_plus_plus"]).algo.actor_loss(32)
     assert rpp.kl_coef == 0.0 and "ref_log_probs" not in rpp.required_fields  # the KL is in the reward
     tis = load_config(["algo.rollout_correction.tis_cap=2"]).algo
-    assert tis.rollout_correction.needs_rollout_log_probs and tis.ppo_loss(32).tis_cap == 2.0
+    assert tis.rollout_correction.needs_rollout_log_probs and tis.actor_loss(32).tis_cap == 2.0
 
 
 class _Grpo:
@@ -74,7 +74,7 @@ def _fake_rollouts(monkeypatch, rounds):
         rows = [e.prompt for e in examples for _ in range(n)]
         return Rollout([[1]] * len(rows), [[2]] * len(rows), rows, rewards, {"x": list(rewards)}, None)
 
-    monkeypatch.setattr(grpo_sampling, "rollout", fake)
+    monkeypatch.setattr(sampling, "rollout", fake)
     return calls
 
 
@@ -83,7 +83,7 @@ def test_filter_groups_drops_constant_groups_and_resamples_until_enough(monkeypa
     # Round 1: only group 1 informative. Round 2: groups 0 and 2 informative (one is enough).
     calls = _fake_rollouts(monkeypatch, [[1, 1, 0, 1, 0, 0], [0, 1, 1, 1, 1, 0]])
     more = lambda k: [Example(f"q{k}{i}", "a") for i in range(3)]  # noqa: E731
-    out = grpo_sampling.sample_groups(_Policy(), None, examples, _Grpo, False, None, more)
+    out = sampling.sample_groups(_Policy(), None, examples, _Grpo, False, None, more)
     assert calls == [["p0", "p1", "p2"], ["q10", "q11", "q12"]]
     assert out.kept.texts == ["p1", "p1", "q10", "q10", "q12", "q12"]
     assert out.kept.rewards == [0, 1, 0, 1, 1, 0] and out.first.rewards == [1, 1, 0, 1, 0, 0]
@@ -93,7 +93,7 @@ def test_filter_groups_drops_constant_groups_and_resamples_until_enough(monkeypa
 def test_filter_groups_trains_on_what_there_is_after_max_sample_batches(monkeypatch, caplog):
     examples = [Example(f"p{i}", "a") for i in range(2)]
     _fake_rollouts(monkeypatch, [[1, 1, 0, 1], [0, 0, 1, 1], [1, 1, 1, 1]])
-    out = grpo_sampling.sample_groups(_Policy(), None, examples, _Grpo, False, None,
+    out = sampling.sample_groups(_Policy(), None, examples, _Grpo, False, None,
                                       lambda k: [Example(f"q{k}{i}", "a") for i in range(2)])
     assert out.kept.texts == ["p1", "p1"] and out.metrics["filter/short"] == 1.0
     assert out.metrics["filter/sample_rounds"] == 3.0

@@ -47,7 +47,7 @@ def _steps(est, phase):
 
 
 def test_rl_phase_counts_rollout_rows_reference_and_critic():
-    base = ["trainer.prompts_per_step=32", "algo.grpo.group_size=8", "algo.grpo.max_new_tokens=8"]
+    base = ["trainer.prompts_per_step=32", "algo.actor.group_size=8", "algo.actor.max_new_tokens=8"]
     grpo = estimate_job(load_config(base), world_size=1)
     rollout = _steps(grpo, "grpo")["rollout generation (KV cache)"]
     assert rollout.rows == 32 * 8

@@ -18,8 +18,8 @@ from polyfsdp.trainer.train import main
 
 pytest.importorskip("peft", reason="LoRA needs peft (pip install -e '.[lora]')")
 
-LORA = ["trainer.sft_steps=2", "trainer.grpo_steps=2", "trainer.sft_batch_size=8", "trainer.prompts_per_step=4",
-        "data.eval_size=4", "trainer.progress=off", "trainer.plot=false", "algo.grpo.group_size=4",
+LORA = ["trainer.sft_steps=2", "trainer.rl_steps=2", "trainer.sft_batch_size=8", "trainer.prompts_per_step=4",
+        "data.eval_size=4", "trainer.progress=off", "trainer.plot=false", "algo.actor.group_size=4",
         "trainer.checkpoint_interval=0", "model.lora.rank=4", "model.lora.dropout=0.1"]
 
 
@@ -85,9 +85,9 @@ def test_a_run_continued_at_the_start_of_its_rl_phase_equals_the_uninterrupted_o
 
     out = tmp_path / "stopped"
     with monkeypatch.context() as patch:
-        patch.setattr(job, "grpo_step", stopped)
+        patch.setattr(job, "rl_step", stopped)
         assert main([*LORA, f"trainer.output_dir={out}"]) == 130
-    assert (out / "sft_model").is_dir() and not (out / "checkpoints" / "grpo").exists()
+    assert (out / "sft_model").is_dir() and not (out / "checkpoints" / "rl").exists()
     torch.manual_seed(12345)  # whatever the generator holds, the continued run draws the same adapters
     assert main([*LORA, f"trainer.output_dir={out}", "trainer.resume=auto"]) == 0
     assert _records(out) == _records(reference)

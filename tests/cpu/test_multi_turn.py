@@ -157,11 +157,11 @@ def test_a_user_environment_from_a_test_file_trains_through_polyfsdp_train(tmp_p
 
     out = tmp_path / "run"
     # 30 SFT steps teach the tiny model to end its answers with <eos>, so conversations go on.
-    code = main([*TINY, *TINY_GRPO, "trainer.sft_steps=30", "trainer.grpo_steps=2", "trainer.plot=false",
+    code = main([*TINY, *TINY_GRPO, "trainer.sft_steps=30", "trainer.rl_steps=2", "trainer.plot=false",
                  "trainer.export=false", f"rollout.env={GUESS_ENV}", "rollout.max_turns=3",
                  "+rollout.env_kwargs.target=c", f"trainer.output_dir={out}"])
     assert code == 0
-    grpo = [r for r in read_metrics(str(out / "metrics.jsonl")) if r["phase"] == "grpo" and "loss" in r]
+    grpo = [r for r in read_metrics(str(out / "metrics.jsonl")) if r["phase"] == "rl" and "loss" in r]
     assert len(grpo) == 2 and all(r["multi_turn/turns_mean"] >= 1.0 for r in grpo)
     assert max(r["multi_turn/turns_mean"] for r in grpo) > 1.0  # some conversations had a second turn
     assert all(0.0 <= r["multi_turn/truncated_mean"] <= 1.0 for r in grpo)
@@ -190,10 +190,10 @@ def test_resume_refuses_a_changed_environment(tmp_path, capsys):
     from polyfsdp.trainer.train import main
 
     out = tmp_path / "run"
-    base = [*TINY, *TINY_GRPO, "trainer.sft_steps=1", "trainer.grpo_steps=1", "trainer.plot=false",
+    base = [*TINY, *TINY_GRPO, "trainer.sft_steps=1", "trainer.rl_steps=1", "trainer.plot=false",
             "trainer.export=false", f"rollout.env={GUESS_ENV}", "rollout.max_turns=2", f"trainer.output_dir={out}"]
     assert main(base) == 0
     capsys.readouterr()
-    assert main([*base, "rollout.max_turns=3", "trainer.grpo_steps=2"]) == 2
+    assert main([*base, "rollout.max_turns=3", "trainer.rl_steps=2"]) == 2
     err = capsys.readouterr().err.strip()
     assert "rollout.max_turns=2, but this run asks for rollout.max_turns=3" in err and "\n" not in err, err

@@ -16,8 +16,8 @@ from polyfsdp.trainer.metrics import read_metrics
 from polyfsdp.trainer.task import CharTokenizer, HFTokenizerAdapter, load_tokenizer
 from polyfsdp.trainer.train import main
 
-TINY = ["trainer.sft_steps=1", "trainer.grpo_steps=2", "trainer.sft_batch_size=4", "trainer.prompts_per_step=2",
-        "algo.grpo.group_size=2", "trainer.progress=off", "trainer.plot=false", "trainer.export=false",
+TINY = ["trainer.sft_steps=1", "trainer.rl_steps=2", "trainer.sft_batch_size=4", "trainer.prompts_per_step=2",
+        "algo.actor.group_size=2", "trainer.progress=off", "trainer.plot=false", "trainer.export=false",
         "trainer.checkpoint_interval=0"]
 REWARD_FILE = '''
 def compute_score(data_source, solution_str, ground_truth, extra_info=None, scale=1.0):
@@ -182,7 +182,7 @@ def test_a_prompt_longer_than_the_models_positions_is_refused_at_start(tmp_path,
                  f"trainer.output_dir={tmp_path / 'out'}"])
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1, err
-    assert f"{path} line 1: prompt of 2001 tokens + algo.grpo.max_new_tokens=8 needs 2009 positions, but the model " \
+    assert f"{path} line 1: prompt of 2001 tokens + algo.actor.max_new_tokens=8 needs 2009 positions, but the model " \
            f"has max_position_embeddings=512; set data.max_prompt_length=504" in err[0], err[0]
     assert not (tmp_path / "out" / "init_model").exists()
     # The fix it names works: the long prompt is filtered and the run trains.
@@ -212,7 +212,7 @@ def test_grpo_on_verl_files_with_a_bpe_chat_model_and_a_reward_file(tmp_path, mo
     out = tmp_path / "run"
     code = main([*TINY, f"model.path={model_dir}", "data=files", f"data.train_files=[{train},{train2}]",
                  f"data.val_files=[{val}]", f"reward.fn={tmp_path / 'my_reward.py'}:compute_score",
-                 "reward.kwargs={scale:0.5}", "algo.grpo.max_new_tokens=4", f"trainer.output_dir={out}"])
+                 "reward.kwargs={scale:0.5}", "algo.actor.max_new_tokens=4", f"trainer.output_dir={out}"])
     assert code == 0
     from transformers import AutoTokenizer
 
@@ -221,7 +221,7 @@ def test_grpo_on_verl_files_with_a_bpe_chat_model_and_a_reward_file(tmp_path, mo
                                               add_generation_prompt=True, tokenize=True, return_dict=False))
                 for i in list(range(6)) + [20, 21]}
     assert seen_prompts and {tuple(p) for p in seen_prompts} <= expected
-    grpo = [r for r in read_metrics(str(out / "metrics.jsonl")) if r["phase"] == "grpo"]
+    grpo = [r for r in read_metrics(str(out / "metrics.jsonl")) if r["phase"] == "rl"]
     assert len(grpo) == 2
     for record in grpo:
         assert 0.0 <= record["reward"] <= 0.5
@@ -235,7 +235,7 @@ def test_grpo_on_verl_files_with_a_bpe_chat_model_and_a_reward_file(tmp_path, mo
 def test_arith_words_runs_the_chat_and_gsm8k_path_on_a_bpe_model(tmp_path, model_dir):
     out = tmp_path / "run"
     code = main([*TINY, f"model.path={model_dir}", "data=arith_words", "data.eval_size=4",
-                 "algo.grpo.max_new_tokens=6", f"trainer.output_dir={out}"])
+                 "algo.actor.max_new_tokens=6", f"trainer.output_dir={out}"])
     assert code == 0
     records = read_metrics(str(out / "metrics.jsonl"))
     assert [r["tag"] for r in records if r["phase"] == "eval"] == ["initial", "after_sft", "final"]

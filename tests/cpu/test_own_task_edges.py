@@ -53,8 +53,8 @@ def test_a_run_that_failed_before_training_may_be_rerun_with_a_fixed_reward(tmp_
         "    return float(solution_str.strip() == ground_truth)\n")
     data = write_jsonl(tmp_path / "train.jsonl", _sort_rows(8))
     common = ["data=files", f"data.train_files=[{data}]", "data.eval_size=2", "trainer.sft_steps=1",
-              "trainer.grpo_steps=1", "trainer.sft_batch_size=2", "trainer.prompts_per_step=2",
-              "algo.grpo.group_size=2", "trainer.progress=off", "trainer.plot=false", "trainer.export=false",
+              "trainer.rl_steps=1", "trainer.sft_batch_size=2", "trainer.prompts_per_step=2",
+              "algo.actor.group_size=2", "trainer.progress=off", "trainer.plot=false", "trainer.export=false",
               f"trainer.output_dir={tmp_path / 'out'}"]
     assert main([*common, f"reward.fn={tmp_path / 'r.py'}:broken"]) == 2
     assert "raised ValueError" in capsys.readouterr().err
@@ -146,14 +146,14 @@ def test_continuing_with_fewer_steps_than_were_done_is_one_line(tmp_path, capsys
     from polyfsdp.trainer.train import main
 
     common = ["trainer.sft_steps=1", "trainer.sft_batch_size=2", "trainer.prompts_per_step=2",
-              "algo.grpo.group_size=2", "data.eval_size=2", "trainer.progress=off", "trainer.plot=false",
+              "algo.actor.group_size=2", "data.eval_size=2", "trainer.progress=off", "trainer.plot=false",
               "trainer.export=false", "trainer.checkpoint_interval=1", f"trainer.output_dir={tmp_path / 'out'}"]
-    assert main([*common, "trainer.grpo_steps=3"]) == 0
+    assert main([*common, "trainer.rl_steps=3"]) == 0
     capsys.readouterr()
-    assert main([*common, "trainer.grpo_steps=2"]) == 2
+    assert main([*common, "trainer.rl_steps=2"]) == 2
     err = capsys.readouterr().err.strip()
-    assert err.count("\n") == 0 and "trainer.grpo_steps=2: " in err and "is already at grpo step 3; set " \
-        "trainer.grpo_steps>=3 to continue it" in err, err
+    assert err.count("\n") == 0 and "trainer.rl_steps=2: " in err and "is already at rl step 3; set " \
+        "trainer.rl_steps>=3 to continue it" in err, err
 
 
 def test_relative_paths_that_miss_say_which_directory_they_were_read_from(tmp_path, monkeypatch):

@@ -17,8 +17,8 @@ from polyfsdp.trainer.metrics import read_metrics
 from polyfsdp.trainer.train import main
 
 CHILD = os.path.join(os.path.dirname(__file__), "checkpoint_crash_child.py")
-PPO = ["algo=ppo", "trainer.sft_steps=0", "trainer.grpo_steps=3", "trainer.prompts_per_step=4",
-       "algo.grpo.group_size=4", "data.eval_size=4", "trainer.progress=off", "trainer.plot=false",
+PPO = ["algo=ppo", "trainer.sft_steps=0", "trainer.rl_steps=3", "trainer.prompts_per_step=4",
+       "algo.actor.group_size=4", "data.eval_size=4", "trainer.progress=off", "trainer.plot=false",
        "trainer.export=false", "trainer.checkpoint_interval=1", "trainer.keep_checkpoints=1"]
 CRASH_STEP = 2  # step_000001 is the one checkpoint kept when its save starts
 # The points of one save, in order (checkpoint_crash_child.py counts them): before the shards,
@@ -51,8 +51,8 @@ def test_a_crash_at_any_point_of_a_ppo_save_resumes_to_the_uninterrupted_run(tmp
     assert main([*PPO, f"trainer.output_dir={out}", "trainer.resume=auto"]) == 0, capsys.readouterr().err
     assert _comparable(read_metrics(str(out / "metrics.jsonl"))) == _comparable(reference)
     # One unit, pruned as one: the newest checkpoint only, and nothing the crash left behind.
-    assert sorted(os.listdir(out / "checkpoints")) == ["grpo"]
-    assert sorted(os.listdir(out / "checkpoints" / "grpo")) == ["latest", "step_000003"]
+    assert sorted(os.listdir(out / "checkpoints")) == ["rl"]
+    assert sorted(os.listdir(out / "checkpoints" / "rl")) == ["latest", "step_000003"]
 
 
 def _flip_a_critic_byte(checkpoint):
@@ -71,7 +71,7 @@ def _flip_a_critic_byte(checkpoint):
 def test_a_damaged_critic_falls_back_to_the_newest_intact_actor_and_critic(tmp_path, reference, capsys):
     out = tmp_path / "run"
     assert main([*PPO, f"trainer.output_dir={out}", "trainer.keep_checkpoints=2"]) == 0
-    grpo = out / "checkpoints" / "grpo"
+    grpo = out / "checkpoints" / "rl"
     _flip_a_critic_byte(grpo / "step_000003")
     capsys.readouterr()
 
@@ -79,7 +79,7 @@ def test_a_damaged_critic_falls_back_to_the_newest_intact_actor_and_critic(tmp_p
     said = capsys.readouterr().out
     assert f"trainer.resume=auto: skipping {grpo / 'step_000003'}: {grpo / 'step_000003'}: __0_0.distcp does " \
            f"not match its checksum" in said, said
-    assert f"resuming grpo from {grpo / 'step_000002'}" in said, said
+    assert f"resuming rl from {grpo / 'step_000002'}" in said, said
     assert _comparable(read_metrics(str(out / "metrics.jsonl"))) == _comparable(reference)
 
 
@@ -87,8 +87,8 @@ def test_a_checkpoint_whose_critic_was_saved_apart_is_refused_in_one_line(tmp_pa
     # What a polyfsdp before one-unit checkpoints left: checkpoints/grpo/step_N without the
     # critic, checkpoints/critic/step_N beside it.
     out = tmp_path / "run"
-    assert main([*PPO, "trainer.grpo_steps=1", f"trainer.output_dir={out}"]) == 0
-    actor = out / "checkpoints" / "grpo" / "step_000001"
+    assert main([*PPO, "trainer.rl_steps=1", f"trainer.output_dir={out}"]) == 0
+    actor = out / "checkpoints" / "rl" / "step_000001"
     state = load_plain(actor / TRAINER_STATE_FILE)
     del state["parts"]
     save_plain(state, actor / TRAINER_STATE_FILE)

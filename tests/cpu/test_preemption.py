@@ -16,7 +16,7 @@ from polyfsdp.trainer.metrics import read_metrics
 
 HERE = os.path.dirname(__file__)
 # No interval checkpoints: the one SIGTERM asks for is the only one there is.
-OVERRIDES = [*TINY, *TINY_GRPO, "trainer.sft_steps=2", "trainer.grpo_steps=4", "trainer.checkpoint_interval=0",
+OVERRIDES = [*TINY, *TINY_GRPO, "trainer.sft_steps=2", "trainer.rl_steps=4", "trainer.checkpoint_interval=0",
              "trainer.plot=false"]
 
 
@@ -28,21 +28,21 @@ def test_sigterm_saves_at_the_step_boundary_and_resume_continues_exactly(tmp_pat
     reference_dir, reference = _run(tmp_path, "full", *OVERRIDES[len(TINY) + len(TINY_GRPO):])
 
     out = tmp_path / "preempted"
-    proc = subprocess.run([sys.executable, os.path.join(HERE, "cli_sigterm_child.py"), "grpo", "2", *OVERRIDES,
+    proc = subprocess.run([sys.executable, os.path.join(HERE, "cli_sigterm_child.py"), "rl", "2", *OVERRIDES,
                            f"trainer.output_dir={out}"], capture_output=True, text=True, timeout=300,
                           env={**os.environ, "POLYFSDP_BACKEND": "cpu"})
     assert proc.returncode == 143 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
-    checkpoint = out / "checkpoints" / "grpo" / "step_000002"
+    checkpoint = out / "checkpoints" / "rl" / "step_000002"
     continuation = shlex.join(["polyfsdp-train", *OVERRIDES, f"trainer.output_dir={out}", "trainer.resume=auto"])
     assert [line for line in proc.stderr.splitlines() if line.strip()] == [
-        f"polyfsdp-train: stopped by SIGTERM after grpo step 2; checkpoint saved: {checkpoint}; "
+        f"polyfsdp-train: stopped by SIGTERM after rl step 2; checkpoint saved: {checkpoint}; "
         f"continue with: {continuation}"], proc.stderr
     assert not (out / "final").exists()  # it stopped: steps 3-4 did not run
 
     # The line is the command: run it as printed.
     resumed = _cli(*shlex.split(continuation)[1:])
     assert resumed.returncode == 0, resumed.stderr[-2000:]
-    assert f"resuming grpo from {checkpoint}" in resumed.stdout
+    assert f"resuming rl from {checkpoint}" in resumed.stdout
     records = read_metrics(str(out / "metrics.jsonl"))
     assert _comparable(records) == _comparable(reference)
     expected = _weights(reference_dir)
@@ -59,7 +59,7 @@ def _truncate(file):
 def test_resume_auto_skips_a_damaged_checkpoint_and_an_explicit_one_is_one_line(tmp_path):
     overrides = [*OVERRIDES[len(TINY) + len(TINY_GRPO):], "trainer.checkpoint_interval=1", "trainer.export=false"]
     out, _ = _run(tmp_path, "run", *overrides)
-    grpo = out / "checkpoints" / "grpo"
+    grpo = out / "checkpoints" / "rl"
     newest, older = grpo / "step_000004", grpo / "step_000003"
     _truncate(newest / "trainer_state.pt")
 
@@ -67,10 +67,10 @@ def test_resume_auto_skips_a_damaged_checkpoint_and_an_explicit_one_is_one_line(
     _assert_one_line_error(explicit, f"trainer.resume: cannot load {newest}: {newest}: trainer_state.pt has ")
 
     auto = _cli(*TINY, *TINY_GRPO, *overrides, f"trainer.output_dir={out}", "trainer.resume=auto",
-                "trainer.grpo_steps=4")
+                "trainer.rl_steps=4")
     assert auto.returncode == 0 and "Traceback" not in auto.stderr, auto.stderr[-2000:]
     assert f"trainer.resume=auto: skipping {newest}: {newest}: trainer_state.pt has " in auto.stdout
-    assert f"resuming grpo from {older}" in auto.stdout
+    assert f"resuming rl from {older}" in auto.stdout
     # It redid step 4 from step 3 and replaced the damaged copy with an intact one.
     assert "checkpoint saved: " + str(newest) in auto.stdout
     from polyfsdp.engines.checkpoint import verify_checkpoint

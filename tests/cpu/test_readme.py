@@ -54,13 +54,13 @@ def test_readme_own_data_example_runs_as_written(tmp_path):
     write_model_dir(tmp_path / "my_model")
     command = shlex.split(re.findall(r"```bash\n(.*?)```", section, flags=re.S)[0].replace("\\\n", " "))
     assert command[0] == "polyfsdp-train"
-    tiny = ["trainer.grpo_steps=2", "trainer.prompts_per_step=2", "algo.grpo.group_size=2", "trainer.progress=off",
+    tiny = ["trainer.rl_steps=2", "trainer.prompts_per_step=2", "algo.actor.group_size=2", "trainer.progress=off",
             "trainer.plot=false", "trainer.export=false", "trainer.checkpoint_interval=0", "trainer.output_dir=out"]
     result = subprocess.run([sys.executable, "-m", "polyfsdp.trainer.train", *command[1:], *tiny], cwd=tmp_path,
                             capture_output=True, text=True, timeout=300, env={**os.environ, "POLYFSDP_BACKEND": "cpu"})
     assert result.returncode == 0, result.stderr[-3000:]
     records = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
-    grpo = [r for r in records if r["phase"] == "grpo"]
+    grpo = [r for r in records if r["phase"] == "rl"]
     assert len(grpo) == 2 and all("reward/answered" in r and r["reward/response_tokens"] >= 1 for r in grpo)
 
 
@@ -82,12 +82,12 @@ def test_readme_multi_turn_example_runs_as_written(tmp_path):
     (tmp_path / "my_env.py").write_text(files["my_env.py"])
     command = shlex.split(re.findall(r"```bash\n(.*?)```", section, flags=re.S)[0].replace("\\\n", " "))
     assert command[0] == "polyfsdp-train"
-    tiny = ["trainer.sft_steps=2", "trainer.grpo_steps=2", "trainer.prompts_per_step=2", "algo.grpo.group_size=2",
+    tiny = ["trainer.sft_steps=2", "trainer.rl_steps=2", "trainer.prompts_per_step=2", "algo.actor.group_size=2",
             "trainer.sft_batch_size=4", "data.eval_size=4", "trainer.progress=off", "trainer.plot=false",
             "trainer.export=false", "trainer.checkpoint_interval=0", "trainer.output_dir=out"]
     result = subprocess.run([sys.executable, "-m", "polyfsdp.trainer.train", *command[1:], *tiny], cwd=tmp_path,
                             capture_output=True, text=True, timeout=300, env={**os.environ, "POLYFSDP_BACKEND": "cpu"})
     assert result.returncode == 0, result.stderr[-3000:]
     records = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
-    grpo = [r for r in records if r["phase"] == "grpo"]
+    grpo = [r for r in records if r["phase"] == "rl"]
     assert len(grpo) == 2 and all(r["multi_turn/turns_mean"] >= 1.0 for r in grpo)

@@ -8,10 +8,10 @@ import torch
 import yaml
 
 from loss_cases import loss_inputs_from_sequences
-from polyfsdp.engines.losses import PPOLoss, kl_penalty
+from polyfsdp.engines.losses import DEFAULT_CLIP_RATIO_HIGH, PPOLoss, kl_penalty
 from polyfsdp.engines.value_loss import ValueLoss
 from polyfsdp.trainer.advantages import group_advantages, reinforce_plus_plus_advantages
-from polyfsdp.trainer.algo_config import GRPOSection
+from polyfsdp.trainer.config import load_config
 
 
 def _verl_k3(logp, ref):
@@ -53,7 +53,10 @@ def test_ppo_loss_and_the_shipped_config_share_one_clip_ratio_high():
     from importlib.resources import files
 
     shipped = yaml.safe_load((files("polyfsdp.configs") / "algo" / "grpo.yaml").read_text())
-    assert PPOLoss().clip_ratio_high == GRPOSection().clip_ratio_high == shipped["grpo"]["clip_ratio_high"]
+    # The shipped config leaves the clip range to the policy loss (null): the ppo loss it builds
+    # has PPOLoss' own default.
+    assert shipped["actor"]["clip_ratio_high"] is None and shipped["actor"]["policy_loss"] == "ppo"
+    assert PPOLoss().clip_ratio_high == load_config([]).algo.actor_loss(32).clip_ratio_high == DEFAULT_CLIP_RATIO_HIGH
 
 
 @pytest.mark.parametrize("estimator", ["grpo", "dr_grpo", "rloo"])

@@ -70,12 +70,12 @@ def test_model_directory_code_never_runs(tmp_path, capsys):
 
 
 def test_last_line_is_the_result_and_each_models_patch_summary_is_printed_once(tmp_path, capsys):
-    code = main([*TINY, "algo.grpo.group_size=2", "trainer.sft_steps=1", "trainer.grpo_steps=1",
+    code = main([*TINY, "algo.actor.group_size=2", "trainer.sft_steps=1", "trainer.rl_steps=1",
                  "trainer.plot=false", "trainer.export=false", f"trainer.output_dir={tmp_path / 'out'}"])
     out = [line for line in capsys.readouterr().out.splitlines() if line.strip()]
     assert code == 0
     assert out[-1].startswith("held-out mean reward: initial "), out[-3:]
     summaries = [line for line in out if line.startswith("[") and "patches for model type" in line]
-    # SFT's policy (the initial model) and GRPO's policy (the SFT model); GRPO's reference is
+    # SFT's policy (the initial model) and RL's policy (the SFT model); RL's reference is
     # the same model as its policy and used to print the same line again.
-    assert [line.split("]")[0] for line in summaries] == ["[sft policy", "[grpo policy"], summaries
+    assert [line.split("]")[0] for line in summaries] == ["[sft policy", "[rl policy"], summaries

@@ -24,13 +24,13 @@ def _run_dir(tmp_path, overrides=(), holds=("checkpoints",)):
     ([], "algo.rollout_correction.tis_cap=2.0", "algo.rollout_correction.tis_cap", "None", "2.0"),
     ([], "algo.rollout_correction.report_mismatch=true", "algo.rollout_correction.report_mismatch", "'auto'",
      "True"),
-    ([], "algo.grpo.agg_mode=seq-mean-token-mean", "algo.grpo.agg_mode", "'token-mean'", "'seq-mean-token-mean'"),
-    ([], "algo.grpo.kl_type=k1", "algo.grpo.kl_type", "'k3'", "'k1'"),
-    ([], "algo.grpo.group_size=4", "algo.grpo.group_size", "8", "4"),
+    ([], "algo.actor.agg_mode=seq-mean-token-mean", "algo.actor.agg_mode", "'token-mean'", "'seq-mean-token-mean'"),
+    ([], "algo.actor.kl_type=k1", "algo.actor.kl_type", "'k3'", "'k1'"),
+    ([], "algo.actor.group_size=4", "algo.actor.group_size", "8", "4"),
     ([], "algo.sft.agg_mode=seq-mean-token-sum", "algo.sft.agg_mode", "'token-mean'", "'seq-mean-token-sum'"),
     ([], "algo=ppo", "algo.name", "'grpo'", "'ppo'"),
     (["algo=ppo"], "algo=grpo", "algo.name", "'ppo'", "'grpo'"),
-    (["algo=ppo"], "algo.ppo.lam=0.9", "algo.ppo.lam", "1.0", "0.9"),
+    (["algo=ppo"], "algo.critic.lam=0.9", "algo.critic.lam", "1.0", "0.9"),
     ([], "algo=sft", "algo.name", "'grpo'", "'sft'"),
 ])
 def test_continuing_with_another_algorithm_or_algo_setting_names_the_key(tmp_path, saved, override, name, before,
@@ -54,10 +54,10 @@ def test_an_sft_run_may_continue_into_either_rl_algorithm_keeping_its_sft_settin
 def test_the_sft_step_count_stays_once_the_rl_phase_has_its_start(tmp_path):
     run = _run_dir(tmp_path)
     check_same_run(load_config(["trainer.sft_steps=60"]), run)  # still in SFT: more SFT steps is fine
-    (run / "checkpoints" / "grpo").mkdir()
+    (run / "checkpoints" / "rl").mkdir()
     with pytest.raises(ConfigError, match=r"trainer.sft_steps=40, but this run asks for trainer.sft_steps=0;"):
         check_same_run(load_config(["trainer.sft_steps=0"]), run)
-    check_same_run(load_config(["trainer.grpo_steps=300"]), run)
+    check_same_run(load_config(["trainer.rl_steps=300"]), run)
 
 
 @pytest.mark.parametrize("holds", [("init_model",), ("checkpoints", "init_model")])
@@ -75,8 +75,8 @@ def test_a_run_directory_without_config_yaml_is_refused_in_one_line(tmp_path, ho
     check_same_run(load_config(["model.overrides.num_hidden_layers=3"]), tmp_path / "elsewhere")
 
 
-TINY = ["trainer.sft_steps=1", "trainer.grpo_steps=1", "trainer.sft_batch_size=4", "trainer.prompts_per_step=2",
-        "algo.grpo.group_size=2", "data.eval_size=2", "trainer.progress=off", "trainer.plot=false",
+TINY = ["trainer.sft_steps=1", "trainer.rl_steps=1", "trainer.sft_batch_size=4", "trainer.prompts_per_step=2",
+        "algo.actor.group_size=2", "data.eval_size=2", "trainer.progress=off", "trainer.plot=false",
         "trainer.export=false", "trainer.checkpoint_interval=1"]
 
 
@@ -85,14 +85,14 @@ def test_a_refused_continuation_leaves_config_yaml_as_the_run_wrote_it(tmp_path,
     assert main([*TINY, f"trainer.output_dir={out}"]) == 0
     written = (out / "config.yaml").read_text()
     capsys.readouterr()
-    assert main([*TINY, "trainer.grpo_steps=2", "algo.adv_estimator=rloo", f"trainer.output_dir={out}"]) == 2
+    assert main([*TINY, "trainer.rl_steps=2", "algo.adv_estimator=rloo", f"trainer.output_dir={out}"]) == 2
     err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
     assert len(err) == 1 and "holds a run of algo.adv_estimator='grpo', but this run asks for " \
         "algo.adv_estimator='rloo';" in err[0], err
     assert (out / "config.yaml").read_text() == written
 
     (out / "config.yaml").unlink()
-    assert main([*TINY, "trainer.grpo_steps=2", "model.overrides.num_hidden_layers=3",
+    assert main([*TINY, "trainer.rl_steps=2", "model.overrides.num_hidden_layers=3",
                  f"trainer.output_dir={out}"]) == 2
     err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
     assert len(err) == 1 and "but no config.yaml" in err[0], err

@@ -16,7 +16,7 @@ from polyfsdp.trainer.tracking import Tracker, TrackerStartError, tracker_metric
 from polyfsdp.trainer.train import main
 
 TINY = ["trainer.sft_steps=2", "trainer.sft_batch_size=8", "trainer.prompts_per_step=4", "data.eval_size=8",
-        "trainer.progress=lines", "algo.grpo.group_size=4", "trainer.plot=false", "trainer.export=false"]
+        "trainer.progress=lines", "algo.actor.group_size=4", "trainer.plot=false", "trainer.export=false"]
 INSTALLED = [name for name in ("tensorboard", "wandb", "mlflow") if importlib.util.find_spec(name) is not None]
 
 
@@ -38,10 +38,10 @@ def resumed_run(tmp_path_factory):
               "trainer.tags=[ci,tiny]", "trainer.checkpoint_interval=1", "trainer.log_val_generations=2",
               f"trainer.output_dir={out}"]
     try:
-        assert main([*common, "trainer.grpo_steps=2"]) == 0
+        assert main([*common, "trainer.rl_steps=2"]) == 0
         ids_first = json.loads((out / "trackers.json").read_text())
-        assert main([*common, "trainer.grpo_steps=3",
-                     f"trainer.resume={out / 'checkpoints' / 'grpo' / 'step_000001'}"]) == 0
+        assert main([*common, "trainer.rl_steps=3",
+                     f"trainer.resume={out / 'checkpoints' / 'rl' / 'step_000001'}"]) == 0
     finally:
         for key, value in saved.items():
             os.environ.pop(key, None) if value is None else os.environ.__setitem__(key, value)
@@ -80,9 +80,9 @@ def test_validation_generations_reach_the_file_and_the_trackers(resumed_run):
 
 
 def test_records_become_phase_named_scalars():
-    record = {"phase": "grpo", "step": 2, "global_step": 4, "reward": 0.5, "loss": float("nan"), "tag": "x",
+    record = {"phase": "rl", "step": 2, "global_step": 4, "reward": 0.5, "loss": float("nan"), "tag": "x",
               "ok": True, "tokens_per_s": 10}
-    assert tracker_metrics(record) == {"grpo/reward": 0.5, "grpo/tokens_per_s": 10.0}
+    assert tracker_metrics(record) == {"rl/reward": 0.5, "rl/tokens_per_s": 10.0}
 
 
 def test_tensorboard_event_files_hold_every_step_once_after_resume(resumed_run):
@@ -92,7 +92,7 @@ def test_tensorboard_event_files_hold_every_step_once_after_resume(resumed_run):
     out, _ = resumed_run
     events = EventAccumulator(str(out / "tensorboard"), size_guidance={"scalars": 0, "tensors": 0})
     events.Reload()
-    for phase, key in (("grpo", "loss"), ("grpo", "reward"), ("sft", "loss"), ("eval", "reward")):
+    for phase, key in (("rl", "loss"), ("rl", "reward"), ("sft", "loss"), ("eval", "reward")):
         expected = [(r["global_step"], r[key]) for r in _records(out, phase)]
         logged = [(e.step, e.value) for e in events.Scalars(f"{phase}/{key}")]
         # Global step 4 came twice; purge_step dropped the first process's copy (and its final eval).
@@ -111,12 +111,12 @@ def test_wandb_offline_runs_share_one_id_and_hold_the_history(resumed_run):
     run_id = json.loads((out / "trackers.json").read_text())["wandb"]
     assert first["id"] == second["id"] == run_id == ids_first["wandb"]  # `wandb sync` makes them one run
     assert (first["name"], first["project"], first["tags"]) == ("tiny", "polyfsdp", ["ci", "tiny"])
-    assert first["config"]["trainer"]["seed"] == 0 and second["config"]["trainer"]["grpo_steps"] == 3
+    assert first["config"]["trainer"]["seed"] == 0 and second["config"]["trainer"]["rl_steps"] == 3
 
     def losses(run):
-        return {row["_step"]: row["grpo/loss"] for row in run["history"] if "grpo/loss" in row}
+        return {row["_step"]: row["rl/loss"] for row in run["history"] if "rl/loss" in row}
 
-    expected = {r["global_step"]: r["loss"] for r in _records(out, "grpo")}
+    expected = {r["global_step"]: r["loss"] for r in _records(out, "rl")}
     assert losses(first) == pytest.approx({3: expected[3], 4: expected[4]})
     assert losses(second) == pytest.approx({4: expected[4], 5: expected[5]})
 
@@ -133,8 +133,8 @@ def test_mlflow_store_holds_one_run_with_metrics_and_params(resumed_run):
     run = runs[0]
     assert run.info.run_name == "tiny" and {"ci", "tiny"} <= set(run.data.tags)
     assert run.data.params["trainer.seed"] == "0" and run.data.params["algo.name"] == "grpo"
-    history = sorted((m.step, m.value) for m in client.get_metric_history(run.info.run_id, "grpo/loss"))
-    expected = {r["global_step"]: r["loss"] for r in _records(out, "grpo")}
+    history = sorted((m.step, m.value) for m in client.get_metric_history(run.info.run_id, "rl/loss"))
+    expected = {r["global_step"]: r["loss"] for r in _records(out, "rl")}
     # MLflow keeps both copies of global step 4: the same value, recomputed after the resume.
     assert [s for s, _ in history] == [3, 4, 4, 5]
     assert [v for _, v in history] == pytest.approx([expected[s] for s, _ in history])
@@ -168,14 +168,14 @@ def test_a_tracker_failing_mid_run_is_one_warning_and_the_run_completes(tmp_path
     _Flaky.calls = []
     out = tmp_path / "run"
     with caplog.at_level(logging.WARNING, logger="polyfsdp.trainer.tracking"):
-        assert main([*TINY, "trainer.grpo_steps=2", "trainer.logger=[console,jsonl,flaky]",
+        assert main([*TINY, "trainer.rl_steps=2", "trainer.logger=[console,jsonl,flaky]",
                      f"trainer.output_dir={out}"]) == 0
     warnings = [r.getMessage() for r in caplog.records if "flaky failed" in r.getMessage()]
     assert len(warnings) == 1 and "disk full" in warnings[0] and "metrics.jsonl keeps every record" in warnings[0]
     assert len(_Flaky.calls) == 3  # dropped after the failure
     phases = [(r["phase"], r.get("step"), r.get("tag")) for r in read_metrics(str(out / "metrics.jsonl"))]
     assert phases == [("eval", None, "initial"), ("sft", 1, None), ("sft", 2, None), ("eval", None, "after_sft"),
-                      ("grpo", 1, None), ("grpo", 2, None), ("eval", None, "final")]
+                      ("rl", 1, None), ("rl", 2, None), ("eval", None, "final")]
 
 
 class _CannotStart(_Flaky):
@@ -199,7 +199,7 @@ class _NotInstalled(_Flaky):
 def test_a_tracker_that_cannot_start_is_one_line(tmp_path, monkeypatch, capsys, logger, expected):
     monkeypatch.setitem(tracking.TRACKERS, "broken", _CannotStart)
     monkeypatch.setitem(tracking.TRACKERS, "absent", _NotInstalled)
-    assert main([*TINY, "trainer.grpo_steps=1", f"trainer.logger={logger}",
+    assert main([*TINY, "trainer.rl_steps=1", f"trainer.logger={logger}",
                  f"trainer.output_dir={tmp_path / 'run'}"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("polyfsdp-train: error: ") and expected in err[0], err
@@ -207,6 +207,6 @@ def test_a_tracker_that_cannot_start_is_one_line(tmp_path, monkeypatch, capsys, 
 
 def test_without_console_no_step_lines_are_printed(tmp_path, capsys):
     out = tmp_path / "run"
-    assert main([*TINY, "trainer.grpo_steps=1", "trainer.logger=[jsonl]", f"trainer.output_dir={out}"]) == 0
+    assert main([*TINY, "trainer.rl_steps=1", "trainer.logger=[jsonl]", f"trainer.output_dir={out}"]) == 0
     printed = capsys.readouterr().out
-    assert "[grpo] step" not in printed and "held-out mean reward" in printed
+    assert "[rl] step" not in printed and "held-out mean reward" in printed

@@ -10,8 +10,8 @@ import pytest
 from polyfsdp.trainer.config import ConfigError, load_config
 from polyfsdp.trainer.train import main
 
-TINY = ["trainer.sft_steps=2", "trainer.grpo_steps=1", "trainer.sft_batch_size=8", "trainer.prompts_per_step=4",
-        "data.eval_size=4", "trainer.progress=lines", "algo.grpo.group_size=4"]
+TINY = ["trainer.sft_steps=2", "trainer.rl_steps=1", "trainer.sft_batch_size=8", "trainer.prompts_per_step=4",
+        "data.eval_size=4", "trainer.progress=lines", "algo.actor.group_size=4"]
 
 
 
@@ -56,9 +56,9 @@ def test_sft_then_grpo_with_lora_exports_a_peft_adapter(tmp_path, capsys):
     out = tmp_path / "run"
     assert main([*TINY, "model.lora.rank=4", "trainer.export_lora=adapter", f"trainer.output_dir={out}"]) == 0
     text = capsys.readouterr().out
-    assert "[grpo reference]" not in text  # the reference is the policy with adapters off
+    assert "[rl reference]" not in text  # the reference is the policy with adapters off
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    assert any(r["phase"] == "grpo" for r in records)
+    assert any(r["phase"] == "rl" for r in records)
     # GRPO started from the merged SFT model: a plain checkpoint, which the adapter goes on.
     base = AutoModelForCausalLM.from_pretrained(out / "sft_model")
     assert not any(".lora_" in n for n, _ in base.named_parameters())

@@ -13,7 +13,7 @@ from polyfsdp.engines import jagged
 from polyfsdp.trainer.batch import build_batch
 from polyfsdp.trainer.config import ConfigError, load_config
 from polyfsdp.trainer.data import BuiltinSource, DataError, FileSource, read_jsonl, read_parquet
-from polyfsdp.trainer.grpo import group_advantages
+from polyfsdp.trainer.advantages import group_advantages
 from polyfsdp.trainer.task import CharTokenizer, ReverseTask, load_tokenizer, reward
 
 
@@ -139,14 +139,14 @@ def test_parquet_without_a_reader_says_what_to_install(tmp_path, monkeypatch):
     (["engine.pad_mode=diagonal"], "engine.pad_mode: got 'diagonal'; allowed values: 'no_padding', 'left_right'"),
     (["backend=tpu"], "backend=tpu: no such option; choose one of auto, cpu, cuda, npu"),
     (["model=gpt5"], "model=gpt5: no such option; choose one of llama, qwen2, qwen3"),
-    (["algo.grpo.kl_type=k9"], "algo.grpo.kl_type: got 'k9'; allowed values: k1, k3"),
+    (["algo.actor.kl_type=k9"], "algo.actor.kl_type: got 'k9'; allowed values: k1, k3"),
     (["trainer.sft_steps=many"], "trainer.sft_steps: expected int, got 'many'"),
     (["engine.lr=1"], "engine.lr: unknown key"),
     (["algo.sft.optim.lr=-1"], "algo.sft.optim.lr: expected a finite number >= 0, got -1"),
-    (["algo.grpo.optim.lr_scheduler=linear"], "algo.grpo.optim.lr_scheduler: got 'linear'; allowed values"),
-    (["algo.grpo.optim.lr_scheduler=warmup_cosine", "algo.grpo.optim.warmup_steps=500"],
-     "algo.grpo.optim.warmup_steps: expected <= total_steps=150"),
-    (["+algo.grpo.optim.momentum=0.9"], "algo.grpo.optim.momentum: unknown key"),
+    (["algo.actor.optim.lr_scheduler=linear"], "algo.actor.optim.lr_scheduler: got 'linear'; allowed values"),
+    (["algo.actor.optim.lr_scheduler=warmup_cosine", "algo.actor.optim.warmup_steps=500"],
+     "algo.actor.optim.warmup_steps: expected <= total_steps=150"),
+    (["+algo.actor.optim.momentum=0.9"], "algo.actor.optim.momentum: unknown key"),
     (["engine.reshard_policy=sometimes"], "engine.reshard_policy: got 'sometimes'; allowed values"),
     (["data=jsonl"], "data.path: a value is required"),
     (["patches.disable=[qwen2.nope]"], "patches.disable: unknown patch 'qwen2.nope'"),
@@ -169,14 +169,14 @@ def test_bad_overrides_raise_one_line_config_errors(overrides, expected):
 
 def test_default_config_converts_to_engine_dataclasses():
     cfg = load_config([])
-    assert cfg.algo.name == "grpo" and cfg.trainer.sft_steps > 0 and cfg.trainer.grpo_steps > 0
+    assert cfg.algo.name == "grpo" and cfg.trainer.sft_steps > 0 and cfg.trainer.rl_steps > 0
     from polyfsdp.engines import EngineConfig, OptimConfig
 
     assert isinstance(cfg.engine, EngineConfig) and cfg.engine.pad_mode == "no_padding"
-    assert isinstance(cfg.algo.grpo.optim, OptimConfig) and cfg.algo.grpo.optim.lr == 1e-3
+    assert isinstance(cfg.algo.actor.optim, OptimConfig) and cfg.algo.actor.optim.lr == 1e-3
     # total_steps: null means the phase's own length (the cosine schedule's horizon).
-    assert (cfg.algo.sft.optim.total_steps, cfg.algo.grpo.optim.total_steps) == (cfg.trainer.sft_steps,
-                                                                                  cfg.trainer.grpo_steps)
+    assert (cfg.algo.sft.optim.total_steps, cfg.algo.actor.optim.total_steps) == (cfg.trainer.sft_steps,
+                                                                                  cfg.trainer.rl_steps)
     assert cfg.model.model_config(vocab_size=50).vocab_size == 50
 
 
@@ -246,20 +246,20 @@ def test_initial_model_from_unusable_overrides_is_a_value_error(overrides, expec
 def test_resuming_a_grpo_checkpoint_with_algo_sft_is_a_config_error(tmp_path):
     from polyfsdp.trainer.resume import find_resume
 
-    step = tmp_path / "run" / "checkpoints" / "grpo" / "step_000002"
+    step = tmp_path / "run" / "checkpoints" / "rl" / "step_000002"
     step.mkdir(parents=True)
     cfg = load_config(["algo=sft", f"trainer.resume={step}"])
-    with pytest.raises(ConfigError, match=r"trainer.resume: .* is a GRPO checkpoint, but algo=sft"):
+    with pytest.raises(ConfigError, match=r"trainer.resume: .* is an RL checkpoint, but algo=sft"):
         find_resume(cfg, tmp_path / "out")
     cfg = load_config([f"trainer.resume={step}"])
-    assert find_resume(cfg, tmp_path / "out").phase == "grpo"
+    assert find_resume(cfg, tmp_path / "out").phase == "rl"
     # The same mix-up with resume=auto: an algo=sft run in a GRPO run's directory.
     grpo_run = tmp_path / "grpo_run"
     (grpo_run / "sft_model").mkdir(parents=True)
     (grpo_run / "sft_model" / "polyfsdp_state.json").write_text("{}")
-    with pytest.raises(ConfigError, match=r"trainer.resume=auto: .* holds an algo=grpo run, but algo=sft"):
+    with pytest.raises(ConfigError, match=r"trainer.resume=auto: .* holds an RL run, but algo=sft"):
         find_resume(load_config(["algo=sft"]), grpo_run)
-    assert find_resume(load_config([]), grpo_run).phase == "grpo"
+    assert find_resume(load_config([]), grpo_run).phase == "rl"
 
 
 def test_plot_draws_non_finite_metrics_as_numbers_not_categories(tmp_path, monkeypatch):
@@ -274,7 +274,7 @@ def test_plot_draws_non_finite_metrics_as_numbers_not_categories(tmp_path, monke
     metrics.start(None)
     for step, loss in enumerate([2.0, float("nan"), 1.0], start=1):
         metrics.log({"phase": "sft", "step": step, "global_step": step, "loss": loss})
-    metrics.log({"phase": "grpo", "step": 1, "global_step": 4, "loss": float("inf"), "reward": 0.5})
+    metrics.log({"phase": "rl", "step": 1, "global_step": 4, "loss": float("inf"), "reward": 0.5})
     figures = []
     monkeypatch.setattr(Figure, "savefig", lambda self, *a, **k: figures.append(self))
     plot_metrics(metrics.path, str(tmp_path / "curves.png"))
@@ -305,7 +305,7 @@ def test_answers_longer_than_the_sampling_budget_are_warned_about(caplog):
     with caplog.at_level("WARNING", logger="polyfsdp.trainer.data"):
         check_generation_budget(long_task, tok, max_new_tokens=8)  # 9 letters + <eos> need 10
     (record,) = caplog.records
-    assert "algo.grpo.max_new_tokens=8" in record.getMessage() and "10" in record.getMessage()
+    assert "algo.actor.max_new_tokens=8" in record.getMessage() and "10" in record.getMessage()
     caplog.clear()
     with caplog.at_level("WARNING", logger="polyfsdp.trainer.data"):
         check_generation_budget(long_task, tok, max_new_tokens=10)
@@ -322,7 +322,7 @@ def test_continuing_a_run_with_another_model_is_a_config_error(tmp_path):
     run = tmp_path / "run"
     (run / "init_model").mkdir(parents=True)
     OmegaConf.save(OmegaConf.create(load_config([]).raw), run / "config.yaml")
-    check_same_run(load_config(["trainer.grpo_steps=300"]), run)  # more steps: fine
+    check_same_run(load_config(["trainer.rl_steps=300"]), run)  # more steps: fine
     with pytest.raises(ConfigError, match=r"model.preset='qwen2-tiny'.*model.preset='llama-tiny'"):
         check_same_run(load_config(["model=llama"]), run)
     with pytest.raises(ConfigError, match=r"model.overrides"):
@@ -334,7 +334,7 @@ def test_continuing_a_run_with_another_model_is_a_config_error(tmp_path):
 
 @pytest.mark.parametrize("override,name,before,now", [
     ("data.max_len=7", "data.max_len", "5", "7"),
-    ("algo.grpo.kl_coef=0.5", "algo.grpo.kl_coef", "0.01", "0.5"),
+    ("algo.actor.kl_coef=0.5", "algo.actor.kl_coef", "0.01", "0.5"),
     ("algo.sft.optim.lr=0.1", "algo.sft.optim.lr", "0.003", "0.1"),
     ("trainer.seed=3", "trainer.seed", "0", "3"),
     ("trainer.prompts_per_step=16", "trainer.prompts_per_step", "32", "16"),
@@ -352,7 +352,7 @@ def test_continuing_a_run_with_other_data_or_algo_settings_is_a_config_error(tmp
     with pytest.raises(ConfigError, match=rf"holds a run of {name}={before}, but this run asks for {name}={now};"):
         check_same_run(load_config([override]), run)
     # What only changes how the run is carried out may differ.
-    check_same_run(load_config(["trainer.grpo_steps=300", "trainer.checkpoint_interval=5", "engine.pad_mode=left_right",
+    check_same_run(load_config(["trainer.rl_steps=300", "trainer.checkpoint_interval=5", "engine.pad_mode=left_right",
                                 "engine.use_fused_kernels=true", "trainer.progress=lines", "reward.timeout_s=5",
                                 "trainer.dist_timeout_s=1200"]), run)
 
@@ -379,7 +379,7 @@ def test_an_sft_run_may_continue_into_grpo(tmp_path):
     run = tmp_path / "run"
     (run / "checkpoints").mkdir(parents=True)
     OmegaConf.save(OmegaConf.create(load_config(["algo=sft"]).raw), run / "config.yaml")
-    check_same_run(load_config(["algo.grpo.kl_coef=0.5"]), run)
+    check_same_run(load_config(["algo.actor.kl_coef=0.5"]), run)
     with pytest.raises(ConfigError, match=r"algo.sft.optim.lr"):
         check_same_run(load_config(["algo.sft.optim.lr=0.1"]), run)
 

@@ -8,9 +8,9 @@ from polyfsdp.trainer.metrics import read_metrics
 from polyfsdp.trainer.train import main
 from vllm_cases import require_vllm
 
-JOB = ["trainer.sft_steps=2", "trainer.grpo_steps=3", "trainer.sft_batch_size=8", "trainer.prompts_per_step=4",
-       "data.eval_size=8", "trainer.progress=off", "trainer.plot=false", "algo.grpo.group_size=4",
-       "algo.grpo.temperature=0.8", "algo.grpo.optim.lr=1e-2",
+JOB = ["trainer.sft_steps=2", "trainer.rl_steps=3", "trainer.sft_batch_size=8", "trainer.prompts_per_step=4",
+       "data.eval_size=8", "trainer.progress=off", "trainer.plot=false", "algo.actor.group_size=4",
+       "algo.actor.temperature=0.8", "algo.actor.optim.lr=1e-2",
        # vLLM's CPU attention needs head size >= 32.
        "model.overrides.hidden_size=64", "model.overrides.intermediate_size=128",
        "model.overrides.num_attention_heads=2", "model.overrides.num_key_value_heads=1"]
@@ -32,7 +32,7 @@ def test_vllm_job_agrees_with_the_builtin_loop(tmp_path):
     evals = lambda records: {r["tag"]: r["reward"] for r in records if r["phase"] == "eval"}  # noqa: E731
     assert evals(theirs)["initial"] == evals(ours)["initial"]
     assert evals(theirs)["after_sft"] == evals(ours)["after_sft"]
-    grpo = [r for r in theirs if r["phase"] == "grpo"]
+    grpo = [r for r in theirs if r["phase"] == "rl"]
     assert len(grpo) == 3
     assert all(r["rollout_mismatch_abs_max"] < 1e-5 for r in grpo), [r["rollout_mismatch_abs_max"] for r in grpo]
     assert (tmp_path / "vllm" / "final" / "config.json").is_file()

@@ -12,7 +12,7 @@ import torch
 from polyfsdp.backends.registry import get_backend
 from polyfsdp.engines import EngineConfig, FSDPEngine, ModelConfig, OptimConfig
 from polyfsdp.trainer.config import ConfigError, RolloutSection, load_config
-from polyfsdp.trainer.grpo import grpo_step
+from polyfsdp.trainer.rl_step import rl_step
 from polyfsdp.trainer.rollout_engines import PolicyDecoding, build_rollout_engine
 from polyfsdp.trainer.task import CharTokenizer, ReverseTask
 from vllm_cases import require_vllm, write_checkpoint
@@ -73,15 +73,15 @@ def test_greedy_completions_equal_the_builtin_loop(engines, preset):
 
 
 def _grpo(lr=1e-2):
-    cfg = load_config(["algo.rollout_correction.report_mismatch=true", "algo.grpo.group_size=4",
-                       "trainer.prompts_per_step=4", "algo.grpo.kl_coef=0", "algo.grpo.temperature=0.8",
-                       f"algo.grpo.optim.lr={lr}"])
+    cfg = load_config(["algo.rollout_correction.report_mismatch=true", "algo.actor.group_size=4",
+                       "trainer.prompts_per_step=4", "algo.actor.kl_coef=0", "algo.actor.temperature=0.8",
+                       f"algo.actor.optim.lr={lr}"])
     task = ReverseTask()
     examples = [[task.sample(random.Random(100 * step + i)) for i in range(4)] for step in range(3)]
-    return cfg.algo, cfg.algo.ppo_loss(4), examples
+    return cfg.algo, cfg.algo.actor_loss(4), examples
 
 
-def test_sampled_log_probs_match_the_policy_after_every_grpo_step(engines):
+def test_sampled_log_probs_match_the_policy_after_every_rl_step(engines):
     algo, loss, examples = _grpo()
     # Small buckets (every decoder layer in a load of its own); tied embeddings, which vLLM's
     # copy holds untied (its reload would leave a tied LM head stale).
@@ -89,7 +89,7 @@ def test_sampled_log_probs_match_the_policy_after_every_grpo_step(engines):
     assert policy.module.config.tie_word_embeddings
     before = [p.detach().clone() for p in policy.module.parameters()]
     for step, batch in enumerate(examples):
-        metrics = grpo_step(policy, None, TOK, batch, algo, loss, sample_seed=step, sampler=sampler)
+        metrics = rl_step(policy, None, TOK, batch, algo, loss, sample_seed=step, sampler=sampler)
         # The loss compares vLLM's log-probs with the policy's own, before this step's update.
         assert metrics["rollout_mismatch_abs_max"] < 1e-5, (step, metrics["rollout_mismatch_abs_max"])
         assert sampler.weight_version == step + 1 and policy.weights_version == step + 1
@@ -103,7 +103,7 @@ def test_lora_policy_is_served_merged_after_every_step(engines):
     policy, sampler = engines("qwen2-tiny", seed=7, lora=(("rank", 4), ("alpha", 8)))
     adapters = [p for n, p in policy.module.named_parameters() if "lora_B" in n]
     for step, batch in enumerate(examples[:2]):
-        metrics = grpo_step(policy, None, TOK, batch, algo, loss, sample_seed=step, sampler=sampler)
+        metrics = rl_step(policy, None, TOK, batch, algo, loss, sample_seed=step, sampler=sampler)
         assert metrics["rollout_mismatch_abs_max"] < 1e-5, (step, metrics["rollout_mismatch_abs_max"])
     assert max(p.abs().max().item() for p in adapters) > 1e-3  # B left zero: merged == base, nothing tested
     sampler.generate(policy, TOK, PROMPTS, 2, do_sample=False)  # syncs the last step's adapters, checks them
@@ -120,7 +120,7 @@ def test_a_parameter_left_out_of_the_sync_stops_the_run(engines, monkeypatch):
             yield [(name, tensor) for name, tensor in bucket if name != left_out]
 
     monkeypatch.setattr(sampler, "buckets", without_one)
-    grpo_step(policy, None, TOK, examples[0], algo, loss, sample_seed=0, sampler=sampler)  # syncs, then trains
+    rl_step(policy, None, TOK, examples[0], algo, loss, sample_seed=0, sampler=sampler)  # syncs, then trains
     with pytest.raises(ConfigError, match=r"rollout.check_sync: after weight sync \d+, vLLM's log-probs"):
         sampler.generate(policy, TOK, PROMPTS, 4, do_sample=False)
 

@@ -20,12 +20,12 @@ def test_a_two_rank_ppo_checkpoint_holds_both_models_and_resumes_the_same_curve(
     assert full.returncode == 0, full.stderr[-3000:]
 
     out = tmp_path / "continued"
-    first = _launch(out, 2, *PPO, "trainer.grpo_steps=1")  # stops after step 1 (and its final evaluation)
+    first = _launch(out, 2, *PPO, "trainer.rl_steps=1")  # stops after step 1 (and its final evaluation)
     assert first.returncode == 0, first.stderr[-3000:]
-    checkpoint = out / "checkpoints" / "grpo" / "step_000001"
+    checkpoint = out / "checkpoints" / "rl" / "step_000001"
     assert checkpoint_parts(checkpoint) == ["critic"]
-    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["grpo"]
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["rl"]
     resumed = _launch(out, 2, *PPO, "trainer.resume=auto")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert f"resuming grpo from {checkpoint}" in resumed.stdout
+    assert f"resuming rl from {checkpoint}" in resumed.stdout
     assert _curve(out) == _curve(tmp_path / "full")

@@ -16,8 +16,8 @@ from polyfsdp.trainer.generations_log import read_generations
 from polyfsdp.trainer.metrics import read_metrics
 
 OVERRIDES = [
-    "trainer.sft_steps=4", "trainer.grpo_steps=1", "trainer.sft_batch_size=8", "trainer.prompts_per_step=4",
-    "algo.grpo.group_size=4", "data.eval_size=9", "trainer.progress=lines", "trainer.plot=false",
+    "trainer.sft_steps=4", "trainer.rl_steps=1", "trainer.sft_batch_size=8", "trainer.prompts_per_step=4",
+    "algo.actor.group_size=4", "data.eval_size=9", "trainer.progress=lines", "trainer.plot=false",
     "trainer.checkpoint_interval=0", "trainer.log_val_generations=3", "eval.n_samples=2", "eval.temperature=1.0",
 ]
 

@@ -19,8 +19,8 @@ from torchrun_launcher import free_port
 from polyfsdp.trainer.metrics import read_metrics
 
 OVERRIDES = [
-    "trainer.sft_steps=2", "trainer.grpo_steps=2", "trainer.sft_batch_size=8", "trainer.prompts_per_step=4",
-    "algo.grpo.group_size=4", "data.eval_size=9", "trainer.progress=lines", "trainer.plot=false",
+    "trainer.sft_steps=2", "trainer.rl_steps=2", "trainer.sft_batch_size=8", "trainer.prompts_per_step=4",
+    "algo.actor.group_size=4", "data.eval_size=9", "trainer.progress=lines", "trainer.plot=false",
     "trainer.checkpoint_interval=2",
 ]
 
@@ -53,9 +53,9 @@ def test_two_rank_run_matches_one_rank_sft_curve_and_evaluations(tmp_path):
     evals1 = {r["tag"]: r["reward"] for r in r1 if r["phase"] == "eval"}
     # 9 prompts over 2 ranks: uneven shares, still the mean over all 9.
     assert evals2["initial"] == pytest.approx(evals1["initial"]) and evals2["after_sft"] == pytest.approx(evals1["after_sft"])
-    assert [r["step"] for r in r2 if r["phase"] == "grpo"] == [1, 2]
+    assert [r["step"] for r in r2 if r["phase"] == "rl"] == [1, 2]
     assert (tmp_path / "two" / "final" / "config.json").is_file()
-    assert (tmp_path / "two" / "checkpoints" / "grpo" / "latest").is_file()
+    assert (tmp_path / "two" / "checkpoints" / "rl" / "latest").is_file()
 
 
 RANK_REWARD = """
@@ -72,7 +72,7 @@ def test_reward_metrics_are_averaged_over_ranks(tmp_path):
     two = _launch(tmp_path / "two", 2, f"reward.fn={tmp_path / 'rank_reward.py'}:score", "trainer.sft_steps=0",
                   "trainer.export=false", "trainer.checkpoint_interval=0")
     assert two.returncode == 0, (two.stdout[-2000:], two.stderr[-3000:])
-    grpo = [r for r in read_metrics(str(tmp_path / "two" / "metrics.jsonl")) if r["phase"] == "grpo"]
+    grpo = [r for r in read_metrics(str(tmp_path / "two" / "metrics.jsonl")) if r["phase"] == "rl"]
     assert [r["reward/rank"] for r in grpo] == [0.5, 0.5]  # ranks 0 and 1, equal shares
 
 
@@ -91,21 +91,21 @@ def score(data_source, solution_str, ground_truth, extra_info=None):
 
 def test_update_many_with_group_filtering_keeps_ranks_in_step(tmp_path):
     (tmp_path / "uneven.py").write_text(UNEVEN_REWARD)
-    two = _launch(tmp_path / "two", 2, "algo.grpo.epochs=2", "algo.grpo.mini_batch_size=2",
+    two = _launch(tmp_path / "two", 2, "algo.actor.epochs=2", "algo.actor.mini_batch_size=2",
                   "algo.adv_estimator=rloo", "trainer.sft_steps=0", "trainer.export=false",
                   "trainer.checkpoint_interval=0")
     assert two.returncode == 0, (two.stdout[-2000:], two.stderr[-3000:])
     records = read_metrics(str(tmp_path / "two" / "metrics.jsonl"))
     # 4 prompts per step, 2 per optimizer step, 2 epochs: 4 updates per rollout, on both ranks.
-    assert [r["updates"] for r in records if r["phase"] == "grpo"] == [4, 4]
-    assert [(r["step"], r["update"]) for r in records if r["phase"] == "grpo_update"] == \
+    assert [r["updates"] for r in records if r["phase"] == "rl"] == [4, 4]
+    assert [(r["step"], r["update"]) for r in records if r["phase"] == "rl_update"] == \
         [(s, u) for s in (1, 2) for u in (1, 2, 3, 4)]
-    filtered = _launch(tmp_path / "filtered", 2, "algo.grpo.epochs=2", "algo.grpo.mini_batch_size=2",
-                       "algo.grpo.filter_groups=true", "algo.grpo.max_sample_batches=2",
+    filtered = _launch(tmp_path / "filtered", 2, "algo.actor.epochs=2", "algo.actor.mini_batch_size=2",
+                       "algo.actor.filter_groups=true", "algo.actor.max_sample_batches=2",
                        f"reward.fn={tmp_path / 'uneven.py'}:score", "trainer.sft_steps=0", "trainer.export=false",
                        "trainer.checkpoint_interval=0")
     assert filtered.returncode == 0, (filtered.stdout[-2000:], filtered.stderr[-3000:])
-    grpo = [r for r in read_metrics(str(tmp_path / "filtered" / "metrics.jsonl")) if r["phase"] == "grpo"]
+    grpo = [r for r in read_metrics(str(tmp_path / "filtered" / "metrics.jsonl")) if r["phase"] == "rl"]
     # Rank 0 keeps no group, so neither rank trains (the smallest count wins): no hang, a metric.
     assert [(r["filter/groups"], r["filter/short"], r["filter/sample_rounds"]) for r in grpo] == [(0.0, 1.0, 2.0)] * 2
 
@@ -141,19 +141,19 @@ def test_sigterm_on_one_rank_checkpoints_every_rank_and_resume_completes(tmp_pat
     env = {**os.environ, "POLYFSDP_BACKEND": "cpu", "OMP_NUM_THREADS": "1", "SIGTERM_RANK": "1"}
     steps = ["trainer.sft_steps=0", "trainer.export=false", "trainer.checkpoint_interval=0"]
     preempted = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-                                "--master_addr", "127.0.0.1", "--master_port", str(free_port()), child, "grpo", "1",
+                                "--master_addr", "127.0.0.1", "--master_port", str(free_port()), child, "rl", "1",
                                 *OVERRIDES, *steps, f"trainer.output_dir={out}"],
                                capture_output=True, text=True, timeout=240, env=env)
-    checkpoint = out / "checkpoints" / "grpo" / "step_000001"
+    checkpoint = out / "checkpoints" / "rl" / "step_000001"
     ours = [line for line in preempted.stderr.splitlines() if line.startswith("polyfsdp-train")]
     # Only rank 1 got the signal; both ranks saved at the same boundary and stopped (no hang).
-    assert ours == [f"polyfsdp-train: stopped by SIGTERM after grpo step 1; checkpoint saved: {checkpoint}; "
+    assert ours == [f"polyfsdp-train: stopped by SIGTERM after rl step 1; checkpoint saved: {checkpoint}; "
                     f"continue with: torchrun --nproc_per_node=2 -m polyfsdp.trainer.train "
                     f"{shlex.join([*OVERRIDES, *steps])} trainer.output_dir={out} trainer.resume=auto"], \
         preempted.stderr[-3000:]
     assert {p.name for p in checkpoint.iterdir()} >= {"rng_rank0.pt", "rng_rank1.pt", "manifest.json"}
     resumed = _launch(out, 2, *steps, "trainer.resume=auto")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert f"resuming grpo from {checkpoint}" in resumed.stdout
-    grpo = [r["step"] for r in read_metrics(str(out / "metrics.jsonl")) if r["phase"] == "grpo"]
+    assert f"resuming rl from {checkpoint}" in resumed.stdout
+    grpo = [r["step"] for r in read_metrics(str(out / "metrics.jsonl")) if r["phase"] == "rl"]
     assert grpo == [1, 2]

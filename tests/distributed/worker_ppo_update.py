@@ -1,4 +1,4 @@
-"""torchrun worker: PPO's updates on one fixed rollout (trainer/ppo.py's _train: old, ref and
+"""torchrun worker: PPO's updates on one fixed rollout (trainer/rl_step.py's train_on_rollout: old, ref and
 critic values, GAE whitened over ranks, two epochs of critic and actor steps), each rank
 holding its share of the groups. Rank 0 saves the metrics and the trained weights."""
 import os
@@ -15,13 +15,13 @@ from polyfsdp.engines.config import EngineConfig, ModelConfig  # noqa: E402
 from polyfsdp.engines.engine import FSDPEngine  # noqa: E402
 from polyfsdp.trainer.config import load_config  # noqa: E402
 from polyfsdp.trainer.generate import Rollout  # noqa: E402
-from polyfsdp.trainer.ppo import _train  # noqa: E402
+from polyfsdp.trainer.rl_step import train_on_rollout  # noqa: E402
 
 PROMPTS = 4
 GROUP = 2
-OVERRIDES = ["algo=ppo", f"algo.grpo.group_size={GROUP}", "algo.grpo.epochs=2", f"trainer.prompts_per_step={PROMPTS}",
-             "algo.ppo.gamma=0.95", "algo.ppo.lam=0.9", "algo.ppo.kl_in_reward=true", "algo.grpo.kl_coef=0.1",
-             "algo.ppo.cliprange_value=0.2"]
+OVERRIDES = ["algo=ppo", f"algo.actor.group_size={GROUP}", "algo.actor.epochs=2", f"trainer.prompts_per_step={PROMPTS}",
+             "algo.critic.gamma=0.95", "algo.critic.lam=0.9", "algo.critic.kl_in_reward=true", "algo.actor.kl_coef=0.1",
+             "algo.critic.cliprange_value=0.2"]
 
 
 def rollout():
@@ -39,17 +39,18 @@ def main(out_dir):
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     algo = load_config(OVERRIDES, world_size=world).algo
     engine = EngineConfig(pad_mode="left_right" if "left_right" in sys.argv else "no_padding")
-    policy = FSDPEngine(ModelConfig(preset="qwen2-tiny", seed=5), engine, algo.grpo.optim).initialize()
-    ref = FSDPEngine(ModelConfig(preset="qwen2-tiny", seed=6), engine, algo.grpo.optim).initialize()
+    policy = FSDPEngine(ModelConfig(preset="qwen2-tiny", seed=5), engine, algo.actor.optim).initialize()
+    ref = FSDPEngine(ModelConfig(preset="qwen2-tiny", seed=6), engine, algo.actor.optim).initialize()
     critic = FSDPEngine(ModelConfig(preset="qwen2-tiny", seed=5, value_head=True, value_head_init_std=0.3), engine,
-                        algo.ppo.optim).initialize()
+                        algo.critic.optim).initialize()
     full = rollout()
     per = len(full.rewards) // world
     mine = slice(rank * per, (rank + 1) * per)
     roll = Rollout(full.prompt_ids[mine], full.response_ids[mine], full.texts[mine], full.rewards[mine])
     pairs = list(zip(roll.prompt_ids, roll.response_ids))
-    metrics = _train(policy, critic, ref, SimpleNamespace(pad_token_id=0), roll, pairs, algo,
-                     algo.ppo_loss(PROMPTS), algo.ppo.value_loss(), mini_batches=1, shuffle_seed=0, train_actor=True)
+    metrics, _ = train_on_rollout(policy, critic, ref, SimpleNamespace(pad_token_id=0), roll, pairs, algo,
+                                  algo.actor_loss(PROMPTS), algo.critic.value_loss(), mini_batches=1, shuffle_seed=0,
+                                  train_actor=True)
     results = {"metrics": metrics, "policy": full_state_dict(policy.module), "critic": full_state_dict(critic.module)}
     if rank == 0:
         torch.save(results, os.path.join(out_dir, f"world{world}.pt"))

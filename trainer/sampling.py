@@ -1,4 +1,4 @@
-"""A GRPO step's completions, with DAPO's dynamic sampling when ``algo.grpo.filter_groups``:
+"""An RL step's completions, with DAPO's dynamic sampling when ``algo.actor.filter_groups``:
 groups whose rewards are all equal carry no signal and are dropped, and sampling goes on
 (with further prompts) until every rank holds its share of ``prompts_per_step`` groups or
 ``max_sample_batches`` rounds are spent. Every rank keeps the same number of groups (the
@@ -84,6 +84,6 @@ def sample_groups(policy, tokenizer, examples: list[Example], g, log_probs: bool
     total = all_reduce_sum([float(common)], device)[0]
     if common < target:
         logger.warning("filter_groups: %d of %d groups per rank carry a reward signal after %d sampling rounds "
-                       "(algo.grpo.max_sample_batches); training on those", common, target, rounds)
+                       "(algo.actor.max_sample_batches); training on those", common, target, rounds)
     return SampledGroups(kept_roll, first, {"filter/groups": total, "filter/sample_rounds": float(rounds),
                                             "filter/short": float(common < target)})
