@@ -9,6 +9,9 @@ from omegaconf import DictConfig, OmegaConf
 CONFIG_MODULE = "polyfsdp.configs"
 CONFIG_NAME = "train"
 GROUPS = ("backend", "model", "engine", "patches", "algo", "data", "reward", "rollout", "eval", "trainer")
+# Groups of presets that set keys of several sections (configs/task/: ``# @package _global_``);
+# no top-level key of their own, none chosen by default.
+PRESET_GROUPS = ("task",)
 
 
 # Keys renamed when the RL phase stopped being named after GRPO (old -> new). A user's old key

@@ -28,7 +28,7 @@ from .tracking import check_loggers
 logger = logging.getLogger(__name__)
 
 DATA_SOURCES = ("builtin", "jsonl", "parquet", "files")
-TASKS = ("reverse", "arith_words")
+TASKS = ("reverse", "arith_words", "calculator")
 OVERLONG_POLICIES = ("filter", "error", "truncate")
 PROGRESS_MODES = ("auto", "bar", "lines", "off")
 LORA_EXPORT_MODES = ("merged", "adapter")

@@ -28,6 +28,11 @@ class BuiltinSource:
 
     def __init__(self, task: ReverseTask, seed: int, eval_size: int, encoder=None) -> None:
         self.task, self.seed, self.encoder = task, seed, encoder
+        sample = task.sample(random.Random(0))
+        if encoder is not None and sample.conversation:
+            # Demonstrations may write characters beyond the default vocabulary (the calculator's
+            # JSON tool calls; constant across records): learnt before the preset's model is built.
+            encoder.learn_characters([sample])
         if eval_size >= task.distinct_prompts:
             # Training draws only prompts outside the held-out set: none would be left.
             raise DataError(f"data.eval_size={eval_size} holds out all {task.distinct_prompts} distinct prompts of "
@@ -252,6 +257,10 @@ def build_source(data, seed: int, encoder=None):
             from .arith_words import ArithWordsTask
 
             task = ArithWordsTask()
+        elif data.task == "calculator":
+            from .tool_task import CalculatorTask
+
+            task = CalculatorTask()
         else:
             task = ReverseTask(alphabet=data.alphabet, min_len=data.min_len, max_len=data.max_len)
         return BuiltinSource(task, seed, data.eval_size, encoder)
@@ -273,8 +282,10 @@ def build_source(data, seed: int, encoder=None):
 
 def tokenized_text(ex: Example) -> str:
     """The text of ``ex`` the character tokenizer sees: a chat prompt as it renders the
-    messages, not ``ex.prompt`` (the contents joined by newlines), plus the answer."""
-    return (CharTokenizer.chat_text(ex.messages) if ex.messages else ex.prompt) + ex.answer
+    messages, not ``ex.prompt`` (the contents joined by newlines), plus the answer and a
+    demonstration conversation's contents."""
+    text = (CharTokenizer.chat_text(ex.messages) if ex.messages else ex.prompt) + ex.answer
+    return text + "".join(m["content"] for m in ex.conversation or ())
 
 
 NEW_TOKENIZER_FIX = "use model.path=DIR with a tokenizer that covers them"

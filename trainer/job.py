@@ -400,12 +400,14 @@ class Job:
         cfg = self.cfg
         if phase.name == "sft":
             sft_loss = SFTLoss(agg_mode=cfg.algo.sft.agg_mode)
+            # rollout.env: demonstrations are conversations, tokenized as the rollout will (tool_sft.py).
+            conversations = self.sampler if getattr(self.sampler, "multi_turn", False) else None
 
             def sft_fn(step: int, examples: list) -> dict:
                 # What draws from the generators (LoRA's dropout) is seeded per step: the same in
                 # every run of the seed, whatever the process's generator started from.
                 self.backend.manual_seed(self._step_seed(step) * 1024 + self.rank)
-                return sft_step(engine, self.tokenizer, examples, sft_loss)
+                return sft_step(engine, self.tokenizer, examples, sft_loss, conversations=conversations)
             return sft_fn
         g = cfg.algo.actor
         # The reference is the RL starting point, frozen: a second engine, never stepped; with

@@ -126,7 +126,10 @@ class MultiTurnRollout:
         """Whether ``more`` tokens after the trajectory's would pass ``max_total_tokens``."""
         return self.max_total is not None and len(trajectory.prompt) + len(trajectory.tokens) + more > self.max_total
 
-    def _start(self, examples, n: int, tokenizer):
+    def start(self, examples, n: int, tokenizer):
+        """``n`` fresh conversations per example (the environment's ``reset``, its prompt tokens)
+        and the :class:`ChatTurns` that renders them; the SFT phase starts its demonstrations
+        here too (trainer/tool_sft.py), so both tokenize a conversation alike."""
         trajectories, turns = [], None
         for example in examples:
             for _ in range(n):
@@ -147,7 +150,7 @@ class MultiTurnRollout:
 
         eos = tokenizer.eos_token_id
         started = time.perf_counter()
-        trajectories, turns = on_every_rank(lambda: self._start(examples, n, tokenizer))
+        trajectories, turns = on_every_rank(lambda: self.start(examples, n, tokenizer))
         env_time = time.perf_counter() - started
         for turn in range(1, self.settings.max_turns + 1):
             active = [t for t in trajectories if not t.done]

@@ -1,4 +1,6 @@
-"""One SFT step: negative log-likelihood of ``answer + <eos>`` given ``<bos> + prompt``."""
+"""One SFT step: negative log-likelihood of ``answer + <eos>`` given ``<bos> + prompt``, or,
+with a multi-turn rollout engine, of a demonstration conversation's assistant turns
+(trainer/tool_sft.py)."""
 from __future__ import annotations
 
 import time
@@ -16,13 +18,17 @@ def sft_pairs(tokenizer, examples: list[Example]) -> list[tuple[list[int], list[
             for ex in examples]
 
 
-def sft_step(engine, tokenizer, examples: list[Example], loss_fn: SFTLoss) -> dict:
+def sft_step(engine, tokenizer, examples: list[Example], loss_fn: SFTLoss, conversations=None) -> dict:
     """Train one step on this rank's ``examples``; returns the engine's metrics plus
-    ``tokens`` (this rank's sequence tokens) and ``step_time_s``."""
+    ``tokens`` (this rank's sequence tokens) and ``step_time_s``. ``conversations``: the
+    multi-turn rollout engine (``rollout.env``), whose conversations the demonstrations follow."""
+    from .tool_sft import conversation_sequences
+
     t0 = time.perf_counter()
-    pairs = sft_pairs(tokenizer, examples)
+    pairs = sft_pairs(tokenizer, examples) if conversations is None else \
+        conversation_sequences(conversations, tokenizer, examples)
     batch = build_batch(pairs, engine.engine_config.pad_mode, tokenizer.pad_token_id)
     metrics = engine.train_batch(batch, loss_fn)
-    metrics["tokens"] = sum(len(p) + len(a) for p, a in pairs)
+    metrics["tokens"] = sum(len(pair[0]) + len(pair[1]) for pair in pairs)
     metrics["step_time_s"] = time.perf_counter() - t0
     return metrics

@@ -187,7 +187,9 @@ def load_tokenizer(directory: str | None):
 class Example:
     """One prompt and its reference answer. ``messages`` holds a chat-format prompt (``prompt``
     is then its text, for messages and coverage checks); ``prompt_ids`` the prompt's tokens
-    once encoded; ``data_source``/``extra_info`` go to the reward; ``where`` names the record."""
+    once encoded; ``data_source``/``extra_info`` go to the reward; ``where`` names the record;
+    ``conversation`` is a multi-turn demonstration (the prompt's messages, then assistant and
+    tool/user turns) that SFT trains on when the rollout runs an environment (trainer/tool_sft.py)."""
 
     prompt: str
     answer: str
@@ -196,6 +198,7 @@ class Example:
     data_source: str = ""
     extra_info: dict | None = None
     where: str = ""
+    conversation: tuple | None = None
 
 
 class ReverseTask:

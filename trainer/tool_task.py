@@ -1,13 +1,26 @@
-"""The built-in tool environment ``rollout.env=calculator``: the model may call a calculator
+"""The built-in tool environment ``rollout.env=calculator`` and the built-in tool task
+``data.task=calculator`` (``polyfsdp-train task=calculator``).
+
+The environment: the model may call a calculator
 (``<tool_call>{"name": "calculator", "arguments": {"expression": "17*23"}}</tool_call>``), gets
-the result as a ``tool`` message, and is rewarded 1 when its final (tool-free) turn holds the
-record's answer. The calculator evaluates + - * / // % ** and parentheses on numbers, nothing else."""
+the result as a ``tool`` message, and is rewarded 1 when the last number of its final (tool-free)
+turn is the record's answer. The calculator evaluates + - * / // % ** and parentheses on
+numbers, nothing else.
+
+The task: products of two 2-digit numbers, beyond what the tiny default model computes alone;
+each record carries a demonstration conversation that calls the calculator (the SFT phase
+trains on it, trainer/tool_sft.py).
+"""
 from __future__ import annotations
 
 import ast
+import json
 import operator
+import random
 
 from .environments import EnvStep, Environment, parse_tool_calls
+from .reward_rules import gsm8k
+from .task import Example
 
 CALCULATOR_TOOL = {
     "type": "function",
@@ -52,7 +65,8 @@ def calculate(expression: str) -> str:
 
 
 class CalculatorEnv(Environment):
-    """A calculator tool; reward 1 when the final answer contains the record's answer."""
+    """A calculator tool; reward 1 when the final answer's last number is the record's answer
+    (the ``gsm8k`` rule: ``#### N`` in a worked reference answer, else its last number)."""
 
     tools = [CALCULATOR_TOOL]
 
@@ -63,8 +77,7 @@ class CalculatorEnv(Environment):
     def step(self, assistant_text: str) -> EnvStep:
         calls = parse_tool_calls(assistant_text)
         if not calls:
-            solved = bool(self.answer) and self.answer in assistant_text
-            return EnvStep([], 1.0 if solved else 0.0, True)
+            return EnvStep([], gsm8k("", assistant_text, self.answer), True)
         results = []
         for call in calls:
             if call["name"] != "calculator":
@@ -73,3 +86,29 @@ class CalculatorEnv(Environment):
                 args = call["arguments"] if isinstance(call["arguments"], dict) else {}
                 results.append(calculate(str(args.get("expression", ""))))
         return EnvStep([{"role": "tool", "content": r} for r in results], 0.0, False)
+
+
+def tool_call_text(name: str, arguments: dict) -> str:
+    """A tool call as the assistant writes it (the format :func:`parse_tool_calls` reads), in
+    compact JSON: the character-level default model samples every character of it."""
+    return f"<tool_call>{json.dumps({'name': name, 'arguments': arguments}, separators=(',', ':'))}</tool_call>"
+
+
+class CalculatorTask:
+    """``a*b`` for 2-digit ``a`` and ``b``; the demonstration asks the calculator, then answers
+    with its result."""
+
+    name = "calculator"
+    distinct_prompts = 90 * 90
+    max_answer_chars = 4  # 99*99 = 9801
+
+    def sample(self, rng: random.Random) -> Example:
+        """One random product drawn with ``rng``."""
+        a, b = rng.randint(10, 99), rng.randint(10, 99)
+        question, answer = f"{a}*{b}", str(a * b)
+        demonstration = ({"role": "user", "content": question},
+                         {"role": "assistant", "content": tool_call_text("calculator", {"expression": question})},
+                         {"role": "tool", "content": calculate(question)},
+                         {"role": "assistant", "content": answer})
+        return Example(prompt=question, answer=answer, messages=demonstration[:1], data_source=self.name,
+                       where=f"calculator problem {question!r}", conversation=demonstration)

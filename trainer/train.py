@@ -31,6 +31,7 @@ RL choices (registered; docs: configs/algo/grpo.yaml, README):
 Examples:
   polyfsdp-train
   polyfsdp-train trainer.rl_steps=50 engine.pad_mode=left_right
+  polyfsdp-train task=calculator          # tool calls: SFT on demonstrations, then RL with the environment
   polyfsdp-train model.path=/path/to/hf_checkpoint data=jsonl data.path=train.jsonl
   polyfsdp-train model.path=DIR data=files data.train_files=[a.parquet] reward.fn=my_reward.py:compute_score
   torchrun --nproc_per_node 2 -m polyfsdp.trainer.train trainer.output_dir=runs/a
@@ -103,11 +104,12 @@ def _say_stop(line: str) -> None:
 
 
 def _usage() -> str:
+    from .compose import PRESET_GROUPS
     from .config import GROUPS, available_options
     from .estimators import ESTIMATORS
     from .policy_losses import POLICY_LOSSES
 
-    groups = "\n".join(f"  {g:<8} {', '.join(available_options(g))}" for g in GROUPS)
+    groups = "\n".join(f"  {g:<8} {', '.join(available_options(g))}" for g in GROUPS + PRESET_GROUPS)
     return USAGE.format(groups=groups, estimators=", ".join(ESTIMATORS), losses=", ".join(POLICY_LOSSES))
 
 

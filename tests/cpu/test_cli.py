@@ -189,12 +189,22 @@ UPDATE_MANY = ["algo.actor.epochs=2", "algo.actor.mini_batch_size=2", "algo.acto
 PPO_CRITIC = ["algo=ppo", "algo.actor.epochs=2", "algo.actor.mini_batch_size=2", "algo.critic.critic_warmup=1"]
 
 
-@pytest.mark.parametrize("algo", [[], UPDATE_MANY, PPO_CRITIC], ids=["default", "update_many", "ppo_critic"])
+def _multi_turn_env():
+    from test_multi_turn import GUESS_ENV
+
+    # 30 SFT steps teach <eos>, so conversations go past their first turn (asserted below).
+    return [f"rollout.env={GUESS_ENV}", "rollout.max_turns=3", "+rollout.env_kwargs.target=c", "trainer.sft_steps=30"]
+
+
+@pytest.mark.parametrize("algo", [[], UPDATE_MANY, PPO_CRITIC, _multi_turn_env()],
+                         ids=["default", "update_many", "ppo_critic", "multi_turn"])
 def test_resume_after_sigkill_continues_the_same_curve(tmp_path, algo):
     overrides = [*TINY, *TINY_GRPO, "trainer.sft_steps=4", "trainer.rl_steps=4", "trainer.checkpoint_interval=2",
                  "trainer.plot=false", "trainer.export=false", *algo]
     # Uninterrupted reference run.
     _, reference = _run(tmp_path, "full", *overrides[len(TINY) + len(TINY_GRPO):])
+    if any(o.startswith("rollout.env=") for o in algo):  # the environment must have answered some turns
+        assert max(r.get("multi_turn/turns_mean", 0.0) for r in reference) > 1.0
 
     out = tmp_path / "killed"
     command = [sys.executable, os.path.join(os.path.dirname(__file__), "cli_kill_child.py"), "rl", "2",
@@ -220,7 +230,8 @@ def test_resume_after_sigkill_continues_the_same_curve(tmp_path, algo):
     assert [(r["phase"], r.get("step"), r.get("tag")) for r in records] == \
         [(r["phase"], r.get("step"), r.get("tag")) for r in reference]
     assert _comparable(records) == _comparable(reference)
-    assert json.loads((out / "sft_model" / "polyfsdp_state.json").read_text())["global_step"] == 4
+    sft_steps = [int(o.split("=")[1]) for o in overrides if o.startswith("trainer.sft_steps=")][-1]
+    assert json.loads((out / "sft_model" / "polyfsdp_state.json").read_text())["global_step"] == sft_steps
 
 
 def test_output_dir_that_cannot_be_created_is_a_one_line_error(tmp_path, capsys):

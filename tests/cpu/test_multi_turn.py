@@ -124,6 +124,7 @@ def test_tool_calls_are_parsed_and_the_calculator_answers_them():
     step = env.step(text)
     assert [m["content"] for m in step.messages][0] == "391" and not step.done
     assert env.step("it is 391").reward == 1.0 and env.step("it is 390").reward == 0.0
+    assert env.step("it is 3910").reward == 0.0  # the last number must be the answer, not contain it
 
 
 @pytest.mark.parametrize("pad_mode", ["no_padding", "left_right"])
