@@ -145,4 +145,4 @@ def test_task_calculator_runs_through_polyfsdp_train_on_the_matching_demonstrati
     assert len(trained) == 8  # 2 SFT steps x 4 demonstrations
     calls = ['<tool_call>{"name":"calculator"' in text for text in trained]
     assert all(calls) if max_turns > 1 else not any(calls), trained[:2]
-    assert [r["phase"] for r in read_metrics(str(out / "metrics.jsonl")) if "loss" in r] == ["sft", "sft", "grpo"]
+    assert [r["phase"] for r in read_metrics(str(out / "metrics.jsonl")) if "loss" in r] == ["sft", "sft", "rl"]
