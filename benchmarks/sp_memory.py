@@ -58,12 +58,12 @@ def worker(preset: str, length: int, sp: int, out: str) -> None:
     from polyfsdp.backends import destroy_distributed
     from polyfsdp.engines import EngineConfig, FSDPEngine, ModelConfig, SFTLoss, make_jagged
 
-    rank = int(os.environ["RANK"])
     config = EngineConfig(use_remove_padding=True, use_fused_kernels=True, ulysses_sp_size=sp)
     engine = FSDPEngine(ModelConfig(preset=preset), config).initialize()
+    rank = engine.topology.rank
     vocab = engine.module.config.vocab_size
     # sp=2: the group shares sequence 0; sp=1: each rank its own.
-    g = torch.Generator().manual_seed(rank // sp)
+    g = torch.Generator().manual_seed(engine.topology.replica)
     ids = torch.randint(0, vocab, (length,), generator=g)
     offsets = torch.tensor([0, length])
     batch = TensorDict({"input_ids": make_jagged(ids, offsets),

@@ -8,7 +8,7 @@ from typing import Callable
 
 import torch
 
-from polyfsdp.backends.distributed import all_reduce_sum
+from polyfsdp.backends.distributed import all_reduce_sum, sum_over_replicas
 
 from .advantages import group_advantages, reinforce_plus_plus_advantages
 from .batch import build_batch, response_field, response_mask
@@ -29,7 +29,7 @@ def _advantages(algo, roll, pairs, old, ref, device) -> list[torch.Tensor]:
     if algo.adv_estimator == "reinforce_plus_plus":
         kl = [o - r for o, r in zip(old, ref)] if ref is not None and g.kl_coef > 0 else None
         return reinforce_plus_plus_advantages(roll.rewards, masks, kl, g.kl_coef,
-                                              sum_over_ranks=lambda v: all_reduce_sum(v, device))
+                                              sum_over_ranks=lambda v: sum_over_replicas(v, device))
     adv = group_advantages(torch.tensor(roll.rewards, dtype=torch.float32), g.group_size, algo.adv_estimator,
                            g.norm_adv_by_std)
     return [torch.full((len(m),), float(a)) for m, a in zip(masks, adv)]

@@ -19,7 +19,7 @@ from __future__ import annotations
 import time
 from typing import Callable
 
-from polyfsdp.backends.distributed import all_reduce_sum
+from polyfsdp.backends.distributed import sum_over_replicas
 
 from .batch import build_batch, per_sequence, response_field, response_mask
 from .gae import explained_variance, gae_advantages
@@ -73,7 +73,8 @@ def _train(policy, critic, ref, tokenizer, roll, pairs, algo, actor_loss, value_
     # The critic runs with the policy's engine settings (one `engine` group), so the batch fits both.
     values = per_sequence(critic.infer_values(batch)["values"], batch, pad_mode)
     kl = [o - r for o, r in zip(old, ref_lp)] if algo.kl_in_reward and ref_lp is not None else None
-    over_ranks = lambda v: all_reduce_sum(v, device)  # noqa: E731
+    # Batch statistics count each replica once (its SP ranks hold the same rollout).
+    over_ranks = lambda v: sum_over_replicas(v, device)  # noqa: E731
     advantages, returns = gae_advantages(roll.rewards, masks, values, p.gamma, p.lam, kl, g.kl_coef,
                                          sum_over_ranks=over_ranks)
     token_fields["advantages"] = advantages
