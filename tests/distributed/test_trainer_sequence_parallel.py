@@ -3,7 +3,8 @@
 Each step's global prompts are split over data-parallel replicas (world size / sp), the ranks
 of one SP group share their replica's prompts and sampling seed (so they draw the same
 completions), and training goes through the SP engine. So 2 ranks with sp=2 (one replica)
-must end one RL step with the parameters of 1 rank with sp=1 on the same prompts (1e-5),
+must end one SFT and one RL step with the parameters of 1 rank with sp=1 on the same
+prompts (1e-5),
 for GRPO, PPO (actor and critic, GAE whitened over replicas) and PPO with LoRA (the critic's
 value head training beside its adapters); and dp=2 x sp=2 on 4 processes those of dp=2 x
 sp=1 on 2 (slow). Negative control: 2 replicas of sp=1 draw other completions for half the
@@ -28,8 +29,9 @@ LENGTH_REWARD = """
 def score(data_source, solution_str, ground_truth, extra_info=None):
     return (len(solution_str) % 4) / 3.0
 """
-OVERRIDES = ["trainer.sft_steps=0", "trainer.grpo_steps=1", "trainer.prompts_per_step=4", "algo.grpo.group_size=4",
-             "data.eval_size=4", "trainer.progress=off", "trainer.plot=false", "trainer.checkpoint_interval=0"]
+# One SFT step first: its batch goes through the same replica split and the SP engine.
+OVERRIDES = ["trainer.sft_steps=1", "trainer.sft_batch_size=8", "trainer.grpo_steps=1", "trainer.prompts_per_step=4",
+             "algo.grpo.group_size=4", "data.eval_size=4", "trainer.progress=off", "trainer.plot=false", "trainer.checkpoint_interval=0"]
 ALGOS = {"grpo": [], "ppo": ["algo=ppo"], "ppo_lora": ["algo=ppo", "model.lora.rank=4"]}
 
 
@@ -59,8 +61,8 @@ def _max_diff(a: dict, b: dict) -> float:
     return max((a[k].double() - b[k].double()).abs().max().item() for k in a)
 
 
-def _rl_records(out):
-    return [r for r in read_metrics(str(out / "metrics.jsonl")) if r["phase"] == "grpo"]
+def _records(out, phase: str):
+    return [r for r in read_metrics(str(out / "metrics.jsonl")) if r["phase"] == phase]
 
 
 @pytest.mark.parametrize("algo", sorted(ALGOS))
@@ -72,9 +74,11 @@ def test_two_ranks_with_sp2_equal_one_rank(tmp_path, algo):
     start = load_file(str(one / "init_model" / "model.safetensors"))
     final_one = load_file(str(one / "final" / "model.safetensors"))
     moved = _max_diff({k: final_one[k] for k in start}, start)
-    assert moved > 100 * TOL, f"one RL step must move the weights well beyond the tolerance (moved {moved:.3g})"
+    assert moved > 100 * TOL, f"the steps must move the weights well beyond the tolerance (moved {moved:.3g})"
     assert _max_diff(_weights(two), _weights(one)) <= TOL
-    r1, r2 = _rl_records(one), _rl_records(two)
+    (sft1,), (sft2,) = _records(one, "sft"), _records(two, "sft")
+    assert sft2["loss"] == pytest.approx(sft1["loss"], rel=1e-5)
+    r1, r2 = _records(one, "grpo"), _records(two, "grpo")
     assert r1[0]["reward_std"] > 0, "the reward must carry a signal"
     for key in ("reward", "response_len", "loss", "grad_norm"):
         assert r2[0][key] == pytest.approx(r1[0][key], rel=1e-5, abs=1e-7), key
