@@ -22,7 +22,6 @@ TINY_PPO = ["algo=ppo", "trainer.sft_steps=2", "trainer.grpo_steps=2", "trainer.
     ("algo.ppo.value_agg_mode=seq-mean", "algo.ppo.value_agg_mode"),
     ("+algo.ppo.vf_coef=0.5", "algo.ppo.vf_coef"),
     ("algo.ppo.optim.lr=-1", "algo.ppo.optim.lr"),
-    ("model.lora.rank=8", "model.lora"),
 ])
 def test_bad_ppo_settings_are_one_line_errors_naming_the_key(override, key):
     with pytest.raises(ConfigError) as info:
