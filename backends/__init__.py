@@ -2,6 +2,7 @@
 
 ``get_backend()`` picks npu, cuda or cpu; ``available_backends()`` says which can run
 here and why not; ``init_distributed()`` sets up torch.distributed and the device mesh;
+``topology.topology()`` says which rank is which and which ranks share a batch;
 ``all_reduce_sum``/``all_reduce_max``/``all_gather_object``/``broadcast_object``/``barrier``
 are collectives that are no-ops on a single rank.
 """
@@ -25,6 +26,7 @@ from .distributed import (
     destroy_distributed,
     init_distributed,
 )
+from .topology import LaunchEnv, Topology, launch_env
 from .registry import AUTO_ORDER, BACKEND_NAMES, ENV_OVERRIDE, BackendStatus, available_backends, get_backend
 
 __all__ = [
@@ -34,6 +36,8 @@ __all__ = [
     "Backend",
     "BackendStatus",
     "BackendUnavailableError",
+    "LaunchEnv",
+    "Topology",
     "all_gather_object",
     "all_reduce_max",
     "all_reduce_sum",
@@ -45,4 +49,5 @@ __all__ = [
     "destroy_distributed",
     "get_backend",
     "init_distributed",
+    "launch_env",
 ]

@@ -12,21 +12,12 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
 
 from .base import Backend
+from .topology import forget_topologies, launch_env, set_job_sp_size, topology
 
 logger = logging.getLogger(__name__)
-
-
-def _env_int(name: str, default: int) -> int:
-    value = os.environ.get(name)
-    if value is None:
-        return default
-    try:
-        return int(value)
-    except ValueError:
-        raise ValueError(f"environment variable {name} must be an integer, got {value!r}") from None
 
 
 def _group_exists() -> bool:
@@ -48,10 +39,11 @@ def current_world_size() -> int:
 # never guard a collective themselves.
 
 
-def _all_reduce(values: list[float] | torch.Tensor, device, op, caller: str) -> list[float] | torch.Tensor:
+def _all_reduce(values: list[float] | torch.Tensor, device, op, caller: str, group=None
+                ) -> list[float] | torch.Tensor:
     if isinstance(values, torch.Tensor):
         if current_world_size() > 1:
-            dist.all_reduce(values, op=op)
+            dist.all_reduce(values, op=op, group=group)
         return values
     if device is None:
         # nccl and hccl reduce only device tensors: the caller must say which device.
@@ -59,21 +51,30 @@ def _all_reduce(values: list[float] | torch.Tensor, device, op, caller: str) -> 
     if not values or current_world_size() == 1:
         return values
     tensor = torch.tensor(values, dtype=torch.float64, device=device)
-    dist.all_reduce(tensor, op=op)
+    dist.all_reduce(tensor, op=op, group=group)
     return tensor.tolist()
 
 
-def all_reduce_sum(values: list[float] | torch.Tensor, device: torch.device | str | None = None
+def all_reduce_sum(values: list[float] | torch.Tensor, device: torch.device | str | None = None, group=None
                    ) -> list[float] | torch.Tensor:
-    """Element-wise sum over ranks. A tensor is reduced in place and returned; a list of
-    floats is reduced as float64 on ``device`` and returned as a new list. One rank: the input."""
-    return _all_reduce(values, device, dist.ReduceOp.SUM, "all_reduce_sum")
+    """Element-wise sum over ranks (over ``group``'s ranks when given, e.g. a topology's
+    ``dp_group``: each data-parallel replica once). A tensor is reduced in place and
+    returned; a list of floats is reduced as float64 on ``device`` and returned as a new
+    list. One rank: the input."""
+    return _all_reduce(values, device, dist.ReduceOp.SUM, "all_reduce_sum", group)
 
 
 def all_reduce_max(values: list[float] | torch.Tensor, device: torch.device | str | None = None
                    ) -> list[float] | torch.Tensor:
     """Element-wise maximum over ranks; same inputs and return as :func:`all_reduce_sum`."""
     return _all_reduce(values, device, dist.ReduceOp.MAX, "all_reduce_max")
+
+
+def sum_over_replicas(values: list[float], device) -> list[float]:
+    """The sum of per-replica values over the data-parallel replicas, each counted once (the
+    ranks of one sequence-parallel group hold the same ones): what batch statistics such as
+    whitening's unbiased variance need (backends/topology.py)."""
+    return all_reduce_sum(values, device, group=topology().dp_group)
 
 
 def all_gather_object(value: Any) -> list[Any]:
@@ -156,13 +157,10 @@ def all_gather_differentiable(tensor: torch.Tensor, group) -> torch.Tensor:
 
 
 def sequence_parallel_mesh(device_type: str, sp_size: int) -> DeviceMesh:
-    """A ``(dp, sp)`` mesh over all ranks: consecutive ranks form one sequence-parallel group
-    (``mesh.get_group("sp")``), and ranks with equal position in their group one data-parallel
-    group (``"dp"``). Every rank must call it (it creates process groups)."""
-    world = current_world_size()
-    if sp_size < 1 or world % sp_size:
-        raise ValueError(f"ulysses_sp_size={sp_size} must divide the world size {world}")
-    return init_device_mesh(device_type, (world // sp_size, sp_size), mesh_dim_names=("dp", "sp"))
+    """The ``(dp, sp)`` mesh of ``sp_size`` (backends/topology.py: consecutive ranks form one
+    sequence-parallel group, ``mesh.get_group("sp")``, and ranks with equal position in their
+    group one data-parallel group, ``"dp"``), built once. Every rank must call it together."""
+    return topology(sp_size, device_type).mesh
 
 
 def barrier() -> None:
@@ -171,18 +169,19 @@ def barrier() -> None:
         dist.barrier()
 
 
-def init_distributed(backend: Backend, timeout_s: float | None = None) -> DeviceMesh:
+def init_distributed(backend: Backend, timeout_s: float | None = None, sp_size: int | None = None) -> DeviceMesh:
     """Initialise the process group from torchrun's variables (or a single-process group
-    when they are absent), bind the device, and return a 1-D ``DeviceMesh`` over all ranks.
-    Before the group starts, the backend sets what its collective library reads from the
-    environment (``Backend.prepare_process_group``: HCCL's timeouts on NPUs, logged once by
-    rank 0); ``timeout_s`` (default: the backend's) is torch's process-group timeout."""
-    rank = _env_int("RANK", 0)
-    world_size = _env_int("WORLD_SIZE", 1)
-    local_rank = _env_int("LOCAL_RANK", 0)
+    when they are absent), bind the device, and return the 1-D ``DeviceMesh`` over all ranks
+    (the topology's ``fsdp_mesh``). ``sp_size`` sets the job's sequence-parallel degree
+    (backends/topology.py; its ``(dp, sp)`` mesh is built now). Before the group starts, the
+    backend sets what its collective library reads from the environment
+    (``Backend.prepare_process_group``: HCCL's timeouts on NPUs, logged once by rank 0);
+    ``timeout_s`` (default: the backend's) is torch's process-group timeout."""
+    env = launch_env()
+    rank, world_size = env.rank, env.world_size
     if not 0 <= rank < world_size:
         raise ValueError(f"RANK={rank} must lie in [0, WORLD_SIZE={world_size})")
-    backend.set_device(local_rank)
+    backend.set_device(env.local_rank)
     if not dist.is_initialized():
         backend_timeout_s, settings = backend.prepare_process_group(os.environ)
         timeout_s = backend_timeout_s if timeout_s is None else timeout_s
@@ -200,7 +199,11 @@ def init_distributed(backend: Backend, timeout_s: float | None = None) -> Device
                                     timeout=timedelta(seconds=timeout_s))
         logger.debug("initialised %s process group: rank %d of %d", backend.dist_backend, rank, world_size)
     _record_peers()
-    return init_device_mesh(backend.device_type, (dist.get_world_size(),), mesh_dim_names=("fsdp",))
+    mesh = topology(1, backend.device_type).fsdp_mesh
+    if sp_size is not None:
+        topology(sp_size, backend.device_type)  # refuses a degree that does not divide the world
+        set_job_sp_size(sp_size)
+    return mesh
 
 
 # ----------------------------------------------------------------------------- lost peers
@@ -280,6 +283,8 @@ def destroy_distributed(wait_for_peers: bool = True) -> None:
     ``wait_for_peers=False`` on an error path, where a peer may never arrive."""
     if not dist.is_initialized():
         return
+    forget_topologies()
+    set_job_sp_size(1)
     if wait_for_peers:
         barrier = dist.barrier(async_op=True)
         barrier.wait()

@@ -58,12 +58,12 @@ def worker(preset: str, length: int, sp: int, out: str) -> None:
     from polyfsdp.backends import destroy_distributed
     from polyfsdp.engines import EngineConfig, FSDPEngine, ModelConfig, SFTLoss, make_jagged
 
-    rank = int(os.environ["RANK"])
     config = EngineConfig(use_remove_padding=True, use_fused_kernels=True, ulysses_sp_size=sp)
     engine = FSDPEngine(ModelConfig(preset=preset), config).initialize()
+    rank = engine.topology.rank
     vocab = engine.module.config.vocab_size
     # sp=2: the group shares sequence 0; sp=1: each rank its own.
-    g = torch.Generator().manual_seed(rank // sp)
+    g = torch.Generator().manual_seed(engine.topology.replica)
     ids = torch.randint(0, vocab, (length,), generator=g)
     offsets = torch.tensor([0, length])
     batch = TensorDict({"input_ids": make_jagged(ids, offsets),
@@ -92,6 +92,26 @@ def run_setting(preset: str, length: int, sp: int) -> list[int]:
         return [int(open(f"{out}.{r}").read()) for r in range(2)]
 
 
+def alternate(run, repeats: int) -> tuple[dict[int, list[int]], dict[int, int]]:
+    """``run(sp)`` (per-rank peaks of one fresh run) for sp=1 and sp=2, alternating, ``repeats``
+    times: each run's largest rank peak, and per setting the smallest of those."""
+    peaks: dict[int, list[int]] = {1: [], 2: []}
+    for _ in range(repeats):
+        for sp in (1, 2):
+            peaks[sp].append(max(run(sp)))
+    return peaks, {sp: min(values) for sp, values in peaks.items()}
+
+
+def print_table(title: str, column: str, names: dict[int, str], best: dict[int, int]) -> None:
+    """The two settings' peaks per rank and their ratio to sp=1."""
+    mib = 1024 * 1024
+    width = max(len(n) for n in names.values()) + 2
+    print(title)
+    print(f"{'setting':<{width}}{column:>{len(column) + 4}}{'ratio to sp=1':>16}")
+    for sp in (1, 2):
+        print(f"{names[sp]:<{width}}{best[sp] / mib:>{len(column)}.1f} MiB{best[sp] / best[1]:>16.2f}")
+
+
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="tiny model, short sequence (smoke run)")
@@ -99,19 +119,10 @@ def main(argv=None) -> dict:
     parser.add_argument("--repeats", type=int, default=2)
     args = parser.parse_args(argv)
     preset, length = ("qwen2-tiny", 256) if args.quick else ("qwen2-small", args.length)
-    peaks: dict[int, list[int]] = {1: [], 2: []}
-    for _ in range(args.repeats):
-        for sp in (1, 2):
-            peaks[sp].append(max(run_setting(preset, length, sp)))
-    best = {sp: min(values) for sp, values in peaks.items()}
-    mib = 1024 * 1024
-    print(f"{preset}, one sequence of {length} tokens per SP group, fused head, packed rows, 2 ranks (gloo, CPU)")
-    print(f"{'setting':<22}{'step peak RSS / rank':>22}{'ratio to sp=1':>16}")
-    for sp in (1, 2):
-        name = "sp=1 (dp=2)" if sp == 1 else "sp=2 (one SP group)"
-        print(f"{name:<22}{best[sp] / mib:>18.1f} MiB{best[sp] / best[1]:>16.2f}")
+    peaks, best = alternate(lambda sp: run_setting(preset, length, sp), args.repeats)
+    print_table(f"{preset}, one sequence of {length} tokens per SP group, fused head, packed rows, 2 ranks "
+                f"(gloo, CPU)", "step peak RSS / rank", {1: "sp=1 (dp=2)", 2: "sp=2 (one SP group)"}, best)
     return {"best": best, "peaks": peaks}
-
 
 if __name__ == "__main__":
     if len(sys.argv) > 1 and sys.argv[1] == "--worker":

@@ -19,7 +19,8 @@ from dataclasses import dataclass
 
 import torch
 
-from polyfsdp.backends.distributed import all_gather_object, current_rank, current_world_size
+from polyfsdp.backends.distributed import all_gather_object
+from polyfsdp.backends.topology import Topology
 
 from .flat_batch import FlatBatch
 from .micro_batch import plan_micro_batches
@@ -77,11 +78,11 @@ class Balanced:
     after: float
 
 
-def balance(flat: FlatBatch, sp_size: int = 1) -> Balanced:
-    """Re-assign the step's sequences over the data-parallel replicas by tokens. Ranks
-    ``r * sp_size ... r * sp_size + sp_size - 1`` form replica ``r`` (they hold one batch)."""
-    replica = current_rank() // sp_size
-    batches = all_gather_object(_host(flat))[::sp_size]
+def balance(flat: FlatBatch, topo: Topology) -> Balanced:
+    """Re-assign the step's sequences over the data-parallel replicas of ``topo`` by tokens
+    (the ranks of one replica's SP group hold one batch)."""
+    replica = topo.replica
+    batches = topo.one_per_replica(all_gather_object(_host(flat)))
     plan = balance_plan([b.seq_lens for b in batches])
     mine = [_sequence(batches[r], i) for r, i in plan[replica]]
     lengths = [sum(b.seq_lens) for b in batches]
@@ -90,7 +91,7 @@ def balance(flat: FlatBatch, sp_size: int = 1) -> Balanced:
                     token_imbalance(after))
 
 
-def restore(values: torch.Tensor, balanced: Balanced, original: FlatBatch, sp_size: int = 1) -> torch.Tensor:
+def restore(values: torch.Tensor, balanced: Balanced, original: FlatBatch, topo: Topology) -> torch.Tensor:
     """Per-token ``values (total,)`` of the balanced batch -> flat values of ``original`` (this
     replica's own sequences, in the caller's order)."""
     bounds = [0]
@@ -98,8 +99,8 @@ def restore(values: torch.Tensor, balanced: Balanced, original: FlatBatch, sp_si
         bounds.append(bounds[-1] + n)
     host = values.detach().cpu()
     pieces = {origin: host[s:e] for origin, s, e in zip(balanced.origin, bounds[:-1], bounds[1:])}
-    everyone = all_gather_object(pieces)[::sp_size]
-    replica = current_rank() // sp_size
+    everyone = topo.one_per_replica(all_gather_object(pieces))
+    replica = topo.replica
     found = {}
     for held in everyone:
         found.update({i: v for (r, i), v in held.items() if r == replica})
@@ -107,7 +108,3 @@ def restore(values: torch.Tensor, balanced: Balanced, original: FlatBatch, sp_si
     out = torch.cat(parts) if parts else host[:0]
     return out.to(values.device)
 
-
-def replicas(sp_size: int) -> int:
-    """How many data-parallel replicas there are."""
-    return current_world_size() // sp_size

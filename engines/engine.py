@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 import warnings
 from contextlib import contextmanager, nullcontext
 
@@ -24,11 +23,12 @@ from polyfsdp.backends.base import Backend
 from polyfsdp.backends.distributed import (all_gather_object, all_reduce_max, all_reduce_sum, current_rank,
                                            current_world_size, init_distributed)
 from polyfsdp.backends.registry import get_backend
+from polyfsdp.backends.topology import Topology, topology
 
 from .batch_checks import BatchChecks, check_integer_ids
 from .checkpoint import CheckpointMixin
 from .config import EngineConfig, ModelConfig, OptimConfig
-from .dp_balance import Balanced, balance, replicas, restore
+from .dp_balance import Balanced, balance, restore
 from .flat_batch import FlatBatch, batch_to_flat, flat_to_caller
 from .forward_logprobs import (FUSED_HEAD_METHOD, forward_logprobs, forward_loss, fused_head_support,
                                install_fused_head)
@@ -41,7 +41,7 @@ from .model_builder import build_model
 from .offload import host_grad_norm, offload_policy, optimizer_on_host
 from .optim import build_lr_scheduler, build_optimizer
 from .parallelize import gathered, parallelize_model, set_gradient_sync
-from .sequence_parallel import check_same_batch, setup_sequence_parallel, sp_forward_logprobs
+from .sequence_parallel import check_same_batch, setup_sequence_parallel, sp_forward_logprobs, sp_forward_values
 from .value_head import VALUE_HEAD_METHOD, export_value_head, forward_values, install_value_head
 
 logger = logging.getLogger(__name__)
@@ -83,6 +83,7 @@ class FSDPEngine(CheckpointMixin):
         self.patch_toggles = patch_toggles
         self.patch_report = None
         self.mesh = None
+        self.topology: Topology | None = None  # ranks, replicas and SP groups (backends/topology.py)
         self.device: torch.device | None = None
         self.optimizer = None
         self.lr_scheduler = None
@@ -109,20 +110,16 @@ class FSDPEngine(CheckpointMixin):
         self.backend = self.backend or get_backend("auto")
         self._fused_impl = resolve_fused_kernel_impl(self.engine_config.fused_kernel_impl, self.backend)
         self.mesh = init_distributed(self.backend)
-        self.device = self.backend.device(int(os.environ.get("LOCAL_RANK", "0")))
+        self.topology = topology(self.engine_config.ulysses_sp_size, self.backend.device_type)
+        self.device = self.backend.device(self.topology.local_rank)
         model, self.patch_report = build_model(self.model_config, self.backend, self.patch_toggles,
                                                compute_dtype=self.engine_config.param_dtype)
         if self.model_config.lora.enabled:
-            if self.is_critic:
-                raise ValueError("ModelConfig.lora is not supported for a critic (ModelConfig.value_head=True): "
-                                 "the value head would stay frozen; train the critic without LoRA")
             # After the patches: they edit the base modules, which peft then wraps.
             add_adapters(model, self.model_config.lora, self.model_config.seed)
         if self.is_critic:
-            if self.engine_config.ulysses_sp_size > 1:
-                # The value head runs on whole sequences; its sequence-parallel split is not built.
-                raise ValueError("EngineConfig.ulysses_sp_size > 1 is not supported for a critic "
-                                 "(ModelConfig.value_head=True); use ulysses_sp_size=1")
+            # After the adapters: peft froze every base weight, and the new head (trainable)
+            # then trains beside the adapters; it is never wrapped by peft.
             install_value_head(model, self.model_config.value_head_init_std, self.model_config.seed,
                                self.model_config.value_head_path)
             head_method = VALUE_HEAD_METHOD
@@ -130,7 +127,7 @@ class FSDPEngine(CheckpointMixin):
             self._softcap, self._fused_unsupported = fused_head_support(model)
             install_fused_head(model)
             head_method = FUSED_HEAD_METHOD
-        self._sp = setup_sequence_parallel(model, self.backend.device_type, self.engine_config.ulysses_sp_size)
+        self._sp = setup_sequence_parallel(model, self.topology)
         self._offload = offload_policy(self.engine_config.offload, self.backend)
         if self._offload is None:
             model.to(self.device)  # with CPU offload FSDP2 keeps the shards on the host
@@ -228,6 +225,9 @@ class FSDPEngine(CheckpointMixin):
         ``(total,)``, float32), with autograd when enabled (engines/forward_logprobs.py;
         split over the sequence-parallel group with ``ulysses_sp_size > 1``); a critic
         returns ``(values, None)`` (engines/value_head.py)."""
+        if self.is_critic and self._sp is not None:
+            return sp_forward_values(self.module, flat, use_remove_padding=self.engine_config.use_remove_padding,
+                                     sp=self._sp), None
         if self.is_critic:
             return forward_values(self.module, flat, use_remove_padding=self.engine_config.use_remove_padding), None
         if self._sp is not None:
@@ -313,7 +313,7 @@ class FSDPEngine(CheckpointMixin):
         def to_caller(part):
             values = merge(part, work.total)
             if balanced is not None:
-                values = restore(values, balanced, flat, self.engine_config.ulysses_sp_size)
+                values = restore(values, balanced, flat, self.topology)
             return flat_to_caller(values, flat, batch, self.engine_config.pad_mode)
 
         out = {name: to_caller(part) for name, part in parts.items()}
@@ -322,10 +322,9 @@ class FSDPEngine(CheckpointMixin):
     def _balance(self, flat: FlatBatch) -> Balanced | None:
         """With ``balance_dp_tokens`` and several data-parallel replicas: this replica's share
         of the step's sequences, balanced by tokens (engines/dp_balance.py); else None."""
-        sp_size = self.engine_config.ulysses_sp_size
-        if not self.engine_config.balance_dp_tokens or replicas(sp_size) == 1:
+        if not self.engine_config.balance_dp_tokens or self.topology.dp_size == 1:
             return None
-        return balance(flat, sp_size)
+        return balance(flat, self.topology)
 
     def _micro_batches(self, flat: FlatBatch):
         """Split by the token budget; every rank runs as many micro-batches as the busiest

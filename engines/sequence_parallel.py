@@ -5,8 +5,9 @@ Every rank of a sequence-parallel (SP) group holds the same micro-batch. Its row
 labels shifted BEFORE the split (a label at a shard boundary is the first token of the next
 shard), padded to a multiple of ``sp`` and cut into ``sp`` contiguous column shards. Each
 rank runs the model on its shard (attention: engines/ulysses_attention.py) and the fused or
-unfused head on its shard's hidden states only; the per-token results are all-gathered
-(with gradients flowing back to their owners) into the flat ``(total,)`` layout.
+unfused head (a critic: its value head) on its shard's hidden states only; the per-token
+results are all-gathered (with gradients flowing back to their owners) into the flat
+``(total,)`` layout.
 
 Gradients: each SP rank computes the loss of the whole micro-batch from the gathered
 log-probs, with the engine's global counts counting that micro-batch once per SP rank, so
@@ -20,7 +21,8 @@ from dataclasses import dataclass
 
 import torch
 
-from polyfsdp.backends.distributed import all_gather_differentiable, all_gather_object_in, sequence_parallel_mesh
+from polyfsdp.backends.distributed import all_gather_differentiable, all_gather_object_in
+from polyfsdp.backends.topology import Topology
 from polyfsdp.patches.fused_attention import HOST_CU_SEQ_LENS
 
 from . import jagged
@@ -28,6 +30,7 @@ from .flat_batch import FlatBatch
 from .forward_logprobs import FUSED_HEAD_METHOD, FusedHeadCall, logprob_entropy_from_logits
 from .jagged import IGNORE_INDEX
 from .ulysses_attention import SP_KWARG, UlyssesContext, install_ulysses
+from .value_head import VALUE_HEAD_METHOD
 
 logger = logging.getLogger(__name__)
 
@@ -41,15 +44,14 @@ class SequenceParallel:
     rank: int
 
 
-def setup_sequence_parallel(model: torch.nn.Module, device_type: str, sp_size: int) -> SequenceParallel | None:
-    """The SP group of this rank (None for ``sp_size == 1``), with Ulysses attention installed
+def setup_sequence_parallel(model: torch.nn.Module, topo: Topology) -> SequenceParallel | None:
+    """This rank's SP group in ``topo`` (None for sp = 1), with Ulysses attention installed
     on ``model``. Call on every rank, before FSDP wraps the model."""
-    if sp_size == 1:
+    if topo.sp_size == 1:
         return None
-    mesh = sequence_parallel_mesh(device_type, sp_size)
-    install_ulysses(model, sp_size)
-    logger.debug("Ulysses sequence parallelism: sp=%d, dp=%d", sp_size, mesh.size(0))
-    return SequenceParallel(mesh.get_group("sp"), sp_size, mesh.get_local_rank("sp"))
+    install_ulysses(model, topo.sp_size)
+    logger.debug("Ulysses sequence parallelism: sp=%d, dp=%d", topo.sp_size, topo.dp_size)
+    return SequenceParallel(topo.sp_group, topo.sp_size, topo.sp_rank)
 
 
 def check_same_batch(flat: FlatBatch, sp: SequenceParallel) -> None:
@@ -113,14 +115,22 @@ def padded_rows(flat: FlatBatch, labels: torch.Tensor, temperature, sp: int) -> 
     return Rows(dense(flat.input_ids, 0), positions, dense(labels, IGNORE_INDEX), temps, {})
 
 
-def sp_forward_logprobs(model, flat: FlatBatch, *, use_remove_padding: bool, fused: bool, softcap: float | None,
-                        return_entropy: bool, sp: SequenceParallel, fused_impl: tuple[str, bool] = ("eager", False)
-                        ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """:func:`forward_logprobs.forward_logprobs` with the rows split over the SP group:
-    per-token ``(log_probs, entropy)`` flat ``(total,)``, the same on every rank of the group."""
-    if flat.total == 0:
-        empty = flat.input_ids.new_zeros(0, dtype=torch.float32)
-        return empty, (empty if return_entropy else None)
+@dataclass
+class Shard:
+    """This rank's columns of a micro-batch's rows: the model inputs (with the Ulysses
+    context), the next-token labels and temperatures of its positions, and ``to_flat``,
+    which all-gathers a per-position ``(R * shard,)`` result into the flat ``(total,)`` layout
+    (gradients flow back to each shard's owner)."""
+
+    inputs: dict
+    labels: torch.Tensor
+    temperature: float | torch.Tensor
+    to_flat: object
+
+
+def shard_rows(flat: FlatBatch, *, use_remove_padding: bool, sp: SequenceParallel) -> Shard:
+    """Build ``flat``'s whole rows (labels shifted before the split), padded to a multiple of
+    sp, and cut out this rank's contiguous column shard."""
     labels = jagged.next_token_labels_flat(flat.input_ids, flat.offsets, fill=IGNORE_INDEX)
     build = packed_rows if use_remove_padding else padded_rows
     rows = build(flat, labels, flat.token_temperature(), sp.size)
@@ -129,18 +139,7 @@ def sp_forward_logprobs(model, flat: FlatBatch, *, use_remove_padding: bool, fus
     cols = slice(sp.rank * shard, (sp.rank + 1) * shard)
     inputs = {"input_ids": rows.input_ids[:, cols], "position_ids": rows.position_ids[:, cols],
               SP_KWARG: UlyssesContext(sp.group, sp.size, rows.attention_kwargs)}
-    local_labels = rows.labels[:, cols].reshape(-1)
     temperature = rows.temperature[:, cols].reshape(-1) if torch.is_tensor(rows.temperature) else rows.temperature
-    if fused:
-        call = FusedHeadCall(to_flat=lambda h: h.reshape(-1, h.shape[-1]), temperature=temperature,
-                             return_entropy=return_entropy, softcap=softcap, impl=fused_impl[0],
-                             compile_fallback=fused_impl[1])
-        log_probs, entropy = getattr(model, FUSED_HEAD_METHOD)(inputs, local_labels, call)
-    else:
-        logits = model(**inputs, use_cache=False).logits
-        log_probs, entropy = logprob_entropy_from_logits(logits.reshape(-1, logits.shape[-1]), local_labels,
-                                                         temperature, return_entropy=return_entropy,
-                                                         ignore_index=IGNORE_INDEX, check_values=False)
 
     def to_flat(local: torch.Tensor) -> torch.Tensor:
         # (sp, R, shard) -> (R, W): shard i holds columns [i * shard, (i + 1) * shard).
@@ -150,4 +149,40 @@ def sp_forward_logprobs(model, flat: FlatBatch, *, use_remove_padding: bool, fus
             return whole[0, :flat.total]
         return jagged.dense_to_flat(whole, offsets=flat.offsets, total=flat.total)[0]
 
-    return to_flat(log_probs), (to_flat(entropy) if return_entropy else None)
+    return Shard(inputs, rows.labels[:, cols].reshape(-1), temperature, to_flat)
+
+
+def sp_forward_logprobs(model, flat: FlatBatch, *, use_remove_padding: bool, fused: bool, softcap: float | None,
+                        return_entropy: bool, sp: SequenceParallel, fused_impl: tuple[str, bool] = ("eager", False)
+                        ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """:func:`forward_logprobs.forward_logprobs` with the rows split over the SP group:
+    per-token ``(log_probs, entropy)`` flat ``(total,)``, the same on every rank of the group."""
+    if flat.total == 0:
+        empty = flat.input_ids.new_zeros(0, dtype=torch.float32)
+        return empty, (empty if return_entropy else None)
+    part = shard_rows(flat, use_remove_padding=use_remove_padding, sp=sp)
+    if fused:
+        call = FusedHeadCall(to_flat=lambda h: h.reshape(-1, h.shape[-1]), temperature=part.temperature,
+                             return_entropy=return_entropy, softcap=softcap, impl=fused_impl[0],
+                             compile_fallback=fused_impl[1])
+        log_probs, entropy = getattr(model, FUSED_HEAD_METHOD)(part.inputs, part.labels, call)
+    else:
+        logits = model(**part.inputs, use_cache=False).logits
+        log_probs, entropy = logprob_entropy_from_logits(logits.reshape(-1, logits.shape[-1]), part.labels,
+                                                         part.temperature, return_entropy=return_entropy,
+                                                         ignore_index=IGNORE_INDEX, check_values=False)
+    return part.to_flat(log_probs), (part.to_flat(entropy) if return_entropy else None)
+
+
+def sp_forward_values(model, flat: FlatBatch, *, use_remove_padding: bool, sp: SequenceParallel) -> torch.Tensor:
+    """A critic's :func:`value_head.forward_values` with the rows split over the SP group:
+    per-token values flat ``(total,)`` (last position of each sequence 0), the same on every
+    rank of the group. The value head runs on this rank's hidden states only."""
+    if flat.total == 0:
+        return flat.input_ids.new_zeros(0, dtype=torch.float32)
+    part = shard_rows(flat, use_remove_padding=use_remove_padding, sp=sp)
+    local = getattr(model, VALUE_HEAD_METHOD)(part.inputs, lambda h: h.reshape(-1, h.shape[-1]))[:, 0]
+    # A position without a next token (a sequence's last, or padding) has no state to value.
+    local = torch.where(part.labels != IGNORE_INDEX, local.float(),
+                        torch.zeros((), dtype=torch.float32, device=local.device))
+    return part.to_flat(local)

@@ -234,15 +234,26 @@ def _optim(where: str, data: Any, phase_steps: int) -> OptimConfig:
         raise ConfigError(str(exc)) from None
 
 
-def _validate_trainer(t: TrainerSection, algo: AlgoSection, world_size: int) -> None:
+def _check_replica_split(t: TrainerSection, algo: AlgoSection, world_size: int, sp_size: int) -> None:
+    """Each step's examples are split over the data-parallel replicas (world size / sp), not
+    over ranks (docs/architecture.md, "Ranks, replicas and SP groups"): the counts must divide."""
+    replicas = world_size // sp_size
+    words = f"the world size {world_size}" if sp_size == 1 else \
+        f"the data-parallel replicas {replicas} (world size {world_size} / engine.ulysses_sp_size {sp_size})"
+    counts = {"trainer.sft_batch_size": t.sft_batch_size, "trainer.prompts_per_step": t.prompts_per_step}
+    if algo.actor is not None and algo.rl and isinstance(algo.actor.mini_batch_size, int):
+        # Every replica takes the same optimizer steps.
+        counts["algo.actor.mini_batch_size"] = algo.actor.mini_batch_size
+    for key, value in counts.items():
+        if isinstance(value, int) and value >= 1 and value % replicas:
+            raise ConfigError(f"{key}: must be a multiple of {words}, got {value}")
+
+
+def _validate_trainer(t: TrainerSection, algo: AlgoSection) -> None:
     for key in ("sft_steps", "rl_steps", "eval_interval", "checkpoint_interval"):
         check_min(f"trainer.{key}", getattr(t, key), 0)
     for key in ("sft_batch_size", "prompts_per_step", "log_interval", "keep_checkpoints"):
         check_min(f"trainer.{key}", getattr(t, key), 1)
-    for key in ("sft_batch_size", "prompts_per_step"):
-        if getattr(t, key) % world_size:
-            raise ConfigError(f"trainer.{key}: must be a multiple of the world size {world_size}, "
-                              f"got {getattr(t, key)}")
     check_choice("trainer.progress", t.progress, PROGRESS_MODES)
     check_choice("trainer.export_lora", t.export_lora, LORA_EXPORT_MODES)
     t.logger = check_loggers(t.logger)
@@ -351,11 +362,10 @@ def build_job_config(raw: dict, world_size: int = 1) -> JobConfig:
         engine = EngineConfig.from_dict(raw["engine"], where="engine")
     except (ValueError, TypeError) as exc:
         raise ConfigError(str(exc)) from None
-    if engine.ulysses_sp_size != 1:
-        # The ranks of a sequence-parallel group must hold one batch; the trainer samples per rank.
-        raise ConfigError(f"engine.ulysses_sp_size={engine.ulysses_sp_size}: polyfsdp-train gives every rank its "
-                          f"own prompts, but the ranks of a sequence-parallel group must share one batch; "
-                          f"sequence parallelism is available through FSDPEngine only for now")
+    sp_size = engine.ulysses_sp_size
+    if world_size % sp_size:
+        raise ConfigError(f"engine.ulysses_sp_size={sp_size}: must divide the world size {world_size} (each "
+                          f"data-parallel replica is one sequence-parallel group of that many ranks)")
 
     from polyfsdp.patches.registry import validate_toggles
     from polyfsdp.patches.toggles import PatchToggles
@@ -374,7 +384,9 @@ def build_job_config(raw: dict, world_size: int = 1) -> JobConfig:
         raise ConfigError("algo.sft: expected a mapping (every algo has an SFT section), got None")
     algo.sft.optim = _optim("algo.sft.optim", algo.sft.optim, trainer.sft_steps)
     algo.sft.validate("algo.sft")
-    _validate_trainer(trainer, algo, world_size)
+    _validate_trainer(trainer, algo)
+    _check_replica_split(trainer, algo, world_size, sp_size)
+    replicas = world_size // sp_size
     rollout = _section(RolloutSection, "rollout", raw.get("rollout") or {})
     check_rollout(rollout, world_size)
     if algo.rollout_correction is not None:
@@ -387,7 +399,7 @@ def build_job_config(raw: dict, world_size: int = 1) -> JobConfig:
         algo.actor.optim = _optim("algo.actor.optim", algo.actor.optim, trainer.rl_steps * max(updates, 1))
         if algo.critic is not None:
             algo.critic.optim = _optim("algo.critic.optim", algo.critic.optim, trainer.rl_steps * max(updates, 1))
-        algo.validate_rl(trainer.prompts_per_step, world_size)
+        algo.validate_rl(trainer.prompts_per_step, replicas)
     data = _section(DataSection, "data", raw["data"])
     _validate_data(data)
     if data.eval_size < world_size:
@@ -403,10 +415,6 @@ def build_job_config(raw: dict, world_size: int = 1) -> JobConfig:
     if rollout.env is not None and algo.rl and not algo.estimator.multi_turn:
         raise ConfigError(f"rollout.env: multi-turn rollouts train with the group estimators (algo=grpo) for now; "
                           f"adv_estimator={algo.adv_estimator} over environment turns is not supported yet")
-    if algo.rl and algo.estimator.needs_critic and lora_enabled:
-        # The critic is built from model.*: under LoRA its value head would stay frozen.
-        raise ConfigError("model.lora: algo=ppo trains a critic, which LoRA does not support yet; "
-                          "set model.lora.rank=0 or use algo=grpo")
     return JobConfig(backend=backend, model=model, engine=engine, patches=patches, algo=algo, data=data,
                      trainer=trainer, raw=raw, reward=reward, rollout=rollout, eval=evaluation)
 

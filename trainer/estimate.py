@@ -89,9 +89,14 @@ def _largest(batches, budget: int | None, packed: bool) -> tuple[int, int]:
     return best[1], best[0]
 
 
-def _rank_shares(examples: list, world: int) -> list[list]:
-    per = len(examples) // world  # Job._shard
-    return [examples[r * per:(r + 1) * per] for r in range(world)]
+def _replica_shares(examples: list, replicas: int) -> list[list]:
+    per = len(examples) // replicas  # Job._shard: a share per data-parallel replica
+    return [examples[r * per:(r + 1) * per] for r in range(replicas)]
+
+
+def _replicas(cfg, world: int) -> int:
+    """Data-parallel replicas: the ranks of one sequence-parallel group hold one share."""
+    return world // cfg.engine.ulysses_sp_size
 
 
 class _Lengths:
@@ -119,10 +124,10 @@ class _Lengths:
         self.answer = lambda ex: len(tokenizer.encode(ex.answer)) + 1  # + <eos> (trainer/sft.py)  # noqa: E731
         self.max_answer = lambda: max_answer_tokens(self.source, tokenizer)  # noqa: E731
 
-    def batches(self, phase: str, steps: int, batch_size: int, world: int):
-        """Each step's examples, per rank."""
+    def batches(self, phase: str, steps: int, batch_size: int, replicas: int):
+        """Each step's examples, per data-parallel replica."""
         for step in range(steps):
-            yield from _rank_shares(self.source.batch(phase, step, batch_size), world)
+            yield from _replica_shares(self.source.batch(phase, step, batch_size), replicas)
 
 
 # ---------------------------------------------------------------------- phases
@@ -155,7 +160,8 @@ def _sft_phase(cfg, lengths: _Lengths, world: int, policy: ModelMemory, host_bac
     packed = cfg.engine.use_remove_padding
     budget = cfg.engine.max_tokens_per_micro_batch
     batches = ([lengths.prompt(ex) + lengths.answer(ex) for ex in share]
-               for share in lengths.batches("sft", cfg.trainer.sft_steps, cfg.trainer.sft_batch_size, world))
+               for share in lengths.batches("sft", cfg.trainer.sft_steps, cfg.trainer.sft_batch_size,
+                                               _replicas(cfg, world)))
     rows, tokens = _largest(batches, budget, packed)
     grads = _device_grads(policy, host)
     est.state["sft"] = {**state, "policy gradients (during the update)": grads}
@@ -178,13 +184,13 @@ def _rl_phase(cfg, lengths: _Lengths, world: int, policy: ModelMemory, critic: M
         state.update(_state_rows("critic", critic, host))
     resident = sum(state.values())
     # The rollout of every step: each rank's prompts x group_size completions at max_new_tokens.
-    shares = list(lengths.batches(RL_DATA_STREAM, t.rl_steps, t.prompts_per_step, world))
+    shares = list(lengths.batches(RL_DATA_STREAM, t.rl_steps, t.prompts_per_step, _replicas(cfg, world)))
     prompt_lengths = [[lengths.prompt(ex) for ex in share for _ in range(n)] for share in shares]
     gen_rows, width = max((len(p), max(p, default=0)) for p in prompt_lengths)
     full = [[p + new for p in ps] for ps in prompt_lengths]
     roll_rows, roll_tokens = _largest(full, budget, packed)
     # Update mini-batches hold whole groups; the longest groups bound the largest one.
-    groups_per_rank = t.prompts_per_step // world
+    groups_per_rank = t.prompts_per_step // _replicas(cfg, world)
     mini_groups = -(-groups_per_rank // max(1, min(g.mini_batches(t.prompts_per_step), groups_per_rank)))
     longest = [sorted(ps[::n], reverse=True)[:mini_groups] for ps in full]
     update_rows, update_tokens = _largest(([p for p in ps for _ in range(n)] for ps in longest), budget, packed)
@@ -255,6 +261,10 @@ def estimate_job(cfg, world_size: int) -> JobEstimate:
         + ("; CPU: every row is host memory" if host_backend else ""))
     if lengths.note:
         est.notes.append(lengths.note)
+    if cfg.engine.ulysses_sp_size > 1:
+        est.notes.append(f"engine.ulysses_sp_size={cfg.engine.ulysses_sp_size}: each rank counts its replica's whole "
+                         f"sequences; the split of the log-prob and update activations over the SP group is not "
+                         f"modelled (an upper bound for those rows)")
     eval_tokens = actor.max_new_tokens if actor is not None else lengths.max_answer() + 2  # Job.eval_tokens
     if cfg.trainer.sft_steps > 0 or not cfg.algo.rl:
         _sft_phase(cfg, lengths, world_size, policy, host_backend, est, eval_tokens)

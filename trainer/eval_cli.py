@@ -131,9 +131,8 @@ def _take_json_flag(args: list[str]) -> tuple[str, list[str]]:
 
 def evaluate_model(model_dir: Path, overrides: list[str], json_path: str) -> dict:
     """Build the engine on ``model_dir``, evaluate, print (rank 0) and write the JSON; returns it."""
-    import os
-
     from polyfsdp.backends.distributed import current_rank
+    from polyfsdp.backends.topology import launch_env
 
     from .evaluation import GENERATION_COLUMNS, EvalSettings, evaluate
     from .job import Job
@@ -143,7 +142,7 @@ def evaluate_model(model_dir: Path, overrides: list[str], json_path: str) -> dic
         raise ConfigError(f"MODEL_DIR {str(model_dir)!r} is not a directory (a Hugging Face model such as a run's "
                           f"final/, or a run's checkpoints/rl/step_N)")
     model = locate_model(model_dir)
-    cfg = eval_config(model, overrides, world_size=int(os.environ.get("WORLD_SIZE", "1")))
+    cfg = eval_config(model, overrides, world_size=launch_env().world_size)
     job = Job(cfg)  # the trainer's tokenizer, data, reward and checks; nothing is written
     engine = job._engine(model.phase, cfg.model.path)
     if model.checkpoint is not None:

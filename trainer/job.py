@@ -33,8 +33,8 @@ from typing import Callable
 import torch
 from omegaconf import OmegaConf
 
-from polyfsdp.backends.distributed import (all_reduce_max, barrier, broadcast_object, current_rank, current_world_size,
-                                           init_distributed)
+from polyfsdp.backends.distributed import all_reduce_max, barrier, broadcast_object, current_rank, init_distributed
+from polyfsdp.backends.topology import topology
 from polyfsdp.backends.registry import get_backend
 from polyfsdp.engines.checkpoint import CheckpointError, checkpoint_parts
 from polyfsdp.engines.checkpoint_files import remove_path
@@ -104,8 +104,10 @@ class Job:
         if cfg.trainer.cpu_threads is not None:
             torch.set_num_threads(cfg.trainer.cpu_threads)
         self.backend = get_backend(cfg.backend)
-        init_distributed(self.backend, timeout_s=cfg.trainer.dist_timeout_s)
-        self.rank, self.world = current_rank(), current_world_size()
+        init_distributed(self.backend, timeout_s=cfg.trainer.dist_timeout_s, sp_size=cfg.engine.ulysses_sp_size)
+        # Ranks, data-parallel replicas and SP groups: asked here, never recomputed (backends/topology.py).
+        self.topo = topology()
+        self.rank, self.world = self.topo.rank, self.topo.world_size
         # Rank 0's output_dir wins: "${now:...}" may resolve differently on each rank.
         self.out = Path(broadcast_object(cfg.trainer.output_dir)).resolve()
         self.metrics = MetricsLogger(str(self.out / METRICS_FILE), enabled=self.rank == 0)
@@ -156,8 +158,8 @@ class Job:
 
     # ------------------------------------------------------------------ helpers
     def _shard(self, examples: list) -> list:
-        per = len(examples) // self.world
-        return examples[self.rank * per:(self.rank + 1) * per]
+        """This replica's share of a step's global examples (the ranks of one SP group share it)."""
+        return self.topo.replica_share(examples, "examples")
 
     def _engine(self, phase: str, model_dir: str, role: str = "policy") -> FSDPEngine:
         """An initialised engine for ``phase`` on ``model_dir``; ``role`` names it in the patch
@@ -231,7 +233,8 @@ class Job:
     def _record(self, phase: str, step: int, global_step: int, m: dict, progress: Progress) -> None:
         m = dict(m)
         updates = m.pop("update_metrics", None)
-        m["tokens_per_s"] = m.pop("tokens") * self.world / max(m["step_time_s"], 1e-9)
+        # Each rank reports its replica's tokens; the ranks of one SP group hold the same ones.
+        m["tokens_per_s"] = m.pop("tokens") * self.topo.dp_size / max(m["step_time_s"], 1e-9)
         record = {"phase": phase, "step": step, "global_step": global_step, **m,
                   "time_s": time.perf_counter() - self.t0}
         if step % self.cfg.trainer.log_interval == 0 or step == 1:
@@ -311,7 +314,7 @@ class Job:
         start_dir = cfg.model.path or self._initial_model()
         _say(f"polyfsdp-train: {cfg.algo.name} on {cfg.data.source} data (reward {self.scorer.name}), "
              f"backend {self.backend.name}, "
-             f"{self.world} rank(s), output {out}" + (f" (resuming {resume.phase} from "
+             f"{self.world} rank(s){self._sp_note()}, output {out}" + (f" (resuming {resume.phase} from "
                                                       f"{resume.checkpoint or 'its start'})" if resume else ""))
         first = True
         for phase in self._phases(start_dir, resume):
@@ -319,6 +322,10 @@ class Job:
             self._run_phase(phase, phase_resume, fresh_metrics=first and resume is None)
             first = False
         return self._finish()
+
+    def _sp_note(self) -> str:
+        topo = self.topo
+        return f" ({topo.dp_size} replica(s) x sequence-parallel {topo.sp_size})" if topo.sp_size > 1 else ""
 
     def _initial_model(self) -> str:
         try:
@@ -406,7 +413,7 @@ class Job:
             def sft_fn(step: int, examples: list) -> dict:
                 # What draws from the generators (LoRA's dropout) is seeded per step: the same in
                 # every run of the seed, whatever the process's generator started from.
-                self.backend.manual_seed(self._step_seed(step) * 1024 + self.rank)
+                self.backend.manual_seed(self._replica_seed(step))
                 return sft_step(engine, self.tokenizer, examples, sft_loss, conversations=conversations)
             return sft_fn
         g = cfg.algo.actor
@@ -429,7 +436,7 @@ class Job:
             step_seed = self._step_seed(step)
             more = lambda k: self._shard(self.source.batch(f"{phase.stream}-refill{k}", step, phase.batch_size))  # noqa: E731
             return rl_step(engine, ref, self.tokenizer, examples, cfg.algo, actor_loss,
-                           sample_seed=step_seed * 1024 + self.rank, shuffle_seed=step_seed,
+                           sample_seed=self._replica_seed(step), shuffle_seed=step_seed,
                            mini_batches=mini_batches, scorer=self.scorer, more_examples=more, sampler=self.sampler,
                            critic=self.critic, value_loss=value_loss, train_actor=step >= warmup)
         return step_fn
@@ -437,6 +444,11 @@ class Job:
     def _step_seed(self, step: int) -> int:
         """The seed of a phase's step ``step``, from trainer.seed (the same on every rank)."""
         return self.cfg.trainer.seed * 1_000_003 + step
+
+    def _replica_seed(self, step: int) -> int:
+        """The sampling seed of step ``step`` on this rank's replica: the ranks of one SP group
+        draw the same completions (docs/architecture.md, "Ranks, replicas and SP groups")."""
+        return self._step_seed(step) * 1024 + self.topo.replica
 
     def _run_phase(self, phase: Phase, resume: ResumePoint | None, fresh_metrics: bool) -> None:
         """Train ``phase`` from its start (or ``resume``), with evaluations, checkpoints, export."""

@@ -22,7 +22,7 @@ from typing import Callable
 
 import torch
 
-from polyfsdp.backends.distributed import all_reduce_sum
+from polyfsdp.backends.distributed import all_reduce_sum, sum_over_replicas
 
 from .batch import build_batch, per_sequence, response_field, response_mask
 from .compose import ConfigError
@@ -91,7 +91,8 @@ def train_on_rollout(policy, critic, ref, tokenizer, roll, pairs, algo, actor_lo
     old, ref_lp = old_and_ref_log_probs(policy, ref, batch, g.temperature, need_old, token_fields)
     # The critic runs with the policy's engine settings (one `engine` group), so the batch fits both.
     values = per_sequence(critic.infer_values(batch)["values"], batch, pad_mode) if critic is not None else None
-    over_ranks = lambda v: all_reduce_sum(v, device)  # noqa: E731
+    # Batch statistics count each replica once (its SP ranks hold the same rollout).
+    over_ranks = lambda v: sum_over_replicas(v, device)  # noqa: E731
     result = est(AdvantageInputs(
         rewards=roll.rewards, masks=masks, group_size=g.group_size, algo=algo, old_log_probs=old,
         ref_log_probs=ref_lp, values=values, kl=[o - r for o, r in zip(old, ref_lp)] if kl_in_reward else None,

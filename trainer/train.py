@@ -48,8 +48,11 @@ DISK_FULL_TEXT = "No space left on device"
 
 
 def _rank() -> int:
+    """torchrun's rank for logging and error lines (the process group may not exist yet)."""
+    from polyfsdp.backends.topology import launch_env
+
     try:
-        return int(os.environ.get("RANK", "0"))
+        return launch_env().rank
     except ValueError:
         return 0
 
@@ -202,7 +205,9 @@ def _main(argv: list[str] | None) -> int:
     # Tear down only a process group this call created (an embedding process may own one).
     owned_group = not dist.is_initialized()
     try:
-        world_size = int(os.environ.get("WORLD_SIZE", "1"))
+        from polyfsdp.backends.topology import launch_env
+
+        world_size = launch_env().world_size
         cfg = load_config(overrides, world_size=world_size)
         if show_cfg:
             from omegaconf import OmegaConf

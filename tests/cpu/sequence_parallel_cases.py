@@ -20,3 +20,15 @@ MODES = tuple(
 def temperatures(num_seqs):
     """Per-sequence temperatures (each token's temperature must follow it across shards)."""
     return torch.linspace(0.6, 1.4, num_seqs)
+
+
+# A critic's modes under SP (its value head runs on each rank's shard): (name, use_remove_padding, pad_mode).
+CRITIC_MODES = (("critic_rmpad_no_padding", True, "no_padding"), ("critic_padded_left_right", False, "left_right"))
+CRITIC_CLIP = 0.3
+
+
+def critic_fields(seqs):
+    """Seeded ``old_values`` and ``returns`` for the clipped value loss (the same on every rank)."""
+    g = torch.Generator().manual_seed(4)
+    old = [torch.randn(len(s), generator=g) * 0.5 for s in seqs]
+    return old, [torch.randn(len(s), generator=g) for s in seqs]

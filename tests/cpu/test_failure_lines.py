@@ -181,13 +181,12 @@ def test_the_process_group_timeout_is_set_from_the_config(tmp_path, monkeypatch)
     monkeypatch.setattr(job, "init_distributed",
                         lambda backend, **kwargs: (asked.append(kwargs), real(backend, **kwargs))[1])
     assert main([*FAST, "trainer.sft_steps=1", "trainer.dist_timeout_s=42.5", f"trainer.output_dir={tmp_path / 'out'}"]) == 0
-    assert asked == [{"timeout_s": 42.5}]
+    assert asked == [{"timeout_s": 42.5, "sp_size": 1}]
     # ... and init_distributed hands it to init_process_group (as a fresh process would create it).
     seen = []
     monkeypatch.setattr(distributed.dist, "is_initialized", lambda: False)
     monkeypatch.setattr(distributed.dist, "init_process_group", lambda *args, **kwargs: seen.append(kwargs["timeout"]))
     monkeypatch.setattr(distributed.dist, "get_world_size", lambda *args: 1)
-    monkeypatch.setattr(distributed, "init_device_mesh", lambda *args, **kwargs: None)
     monkeypatch.delenv("MASTER_ADDR", raising=False)
     distributed.init_distributed(get_backend("cpu"), timeout_s=42.5)
     assert [t.total_seconds() for t in seen] == [42.5]

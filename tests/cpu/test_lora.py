@@ -236,11 +236,3 @@ def test_lora_dropout_is_active_in_training_only():
     with torch.no_grad(), engine.train_mode():
         c, _ = engine.forward_flat(flat, return_entropy=False)
     assert not torch.allclose(c, a, atol=1e-4)
-
-
-def test_a_critic_with_lora_is_refused_in_one_line():
-    # Its value head would stay frozen under peft: refused rather than silently untrained.
-    engine = FSDPEngine(ModelConfig(preset="qwen2-tiny", value_head=True, lora=LoraConfig(rank=RANK)), EngineConfig())
-    with pytest.raises(ValueError, match="not supported for a critic") as info:
-        engine.initialize()
-    assert "\n" not in str(info.value)

@@ -22,7 +22,6 @@ TINY_PPO = ["algo=ppo", "trainer.sft_steps=2", "trainer.rl_steps=2", "trainer.sf
     ("algo.critic.value_agg_mode=seq-mean", "algo.critic.value_agg_mode"),
     ("+algo.critic.vf_coef=0.5", "algo.critic.vf_coef"),
     ("algo.critic.optim.lr=-1", "algo.critic.optim.lr"),
-    ("model.lora.rank=8", "model.lora"),
 ])
 def test_bad_ppo_settings_are_one_line_errors_naming_the_key(override, key):
     with pytest.raises(ConfigError) as info:

@@ -151,7 +151,7 @@ def test_parquet_without_a_reader_says_what_to_install(tmp_path, monkeypatch):
     (["data=jsonl"], "data.path: a value is required"),
     (["patches.disable=[qwen2.nope]"], "patches.disable: unknown patch 'qwen2.nope'"),
     (["model.dtype=float16"], "model.dtype=float16: training keeps master weights in float16"),
-    (["engine.ulysses_sp_size=2"], "engine.ulysses_sp_size=2: polyfsdp-train gives every rank its own prompts"),
+    (["engine.ulysses_sp_size=2"], "engine.ulysses_sp_size=2: must divide the world size 1"),
     (["trainer.prompts_per_step=3"], None),  # fine for one rank ...
 ])
 def test_bad_overrides_raise_one_line_config_errors(overrides, expected):
@@ -166,6 +166,21 @@ def test_bad_overrides_raise_one_line_config_errors(overrides, expected):
     assert "\n" not in message
     assert message.startswith(expected), message
 
+
+
+def test_prompts_are_split_over_replicas_not_ranks():
+    # 4 ranks, sp=2: 2 replicas, so 6 prompts split (3 each) though 4 ranks do not divide 6.
+    cfg = load_config(["engine.ulysses_sp_size=2", "trainer.prompts_per_step=6", "trainer.sft_batch_size=6",
+                       "data.eval_size=4"], world_size=4)
+    assert cfg.engine.ulysses_sp_size == 2
+    with pytest.raises(ConfigError, match=r"^trainer.prompts_per_step: must be a multiple of the data-parallel "
+                                          r"replicas 2 \(world size 4 / engine.ulysses_sp_size 2\), got 5$"):
+        load_config(["engine.ulysses_sp_size=2", "trainer.prompts_per_step=5", "data.eval_size=4"], world_size=4)
+    with pytest.raises(ConfigError, match="algo.actor.mini_batch_size: must be a multiple of the data-parallel"):
+        load_config(["engine.ulysses_sp_size=2", "trainer.prompts_per_step=8", "algo.actor.mini_batch_size=1",
+                     "data.eval_size=4"], world_size=4)
+    with pytest.raises(ConfigError, match="engine.ulysses_sp_size=3: must divide the world size 4"):
+        load_config(["engine.ulysses_sp_size=3"], world_size=4)
 
 def test_default_config_converts_to_engine_dataclasses():
     cfg = load_config([])

@@ -7,14 +7,13 @@ from dataclasses import replace
 import pytest
 import torch
 from torch.distributed.tensor import DTensor
-from transformers import AutoModel
 
 from engine_reference import (full_state_dict, left_right_batch, no_padding_batch, per_sequence,
                               sequences)
 from engine_cases import masks_for
+from value_reference import CriticReference
 from polyfsdp.engines.config import EngineConfig, ModelConfig, OptimConfig
 from polyfsdp.engines.engine import FSDPEngine
-from polyfsdp.engines.presets import preset_config
 from polyfsdp.engines.value_loss import ValueLoss
 
 TOL = 1e-5
@@ -24,28 +23,14 @@ MODES = [(rm, fu, pm) for rm in (True, False) for fu in (True, False) for pm in 
 IDS = [f"rmpad{int(a)}-fused{int(b)}-{c}" for a, b, c in MODES]
 
 
-class Critic:
-    """One critic engine per family and its reference (body + head, unsharded, eager)."""
+class Critic(CriticReference):
+    """One critic engine per family and its reference (tests/cpu/value_reference.py)."""
 
     def __init__(self, preset):
         self.engine = FSDPEngine(ModelConfig(preset=preset, seed=5, value_head=True, value_head_init_std=0.5),
                                  EngineConfig(), OptimConfig(lr=1e-3)).initialize()
-        state = full_state_dict(self.engine.module)
-        self.head_w, self.head_b = state["lm_head.weight"].double(), state["lm_head.bias"].double()
-        self.body = AutoModel.from_config(preset_config(preset), attn_implementation="eager").eval()
-        body_state = {k[len("model."):]: v for k, v in state.items() if k.startswith("model.")}
-        self.body.load_state_dict(body_state, strict=True)
+        super().__init__(preset, full_state_dict(self.engine.module))
         self.seqs = sequences(LENGTHS, seed=13)
-
-    def reference_values(self, seqs):
-        out = []
-        for s in seqs:
-            v = torch.zeros(len(s), dtype=torch.float64)
-            if len(s) > 1:
-                hidden = self.body(input_ids=s[None], use_cache=False).last_hidden_state[0].double()
-                v[:-1] = (hidden @ self.head_w.T)[:-1, 0] + self.head_b[0]
-            out.append(v)
-        return out
 
 
 def _absmax(t):
@@ -117,25 +102,6 @@ def test_micro_batch_split_gives_the_same_values(critic):
     assert (split - whole).abs().max() <= 1e-6
 
 
-def _reference_value_loss_grads(c, seqs, masks, old, returns, clip):
-    c.body.zero_grad(set_to_none=True)
-    w = c.head_w.float().clone().requires_grad_(True)
-    b = c.head_b.float().clone().requires_grad_(True)
-    total, count = 0.0, sum(float(m.sum()) for m in masks)
-    for s, m, o, r in zip(seqs, masks, old, returns):
-        if len(s) < 2:
-            continue
-        hidden = c.body(input_ids=s[None], use_cache=False).last_hidden_state[0]
-        v = torch.cat([(hidden @ w.T)[:-1, 0] + b[0], torch.zeros(1)])
-        vclip = o + torch.clamp(v - o, -clip, clip)
-        total = total + 0.5 * (torch.maximum((v - r) ** 2, (vclip - r) ** 2) * m).sum() / count
-    total.backward()
-    grads = {f"model.{n}": p.grad.detach().clone() for n, p in c.body.named_parameters()}
-    grads["lm_head.weight"], grads["lm_head.bias"] = w.grad, b.grad
-    c.body.zero_grad(set_to_none=True)
-    return total.item(), grads
-
-
 @pytest.mark.parametrize("rmpad,fused,pad_mode", MODES, ids=IDS)
 def test_value_loss_gradients_match_the_reference_in_every_mode(critic, rmpad, fused, pad_mode):
     c = critic("qwen2-tiny-tied")
@@ -144,7 +110,7 @@ def test_value_loss_gradients_match_the_reference_in_every_mode(critic, rmpad, f
     masks = masks_for(seqs)
     old = [torch.randn(len(s), generator=g) * 0.5 for s in seqs]
     returns = [torch.randn(len(s), generator=g) for s in seqs]
-    expected_loss, expected = _reference_value_loss_grads(c, seqs, masks, old, returns, clip=0.3)
+    expected_loss, expected = c.value_loss_grads(seqs, masks, old, returns, clip=0.3)
     scale = max(v.abs().max().item() for v in expected.values())
     _set_modes(c.engine, rmpad, fused, pad_mode)
     _, batch = _batch(seqs, pad_mode, {"response_mask": masks, "old_values": old, "returns": returns})

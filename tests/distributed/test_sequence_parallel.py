@@ -15,7 +15,9 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "cpu"))
 from engine_cases import PRESET, engine_config, masks_for  # noqa: E402
 from engine_reference import (full_state_dict, left_right_batch, no_padding_batch, reference_logprobs,  # noqa: E402
                               reference_model, sequences)
-from sequence_parallel_cases import INFER_LENGTHS, MODES, TRAIN_LENGTHS, temperatures  # noqa: E402
+from sequence_parallel_cases import (CRITIC_CLIP, CRITIC_MODES, INFER_LENGTHS, MODES, TRAIN_LENGTHS,  # noqa: E402
+                                     critic_fields, temperatures)
+from value_reference import CriticReference  # noqa: E402
 from torchrun_launcher import run_and_load  # noqa: E402
 
 from polyfsdp.engines.config import ModelConfig  # noqa: E402
@@ -83,6 +85,28 @@ def check_modes(ranks, reference):
                 assert diff <= 1e-5, f"{name} rank {rank} grad {pname}: max |diff| {diff:.3g}"
 
 
+def check_critic(ranks):
+    """A critic's values and clipped-value-loss gradients under SP against the unsharded reference."""
+    engine = FSDPEngine(ModelConfig(preset=PRESET, seed=5, value_head=True, value_head_init_std=0.5),
+                        engine_config()).initialize()
+    ref = CriticReference(PRESET, full_state_dict(engine.module))
+    infer_seqs, train_seqs = sequences(INFER_LENGTHS, seed=3), sequences(TRAIN_LENGTHS, seed=3)
+    with torch.no_grad():
+        expected = torch.cat(ref.reference_values(infer_seqs))
+    old, returns = critic_fields(train_seqs)
+    ref_loss, ref_grads = ref.value_loss_grads(train_seqs, masks_for(train_seqs), old, returns, CRITIC_CLIP)
+    largest = max(g.abs().max().item() for g in ref_grads.values())
+    for name, rmpad, pad_mode in CRITIC_MODES:
+        build = no_padding_batch if pad_mode == "no_padding" else left_right_batch
+        for rank, results in enumerate(ranks):
+            got = _flat(results[f"values_{name}"], build(infer_seqs), pad_mode)
+            assert (got.double() - expected).abs().max().item() <= 1e-5, f"{name} rank {rank} values"
+            assert results[f"loss_{name}"] == pytest.approx(ref_loss, rel=1e-5), f"{name} rank {rank} loss"
+            for pname, want in ref_grads.items():
+                diff = (results[f"grads_{name}"][pname].double() - want.double()).abs().max().item()
+                assert diff <= 1e-5 * largest, f"{name} rank {rank} grad {pname}: max |diff| {diff:.3g}"
+
+
 def check_attention(ranks):
     for case in ("varlen_kv1", "varlen_kv2", "fusion_kv1", "fusion_kv2"):
         for rank, results in enumerate(ranks):
@@ -109,6 +133,10 @@ def test_sp2_matches_the_sp1_engine(sp2):
             assert (one - sp2[0][f"infer_{name}_0"][key]).abs().max().item() <= 1e-5
 
 
+def test_sp2_critic_values_and_value_loss_gradients_match_the_reference(sp2):
+    check_critic(sp2)
+
+
 def test_sp2_attention_alone_matches_plain_attention_with_gqa_and_npu_tnd(sp2):
     check_attention(sp2)
 
@@ -122,4 +150,5 @@ def test_sp_ranks_with_different_batches_are_refused(sp2):
 def test_sp2_dp2_four_processes_every_mode_matches_the_reference(tmp_path_factory, reference):
     ranks = _launch(tmp_path_factory, 4, 2)
     check_modes(ranks, reference)
+    check_critic(ranks)
     check_attention(ranks)

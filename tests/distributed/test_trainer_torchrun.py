@@ -1,9 +1,9 @@
 """polyfsdp-train under ``torchrun --nproc_per_node 2`` (gloo on CPU) matches one process.
 
-The global batch is the same whatever the world size (each rank takes its share), losses
+The global batch is the same whatever the world size (each replica takes its share), losses
 are normalised by global token counts and rank gradients are summed, so the SFT curve and
 the greedy evaluations of a 2-rank run must equal those of a 1-rank run. GRPO samples
-with per-rank seeds, so its curve differs; it must still run (synced generation) and log.
+with per-replica seeds, so its curve differs; it must still run (synced generation) and log.
 """
 from __future__ import annotations
 

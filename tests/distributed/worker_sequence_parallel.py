@@ -12,7 +12,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "cpu"))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "npu"))
 from engine_cases import PRESET, engine_config, masks_for, train_loss  # noqa: E402
 from engine_reference import left_right_batch, no_padding_batch, sequences  # noqa: E402
-from sequence_parallel_cases import INFER_LENGTHS, MODES, TRAIN_LENGTHS, temperatures  # noqa: E402
+from sequence_parallel_cases import (CRITIC_CLIP, CRITIC_MODES, INFER_LENGTHS, MODES, TRAIN_LENGTHS,  # noqa: E402
+                                     critic_fields, temperatures)
 
 from rank_results import full_grads, save_every_rank  # noqa: E402
 
@@ -21,6 +22,7 @@ from polyfsdp.backends.distributed import sequence_parallel_mesh  # noqa: E402
 from polyfsdp.engines.attention import varlen_sdpa_attention_forward  # noqa: E402
 from polyfsdp.engines.config import ModelConfig  # noqa: E402
 from polyfsdp.engines.engine import FSDPEngine  # noqa: E402
+from polyfsdp.engines.value_loss import ValueLoss  # noqa: E402
 from polyfsdp.engines.ulysses_attention import SP_KWARG, UlyssesContext, ulysses_attention  # noqa: E402
 from polyfsdp.patches.fused_attention import HOST_CU_SEQ_LENS, OP_ATTR, fusion_attention_forward  # noqa: E402
 from reference_ops import npu_fusion_attention  # noqa: E402
@@ -71,6 +73,18 @@ def main(out_dir, sp_size):
         engine.forward_backward(build(masks_seqs, per_token={"response_mask": masks}), train_loss())
         results[f"grads_{name}"] = full_grads(engine.module)
         results[f"loss_{name}"] = engine.optimizer_step()["loss"]
+    old, returns = critic_fields(masks_seqs)
+    for name, rmpad, pad_mode in CRITIC_MODES:
+        critic = FSDPEngine(ModelConfig(preset=PRESET, seed=5, value_head=True, value_head_init_std=0.5),
+                            engine_config(use_remove_padding=rmpad, pad_mode=pad_mode, ulysses_sp_size=sp_size)
+                            ).initialize()
+        build = no_padding_batch if pad_mode == "no_padding" else left_right_batch
+        values = critic.infer_values(build(sequences(INFER_LENGTHS, seed=3)))["values"]
+        results[f"values_{name}"] = values.values() if values.is_nested else values
+        critic.forward_backward(build(masks_seqs, per_token={"response_mask": masks, "old_values": old,
+                                                             "returns": returns}), ValueLoss(cliprange_value=CRITIC_CLIP))
+        results[f"grads_{name}"] = full_grads(critic.module)
+        results[f"loss_{name}"] = critic.optimizer_step()["loss"]
     mesh = sequence_parallel_mesh("cpu", sp_size)
     for kv_heads in (1, 2):
         for inner_name, (inner, module) in INNERS.items():
