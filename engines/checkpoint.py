@@ -49,10 +49,11 @@ from torch.distributed.checkpoint.state_dict import (
 
 from polyfsdp.backends.distributed import all_gather_object, barrier, current_rank, current_world_size
 
-from .checkpoint_files import (CheckpointError, CheckpointSaveError, SafeDcpLoadPlanner, SafeDcpReader,
-                               check_dcp_metadata, load_plain, save_plain, verify_checkpoint, write_manifest)
+from .checkpoint_files import (DCP_METADATA_FILE, CheckpointDamaged, CheckpointError, CheckpointSaveError,
+                               SafeDcpLoadPlanner, SafeDcpReader, check_checksums, check_manifest, dcp_files_read,
+                               load_plain, read_dcp_metadata, save_plain, verify_checkpoint, write_manifest)
 
-__all__ = ["CheckpointError", "CheckpointPart", "CheckpointSaveError", "checkpoint_parts", "complete_checkpoints",
+__all__ = ["CheckpointDamaged", "CheckpointError", "CheckpointPart", "CheckpointSaveError", "checkpoint_parts", "complete_checkpoints",
            "export_hf", "latest_checkpoint", "load_checkpoint", "save_checkpoint", "step_dir_name", "verify_checkpoint"]
 
 logger = logging.getLogger(__name__)
@@ -452,7 +453,13 @@ def load_checkpoint(
     the checkpoint; parts it holds beyond those are not loaded); returns ``(step, extra)``.
 
     ``directory`` is a checkpoint root (its latest complete checkpoint is used) or one
-    ``step_*`` directory. Collective: every rank calls it.
+    ``step_*`` directory. Collective: every rank calls it, on any world size: DCP reshards the
+    model and optimizer to this one. Before anything loads, every rank checks the manifest's
+    list and sizes and hashes what it reads (``.metadata``, ``trainer_state.pt``, its RNG file,
+    the shard files its load plan touches); rank 0 also hashes the files no rank reads. A
+    problem anywhere is one :class:`CheckpointError` (:class:`CheckpointDamaged` for damage) on
+    every rank. RNG states are restored only on the world size that saved them (a rank of
+    another world has no stream of its own in the checkpoint: every rank keeps its generators).
     """
     path = Path(directory)
     if not _is_complete(path):
@@ -462,36 +469,61 @@ def load_checkpoint(
         path = found
     main = CheckpointPart(model, optimizer, lr_scheduler)
     parts = _check_parts(parts)
-    # Every rank checks the same files, so all of them raise (or none does) before a collective.
-    verify_checkpoint(path)
-    check_dcp_metadata(path)
-    trainer_state = load_plain(path / TRAINER_STATE_FILE)
-    version = trainer_state.get("format_version") if isinstance(trainer_state, dict) else None
-    if version != FORMAT_VERSION:
-        raise CheckpointError(f"{path}: checkpoint format_version {version!r}, this code reads {FORMAT_VERSION}")
-    saved_parts = trainer_state.get("parts") or {}
-    missing = sorted(set(parts) - set(saved_parts))
-    if missing:
-        raise CheckpointError(f"{path}: holds no part {', '.join(missing)} (its parts: "
-                              f"{', '.join(sorted(saved_parts)) or 'none'})")
-    rank = current_rank()
-    rng_file = path / f"rng_rank{rank}.pt"
-    rng_state = load_plain(rng_file) if rng_file.is_file() else None
+    rank, world = current_rank(), current_world_size()
+    expected, mine, shared, failure = {}, set(), [], None
+    try:
+        expected = check_manifest(path)  # every rank: one stat per file
+        # Hashed before any of them is read; every rank reads these.
+        shared = [DCP_METADATA_FILE, TRAINER_STATE_FILE]
+        check_checksums(path, expected, shared)
+        trainer_state = load_plain(path / TRAINER_STATE_FILE)
+        version = trainer_state.get("format_version") if isinstance(trainer_state, dict) else None
+        if version != FORMAT_VERSION:
+            raise CheckpointError(f"{path}: checkpoint format_version {version!r}, this code reads {FORMAT_VERSION}")
+        saved_parts = trainer_state.get("parts") or {}
+        missing = sorted(set(parts) - set(saved_parts))
+        if missing:
+            raise CheckpointError(f"{path}: holds no part {', '.join(missing)} (its parts: "
+                                  f"{', '.join(sorted(saved_parts)) or 'none'})")
+        # RNG streams belong to ranks of the world that saved them: restored only on the same world size.
+        same_world = trainer_state["world_size"] == world
+        rng_file = f"rng_rank{rank}.pt"
+        if same_world:
+            if rng_file not in expected:
+                raise CheckpointDamaged(f"{path}: {rng_file} is missing (saved on {world} ranks)")
+            check_checksums(path, expected, [rng_file])
+            shared.append(rng_file)
+        state = main.state_to_load(trainer_state, path)
+        part_states = {name: part.state_to_load(saved_parts[name], path) for name, part in parts.items()}
+        full_state = {**state, "parts": part_states} if parts else state
+        mine = dcp_files_read(full_state, read_dcp_metadata(path))
+    except CheckpointError as exc:
+        failure = (str(exc), isinstance(exc, CheckpointDamaged))
+    # One verdict for all ranks: each hashes the shards it reads, rank 0 also what no rank reads.
+    gathered = all_gather_object((sorted(mine), failure))
+    failure = next((f for _, f in gathered if f is not None), None)
+    if failure is None:
+        read = set(shared).union(*(names for names, _ in gathered))
+        rest = set(expected) - read if rank == 0 else set()
+        try:
+            check_checksums(path, expected, (mine - set(shared)) | rest)
+        except CheckpointDamaged as exc:
+            failure = (str(exc), True)
+        failure = next((f for f in all_gather_object(failure) if f is not None), None)
+    if failure is not None:
+        message, damaged = failure
+        raise (CheckpointDamaged if damaged else CheckpointError)(message)
 
-    state = main.state_to_load(trainer_state, path)
-    part_states = {name: part.state_to_load(saved_parts[name], path) for name, part in parts.items()}
-    _dcp_load({**state, "parts": part_states} if parts else state, path)
+    _dcp_load(full_state, path)
     main.restore(state, trainer_state)
     for name, part in parts.items():
         part.restore(part_states[name], saved_parts[name])
-
-    if rng_state is not None:
-        _set_rng_state(rng_state, backend)
-    else:
-        logger.warning(
-            "%s has no RNG state for rank %d (saved with world size %d, now %d): RNG not restored",
-            path, rank, trainer_state["world_size"], current_world_size(),
-        )
+    if same_world:
+        _set_rng_state(load_plain(path / rng_file), backend)
+    elif rank == 0:
+        logger.info("%s was saved on %d ranks, this run has %d: RNG states are not restored (each rank keeps "
+                    "its own generators; the trainer seeds every step itself)", path, trainer_state["world_size"],
+                    world)
     barrier()
     logger.info("loaded checkpoint %s (step %d)", path, trainer_state["step"])
     return trainer_state["step"], trainer_state["extra"]

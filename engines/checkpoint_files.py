@@ -48,6 +48,11 @@ class CheckpointError(ValueError):
     """A checkpoint that is missing, incomplete, damaged or not safe to load (one-line message)."""
 
 
+class CheckpointDamaged(CheckpointError):
+    """A checkpoint whose files do not match its manifest (missing, truncated, altered, unlisted):
+    ``trainer.resume=auto`` skips it for an older one."""
+
+
 class CheckpointSaveError(CheckpointError, OSError):
     """A save that failed (a full disk, an unwritable directory) on some rank; raised on every
     rank, after the partial save is removed. Also an OSError: it is one."""
@@ -78,35 +83,53 @@ def write_manifest(directory: Path) -> None:
     os.replace(tmp, directory / MANIFEST_FILE)
 
 
-def verify_checkpoint(path: str | os.PathLike) -> None:
-    """Raise :class:`CheckpointError` naming the first problem unless the manifest lists every
-    file of the checkpoint (a file it does not vouch for is as untrusted as a damaged one) and each
-    is present with its size and checksum."""
+def check_manifest(path: str | os.PathLike) -> dict[str, tuple[int, str]]:
+    """The manifest's ``{name: (size, sha256)}`` once the cheap checks pass: it lists every file
+    of the checkpoint (a file it does not vouch for is as untrusted as a damaged one) and each is
+    present with its size. Reads no file but the manifest (one ``stat`` per file); raises
+    :class:`CheckpointDamaged` naming the first problem."""
     path = Path(path)
     manifest = path / MANIFEST_FILE
     if not manifest.is_file():
-        raise CheckpointError(f"{path}: no {MANIFEST_FILE} (an incomplete save, or written by a polyfsdp "
-                              f"older than checkpoint manifests)")
+        raise CheckpointDamaged(f"{path}: no {MANIFEST_FILE} (an incomplete save, or written by a polyfsdp "
+                                f"older than checkpoint manifests)")
     try:
         files = json.loads(manifest.read_text())["files"]
         expected = {str(name): (int(entry["size"]), str(entry["sha256"])) for name, entry in files.items()}
     except (ValueError, KeyError, TypeError, AttributeError) as exc:
-        raise CheckpointError(f"{manifest}: unreadable manifest ({type(exc).__name__}: {exc})") from None
+        raise CheckpointDamaged(f"{manifest}: unreadable manifest ({type(exc).__name__}: {exc})") from None
     unlisted = [p.name for p in _checkpoint_files(path) if p.name not in expected]
     if unlisted:
-        raise CheckpointError(f"{manifest}: does not list {unlisted[0]} ({len(unlisted)} file(s) of the checkpoint "
-                              f"unlisted): damaged, or not written by polyfsdp")
-    for name, (size, sha256) in expected.items():
+        raise CheckpointDamaged(f"{manifest}: does not list {unlisted[0]} ({len(unlisted)} file(s) of the checkpoint "
+                                f"unlisted): damaged, or not written by polyfsdp")
+    for name, (size, _) in expected.items():
         file = path / name
         if Path(name).name != name:
-            raise CheckpointError(f"{manifest}: lists {name!r}, which is not a file name")
+            raise CheckpointDamaged(f"{manifest}: lists {name!r}, which is not a file name")
         if not file.is_file():
-            raise CheckpointError(f"{path}: {name} is missing")
+            raise CheckpointDamaged(f"{path}: {name} is missing")
         actual = file.stat().st_size
         if actual != size:
-            raise CheckpointError(f"{path}: {name} has {actual} bytes, the manifest says {size} (truncated or damaged)")
-        if _sha256(file) != sha256:
-            raise CheckpointError(f"{path}: {name} does not match its checksum (damaged)")
+            raise CheckpointDamaged(f"{path}: {name} has {actual} bytes, the manifest says {size} "
+                                    f"(truncated or damaged)")
+    return expected
+
+
+def check_checksums(path: str | os.PathLike, expected: dict[str, tuple[int, str]], names) -> None:
+    """Hash the files ``names`` of checkpoint ``path`` (in the manifest's order) against
+    ``expected`` (:func:`check_manifest`); a mismatch is :class:`CheckpointDamaged`."""
+    path, wanted = Path(path), set(names)
+    for name, (_, sha256) in expected.items():
+        if name in wanted and _sha256(path / name) != sha256:
+            raise CheckpointDamaged(f"{path}: {name} does not match its checksum (damaged)")
+
+
+def verify_checkpoint(path: str | os.PathLike) -> None:
+    """Raise :class:`CheckpointDamaged` naming the first problem unless the manifest lists every
+    file of the checkpoint and each is present with its size and checksum (hashes every file:
+    a load hashes only what each rank reads, ``checkpoint.load_checkpoint``)."""
+    expected = check_manifest(path)
+    check_checksums(path, expected, expected)
 
 
 def remove_path(path: Path) -> None:
@@ -201,7 +224,10 @@ class SafeDcpLoadPlanner(DefaultLoadPlanner):
         super().load_bytes(read_item, safe)
 
 
-def check_dcp_metadata(path: Path) -> None:
-    """Refuse (one line) a checkpoint whose ``.metadata`` names anything beyond the allow-list, before
-    any collective starts: every rank checks the same file."""
-    read_dcp_metadata(path)
+def dcp_files_read(state: dict, metadata) -> set[str]:
+    """The shard files a ``dcp.load`` of ``state`` (this rank's state dict) reads, by the plan
+    torch's load planner makes for it against ``metadata`` (:func:`read_dcp_metadata`): on
+    another world size a rank's shard spans parts of several saved files."""
+    planner = SafeDcpLoadPlanner()
+    planner.set_up_planner(state, metadata, is_coordinator=False)
+    return {metadata.storage_data[item.storage_index].relative_path for item in planner.create_local_plan().items}

@@ -55,7 +55,7 @@ from .progress import Progress
 from .rank_errors import check_same_data, on_every_rank
 from .rewards import build_scorer
 from .rollout_engines import build_rollout_engine
-from .resume import STATE_FILE, ResumePoint, check_same_run, find_resume, load_resume_checkpoint
+from .resume import STATE_FILE, ResumePoint, check_same_run, find_resume, load_resume_point
 from .sft import sft_step
 from .stop import Preempted, StopRequest
 from .task import TOKENIZER_FILE, load_tokenizer
@@ -360,13 +360,13 @@ class Job:
             parts = self._parts(phase.name)
             if parts:
                 self._refuse_legacy_critic(resume.checkpoint)
-            _, extra = load_resume_checkpoint(engine, resume.checkpoint, parts)
-            self.last_checkpoint = resume.checkpoint
+            checkpoint, extra = load_resume_point(engine, resume, parts, say=_say)
+            self.last_checkpoint = checkpoint
             step = int(extra["phase_step"])
             if step > phase.steps:
                 # Nothing to run: a "final" evaluation at the lower step count would be mislabelled.
                 key = f"trainer.{phase.name}_steps"
-                raise ConfigError(f"{key}={phase.steps}: {resume.checkpoint} is already at {phase.name} step {step}; "
+                raise ConfigError(f"{key}={phase.steps}: {checkpoint} is already at {phase.name} step {step}; "
                                   f"set {key}>={step} to continue it, or choose another trainer.output_dir")
             self._start_metrics(resume, int(extra["metrics_lines"]))
             return step
