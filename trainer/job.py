@@ -36,7 +36,7 @@ from omegaconf import OmegaConf
 from polyfsdp.backends.distributed import (all_reduce_max, barrier, broadcast_object, current_rank, current_world_size,
                                            init_distributed)
 from polyfsdp.backends.registry import get_backend
-from polyfsdp.engines.checkpoint import CheckpointError, checkpoint_parts
+from polyfsdp.engines.checkpoint import CheckpointError, PendingCheckpoint, checkpoint_parts
 from polyfsdp.engines.checkpoint_files import remove_path
 from polyfsdp.engines.engine import FSDPEngine
 from polyfsdp.engines.lora import AdaptersOff
@@ -152,6 +152,7 @@ class Job:
         self.stop = StopRequest()       # train.main installs it around run()
         self.position: tuple[str, int] | None = None  # (phase, steps done) of the last finished step
         self.last_checkpoint: Path | None = None
+        self.pending_checkpoint: tuple[PendingCheckpoint, str] | None = None  # trainer.async_checkpoint's save in flight
         self._patches_shown: set[tuple[str, str]] = set()  # (model directory, patch summary) printed
 
     # ------------------------------------------------------------------ helpers
@@ -207,18 +208,40 @@ class Job:
              f"[{time.perf_counter() - t:.1f}s]")
         return result.reward
 
-    def _checkpoint(self, engine: FSDPEngine, phase: str, step: int, global_step: int) -> Path:
+    def _checkpoint(self, engine: FSDPEngine, phase: str, step: int, global_step: int, wait: bool = False) -> Path:
+        """Save the step's checkpoint; with trainer.async_checkpoint (and not ``wait``) its write
+        finishes in the background (``last_checkpoint`` and the line follow when it completes)."""
+        self._checkpoint_written()  # one save at a time: the previous background one first
         extra = {"phase": phase, "phase_step": step, "global_step": global_step,
                  "metrics_lines": self.metrics.lines, "metrics_path": self.metrics.path,
                  "data_position": step * (self.cfg.trainer.sft_batch_size if phase == "sft"
                                           else self.cfg.trainer.prompts_per_step)}
         # algo=ppo: the critic is a part of the actor's checkpoint, so no crash can leave one
         # of them at a step the other lacks, and pruning removes both together.
-        path = engine.save_checkpoint(str(self.out / "checkpoints" / phase), step=step, extra=extra,
-                                      keep=self.cfg.trainer.keep_checkpoints, parts=self._parts(phase))
-        self.last_checkpoint = Path(path)  # before the line: a Ctrl-C right after it must name this one
-        _say(f"{CHECKPOINT_MARKER} {path} (phase {phase}, step {step}, global step {global_step})")
-        return self.last_checkpoint
+        saved = engine.save_checkpoint(str(self.out / "checkpoints" / phase), step=step, extra=extra,
+                                       keep=self.cfg.trainer.keep_checkpoints, parts=self._parts(phase),
+                                       background=self.cfg.trainer.async_checkpoint and not wait)
+        where = f"(phase {phase}, step {step}, global step {global_step})"
+        if isinstance(saved, PendingCheckpoint):
+            self.pending_checkpoint = (saved, where)
+            return saved.path
+        return self._announce_checkpoint(Path(saved), where)
+
+    def _announce_checkpoint(self, path: Path, where: str) -> Path:
+        self.last_checkpoint = path  # before the line: a Ctrl-C right after it must name this one
+        _say(f"{CHECKPOINT_MARKER} {path} {where}")
+        return path
+
+    def _checkpoint_written(self, block: bool = True) -> None:
+        """Finish the background save in flight: wait for it (``block``) or, between steps, only
+        announce it once it has completed; a failed one raises at the next blocking call, which
+        every rank reaches at the same point."""
+        if self.pending_checkpoint is None:
+            return
+        pending, where = self.pending_checkpoint
+        if block or (pending.done() and not pending.failed()):
+            self.pending_checkpoint = None
+            self._announce_checkpoint(pending.wait(), where)
 
     def _stop_agreed(self, device) -> bool:
         """Whether any rank got SIGTERM: all stop at the same step boundary, none waits alone."""
@@ -455,14 +478,18 @@ class Job:
             if every and (step + 1) % every == 0 and step + 1 != phase.steps:
                 self._evaluate(engine, "step", global_step)
             self.position = (phase.name, step + 1)
+            self._checkpoint_written(block=False)
             saved = self._due(step + 1, phase.steps)
             if saved:
                 self._checkpoint(engine, phase.name, step + 1, global_step)
             if self._stop_agreed(engine.device):
                 progress.close()
-                path = self.last_checkpoint if saved else self._checkpoint(engine, phase.name, step + 1, global_step)
+                self._checkpoint_written()
+                path = self.last_checkpoint if saved else \
+                    self._checkpoint(engine, phase.name, step + 1, global_step, wait=True)
                 raise Preempted(phase.name, step + 1, path)
         progress.close()
+        self._checkpoint_written()  # the phase's last checkpoint is complete before its end
         end_step = phase.step_offset + phase.steps
         self._evaluate(engine, phase.end_tag, end_step)
         if phase.export_dir is not None:

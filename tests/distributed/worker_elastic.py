@@ -75,11 +75,11 @@ def main(mode, out):
     else:
         hashed = []
         real_sha256 = checkpoint_files._sha256
-        checkpoint_files._sha256 = lambda path: (hashed.append(Path(path).name), real_sha256(path))[1]
+        checkpoint_files._sha256 = lambda path, *span: (hashed.append(Path(path).name), real_sha256(path, *span))[1]
         torch.manual_seed(1000 + rank)
         rng_before = torch.get_rng_state()
         step, _ = policy.load_checkpoint(str(ckpt), parts=parts)
-        results.update(step=step, hashed=sorted(hashed), rng_kept=torch.equal(torch.get_rng_state(), rng_before))
+        results.update(step=step, hashed=sorted(set(hashed)), rng_kept=torch.equal(torch.get_rng_state(), rng_before))
         damaged = out / f"damaged_world{world}"
         if rank == 0:
             shutil.copytree(ckpt / "step_000002", damaged / "step_000002")
