@@ -88,3 +88,26 @@ def test_one_rank_checkpoint_resumes_on_two_ranks_exactly(tmp_path):
     assert all(r["rng_kept"] and r["step"] == 2 for r in ranks)
     assert [set(r["hashed"]) for r in ranks] == [SHARED | {"__0_0.distcp", "rng_rank0.pt"}, SHARED | {"__0_0.distcp"}]
     _assert_one_verdict(ranks, tmp_path, 2)
+
+
+def test_a_two_rank_sft_run_continues_on_one_rank_along_the_one_rank_curve(tmp_path):
+    from test_trainer_torchrun import _launch
+
+    from polyfsdp.trainer.metrics import read_metrics
+
+    sft = ["algo=sft", "trainer.sft_batch_size=8", "data.eval_size=9", "trainer.progress=lines", "trainer.plot=false",
+           "trainer.export=false", "trainer.checkpoint_interval=2"]
+    first = _launch(tmp_path / "run", 2, "trainer.sft_steps=2", base=sft)
+    assert first.returncode == 0, first.stderr[-3000:]
+    resumed = _launch(tmp_path / "run", 1, "trainer.sft_steps=4", "trainer.resume=auto", base=sft)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"resuming sft from {tmp_path / 'run' / 'checkpoints' / 'sft' / 'step_000002'}" in resumed.stdout
+    reference = _launch(tmp_path / "one", 1, "trainer.sft_steps=4", base=sft)
+    assert reference.returncode == 0, reference.stderr[-3000:]
+    got, expected = ([r for r in read_metrics(str(tmp_path / name / "metrics.jsonl")) if r["phase"] == "sft"]
+                     for name in ("run", "one"))
+    assert [r["step"] for r in got] == [r["step"] for r in expected] == [1, 2, 3, 4]
+    # The SFT batch of a step is the same whatever the world size; only the order of the rank sum
+    # differs (2 ranks for steps 1-2), so the curves agree to rounding, not to the bit.
+    for a, b in zip(got, expected):
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-5) and a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4)
