@@ -7,7 +7,7 @@ Layout of ``directory``::
                             of every named part (a PPO run's critic) under ``parts.<name>.``
         trainer_state.pt    step, extra, scheduler states, the parts' names, world size  (rank 0)
         rng_rank{r}.pt      RNG states of rank r
-        manifest.json       every other file's size and SHA-256, written last (rank 0)
+        manifest.json       every other file's size and SHA-256 (and each DCP item's), written last (rank 0)
     .tmp-step_000130/       a save in progress (or one that crashed): never read
     .tmp-del-step_000110/   an old checkpoint being deleted (or whose deletion crashed): never read
     latest                  text file naming the newest complete checkpoint
@@ -20,7 +20,8 @@ leave one part at a step the others lack.
 A save writes everything into the temporary directory, waits for every rank, then rank 0
 renames it into place and replaces ``latest`` atomically (temp file + ``os.replace``); older
 checkpoints beyond ``keep`` are deleted only after that, each renamed out of the ``step_*``
-names first. So a crash at any point leaves ``latest`` naming a complete checkpoint. Loading
+names first. So a crash at any point leaves ``latest`` naming a complete checkpoint; so too
+for a save finishing in the background (``background=True``), whose commit waits for the write. Loading
 checks the manifest and reads every pickle with an allow-list (``checkpoint_files.py``): a
 damaged or crafted checkpoint is a :class:`CheckpointError`, and nothing in it executes.
 """
