@@ -212,7 +212,7 @@ class Job:
         """Save the step's checkpoint; with trainer.async_checkpoint (and not ``wait``) its write
         finishes in the background (``last_checkpoint`` and the line follow when it completes)."""
         self._checkpoint_written()  # one save at a time: the previous background one first
-        extra = {"phase": phase, "phase_step": step, "global_step": global_step,
+        extra = {"phase": phase, "phase_step": step, "global_step": global_step, "world_size": self.world,
                  "metrics_lines": self.metrics.lines, "metrics_path": self.metrics.path,
                  "data_position": step * (self.cfg.trainer.sft_batch_size if phase == "sft"
                                           else self.cfg.trainer.prompts_per_step)}
@@ -385,6 +385,10 @@ class Job:
                 self._refuse_legacy_critic(resume.checkpoint)
             checkpoint, extra = load_resume_point(engine, resume, parts, say=_say)
             self.last_checkpoint = checkpoint
+            saved_world = extra.get("world_size", self.world)
+            if saved_world != self.world:
+                _say(f"elastic resume: {checkpoint} was saved on {saved_world} rank(s), this run has {self.world}: "
+                     f"model and optimizer resharded, RNG states not restored (every step seeds its own)")
             step = int(extra["phase_step"])
             if step > phase.steps:
                 # Nothing to run: a "final" evaluation at the lower step count would be mislabelled.

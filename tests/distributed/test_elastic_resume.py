@@ -101,7 +101,10 @@ def test_a_two_rank_sft_run_continues_on_one_rank_along_the_one_rank_curve(tmp_p
     assert first.returncode == 0, first.stderr[-3000:]
     resumed = _launch(tmp_path / "run", 1, "trainer.sft_steps=4", "trainer.resume=auto", base=sft)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert f"resuming sft from {tmp_path / 'run' / 'checkpoints' / 'sft' / 'step_000002'}" in resumed.stdout
+    checkpoint = tmp_path / "run" / "checkpoints" / "sft" / "step_000002"
+    assert f"resuming sft from {checkpoint}" in resumed.stdout
+    assert f"elastic resume: {checkpoint} was saved on 2 rank(s), this run has 1: model and optimizer resharded, " \
+           f"RNG states not restored (every step seeds its own)" in resumed.stdout
     reference = _launch(tmp_path / "one", 1, "trainer.sft_steps=4", base=sft)
     assert reference.returncode == 0, reference.stderr[-3000:]
     got, expected = ([r for r in read_metrics(str(tmp_path / name / "metrics.jsonl")) if r["phase"] == "sft"]
