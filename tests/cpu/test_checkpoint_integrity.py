@@ -300,3 +300,25 @@ def test_the_manifest_checksums_each_shard_item_so_a_rank_hashes_only_what_it_re
     check_checksums(path, expected, {"__0_0.distcp": set(range(len(items))) - {index}})
     with pytest.raises(ckpt.CheckpointError, match=r"__0_0.distcp does not match its checksum \(damaged\)$"):
         check_checksums(path, expected, {"__0_0.distcp": {index}})
+
+
+def test_a_manifest_without_item_checksums_is_verified_file_by_file(saved):
+    # What a polyfsdp before item checksums wrote: each file's size and SHA-256 only.
+    path, parts = saved
+    manifest = json.loads((path / MANIFEST_FILE).read_text())
+    for entry in manifest["files"].values():
+        del entry["spans"]
+    (path / MANIFEST_FILE).write_text(json.dumps(manifest))
+    _load(path, parts)
+    _flip_last_byte(next(path.glob("*.distcp")))
+    with pytest.raises(ckpt.CheckpointDamaged, match=r"__0_0.distcp does not match its checksum \(damaged\)$"):
+        _load(path, parts)
+
+
+def test_item_checksums_that_do_not_cover_the_file_are_a_damaged_manifest(saved):
+    path, parts = saved
+    manifest = json.loads((path / MANIFEST_FILE).read_text())
+    manifest["files"]["__0_0.distcp"]["spans"].pop(0)  # the first item would go unchecked
+    (path / MANIFEST_FILE).write_text(json.dumps(manifest))
+    with pytest.raises(ckpt.CheckpointDamaged, match=r"unreadable manifest \(ValueError: spans do not cover"):
+        _load(path, parts)
