@@ -163,10 +163,26 @@ def sequence_parallel_mesh(device_type: str, sp_size: int) -> DeviceMesh:
     return topology(sp_size, device_type).mesh
 
 
-def barrier() -> None:
-    """Wait until every rank arrives; a no-op when no process group is initialised."""
+def barrier(group=None) -> None:
+    """Wait until every rank (of ``group``, default all) arrives; a no-op when no process group
+    is initialised."""
     if _group_exists():
-        dist.barrier()
+        dist.barrier(group=group)
+
+
+_BACKGROUND_GROUP: list = []
+
+
+def background_group():
+    """A second process group over all ranks, on gloo (host memory), for collectives of a
+    background thread (an asynchronous checkpoint save) that must never interleave with the
+    training's on the default group. Created on the first call, which every rank must make at
+    the same point; None without a process group."""
+    if not _group_exists():
+        return None
+    if not _BACKGROUND_GROUP:
+        _BACKGROUND_GROUP.append(dist.new_group(backend="gloo"))
+    return _BACKGROUND_GROUP[0]
 
 
 def init_distributed(backend: Backend, timeout_s: float | None = None, sp_size: int | None = None) -> DeviceMesh:
@@ -289,6 +305,7 @@ def destroy_distributed(wait_for_peers: bool = True) -> None:
         barrier = dist.barrier(async_op=True)
         barrier.wait()
         _keep_until_exit(barrier)
+    _BACKGROUND_GROUP.clear()
     dist.destroy_process_group()
 
 

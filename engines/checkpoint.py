@@ -7,7 +7,7 @@ Layout of ``directory``::
                             of every named part (a PPO run's critic) under ``parts.<name>.``
         trainer_state.pt    step, extra, scheduler states, the parts' names, world size  (rank 0)
         rng_rank{r}.pt      RNG states of rank r
-        manifest.json       every other file's size and SHA-256, written last (rank 0)
+        manifest.json       every other file's size and SHA-256 (and each DCP item's), written last (rank 0)
     .tmp-step_000130/       a save in progress (or one that crashed): never read
     .tmp-del-step_000110/   an old checkpoint being deleted (or whose deletion crashed): never read
     latest                  text file naming the newest complete checkpoint
@@ -20,7 +20,8 @@ leave one part at a step the others lack.
 A save writes everything into the temporary directory, waits for every rank, then rank 0
 renames it into place and replaces ``latest`` atomically (temp file + ``os.replace``); older
 checkpoints beyond ``keep`` are deleted only after that, each renamed out of the ``step_*``
-names first. So a crash at any point leaves ``latest`` naming a complete checkpoint. Loading
+names first. So a crash at any point leaves ``latest`` naming a complete checkpoint; so too
+for a save finishing in the background (``background=True``), whose commit waits for the write. Loading
 checks the manifest and reads every pickle with an allow-list (``checkpoint_files.py``): a
 damaged or crafted checkpoint is a :class:`CheckpointError`, and nothing in it executes.
 """
@@ -32,6 +33,7 @@ import os
 import random
 import re
 import shutil
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -47,13 +49,17 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
-from polyfsdp.backends.distributed import all_gather_object, barrier, current_rank, current_world_size
+from polyfsdp.backends.distributed import (all_gather_object, all_gather_object_in, background_group, barrier,
+                                           current_rank, current_world_size)
 
-from .checkpoint_files import (CheckpointError, CheckpointSaveError, SafeDcpLoadPlanner, SafeDcpReader,
-                               check_dcp_metadata, load_plain, save_plain, verify_checkpoint, write_manifest)
+from .checkpoint_files import (ALL_SPANS, DCP_METADATA_FILE, CheckpointDamaged, CheckpointError, CheckpointSaveError,
+                               SafeDcpLoadPlanner, SafeDcpReader, check_checksums, check_manifest, dcp_spans_read,
+                               load_plain, read_dcp_metadata, save_plain, unread_spans, verify_checkpoint,
+                               write_manifest)
 
-__all__ = ["CheckpointError", "CheckpointPart", "CheckpointSaveError", "checkpoint_parts", "complete_checkpoints",
-           "export_hf", "latest_checkpoint", "load_checkpoint", "save_checkpoint", "step_dir_name", "verify_checkpoint"]
+__all__ = ["CheckpointDamaged", "CheckpointError", "CheckpointPart", "PendingCheckpoint", "CheckpointSaveError", "checkpoint_parts", "complete_checkpoints",
+           "export_hf", "latest_checkpoint", "load_checkpoint", "save_checkpoint", "step_dir_name", "verify_checkpoint",
+           "wait_for_background_save"]
 
 logger = logging.getLogger(__name__)
 
@@ -247,6 +253,51 @@ def _check_parts(parts: dict | None) -> dict[str, CheckpointPart]:
 # --------------------------------------------------------------------------- save / load
 
 
+class PendingCheckpoint:
+    """A save finishing on a background thread (``save_checkpoint(background=True)``): its shards,
+    the manifest, the rename into place and ``latest``. ``wait()`` returns the checkpoint's path
+    or raises the save's one-line :class:`CheckpointSaveError` (on every rank alike)."""
+
+    def __init__(self, final: Path, finish) -> None:
+        self.path = final
+        self._error: BaseException | None = None
+
+        def run() -> None:
+            try:
+                finish()
+            except BaseException as exc:  # noqa: BLE001 - handed to wait()
+                self._error = exc
+
+        # A daemon: a process that ends without waiting leaves a .tmp- directory, never a checkpoint.
+        self._thread = threading.Thread(target=run, name=f"polyfsdp-save-{final.name}", daemon=True)
+        self._thread.start()
+
+    def done(self) -> bool:
+        return not self._thread.is_alive()
+
+    def failed(self) -> bool:
+        """Whether it finished with an error (which ``wait()`` raises)."""
+        return self.done() and self._error is not None
+
+    def wait(self) -> Path:
+        self._thread.join()
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise error
+        return self.path
+
+
+# The background save in flight (one at most): a save or load first waits for it.
+_pending: list[PendingCheckpoint] = []
+
+
+def wait_for_background_save() -> Path | None:
+    """Wait for the background save in flight, if any; its path (None when there was none)."""
+    if not _pending:
+        return None
+    return _pending.pop().wait()
+
+
 def save_checkpoint(
     directory: str | os.PathLike,
     step: int,
@@ -258,19 +309,24 @@ def save_checkpoint(
     extra: dict | None = None,
     keep: int | None = None,
     parts: dict[str, CheckpointPart] | None = None,
-) -> Path:
+    background: bool = False,
+) -> Path | PendingCheckpoint:
     """Save model and optimizer shards, scheduler, RNG states, ``step`` and ``extra``, and
     every named part of ``parts`` (its model, optimizer and scheduler), as one checkpoint.
 
     Collective: every rank calls it. Returns the final checkpoint path. ``keep`` keeps this
     checkpoint and the K-1 highest-step others (None keeps all); deletion happens only after
-    this one is in place.
+    this one is in place. ``background``: returns a :class:`PendingCheckpoint` as soon as the
+    shards are copied to host memory (DCP's ``async_save`` staging) and the small files are
+    written; the shards are written, then the manifest, the rename and ``latest``, on a thread
+    whose collectives run on a process group of their own (the caller keeps training).
     """
     if not isinstance(step, int) or step < 0:
         raise ValueError(f"step must be a non-negative int, got {step!r}")
     if keep is not None and (not isinstance(keep, int) or keep < 1):
         raise ValueError(f"keep must be a positive int or None, got {keep!r}")
     _check_plain(extra, "extra")
+    wait_for_background_save()
     main = CheckpointPart(model, optimizer, lr_scheduler)
     parts = _check_parts(parts)
     directory = Path(directory)
@@ -286,11 +342,13 @@ def save_checkpoint(
                 shutil.rmtree(tmp)
             tmp.mkdir()
 
-    def write() -> None:
+    def sharded_states() -> tuple[dict, dict, dict]:
         state = main.saved_state()
         part_states = {part_name: part.saved_state() for part_name, part in parts.items()}
         # One DCP save for all parts: one .metadata, and a part's shards are never apart from the rest.
-        dcp.save({**state, "parts": part_states} if parts else state, checkpoint_id=str(tmp))
+        return state, ({**state, "parts": part_states} if parts else state), part_states
+
+    def write_small_files(state: dict, part_states: dict) -> None:
         save_plain(_rng_state(backend), tmp / f"rng_rank{rank}.pt")
         if rank == 0:
             main_info = main.saved_info(state)
@@ -305,28 +363,56 @@ def save_checkpoint(
             }
             save_plain(trainer_state, tmp / TRAINER_STATE_FILE)
 
+    def write() -> None:
+        state, whole, part_states = sharded_states()
+        dcp.save(whole, checkpoint_id=str(tmp))
+        write_small_files(state, part_states)
+
     def commit() -> None:
         if rank == 0:
             write_manifest(tmp)  # last: every rank's files are in place
             _commit(directory, tmp, final)
 
+    def finish(group=None) -> None:
+        if rank == 0:
+            _remove_leftovers(directory)
+            if keep is not None:
+                # The checkpoint just written always stays, even when an older step was re-saved
+                # after newer ones (a run restarted from an earlier point).
+                others = [p for p in complete_checkpoints(directory) if p != final]
+                for old in others[: max(0, len(others) - (keep - 1))]:
+                    logger.info("deleting old checkpoint %s (keep=%d)", old, keep)
+                    _delete(old)
+            logger.info("saved checkpoint %s", final)
+        barrier(group)
+
     # Each stage ends with every rank learning whether any rank failed, so a full disk or an
     # unwritable directory on one rank stops all of them (nobody waits in the next collective).
-    for stage in (prepare, write, commit):
-        _all_ranks_or_raise(stage, directory, tmp, final)
+    if not background:
+        for stage in (prepare, write, commit):
+            _all_ranks_or_raise(stage, directory, tmp, final)
+        finish()
+        return final
 
-    if rank == 0:
-        _remove_leftovers(directory)
-        if keep is not None:
-            # The checkpoint just written always stays, even when an older step was re-saved
-            # after newer ones (a run restarted from an earlier point).
-            others = [p for p in complete_checkpoints(directory) if p != final]
-            for old in others[: max(0, len(others) - (keep - 1))]:
-                logger.info("deleting old checkpoint %s (keep=%d)", old, keep)
-                _delete(old)
-        logger.info("saved checkpoint %s", final)
-    barrier()
-    return final
+    group = background_group()
+    upload = []
+
+    def stage() -> None:
+        state, whole, part_states = sharded_states()
+        write_small_files(state, part_states)
+        # Copies every shard to host memory now; the write runs on DCP's thread.
+        upload.append(dcp.async_save(whole, checkpoint_id=str(tmp), process_group=group))
+
+    for step_stage in (prepare, stage):
+        _all_ranks_or_raise(step_stage, directory, tmp, final)
+
+    def in_background() -> None:
+        for later in (lambda: upload[0].result(), commit):
+            _all_ranks_or_raise(later, directory, tmp, final, group)
+        finish(group)
+
+    _pending.append(PendingCheckpoint(final, in_background))
+    return _pending[-1]
 
 
 def _delete(checkpoint: Path) -> None:
@@ -350,9 +436,10 @@ def _remove_leftovers(directory: Path) -> None:
             shutil.rmtree(path)
 
 
-def _all_ranks_or_raise(stage, directory: Path, tmp: Path, final: Path) -> None:
+def _all_ranks_or_raise(stage, directory: Path, tmp: Path, final: Path, group=None) -> None:
     """Run ``stage`` on this rank; if it failed on any rank, remove the partial save and raise
-    the same one-line :class:`CheckpointSaveError` on every rank. ``latest`` is untouched."""
+    the same one-line :class:`CheckpointSaveError` on every rank. ``latest`` is untouched.
+    ``group``: the process group of the verdict (a background save's own)."""
     failure = None
     try:
         stage()
@@ -364,12 +451,13 @@ def _all_ranks_or_raise(stage, directory: Path, tmp: Path, final: Path) -> None:
         if _os_error_in(exc) is None:
             raise
         failure = _failure_text(exc)
-    failures = [f for f in all_gather_object(failure) if f is not None]
+    gathered = all_gather_object(failure) if group is None else all_gather_object_in(failure, group)
+    failures = [f for f in gathered if f is not None]
     if not failures:
         return
     if current_rank() == 0:
         shutil.rmtree(tmp, ignore_errors=True)
-    barrier()
+    barrier(group)
     kept = latest_checkpoint(directory)
     raise CheckpointSaveError(f"cannot save checkpoint {final}: {failures[0]}; "
                           f"{f'{kept} stays the latest checkpoint' if kept else 'there is no earlier checkpoint'}")
@@ -452,8 +540,15 @@ def load_checkpoint(
     the checkpoint; parts it holds beyond those are not loaded); returns ``(step, extra)``.
 
     ``directory`` is a checkpoint root (its latest complete checkpoint is used) or one
-    ``step_*`` directory. Collective: every rank calls it.
+    ``step_*`` directory. Collective: every rank calls it, on any world size: DCP reshards the
+    model and optimizer to this one. Before anything loads, every rank checks the manifest's
+    list and sizes and hashes what it reads (``.metadata``, ``trainer_state.pt``, its RNG file,
+    the items of the shard files its load plan reads); rank 0 also hashes what no rank reads. A
+    problem anywhere is one :class:`CheckpointError` (:class:`CheckpointDamaged` for damage) on
+    every rank. RNG states are restored only on the world size that saved them (a rank of
+    another world has no stream of its own in the checkpoint: every rank keeps its generators).
     """
+    wait_for_background_save()
     path = Path(directory)
     if not _is_complete(path):
         found = latest_checkpoint(path)
@@ -462,36 +557,64 @@ def load_checkpoint(
         path = found
     main = CheckpointPart(model, optimizer, lr_scheduler)
     parts = _check_parts(parts)
-    # Every rank checks the same files, so all of them raise (or none does) before a collective.
-    verify_checkpoint(path)
-    check_dcp_metadata(path)
-    trainer_state = load_plain(path / TRAINER_STATE_FILE)
-    version = trainer_state.get("format_version") if isinstance(trainer_state, dict) else None
-    if version != FORMAT_VERSION:
-        raise CheckpointError(f"{path}: checkpoint format_version {version!r}, this code reads {FORMAT_VERSION}")
-    saved_parts = trainer_state.get("parts") or {}
-    missing = sorted(set(parts) - set(saved_parts))
-    if missing:
-        raise CheckpointError(f"{path}: holds no part {', '.join(missing)} (its parts: "
-                              f"{', '.join(sorted(saved_parts)) or 'none'})")
-    rank = current_rank()
-    rng_file = path / f"rng_rank{rank}.pt"
-    rng_state = load_plain(rng_file) if rng_file.is_file() else None
+    rank, world = current_rank(), current_world_size()
+    expected, mine, shards, failure = {}, {}, {}, None
+    try:
+        expected = check_manifest(path)  # every rank: one stat per file
+        # Hashed before any of them is read; every rank reads these.
+        mine = dict.fromkeys([DCP_METADATA_FILE, TRAINER_STATE_FILE], ALL_SPANS)
+        check_checksums(path, expected, mine)
+        trainer_state = load_plain(path / TRAINER_STATE_FILE)
+        version = trainer_state.get("format_version") if isinstance(trainer_state, dict) else None
+        if version != FORMAT_VERSION:
+            raise CheckpointError(f"{path}: checkpoint format_version {version!r}, this code reads {FORMAT_VERSION}")
+        saved_parts = trainer_state.get("parts") or {}
+        missing = sorted(set(parts) - set(saved_parts))
+        if missing:
+            raise CheckpointError(f"{path}: holds no part {', '.join(missing)} (its parts: "
+                                  f"{', '.join(sorted(saved_parts)) or 'none'})")
+        # RNG streams belong to ranks of the world that saved them: restored only on the same world size.
+        same_world = trainer_state["world_size"] == world
+        rng_file = f"rng_rank{rank}.pt"
+        if same_world:
+            if rng_file not in expected:
+                raise CheckpointDamaged(f"{path}: {rng_file} is missing (saved on {world} ranks)")
+            check_checksums(path, expected, {rng_file: ALL_SPANS})
+            mine[rng_file] = ALL_SPANS
+        state = main.state_to_load(trainer_state, path)
+        part_states = {name: part.state_to_load(saved_parts[name], path) for name, part in parts.items()}
+        full_state = {**state, "parts": part_states} if parts else state
+        shards = dcp_spans_read(full_state, read_dcp_metadata(path), expected)
+    except CheckpointError as exc:
+        failure = (str(exc), isinstance(exc, CheckpointDamaged))
+    # One verdict for all ranks: each hashes the items of the shard files it reads, rank 0 also
+    # what no rank reads (the RNG files of ranks this world lacks).
+    gathered = all_gather_object(({**mine, **shards} if failure is None else {}, failure))
+    failure = next((f for _, f in gathered if f is not None), None)
+    if failure is None:
+        todo = dict(shards)
+        if rank == 0:
+            for name, spans in unread_spans(expected, [read for read, _ in gathered]).items():
+                todo[name] = todo.get(name, set()) | spans
+        try:
+            check_checksums(path, expected, todo)
+        except CheckpointDamaged as exc:
+            failure = (str(exc), True)
+        failure = next((f for f in all_gather_object(failure) if f is not None), None)
+    if failure is not None:
+        message, damaged = failure
+        raise (CheckpointDamaged if damaged else CheckpointError)(message)
 
-    state = main.state_to_load(trainer_state, path)
-    part_states = {name: part.state_to_load(saved_parts[name], path) for name, part in parts.items()}
-    _dcp_load({**state, "parts": part_states} if parts else state, path)
+    _dcp_load(full_state, path)
     main.restore(state, trainer_state)
     for name, part in parts.items():
         part.restore(part_states[name], saved_parts[name])
-
-    if rng_state is not None:
-        _set_rng_state(rng_state, backend)
-    else:
-        logger.warning(
-            "%s has no RNG state for rank %d (saved with world size %d, now %d): RNG not restored",
-            path, rank, trainer_state["world_size"], current_world_size(),
-        )
+    if same_world:
+        _set_rng_state(load_plain(path / rng_file), backend)
+    elif rank == 0:
+        logger.info("%s was saved on %d ranks, this run has %d: RNG states are not restored (each rank keeps "
+                    "its own generators; the trainer seeds every step itself)", path, trainer_state["world_size"],
+                    world)
     barrier()
     logger.info("loaded checkpoint %s (step %d)", path, trainer_state["step"])
     return trainer_state["step"], trainer_state["extra"]
@@ -558,14 +681,17 @@ class CheckpointMixin:
         return CheckpointPart(self.module, self.optimizer, self.lr_scheduler)
 
     def save_checkpoint(self, directory, step: int | None = None, extra: dict | None = None,
-                        keep: int | None = None, parts: dict | None = None) -> Path:
+                        keep: int | None = None, parts: dict | None = None,
+                        background: bool = False) -> Path | PendingCheckpoint:
         """Save the training state as checkpoint ``step`` (default: ``global_step``) under
-        ``directory``, with each engine of ``parts`` under its name."""
+        ``directory``, with each engine of ``parts`` under its name (``background``: see
+        :func:`save_checkpoint`)."""
         step = self.global_step if step is None else step
         return save_checkpoint(
             directory, step, model=self.module, optimizer=self.optimizer,
             lr_scheduler=self.lr_scheduler, backend=self.backend, extra=extra, keep=keep,
             parts={name: engine.checkpoint_part() for name, engine in (parts or {}).items()},
+            background=background,
         )
 
     def load_checkpoint(self, directory, parts: dict | None = None) -> tuple[int, dict | None]:

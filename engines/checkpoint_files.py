@@ -14,12 +14,14 @@ a protocol-4 pickle reaches them through dotted names.
 """
 from __future__ import annotations
 
+import bisect
 import hashlib
 import json
 import os
 import io
 import pickle
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -48,17 +50,57 @@ class CheckpointError(ValueError):
     """A checkpoint that is missing, incomplete, damaged or not safe to load (one-line message)."""
 
 
+class CheckpointDamaged(CheckpointError):
+    """A checkpoint whose files do not match its manifest (missing, truncated, altered, unlisted):
+    ``trainer.resume=auto`` skips it for an older one."""
+
+
 class CheckpointSaveError(CheckpointError, OSError):
     """A save that failed (a full disk, an unwritable directory) on some rank; raised on every
     rank, after the partial save is removed. Also an OSError: it is one."""
 
 
-def _sha256(path: Path) -> str:
+def _sha256(path: Path, start: int = 0, length: int | None = None) -> str:
+    """SHA-256 of ``length`` bytes of ``path`` from ``start`` (default: to the end)."""
     digest = hashlib.sha256()
     with open(path, "rb") as f:
-        while chunk := f.read(_HASH_CHUNK):
+        f.seek(start)
+        left = float("inf") if length is None else length
+        while left > 0 and (chunk := f.read(int(min(_HASH_CHUNK, left)))):
             digest.update(chunk)
+            left -= len(chunk)
     return digest.hexdigest()
+
+
+def _span_cuts(directory: Path) -> dict[str, set[int]]:
+    """Where each shard file's DCP items start and end (from ``.metadata``): the manifest hashes
+    the bytes between two cuts as one span, so a rank hashes exactly the items it reads. A
+    ``.metadata`` that does not read (a crafted one, re-hashed by whoever made it) gives none."""
+    try:
+        metadata = read_dcp_metadata(directory)
+    except CheckpointError:
+        return {}
+    cuts: dict[str, set[int]] = {}
+    for where in metadata.storage_data.values():
+        cuts.setdefault(where.relative_path, set()).update((where.offset, where.offset + where.length))
+    return cuts
+
+
+def _digests(path: Path, cuts: set[int]) -> tuple[str, list[list]]:
+    """One pass over ``path``: its SHA-256, and ``[start, length, sha256]`` of every span
+    between consecutive ``cuts`` (0 and the size always among them)."""
+    size = path.stat().st_size
+    bounds = sorted({0, size} | {c for c in cuts if 0 < c < size})
+    whole, spans = hashlib.sha256(), []
+    with open(path, "rb") as f:
+        for start, end in zip(bounds, bounds[1:]):
+            span, left = hashlib.sha256(), end - start
+            while left > 0 and (chunk := f.read(min(_HASH_CHUNK, left))):
+                whole.update(chunk)
+                span.update(chunk)
+                left -= len(chunk)
+            spans.append([start, end - start, span.hexdigest()])
+    return whole.hexdigest(), spans
 
 
 def _checkpoint_files(directory: Path) -> list[Path]:
@@ -66,10 +108,39 @@ def _checkpoint_files(directory: Path) -> list[Path]:
     return [p for p in sorted(directory.iterdir()) if p.name != MANIFEST_FILE]
 
 
+@dataclass(frozen=True)
+class ManifestEntry:
+    """What the manifest vouches for of one file: its size, SHA-256, and ``(start, length,
+    sha256)`` of each span, consecutive and covering the file (a shard file: one span per DCP
+    item; None in a manifest from before span checksums)."""
+
+    size: int
+    sha256: str
+    spans: tuple[tuple[int, int, str], ...] | None
+
+    def span_count(self) -> int:
+        return 1 if self.spans is None else len(self.spans)
+
+    def spans_over(self, offset: int, length: int) -> range:
+        """Indices of the spans holding bytes ``[offset, offset + length)``."""
+        if self.spans is None:
+            return range(1)
+        starts = [start for start, _, _ in self.spans]
+        first = max(0, bisect.bisect_right(starts, offset) - 1)
+        last = max(first, bisect.bisect_left(starts, offset + max(length, 1)) - 1)
+        return range(first, last + 1)
+
+
 def write_manifest(directory: Path) -> None:
-    """List every file of ``directory`` (name, size, SHA-256) in its manifest, written and synced last."""
-    files = {p.name: {"size": p.stat().st_size, "sha256": _sha256(p)}
-             for p in _checkpoint_files(directory) if p.is_file()}
+    """List every file of ``directory`` (name, size, SHA-256 of the file and of each span) in its
+    manifest, written and synced last. Span checksums let a rank that reads some items of a shard
+    file (a resharded load, a replicated item stored once) verify just those."""
+    cuts = _span_cuts(directory)
+    files = {}
+    for p in _checkpoint_files(directory):
+        if p.is_file():
+            whole, spans = _digests(p, cuts.get(p.name, set()))
+            files[p.name] = {"size": p.stat().st_size, "sha256": whole, "spans": spans}
     tmp = directory / f"{MANIFEST_FILE}.tmp"
     with open(tmp, "w") as f:
         json.dump({"files": files}, f, indent=1)
@@ -78,35 +149,90 @@ def write_manifest(directory: Path) -> None:
     os.replace(tmp, directory / MANIFEST_FILE)
 
 
-def verify_checkpoint(path: str | os.PathLike) -> None:
-    """Raise :class:`CheckpointError` naming the first problem unless the manifest lists every
-    file of the checkpoint (a file it does not vouch for is as untrusted as a damaged one) and each
-    is present with its size and checksum."""
+def _entry(entry: dict) -> ManifestEntry:
+    size = int(entry["size"])
+    spans = None
+    if "spans" in entry:
+        spans = tuple((int(start), int(length), str(sha)) for start, length, sha in entry["spans"])
+        ends = [0] + [start + length for start, length, _ in spans]
+        if any(start != end for (start, _, _), end in zip(spans, ends)) or ends[-1] != size:
+            raise ValueError(f"spans do not cover its {size} bytes in order")
+    return ManifestEntry(size, str(entry["sha256"]), spans)
+
+
+def check_manifest(path: str | os.PathLike) -> dict[str, ManifestEntry]:
+    """The manifest's entries once the cheap checks pass: it lists every file of the checkpoint
+    (a file it does not vouch for is as untrusted as a damaged one) and each is present with its
+    size. Reads no file but the manifest (one ``stat`` per file); raises
+    :class:`CheckpointDamaged` naming the first problem."""
     path = Path(path)
     manifest = path / MANIFEST_FILE
     if not manifest.is_file():
-        raise CheckpointError(f"{path}: no {MANIFEST_FILE} (an incomplete save, or written by a polyfsdp "
-                              f"older than checkpoint manifests)")
+        raise CheckpointDamaged(f"{path}: no {MANIFEST_FILE} (an incomplete save, or written by a polyfsdp "
+                                f"older than checkpoint manifests)")
     try:
-        files = json.loads(manifest.read_text())["files"]
-        expected = {str(name): (int(entry["size"]), str(entry["sha256"])) for name, entry in files.items()}
+        expected = {str(name): _entry(entry) for name, entry in json.loads(manifest.read_text())["files"].items()}
     except (ValueError, KeyError, TypeError, AttributeError) as exc:
-        raise CheckpointError(f"{manifest}: unreadable manifest ({type(exc).__name__}: {exc})") from None
+        raise CheckpointDamaged(f"{manifest}: unreadable manifest ({type(exc).__name__}: {exc})") from None
     unlisted = [p.name for p in _checkpoint_files(path) if p.name not in expected]
     if unlisted:
-        raise CheckpointError(f"{manifest}: does not list {unlisted[0]} ({len(unlisted)} file(s) of the checkpoint "
-                              f"unlisted): damaged, or not written by polyfsdp")
-    for name, (size, sha256) in expected.items():
+        raise CheckpointDamaged(f"{manifest}: does not list {unlisted[0]} ({len(unlisted)} file(s) of the checkpoint "
+                                f"unlisted): damaged, or not written by polyfsdp")
+    for name, entry in expected.items():
         file = path / name
         if Path(name).name != name:
-            raise CheckpointError(f"{manifest}: lists {name!r}, which is not a file name")
+            raise CheckpointDamaged(f"{manifest}: lists {name!r}, which is not a file name")
         if not file.is_file():
-            raise CheckpointError(f"{path}: {name} is missing")
+            raise CheckpointDamaged(f"{path}: {name} is missing")
         actual = file.stat().st_size
-        if actual != size:
-            raise CheckpointError(f"{path}: {name} has {actual} bytes, the manifest says {size} (truncated or damaged)")
-        if _sha256(file) != sha256:
-            raise CheckpointError(f"{path}: {name} does not match its checksum (damaged)")
+        if actual != entry.size:
+            raise CheckpointDamaged(f"{path}: {name} has {actual} bytes, the manifest says {entry.size} "
+                                    f"(truncated or damaged)")
+    return expected
+
+
+# Which spans of a file to hash: a set of span indices, or ALL_SPANS (the whole file).
+ALL_SPANS = None
+
+
+def check_checksums(path: str | os.PathLike, expected: dict[str, ManifestEntry], wanted: dict) -> None:
+    """Hash, of each file named in ``wanted`` (in the manifest's order), the spans it maps to
+    (``ALL_SPANS``: the whole file; so too for a manifest without span checksums) against
+    ``expected`` (:func:`check_manifest`); a mismatch is :class:`CheckpointDamaged`."""
+    path = Path(path)
+    for name, entry in expected.items():
+        if name not in wanted:
+            continue
+        spans = wanted[name]
+        if spans is ALL_SPANS or entry.spans is None:
+            good = _sha256(path / name) == entry.sha256
+        else:
+            good = all(_sha256(path / name, entry.spans[i][0], entry.spans[i][1]) == entry.spans[i][2]
+                       for i in sorted(spans))
+        if not good:
+            raise CheckpointDamaged(f"{path}: {name} does not match its checksum (damaged)")
+
+
+def unread_spans(expected: dict[str, ManifestEntry], reads: list[dict]) -> dict[str, set[int]]:
+    """The spans of each file of ``expected`` that none of ``reads`` (every rank's ``{name:
+    spans or ALL_SPANS}``) covers: what rank 0 hashes besides its own."""
+    left = {}
+    for name, entry in expected.items():
+        covered = [read[name] for read in reads if name in read]
+        if ALL_SPANS in covered:
+            continue
+        spans = set(range(entry.span_count())) - set().union(*covered)
+        if spans:
+            left[name] = spans
+    return left
+
+
+def verify_checkpoint(path: str | os.PathLike) -> None:
+    """Raise :class:`CheckpointDamaged` naming the first problem unless the manifest lists every
+    file of the checkpoint and each is present with its size and checksum (hashes every file:
+    a load hashes only what each rank reads, ``checkpoint.load_checkpoint``)."""
+    expected = check_manifest(path)
+    check_checksums(path, expected, dict.fromkeys(expected, ALL_SPANS))
 
 
 def remove_path(path: Path) -> None:
@@ -201,7 +327,17 @@ class SafeDcpLoadPlanner(DefaultLoadPlanner):
         super().load_bytes(read_item, safe)
 
 
-def check_dcp_metadata(path: Path) -> None:
-    """Refuse (one line) a checkpoint whose ``.metadata`` names anything beyond the allow-list, before
-    any collective starts: every rank checks the same file."""
-    read_dcp_metadata(path)
+def dcp_spans_read(state: dict, metadata, expected: dict[str, ManifestEntry]) -> dict[str, set[int]]:
+    """The manifest spans of each shard file that a ``dcp.load`` of ``state`` (this rank's state
+    dict) reads, by the plan torch's load planner makes for it against ``metadata``
+    (:func:`read_dcp_metadata`): on another world size a rank's rows span items of several saved
+    files, and a replicated item (an optimizer step count) DCP stored once sits in one of them."""
+    planner = SafeDcpLoadPlanner()
+    planner.set_up_planner(state, metadata, is_coordinator=False)
+    spans: dict[str, set[int]] = {}
+    for item in planner.create_local_plan().items:
+        where = metadata.storage_data[item.storage_index]
+        entry = expected.get(where.relative_path)
+        if entry is not None:  # a file the manifest lacks is refused by check_manifest already
+            spans.setdefault(where.relative_path, set()).update(entry.spans_over(where.offset, where.length))
+    return spans

@@ -133,6 +133,8 @@ class TrainerSection:
     log_interval: int = 1
     checkpoint_interval: int = 50
     keep_checkpoints: int = 2
+    # Write checkpoints on a background thread while training goes on (engines/checkpoint.py).
+    async_checkpoint: bool = False
     output_dir: str = "outputs/run"
     resume: str = "auto"
     seed: int = 0

@@ -36,7 +36,7 @@ from omegaconf import OmegaConf
 from polyfsdp.backends.distributed import all_reduce_max, barrier, broadcast_object, current_rank, init_distributed
 from polyfsdp.backends.topology import topology
 from polyfsdp.backends.registry import get_backend
-from polyfsdp.engines.checkpoint import CheckpointError, checkpoint_parts
+from polyfsdp.engines.checkpoint import CheckpointError, PendingCheckpoint, checkpoint_parts
 from polyfsdp.engines.checkpoint_files import remove_path
 from polyfsdp.engines.engine import FSDPEngine
 from polyfsdp.engines.lora import AdaptersOff
@@ -54,7 +54,7 @@ from .rank_errors import check_same_data, on_every_rank
 from .rewards import build_scorer
 from .rl_step import rl_step
 from .rollout_engines import build_rollout_engine
-from .resume import RL_PHASE, STATE_FILE, ResumePoint, check_same_run, find_resume, load_resume_checkpoint
+from .resume import RL_PHASE, STATE_FILE, ResumePoint, check_same_run, find_resume, load_resume_point
 from .sft import sft_step
 from .stop import Preempted, StopRequest
 from .task import TOKENIZER_FILE, load_tokenizer
@@ -154,6 +154,7 @@ class Job:
         self.stop = StopRequest()       # train.main installs it around run()
         self.position: tuple[str, int] | None = None  # (phase, steps done) of the last finished step
         self.last_checkpoint: Path | None = None
+        self.pending_checkpoint: tuple[PendingCheckpoint, str] | None = None  # trainer.async_checkpoint's save in flight
         self._patches_shown: set[tuple[str, str]] = set()  # (model directory, patch summary) printed
 
     # ------------------------------------------------------------------ helpers
@@ -209,18 +210,40 @@ class Job:
              f"[{time.perf_counter() - t:.1f}s]")
         return result.reward
 
-    def _checkpoint(self, engine: FSDPEngine, phase: str, step: int, global_step: int) -> Path:
-        extra = {"phase": phase, "phase_step": step, "global_step": global_step,
+    def _checkpoint(self, engine: FSDPEngine, phase: str, step: int, global_step: int, wait: bool = False) -> Path:
+        """Save the step's checkpoint; with trainer.async_checkpoint (and not ``wait``) its write
+        finishes in the background (``last_checkpoint`` and the line follow when it completes)."""
+        self._checkpoint_written()  # one save at a time: the previous background one first
+        extra = {"phase": phase, "phase_step": step, "global_step": global_step, "world_size": self.world,
                  "metrics_lines": self.metrics.lines, "metrics_path": self.metrics.path,
                  "data_position": step * (self.cfg.trainer.sft_batch_size if phase == "sft"
                                           else self.cfg.trainer.prompts_per_step)}
         # A critic is a part of the actor's checkpoint, so no crash can leave one
         # of them at a step the other lacks, and pruning removes both together.
-        path = engine.save_checkpoint(str(self.out / "checkpoints" / phase), step=step, extra=extra,
-                                      keep=self.cfg.trainer.keep_checkpoints, parts=self._parts(phase))
-        self.last_checkpoint = Path(path)  # before the line: a Ctrl-C right after it must name this one
-        _say(f"{CHECKPOINT_MARKER} {path} (phase {phase}, step {step}, global step {global_step})")
-        return self.last_checkpoint
+        saved = engine.save_checkpoint(str(self.out / "checkpoints" / phase), step=step, extra=extra,
+                                       keep=self.cfg.trainer.keep_checkpoints, parts=self._parts(phase),
+                                       background=self.cfg.trainer.async_checkpoint and not wait)
+        where = f"(phase {phase}, step {step}, global step {global_step})"
+        if isinstance(saved, PendingCheckpoint):
+            self.pending_checkpoint = (saved, where)
+            return saved.path
+        return self._announce_checkpoint(Path(saved), where)
+
+    def _announce_checkpoint(self, path: Path, where: str) -> Path:
+        self.last_checkpoint = path  # before the line: a Ctrl-C right after it must name this one
+        _say(f"{CHECKPOINT_MARKER} {path} {where}")
+        return path
+
+    def _checkpoint_written(self, block: bool = True) -> None:
+        """Finish the background save in flight: wait for it (``block``) or, between steps, only
+        announce it once it has completed; a failed one raises at the next blocking call, which
+        every rank reaches at the same point."""
+        if self.pending_checkpoint is None:
+            return
+        pending, where = self.pending_checkpoint
+        if block or (pending.done() and not pending.failed()):
+            self.pending_checkpoint = None
+            self._announce_checkpoint(pending.wait(), where)
 
     def _stop_agreed(self, device) -> bool:
         """Whether any rank got SIGTERM: all stop at the same step boundary, none waits alone."""
@@ -367,13 +390,17 @@ class Job:
             parts = self._parts(phase.name)
             if parts:
                 self._refuse_legacy_critic(resume.checkpoint)
-            _, extra = load_resume_checkpoint(engine, resume.checkpoint, parts)
-            self.last_checkpoint = resume.checkpoint
+            checkpoint, extra = load_resume_point(engine, resume, parts, say=_say)
+            self.last_checkpoint = checkpoint
+            saved_world = extra.get("world_size", self.world)
+            if saved_world != self.world:
+                _say(f"elastic resume: {checkpoint} was saved on {saved_world} rank(s), this run has {self.world}: "
+                     f"model and optimizer resharded, RNG states not restored (every step seeds its own)")
             step = int(extra["phase_step"])
             if step > phase.steps:
                 # Nothing to run: a "final" evaluation at the lower step count would be mislabelled.
                 key = f"trainer.{phase.name}_steps"
-                raise ConfigError(f"{key}={phase.steps}: {resume.checkpoint} is already at {phase.name} step {step}; "
+                raise ConfigError(f"{key}={phase.steps}: {checkpoint} is already at {phase.name} step {step}; "
                                   f"set {key}>={step} to continue it, or choose another trainer.output_dir")
             self._start_metrics(resume, int(extra["metrics_lines"]))
             return step
@@ -465,14 +492,18 @@ class Job:
             if every and (step + 1) % every == 0 and step + 1 != phase.steps:
                 self._evaluate(engine, "step", global_step)
             self.position = (phase.name, step + 1)
+            self._checkpoint_written(block=False)
             saved = self._due(step + 1, phase.steps)
             if saved:
                 self._checkpoint(engine, phase.name, step + 1, global_step)
             if self._stop_agreed(engine.device):
                 progress.close()
-                path = self.last_checkpoint if saved else self._checkpoint(engine, phase.name, step + 1, global_step)
+                self._checkpoint_written()
+                path = self.last_checkpoint if saved else \
+                    self._checkpoint(engine, phase.name, step + 1, global_step, wait=True)
                 raise Preempted(phase.name, step + 1, path)
         progress.close()
+        self._checkpoint_written()  # the phase's last checkpoint is complete before its end
         end_step = phase.step_offset + phase.steps
         self._evaluate(engine, phase.end_tag, end_step)
         if phase.export_dir is not None:

@@ -6,12 +6,13 @@ stream or the updates (its checkpoints would be loaded while config.yaml claimed
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from omegaconf import OmegaConf
 
-from polyfsdp.engines.checkpoint import CheckpointError, complete_checkpoints, latest_checkpoint, verify_checkpoint
+from polyfsdp.engines.checkpoint import CheckpointDamaged, CheckpointError, complete_checkpoints, latest_checkpoint
+from polyfsdp.engines.checkpoint_files import check_manifest
 
 from .compose import renamed_key
 from .config import ConfigError, JobConfig, RolloutSection
@@ -43,11 +44,14 @@ SAME_RUN_ROLLOUT_KEYS = ("env", "env_kwargs", "max_turns", "max_total_tokens", "
 
 @dataclass
 class ResumePoint:
-    """Where a run continues: ``phase`` from ``checkpoint`` (None: the phase's start) of ``run_dir``."""
+    """Where a run continues: ``phase`` from ``checkpoint`` (None: the phase's start) of ``run_dir``;
+    ``older``: under ``resume=auto``, the phase's older checkpoints to fall back to, newest first,
+    when loading finds ``checkpoint``'s content damaged (:func:`load_resume_point`)."""
 
     phase: str
     checkpoint: Path | None
     run_dir: Path
+    older: list[Path] = field(default_factory=list)
 
 
 def legacy_run_line(run_dir: Path) -> str:
@@ -81,19 +85,22 @@ def _explicit_point(cfg: JobConfig, mode: str) -> ResumePoint:
     return ResumePoint(phase_dir.name, found, phase_dir.parent.parent)
 
 
-def newest_intact_checkpoint(phase_dir: Path, say=print) -> Path | None:
-    """The newest checkpoint of ``phase_dir`` whose manifest checks out; each newer one that does
-    not is skipped with a line saying why (a save cut short by a full disk, a damaged copy)."""
+def intact_checkpoints(phase_dir: Path, say=print) -> list[Path]:
+    """The checkpoints of ``phase_dir`` whose manifest's file list and sizes check out, the one
+    ``latest`` names first, then newest first; each that does not is skipped with a line saying
+    why (a save cut short by a full disk, a truncated copy). Reads no file's content: the load
+    hashes what each rank reads, and :func:`load_resume_point` falls back past a damaged one."""
     pointed = latest_checkpoint(phase_dir)  # ``latest`` first: a run restarted from an earlier step re-points it
     newest_first = [p for p in reversed(complete_checkpoints(phase_dir)) if p != pointed]
+    found = []
     for candidate in ([pointed] if pointed is not None else []) + newest_first:
         try:
-            verify_checkpoint(candidate)
+            check_manifest(candidate)
         except CheckpointError as exc:
             say(f"trainer.resume=auto: skipping {candidate}: {exc}")
             continue
-        return candidate
-    return None
+        found.append(candidate)
+    return found
 
 
 def find_resume(cfg: JobConfig, out: Path, say=print) -> ResumePoint | None:
@@ -111,17 +118,18 @@ def find_resume(cfg: JobConfig, out: Path, say=print) -> ResumePoint | None:
     ckpt_root = out / "checkpoints"
     if (ckpt_root / LEGACY_RL_PHASE).is_dir():
         raise ConfigError(legacy_run_line(out))
-    rl_ckpt = newest_intact_checkpoint(ckpt_root / RL_PHASE, say)
+    rl_ckpts = intact_checkpoints(ckpt_root / RL_PHASE, say)
+    rl_ckpt = rl_ckpts[0] if rl_ckpts else None
     if cfg.algo.name == "sft" and (sft_complete(out) or rl_ckpt is not None):
         # Resuming its SFT checkpoints would cut the RL records and overwrite final/.
         raise ConfigError(f"trainer.resume=auto: {out} holds an RL run, but algo=sft was asked for; "
                           f"choose another trainer.output_dir or resume with its RL algo (grpo, ppo)")
     if cfg.algo.rl and rl_ckpt is not None:
-        return ResumePoint(RL_PHASE, rl_ckpt, out)
+        return ResumePoint(RL_PHASE, rl_ckpt, out, rl_ckpts[1:])
     if cfg.algo.rl and cfg.trainer.sft_steps > 0 and sft_complete(out):
         return ResumePoint(RL_PHASE, None, out)
-    sft_ckpt = newest_intact_checkpoint(ckpt_root / "sft", say)
-    return ResumePoint("sft", sft_ckpt, out) if sft_ckpt is not None else None
+    sft_ckpts = intact_checkpoints(ckpt_root / "sft", say)
+    return ResumePoint("sft", sft_ckpts[0], out, sft_ckpts[1:]) if sft_ckpts else None
 
 
 def _section(raw: dict, dotted: str) -> dict | None:
@@ -199,14 +207,30 @@ def check_same_run(cfg: JobConfig, run_dir: Path) -> None:
                               f"environment) or choose another trainer.output_dir")
 
 
-def load_resume_checkpoint(engine, checkpoint: Path, parts: dict | None = None) -> tuple[int, dict]:
+def load_resume_checkpoint(engine, checkpoint: Path, parts: dict | None = None,
+                           damaged_ok: bool = False) -> tuple[int, dict]:
     """Load a resume checkpoint (with the engines of ``parts``, e.g. PPO's critic); one that is
-    incomplete or unreadable is a ConfigError."""
+    incomplete or unreadable is a ConfigError (``damaged_ok``: damage stays CheckpointDamaged)."""
     try:
         return engine.load_checkpoint(str(checkpoint), parts=parts)
     except CheckpointError as exc:
+        if damaged_ok and isinstance(exc, CheckpointDamaged):
+            raise
         raise ConfigError(f"trainer.resume: cannot load {checkpoint}: {exc}") from None
     except (OSError, ValueError, KeyError, RuntimeError) as exc:
         # A model that does not fit the checkpoint's shards (dcp raises RuntimeError/ValueError).
         raise ConfigError(f"trainer.resume: cannot load {checkpoint}: {type(exc).__name__}: "
                           f"{' '.join(str(exc).split())}") from None
+
+
+def load_resume_point(engine, resume: ResumePoint, parts: dict | None = None, say=print) -> tuple[Path, dict]:
+    """Load ``resume.checkpoint`` (see :func:`load_resume_checkpoint`); under ``resume=auto`` one
+    whose content turns out damaged is skipped with a line for the next of ``resume.older`` (the
+    same on every rank: the load's verdict is). Returns the checkpoint loaded and its ``extra``."""
+    checkpoint, older = resume.checkpoint, list(resume.older)
+    while True:
+        try:
+            return checkpoint, load_resume_checkpoint(engine, checkpoint, parts, damaged_ok=bool(older))[1]
+        except CheckpointDamaged as exc:
+            skipped, checkpoint = checkpoint, older.pop(0)
+            say(f"trainer.resume=auto: skipping {skipped}: {exc}; resuming {resume.phase} from {checkpoint}")

@@ -12,8 +12,8 @@ PHASE, STEP = sys.argv[1], int(sys.argv[2])
 save_and_announce = job.Job._checkpoint
 
 
-def checkpoint_then_hold(self, engine, phase, step, global_step):
-    save_and_announce(self, engine, phase, step, global_step)
+def checkpoint_then_hold(self, engine, phase, step, global_step, **kwargs):
+    save_and_announce(self, engine, phase, step, global_step, **kwargs)
     if (phase, step) == (PHASE, STEP):
         sys.stdout.flush()
         sys.stdin.read()  # never returns: the parent holds stdin open and kills this process

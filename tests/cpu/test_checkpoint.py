@@ -272,3 +272,57 @@ def test_engine_export_hf_gives_the_same_log_probs_as_infer_batch(tmp_path):
             expected = torch.zeros(len(seq), dtype=torch.float64)
             expected[:-1] = log_softmax[torch.arange(len(seq) - 1), seq[1:]]
             torch.testing.assert_close(lp.double(), expected, atol=1e-5, rtol=0)
+
+
+def test_a_background_save_writes_the_state_of_its_step_while_training_goes_on(mesh, tmp_path, monkeypatch):
+    from torch.distributed.checkpoint.filesystem import FileSystemWriter
+
+    model, opt, sched = build_sharded(mesh, seed=0)
+    _train(model, opt, sched, range(1))
+    ckpt.save_checkpoint(tmp_path, 1, model=model, optimizer=opt, lr_scheduler=sched)
+    _train(model, opt, sched, [1])
+    saved_params, saved_optim = full_params(model), _optim_state(opt)
+
+    import threading
+    trained = threading.Event()
+    real_write = FileSystemWriter.write_data
+
+    def write_after_training(self, *args, **kwargs):
+        assert trained.wait(60)  # the shards are written only once the next step has changed the model
+        return real_write(self, *args, **kwargs)
+
+    monkeypatch.setattr(FileSystemWriter, "write_data", write_after_training)
+    pending = ckpt.save_checkpoint(tmp_path, 2, model=model, optimizer=opt, lr_scheduler=sched, background=True)
+    assert isinstance(pending, ckpt.PendingCheckpoint) and not pending.done()
+    assert ckpt.latest_checkpoint(tmp_path) == tmp_path / "step_000001"  # not before the write is complete
+    assert (tmp_path / ".tmp-step_000002").is_dir() and not (tmp_path / ".tmp-step_000002" / "manifest.json").exists()
+    _train(model, opt, sched, [2])  # training goes on while the save is pending
+    trained.set()
+    assert pending.wait() == tmp_path / "step_000002"
+    assert ckpt.latest_checkpoint(tmp_path) == tmp_path / "step_000002"
+    ckpt.verify_checkpoint(tmp_path / "step_000002")
+
+    other, other_opt, other_sched = build_sharded(mesh, seed=1)
+    assert ckpt.load_checkpoint(tmp_path, model=other, optimizer=other_opt, lr_scheduler=other_sched)[0] == 2
+    _assert_same(full_params(other), saved_params)  # the state at the save, not after the step that followed
+    _assert_same(_optim_state(other_opt), saved_optim)
+
+
+def test_a_background_save_that_fails_raises_at_wait_and_keeps_the_previous_checkpoint(mesh, tmp_path, monkeypatch):
+    import errno
+
+    import torch.distributed.checkpoint.filesystem as dcp_filesystem
+
+    model, opt, sched = build_sharded(mesh, seed=0)
+    first = ckpt.save_checkpoint(tmp_path, 1, model=model, optimizer=opt)
+
+    def disk_full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device", "/injected/file")
+
+    monkeypatch.setattr(dcp_filesystem, "_write_item", disk_full)
+    pending = ckpt.save_checkpoint(tmp_path, 2, model=model, optimizer=opt, background=True)
+    with pytest.raises(ckpt.CheckpointSaveError, match=r"No space left on device \(/injected/file\); .*step_000001 "
+                                                       r"stays the latest checkpoint$"):
+        pending.wait()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step_000001"]
+    assert ckpt.latest_checkpoint(tmp_path) == first

@@ -277,3 +277,48 @@ def test_disk_full_during_a_save_keeps_the_previous_checkpoint_latest(saved, mon
     assert sorted(p.name for p in path.parent.iterdir()) == ["latest", "step_000001"]
     assert ckpt.latest_checkpoint(path.parent) == path
     ckpt.verify_checkpoint(path)
+
+
+def test_the_manifest_checksums_each_shard_item_so_a_rank_hashes_only_what_it_reads(saved):
+    from torch.distributed.checkpoint import FileSystemReader
+
+    from polyfsdp.engines.checkpoint_files import check_checksums, check_manifest
+
+    path, _ = saved
+    expected = check_manifest(path)
+    entry = expected["__0_0.distcp"]
+    items = sorted((w.offset, w.length) for w in FileSystemReader(str(path)).read_metadata().storage_data.values()
+                   if w.relative_path == "__0_0.distcp")
+    assert [(start, length) for start, length, _ in entry.spans] == items  # DCP writes its items back to back
+    (start, length), index = items[len(items) // 2], len(items) // 2
+    assert list(entry.spans_over(start, length)) == [index]
+    data = bytearray((path / "__0_0.distcp").read_bytes())
+    data[start + length // 2] ^= 0xFF
+    (path / "__0_0.distcp").write_bytes(bytes(data))
+    # A rank reading every other item hashes them alone and finds nothing; the one reading the
+    # damaged item does.
+    check_checksums(path, expected, {"__0_0.distcp": set(range(len(items))) - {index}})
+    with pytest.raises(ckpt.CheckpointError, match=r"__0_0.distcp does not match its checksum \(damaged\)$"):
+        check_checksums(path, expected, {"__0_0.distcp": {index}})
+
+
+def test_a_manifest_without_item_checksums_is_verified_file_by_file(saved):
+    # What a polyfsdp before item checksums wrote: each file's size and SHA-256 only.
+    path, parts = saved
+    manifest = json.loads((path / MANIFEST_FILE).read_text())
+    for entry in manifest["files"].values():
+        del entry["spans"]
+    (path / MANIFEST_FILE).write_text(json.dumps(manifest))
+    _load(path, parts)
+    _flip_last_byte(next(path.glob("*.distcp")))
+    with pytest.raises(ckpt.CheckpointDamaged, match=r"__0_0.distcp does not match its checksum \(damaged\)$"):
+        _load(path, parts)
+
+
+def test_item_checksums_that_do_not_cover_the_file_are_a_damaged_manifest(saved):
+    path, parts = saved
+    manifest = json.loads((path / MANIFEST_FILE).read_text())
+    manifest["files"]["__0_0.distcp"]["spans"].pop(0)  # the first item would go unchecked
+    (path / MANIFEST_FILE).write_text(json.dumps(manifest))
+    with pytest.raises(ckpt.CheckpointDamaged, match=r"unreadable manifest \(ValueError: spans do not cover"):
+        _load(path, parts)

@@ -104,3 +104,28 @@ def test_disk_full_during_a_checkpoint_stops_with_one_line_and_keeps_the_previou
                       f"checkpoint"), err[0]
     assert latest_checkpoint(sft) == sft / "step_000001" and sorted(p.name for p in sft.iterdir()) == \
         ["latest", "step_000001"]
+
+
+def test_kill_9_during_a_background_checkpoint_write_loses_nothing(tmp_path):
+    # Checkpoints at RL steps 2, 4 and 5; step 4's write is still running when step 5 has
+    # been trained and logged, and the kill lands then.
+    overrides = [*OVERRIDES[len(TINY) + len(TINY_GRPO):], "trainer.rl_steps=5", "trainer.checkpoint_interval=2",
+                 "trainer.export=false"]
+    _, reference = _run(tmp_path, "full", *overrides)  # synchronous checkpoints: the same numbers
+
+    out = tmp_path / "killed"
+    run = [*TINY, *TINY_GRPO, *overrides, f"trainer.output_dir={out}", "trainer.async_checkpoint=true"]
+    killed = subprocess.run([sys.executable, os.path.join(HERE, "async_kill_child.py"), "4", *run],
+                            capture_output=True, text=True, timeout=300, env={**os.environ, "POLYFSDP_BACKEND": "cpu"})
+    assert killed.returncode == -9 and "KILL during the background write" in killed.stderr, killed.stderr[-2000:]
+    rl = out / "checkpoints" / "rl"
+    assert (rl / "latest").read_text().strip() == "step_000002"
+    assert (rl / ".tmp-step_000004").is_dir() and not (rl / "step_000004").exists()
+    assert [r["step"] for r in read_metrics(str(out / "metrics.jsonl")) if r["phase"] == "rl"] == [1, 2, 3, 4, 5]
+
+    resumed = _cli(*run, "trainer.resume=auto")
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert f"resuming rl from {rl / 'step_000002'}" in resumed.stdout
+    assert f"checkpoint saved: {rl / 'step_000005'}" in resumed.stdout
+    assert _comparable(read_metrics(str(out / "metrics.jsonl"))) == _comparable(reference)
+    assert sorted(p.name for p in grpo.iterdir()) == ["latest", "step_000004", "step_000005"]

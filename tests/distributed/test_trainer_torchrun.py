@@ -25,14 +25,14 @@ OVERRIDES = [
 ]
 
 
-def _launch(out, nproc: int, *extra: str, timeout: int = 400) -> subprocess.CompletedProcess:
+def _launch(out, nproc: int, *extra: str, timeout: int = 400, base=OVERRIDES) -> subprocess.CompletedProcess:
     env = {**os.environ, "POLYFSDP_BACKEND": "cpu", "OMP_NUM_THREADS": "1"}
     if nproc == 1:
         command = [sys.executable, "-m", "polyfsdp.trainer.train"]
     else:
         command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
                    "--master_addr", "127.0.0.1", "--master_port", str(free_port()), "-m", "polyfsdp.trainer.train"]
-    return subprocess.run([*command, *OVERRIDES, *extra, f"trainer.output_dir={out}"], capture_output=True, text=True,
+    return subprocess.run([*command, *base, *extra, f"trainer.output_dir={out}"], capture_output=True, text=True,
                           timeout=timeout, env=env)
 
 
