@@ -128,4 +128,4 @@ def test_kill_9_during_a_background_checkpoint_write_loses_nothing(tmp_path):
     assert f"resuming rl from {rl / 'step_000002'}" in resumed.stdout
     assert f"checkpoint saved: {rl / 'step_000005'}" in resumed.stdout
     assert _comparable(read_metrics(str(out / "metrics.jsonl"))) == _comparable(reference)
-    assert sorted(p.name for p in grpo.iterdir()) == ["latest", "step_000004", "step_000005"]
+    assert sorted(p.name for p in rl.iterdir()) == ["latest", "step_000004", "step_000005"]
