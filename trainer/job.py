@@ -175,6 +175,9 @@ class Job:
         except (ValueError, TypeError, OSError) as exc:
             # A checkpoint that does not load or a model the engine cannot shard.
             raise ConfigError(f"model ({model_dir}): {type(exc).__name__}: {exc}") from None
+        if role == "policy" and self.rank == 0:
+            trained, total = engine.parameter_counts()
+            _say(f"[{phase} {role}] trainable parameters: {trained:,} of {total:,} ({100 * trained / total:.2f}%)")
         if engine.patch_report is not None and engine.patch_report.failed:
             _say(str(engine.patch_report))  # a failed patch is worth the whole table
         elif engine.patch_report is not None and (model_dir, engine.patch_report.summary()) not in self._patches_shown:
@@ -351,6 +354,9 @@ class Job:
         if self.rank == 0 and source is not None and source != Path(self.metrics.path) and source.is_file():
             shutil.copyfile(source, self.metrics.path)
         self.metrics.start(lines)
+        if resume is not None:
+            # time_s goes on from the kept records' clock instead of restarting at 0.
+            self.t0 = time.perf_counter() - self.metrics.elapsed_s()
         self.trackers.continue_from(self.metrics.next_global_step())
         self.generations.start(self.metrics.next_global_step())
 
