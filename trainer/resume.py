@@ -13,7 +13,7 @@ from omegaconf import OmegaConf
 
 from polyfsdp.engines.checkpoint import CheckpointError, complete_checkpoints, latest_checkpoint, verify_checkpoint
 
-from .config import ConfigError, JobConfig, RolloutSection
+from .config import ConfigError, JobConfig, RolloutSection, without_unused_preset
 from .metrics import METRICS_FILE
 
 # Written next to the SFT-end export: how many metrics records precede GRPO's start.
@@ -149,7 +149,8 @@ def check_same_run(cfg: JobConfig, run_dir: Path) -> None:
     # A run that stopped before its first checkpoint (a reward that raised at the first
     # evaluation, say) left only init_model, which the next run reuses: only the model must
     # match, so the user can fix the reward or the data and run again in the same directory.
-    before_raw = OmegaConf.to_container(OmegaConf.load(saved))
+    # A config.yaml written before model.path dropped the unused preset still names one.
+    before_raw = without_unused_preset(OmegaConf.to_container(OmegaConf.load(saved)))
     before, now = {}, {}
     for dotted in SAME_RUN_SECTIONS if trained else ("model",):
         if dotted == "algo":
