@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import shutil
 import sys
@@ -69,6 +70,9 @@ CRITIC_PART = "critic"  # algo=ppo: the critic's name in the RL phase's checkpoi
 # Where a polyfsdp before one-unit PPO checkpoints kept the critic's (checkpoints/critic/step_N).
 LEGACY_CRITIC_DIR = "critic"
 CRITIC_HEAD_FILE = "value_head.safetensors"  # final/: the critic's head (ModelConfig.value_head_path)
+# The share of ln(vocabulary) (the uniform distribution's entropy) from which a rollout counts as
+# sampled at random (Job._warn_if_sampling_is_flat).
+FLAT_ENTROPY_SHARE = 0.9
 
 
 def _say(message: str) -> None:
@@ -442,6 +446,19 @@ class Job:
                              sampler=self.sampler)
         return step_fn
 
+    def _warn_if_sampling_is_flat(self, engine: FSDPEngine, metrics: dict) -> None:
+        """One line when the RL phase's first rollout was sampled from a near-uniform distribution
+        (mean entropy >= FLAT_ENTROPY_SHARE of ln(vocabulary)): its completions score by chance, the
+        group-normalised advantages are noise, and the updates walk the model away from what the
+        SFT warm-up taught (measured: a LoRA warm-up of a from-scratch preset; README, Tuning)."""
+        entropy, vocab = metrics.get("entropy"), getattr(engine.module.config, "vocab_size", 0)
+        if entropy is None or vocab < 2 or entropy < FLAT_ENTROPY_SHARE * math.log(vocab):
+            return
+        _say(f"warning: the first RL rollout was sampled at entropy {entropy:.2f}, near uniform over "
+             f"{vocab} tokens ({math.log(vocab):.2f}): its rewards are chance and RL may undo the SFT warm-up; "
+             f"train the warm-up longer (trainer.sft_steps, algo.sft.optim.lr; with LoRA the adapters cannot "
+             f"sharpen a from-scratch model much) or lower algo.grpo.temperature")
+
     def _step_seed(self, step: int) -> int:
         """The seed of a phase's step ``step``, from trainer.seed (the same on every rank)."""
         return self.cfg.trainer.seed * 1_000_003 + step
@@ -457,7 +474,10 @@ class Job:
         for step in range(start, phase.steps):
             examples = self._shard(self.source.batch(phase.name, step, phase.batch_size))
             global_step = phase.step_offset + step + 1
-            self._record(phase.name, step + 1, global_step, step_fn(step, examples), progress)
+            metrics = step_fn(step, examples)
+            if phase.name == "grpo" and step == start:
+                self._warn_if_sampling_is_flat(engine, metrics)
+            self._record(phase.name, step + 1, global_step, metrics, progress)
             if every and (step + 1) % every == 0 and step + 1 != phase.steps:
                 self._evaluate(engine, "step", global_step)
             self.position = (phase.name, step + 1)
