@@ -14,20 +14,30 @@ import os
 # backend imports torch_npu lazily and can explain a failure in plain words.
 os.environ.setdefault("TORCH_DEVICE_BACKEND_AUTOLOAD", "0")
 
-from .base import Backend, BackendUnavailableError  # noqa: E402  (after the guard above)
-from .distributed import (
-    all_gather_object,
-    all_reduce_max,
-    all_reduce_sum,
-    barrier,
-    broadcast_object,
-    current_rank,
-    current_world_size,
-    destroy_distributed,
-    init_distributed,
-)
-from .topology import LaunchEnv, Topology, launch_env
-from .registry import AUTO_ORDER, BACKEND_NAMES, ENV_OVERRIDE, BackendStatus, available_backends, get_backend
+# What the package exports, by the submodule that defines it. Loaded on first use (PEP 562), so
+# `import polyfsdp.backends` sets the guard above without importing torch: `polyfsdp-train --help`
+# and a mistyped key answer before torch (seconds) would have loaded.
+_EXPORTS = {
+    "base": ("Backend", "BackendUnavailableError"),
+    "distributed": ("all_gather_object", "all_reduce_max", "all_reduce_sum", "barrier", "broadcast_object",
+                    "current_rank", "current_world_size", "destroy_distributed", "init_distributed"),
+    "registry": ("AUTO_ORDER", "BACKEND_NAMES", "ENV_OVERRIDE", "BackendStatus", "available_backends",
+                 "get_backend"),
+    "topology": ("LaunchEnv", "Topology", "launch_env"),
+}
+_SOURCE = {name: module for module, names in _EXPORTS.items() for name in names}
+
+
+def __getattr__(name: str):
+    module = _SOURCE.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    import importlib
+
+    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
+    globals()[name] = value
+    return value
+
 
 __all__ = [
     "AUTO_ORDER",

@@ -150,6 +150,12 @@ class FSDPEngine(CheckpointMixin):
             raise RuntimeError("FSDPEngine: call initialize() first")
         return self._model
 
+    def parameter_counts(self) -> tuple[int, int]:
+        """(trained, all) parameters of the whole model, every rank's shards together (a DTensor's
+        ``numel`` is its global size): LoRA trains its adapters only."""
+        params = list(self.module.parameters())
+        return sum(p.numel() for p in params if p.requires_grad), sum(p.numel() for p in params)
+
     def train_mode(self):
         """Run the block with the model in training mode (restored afterwards)."""
         return self._mode(training=True)

@@ -10,6 +10,7 @@ off (:func:`adapters_disabled`), not a second model.
 from __future__ import annotations
 
 import copy
+import warnings
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -41,8 +42,19 @@ def peft_lora_config(config: LoraConfig):
                            target_modules=targets, task_type="CAUSAL_LM", bias="none")
 
 
+GRADIENT_CHECKPOINTING_DEPRECATION = r"`is_gradient_checkpointing` is deprecated"
 # Added to the model seed for the adapters' draws: a stream apart from the base weights'.
 ADAPTER_SEED_OFFSET = 0x10_7A
+
+
+def _peft_model(model: torch.nn.Module, config: LoraConfig):
+    """peft's ``get_peft_model`` over ``model``. PeftModel's constructor reads transformers'
+    deprecated ``is_gradient_checkpointing`` (now ``is_activation_checkpointing``): that one
+    FutureWarning, from inside peft, is ignored for this call only; every other warning shows."""
+    peft = require_peft()
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=GRADIENT_CHECKPOINTING_DEPRECATION, category=FutureWarning)
+        return peft.get_peft_model(model, peft_lora_config(config))
 
 
 def add_adapters(model: torch.nn.Module, config: LoraConfig, seed: int = 0) -> torch.nn.Module:
@@ -54,11 +66,10 @@ def add_adapters(model: torch.nn.Module, config: LoraConfig, seed: int = 0) -> t
     advances. Adapters are kept in float32 whatever the base dtype (``ModelConfig.dtype='bfloat16'`` keeps the frozen
     base in bf16). A target that matches nothing raises peft's error.
     """
-    peft = require_peft()
     base_dtype = next(model.parameters()).dtype
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed + ADAPTER_SEED_OFFSET)
-        wrapped = peft.get_peft_model(model, peft_lora_config(config))
+        wrapped = _peft_model(model, config)
     inner = wrapped.get_base_model()
     if inner is not model:
         raise RuntimeError("peft returned a different model object; expected in-place injection")
@@ -103,9 +114,8 @@ def plain_model_with_adapters(hf_config, config: LoraConfig, state: dict, dtype:
     ``save_pretrained``)."""
     from transformers import AutoModelForCausalLM
 
-    peft = require_peft()
     model = AutoModelForCausalLM.from_config(hf_config)
-    wrapped = peft.get_peft_model(model, peft_lora_config(config))
+    wrapped = _peft_model(model, config)
     result = wrapped.get_base_model().load_state_dict(state, strict=False)
     tied = getattr(hf_config, "tie_word_embeddings", False)
     missing = [k for k in result.missing_keys if not (tied and k == "lm_head.weight")]

@@ -332,6 +332,15 @@ def _validate_eval(e: EvalSection) -> None:
                           f"set eval.temperature>0 (e.g. 1.0) or eval.n_samples=1")
 
 
+def without_unused_preset(raw: dict) -> dict:
+    """``raw`` with ``model.preset`` and ``model.overrides`` emptied when ``model.path`` is set: the
+    directory's own config is the model, so config.yaml (and --cfg) must not claim a preset's."""
+    model = raw.get("model")
+    if not isinstance(model, dict) or not model.get("path"):
+        return raw
+    return {**raw, "model": {**model, "preset": None, "overrides": {}}}
+
+
 def build_job_config(raw: dict, world_size: int = 1) -> JobConfig:
     """Convert a composed, resolved config dict into a validated :class:`JobConfig`."""
     unknown = [k for k in raw if k not in GROUPS]
@@ -343,6 +352,7 @@ def build_job_config(raw: dict, world_size: int = 1) -> JobConfig:
         raise ConfigError(f"{missing[0]}: missing; choose an option with {missing[0]}=OPTION "
                           f"({', '.join(available_options(missing[0]))})")
     check_bounds(raw)  # first: NaN or a huge size would otherwise reach checks that assume a sane number
+    raw = without_unused_preset(raw)
     backend = _section(dataclasses.make_dataclass("BackendSection", [("name", str)]), "backend",
                        raw.get("backend", {})).name
     check_choice("backend", backend, BACKEND_NAMES)

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import shutil
 import sys
@@ -68,6 +69,9 @@ CRITIC_PART = "critic"  # a critic estimator's value model: its name in the RL p
 # Where a polyfsdp before one-unit PPO checkpoints kept the critic's (checkpoints/critic/step_N).
 LEGACY_CRITIC_DIR = "critic"
 CRITIC_HEAD_FILE = "value_head.safetensors"  # final/: the critic's head (ModelConfig.value_head_path)
+# The share of ln(vocabulary) (the uniform distribution's entropy) from which a rollout counts as
+# sampled at random (Job._warn_if_sampling_is_flat).
+FLAT_ENTROPY_SHARE = 0.9
 
 
 def _say(message: str) -> None:
@@ -178,6 +182,9 @@ class Job:
         except (ValueError, TypeError, OSError) as exc:
             # A checkpoint that does not load or a model the engine cannot shard.
             raise ConfigError(f"model ({model_dir}): {type(exc).__name__}: {exc}") from None
+        if role == "policy" and self.rank == 0:
+            trained, total = engine.parameter_counts()
+            _say(f"[{phase} {role}] trainable parameters: {trained:,} of {total:,} ({100 * trained / total:.2f}%)")
         if engine.patch_report is not None and engine.patch_report.failed:
             _say(str(engine.patch_report))  # a failed patch is worth the whole table
         elif engine.patch_report is not None and (model_dir, engine.patch_report.summary()) not in self._patches_shown:
@@ -381,6 +388,9 @@ class Job:
         if self.rank == 0 and source is not None and source != Path(self.metrics.path) and source.is_file():
             shutil.copyfile(source, self.metrics.path)
         self.metrics.start(lines)
+        if resume is not None:
+            # time_s goes on from the kept records' clock instead of restarting at 0.
+            self.t0 = time.perf_counter() - self.metrics.elapsed_s()
         self.trackers.continue_from(self.metrics.next_global_step())
         self.generations.start(self.metrics.next_global_step())
 
@@ -468,6 +478,19 @@ class Job:
                            critic=self.critic, value_loss=value_loss, train_actor=step >= warmup)
         return step_fn
 
+    def _warn_if_sampling_is_flat(self, engine: FSDPEngine, metrics: dict) -> None:
+        """One line when the RL phase's first rollout was sampled from a near-uniform distribution
+        (mean entropy >= FLAT_ENTROPY_SHARE of ln(vocabulary)): its completions score by chance, the
+        group-normalised advantages are noise, and the updates walk the model away from what the
+        SFT warm-up taught (measured: a LoRA warm-up of a from-scratch preset; README, Tuning)."""
+        entropy, vocab = metrics.get("entropy"), getattr(engine.module.config, "vocab_size", 0)
+        if entropy is None or vocab < 2 or entropy < FLAT_ENTROPY_SHARE * math.log(vocab):
+            return
+        _say(f"warning: the first RL rollout was sampled at entropy {entropy:.2f}, near uniform over "
+             f"{vocab} tokens ({math.log(vocab):.2f}): its rewards are chance and RL may undo the SFT warm-up; "
+             f"train the warm-up longer (trainer.sft_steps, algo.sft.optim.lr; with LoRA the adapters cannot "
+             f"sharpen a from-scratch model much) or lower algo.actor.temperature")
+
     def _step_seed(self, step: int) -> int:
         """The seed of a phase's step ``step``, from trainer.seed (the same on every rank)."""
         return self.cfg.trainer.seed * 1_000_003 + step
@@ -488,7 +511,10 @@ class Job:
         for step in range(start, phase.steps):
             examples = self._shard(self.source.batch(phase.stream, step, phase.batch_size))
             global_step = phase.step_offset + step + 1
-            self._record(phase.name, step + 1, global_step, step_fn(step, examples), progress)
+            metrics = step_fn(step, examples)
+            if phase.name == RL_PHASE and step == start:
+                self._warn_if_sampling_is_flat(engine, metrics)
+            self._record(phase.name, step + 1, global_step, metrics, progress)
             if every and (step + 1) % every == 0 and step + 1 != phase.steps:
                 self._evaluate(engine, "step", global_step)
             self.position = (phase.name, step + 1)

@@ -79,6 +79,11 @@ class MetricsLogger:
         (resumed) run's new records start."""
         return max((int(r["global_step"]) + 1 for r in self.history if "global_step" in r), default=0)
 
+    def elapsed_s(self) -> float:
+        """The run's time (``time_s``) at the newest record held: where a resumed run's clock
+        continues (0.0 for an empty file)."""
+        return max((float(r["time_s"]) for r in self.history if "time_s" in r), default=0.0)
+
     def last(self, phase: str, tag: str | None = None) -> dict | None:
         """The newest record of ``phase`` (and eval ``tag``), or None."""
         for record in reversed(self.history):

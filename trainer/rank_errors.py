@@ -12,13 +12,14 @@ from typing import Callable, TypeVar
 
 from polyfsdp.backends.distributed import all_gather_object, current_rank, current_world_size
 
+from .startup import rank_prefix
+
 T = TypeVar("T")
 
 
 def error_prefix(rank: int | None = None, prog: str = "polyfsdp-train") -> str:
     """How ``prog`` starts an error line on ``rank`` (default: this process's)."""
-    rank = current_rank() if rank is None else rank
-    return f"{prog}: error: " if rank == 0 else f"{prog} [rank {rank}]: error: "
+    return rank_prefix(current_rank() if rank is None else rank, prog)
 
 
 class RankError(Exception):

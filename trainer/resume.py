@@ -15,7 +15,7 @@ from polyfsdp.engines.checkpoint import CheckpointDamaged, CheckpointError, comp
 from polyfsdp.engines.checkpoint_files import check_manifest
 
 from .compose import renamed_key
-from .config import ConfigError, JobConfig, RolloutSection
+from .config import ConfigError, JobConfig, RolloutSection, without_unused_preset
 from .metrics import METRICS_FILE
 
 # Written next to the SFT-end export: how many metrics records precede the RL phase's start.
@@ -175,7 +175,8 @@ def check_same_run(cfg: JobConfig, run_dir: Path) -> None:
     # A run that stopped before its first checkpoint (a reward that raised at the first
     # evaluation, say) left only init_model, which the next run reuses: only the model must
     # match, so the user can fix the reward or the data and run again in the same directory.
-    before_raw = OmegaConf.to_container(OmegaConf.load(saved))
+    # A config.yaml written before model.path dropped the unused preset still names one.
+    before_raw = without_unused_preset(OmegaConf.to_container(OmegaConf.load(saved)))
     if trained and ((run_dir / "checkpoints" / LEGACY_RL_PHASE).is_dir()
                     or any(renamed_key(f"algo.{key}") for key in (_section(before_raw, "algo") or {}))):
         raise ConfigError(legacy_run_line(run_dir))

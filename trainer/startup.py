@@ -16,3 +16,8 @@ def interrupted_while_starting() -> SystemExit:
     print("polyfsdp-train: interrupted while starting (nothing ran, nothing was written)", file=sys.stderr,
           flush=True)
     return SystemExit(EXIT_INTERRUPTED)
+
+
+def rank_prefix(rank: int, prog: str = "polyfsdp-train") -> str:
+    """How ``prog`` starts an error line on ``rank`` (torch-free: config errors print it early)."""
+    return f"{prog}: error: " if rank == 0 else f"{prog} [rank {rank}]: error: "

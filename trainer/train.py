@@ -13,7 +13,7 @@ import logging
 import os
 import sys
 
-from .startup import EXIT_INTERRUPTED, interrupted_while_starting
+from .startup import EXIT_INTERRUPTED, interrupted_while_starting, rank_prefix
 
 USAGE = """usage: polyfsdp-train [GROUP=OPTION] [KEY=VALUE ...] [--cfg] [--estimate] [--help]
 
@@ -72,12 +72,13 @@ def _setup_logging() -> None:
 
 
 def _error(exc: BaseException, prog: str = "polyfsdp-train") -> int:
-    from .rank_errors import RankError, error_prefix
-
-    if isinstance(exc, RankError) and _rank() != 0:
+    # A RankError exists only once its module (which imports torch) is loaded: a config error
+    # found before then prints without loading it.
+    rank_errors = sys.modules.get(f"{__package__}.rank_errors")
+    if rank_errors is not None and isinstance(exc, rank_errors.RankError) and _rank() != 0:
         return EXIT_USAGE  # every rank has it: rank 0 prints the one line
     message = " ".join(str(exc).split()) or type(exc).__name__
-    print(error_prefix(_rank(), prog) + message, file=sys.stderr, flush=True)
+    print(rank_prefix(_rank(), prog) + message, file=sys.stderr, flush=True)
     return EXIT_USAGE
 
 
@@ -107,13 +108,11 @@ def _say_stop(line: str) -> None:
 
 
 def _usage() -> str:
-    from .compose import PRESET_GROUPS
-    from .config import GROUPS, available_options
-    from .estimators import ESTIMATORS
-    from .policy_losses import POLICY_LOSSES
+    from .compose import GROUPS, PRESET_GROUPS, available_options
+    from .rl_choices import ESTIMATOR_NAMES, POLICY_LOSS_NAMES
 
     groups = "\n".join(f"  {g:<8} {', '.join(available_options(g))}" for g in GROUPS + PRESET_GROUPS)
-    return USAGE.format(groups=groups, estimators=", ".join(ESTIMATORS), losses=", ".join(POLICY_LOSSES))
+    return USAGE.format(groups=groups, estimators=", ".join(ESTIMATOR_NAMES), losses=", ".join(POLICY_LOSS_NAMES))
 
 
 # Hydra's own spelling is ``--cfg job`` (or all/hydra): accepted, so Hydra habits work.
@@ -124,7 +123,7 @@ CFG_VALUES = ("job", "all")
 def _take_cfg_flag(args: list[str]) -> tuple[bool, list[str]]:
     """(whether to print the config, the remaining overrides): ``--cfg``, ``--cfg job``,
     ``--cfg=all``; a Hydra section this entry point does not have is one ConfigError."""
-    from .config import ConfigError
+    from .compose import ConfigError
 
     show, rest, i = False, [], 0
     while i < len(args):
@@ -170,13 +169,10 @@ def _known_failure(exc: BaseException) -> str | None:
 
 
 def _main(argv: list[str] | None) -> int:
-    from polyfsdp.backends import BackendUnavailableError
-    from polyfsdp.backends.distributed import destroy_distributed
-
-    from .config import ConfigError, load_config
-    from .data import DataError
-    from .metrics import MetricsWriteError
-    from .stop import EXIT_TERMINATED, Preempted, continue_command
+    # Until the overrides have composed, only Hydra is imported: --help, a mistyped key or option
+    # and a value outside its bounds answer in about a second, not after torch and transformers load.
+    from .compose import ConfigError, compose, to_container
+    from .config_bounds import check_bounds
 
     args = list(sys.argv[1:] if argv is None else argv)
     if "-h" in args or "--help" in args:
@@ -192,7 +188,19 @@ def _main(argv: list[str] | None) -> int:
     if unknown_flags:
         return _error(ConfigError(f"unknown option {unknown_flags[0]!r}; arguments are KEY=VALUE overrides "
                                   f"(see --help)"))
+    try:
+        raw = to_container(compose(overrides))
+        check_bounds(raw)
+    except ConfigError as exc:
+        return _error(exc)
     _setup_logging()
+    from polyfsdp.backends import BackendUnavailableError
+    from polyfsdp.backends.distributed import destroy_distributed
+
+    from .config import build_job_config
+    from .data import DataError
+    from .metrics import MetricsWriteError
+    from .stop import EXIT_TERMINATED, Preempted, continue_command
     from polyfsdp.engines.checkpoint import CheckpointError
 
     from .rank_errors import RankError
@@ -208,7 +216,7 @@ def _main(argv: list[str] | None) -> int:
         from polyfsdp.backends.topology import launch_env
 
         world_size = launch_env().world_size
-        cfg = load_config(overrides, world_size=world_size)
+        cfg = build_job_config(raw, world_size=world_size)
         if show_cfg:
             from omegaconf import OmegaConf
 

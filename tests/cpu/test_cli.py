@@ -118,9 +118,12 @@ def test_model_path_loads_weights_and_tokenizer_from_directory(tmp_path):
     AutoModelForCausalLM.from_config(config).save_pretrained(model_dir)
     tok.save_pretrained(str(model_dir))
 
-    _, records = _run(tmp_path, "run", f"model.path={model_dir}", "algo=sft", "trainer.sft_steps=1",
-                      "trainer.export=false", "trainer.plot=false")
+    out, records = _run(tmp_path, "run", f"model.path={model_dir}", "algo=sft", "trainer.sft_steps=1",
+                        "trainer.export=false", "trainer.plot=false")
     first = _steps(records, "sft")[0]
+    # config.yaml records the model that ran: the directory, not the preset's unused overrides.
+    saved = (out / "config.yaml").read_text()
+    assert f"path: {model_dir}" in saved and "preset: null" in saved and "hidden_size" not in saved
 
     # Independent reference: the saved model, one sequence at a time, token-mean NLL of
     # answer + eos over the first step's examples (the data is a function of seed and step).

@@ -117,3 +117,10 @@ def test_a_users_estimator_runs_through_polyfsdp_train_without_editing_polyfsdp(
     steps = [r for r in read_metrics(str(out / "metrics.jsonl")) if r["phase"] == "rl"]
     assert [r["step"] for r in steps] == [1, 2] and all("pg_loss" in r for r in steps)
 
+
+
+def test_the_help_names_equal_the_registries():
+    """--help lists names from a torch-free module (trainer/rl_choices.py): it must stay equal."""
+    from polyfsdp.trainer.rl_choices import ESTIMATOR_NAMES, POLICY_LOSS_NAMES
+
+    assert ESTIMATOR_NAMES == tuple(ESTIMATORS) and POLICY_LOSS_NAMES == tuple(POLICY_LOSSES)

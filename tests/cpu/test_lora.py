@@ -66,6 +66,36 @@ def test_config_errors_name_the_field():
         ("q_proj",)
 
 
+def test_parameter_counts_are_the_adapters_of_rank_r_and_the_whole_model():
+    """Trained: r x (in + out) per adapted linear of the plain model, counted here by hand."""
+    from transformers import AutoModelForCausalLM
+
+    from polyfsdp.engines.presets import PRESETS
+
+    plain = AutoModelForCausalLM.from_config(PRESETS["qwen2-tiny"]())
+    linears = [m for name, m in plain.named_modules() if isinstance(m, torch.nn.Linear)
+               and name.rsplit(".", 1)[-1] in ("q_proj", "v_proj")]
+    engine = lora_engine(target_modules=["q_proj", "v_proj"])
+    adapters = sum(RANK * (m.in_features + m.out_features) for m in linears)
+    assert engine.parameter_counts() == (adapters, sum(p.numel() for p in plain.parameters()) + adapters)
+    full = FSDPEngine(ModelConfig(preset="qwen2-tiny"), EngineConfig(), OptimConfig()).initialize()
+    assert full.parameter_counts() == (sum(p.numel() for p in plain.parameters()),) * 2
+
+
+def test_adding_and_exporting_adapters_raises_no_deprecation_from_peft(tmp_path):
+    """peft reads transformers' deprecated is_gradient_checkpointing: not the user's warning."""
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        engine = lora_engine()
+        engine.export_hf(str(tmp_path / "merged"))
+        warnings.warn("still shown", FutureWarning)  # the filter is the one message's, not all
+    messages = [str(w.message) for w in caught]
+    assert not [m for m in messages if "is_gradient_checkpointing" in m], messages
+    assert "still shown" in messages
+
+
 def test_missing_peft_is_one_clear_line(monkeypatch):
     import sys
 

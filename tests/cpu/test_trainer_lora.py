@@ -57,6 +57,7 @@ def test_sft_then_grpo_with_lora_exports_a_peft_adapter(tmp_path, capsys):
     assert main([*TINY, "model.lora.rank=4", "trainer.export_lora=adapter", f"trainer.output_dir={out}"]) == 0
     text = capsys.readouterr().out
     assert "[rl reference]" not in text  # the reference is the policy with adapters off
+    assert "[sft policy] trainable parameters: " in text and "[rl policy] trainable parameters: " in text
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert any(r["phase"] == "rl" for r in records)
     # GRPO started from the merged SFT model: a plain checkpoint, which the adapter goes on.

@@ -1,0 +1,38 @@
+"""The RL phase says so when its first rollout was sampled from a near-uniform distribution
+(the case where RL measurably undid a LoRA SFT warm-up), and stays quiet otherwise."""
+from __future__ import annotations
+
+import math
+from types import SimpleNamespace
+
+import torch
+
+from polyfsdp.trainer.job import FLAT_ENTROPY_SHARE, Job
+from polyfsdp.trainer.train import main
+
+WARNING = "warning: the first RL rollout was sampled at entropy"
+
+
+def _engine(vocab: int):
+    return SimpleNamespace(module=SimpleNamespace(config=SimpleNamespace(vocab_size=vocab)))
+
+
+def test_the_warning_fires_from_the_share_of_the_uniform_entropy(capsys):
+    uniform = math.log(85)
+    Job._warn_if_sampling_is_flat(None, _engine(85), {"entropy": FLAT_ENTROPY_SHARE * uniform + 1e-3})
+    assert WARNING in capsys.readouterr().out
+    for metrics in ({"entropy": FLAT_ENTROPY_SHARE * uniform - 1e-3}, {"entropy": 0.9}, {}):
+        Job._warn_if_sampling_is_flat(None, _engine(85), metrics)
+        assert capsys.readouterr().out == ""
+
+
+def test_rl_from_an_untrained_model_warns_once(tmp_path, capsys):
+    threads = torch.get_num_threads()
+    try:
+        code = main(["trainer.sft_steps=0", "trainer.rl_steps=2", "trainer.prompts_per_step=4",
+                     "algo.actor.group_size=4", "data.eval_size=4", "trainer.progress=off", "trainer.plot=false",
+                     "trainer.export=false", f"trainer.output_dir={tmp_path / 'run'}"])
+    finally:
+        torch.set_num_threads(threads)
+    assert code == 0
+    assert capsys.readouterr().out.count(WARNING) == 1
