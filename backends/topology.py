@@ -12,10 +12,12 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
-import torch.distributed as dist
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+# torch loads on first use, not on import: polyfsdp-train's --help and config errors ask
+# launch_env() for the rank before anything imports torch (tests/cpu/test_cli_startup.py).
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
 
 
 def _env_int(name: str, default: int) -> int:
@@ -107,6 +109,8 @@ _job_sp_size = 1  # the degree a bare topology() returns: what init_distributed 
 
 
 def _group_exists() -> bool:
+    import torch.distributed as dist
+
     return dist.is_available() and dist.is_initialized()
 
 
@@ -121,6 +125,9 @@ def topology(sp_size: int | None = None, device_type: str | None = None) -> Topo
     once per process group. Building one with sp > 1 creates its ``(dp, sp)`` mesh, a
     collective: every rank asks for the same degree at the same point (``device_type``, the
     backend's, is needed then). Without a process group: rank 0 of a world of one."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
     sp_size = _job_sp_size if sp_size is None else sp_size
     if not _group_exists():
         return Topology(1, 0, launch_env().local_rank, sp_size)
