@@ -123,8 +123,10 @@ def reinforce_plus_plus(inputs: AdvantageInputs) -> Advantages:
                                                      sum_over_ranks=inputs.sum_over_ranks))
 
 
+# Environment turns (mask 0 inside the response) are skipped: the last assistant token before
+# one bootstraps from the value of the next assistant token, as in verl's multi-turn GAE.
 @estimator("gae", "token-level GAE over the response from a learned critic (algo=ppo; algo.critic.gamma, lam)",
-           needs_critic=True, multi_turn=False)
+           needs_critic=True)
 def gae(inputs: AdvantageInputs) -> Advantages:
     critic = inputs.algo.critic
     advantages, returns = gae_advantages(inputs.rewards, inputs.masks, inputs.values, critic.gamma, critic.lam,

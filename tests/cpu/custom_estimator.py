@@ -18,3 +18,8 @@ def median_baseline(inputs):
 
 def not_an_estimator(inputs):
     return None
+
+
+@estimator("last_turn_only", "an estimator that cannot skip environment turns", multi_turn=False)
+def last_turn_only(inputs):
+    return median_baseline(inputs)

@@ -124,3 +124,13 @@ def test_the_help_names_equal_the_registries():
     from polyfsdp.trainer.rl_choices import ESTIMATOR_NAMES, POLICY_LOSS_NAMES
 
     assert ESTIMATOR_NAMES == tuple(ESTIMATORS) and POLICY_LOSS_NAMES == tuple(POLICY_LOSSES)
+
+
+def test_an_estimator_declaring_multi_turn_false_is_refused_with_an_environment():
+    single_turn = f"{HERE / 'custom_estimator.py'}:last_turn_only"
+    env = f"{HERE / 'envs' / 'guess_env.py'}:GuessEnv"
+    load_config([f"algo.adv_estimator={single_turn}"])  # fine without an environment
+    with pytest.raises(ConfigError, match="declares multi_turn=False") as info:
+        load_config([f"algo.adv_estimator={single_turn}", f"rollout.env={env}"])
+    assert "\n" not in str(info.value)
+    load_config(["algo=ppo", f"rollout.env={env}"])  # GAE skips environment turns

@@ -52,6 +52,32 @@ def test_hand_computed_two_tokens():
     assert torch.allclose(adv[0], torch.tensor([0.0, -(0.5 ** 0.5), 0.5 ** 0.5, 0.0]), atol=1e-6)
 
 
+@pytest.mark.parametrize("gamma,lam", [(1.0, 1.0), (0.9, 0.8), (0.0, 0.95)])
+def test_environment_turns_are_skipped_as_if_only_the_sampled_tokens_existed(gamma, lam):
+    """A multi-turn response: sampled turns (mask 1) with environment turns (mask 0) between
+    them. GAE over it equals GAE over the sampled tokens alone, laid back in place: an
+    environment token's value and position never reach an advantage."""
+    g = torch.Generator().manual_seed(5)
+    masks = [torch.tensor([0, 0, 1, 1, 0, 0, 0, 1, 1, 1, 0, 1, 0], dtype=torch.float32),
+             torch.tensor([0, 1, 0, 1, 1, 0, 0], dtype=torch.float32)]
+    values = [torch.randn(len(m), generator=g) for m in masks]
+    kl = [torch.randn(len(m), generator=g) * 0.3 for m in masks]
+    scores = [0.7, -0.2]
+    adv, ret = gae_advantages(scores, masks, values, gamma, lam, kl=kl, kl_coef=0.1)
+    # The reference: the sampled tokens alone, as one contiguous response (no holes).
+    compact = [(m > 0).nonzero().flatten() for m in masks]
+    c_adv, c_ret = gae_advantages(scores, [torch.ones(len(i)) for i in compact], [v[i] for v, i in zip(values, compact)],
+                                  gamma, lam, kl=[k[i] for k, i in zip(kl, compact)], kl_coef=0.1)
+    for a, r, m, i, ca, cr in zip(adv, ret, masks, compact, c_adv, c_ret):
+        torch.testing.assert_close(a[i], ca, atol=1e-6, rtol=0)
+        torch.testing.assert_close(r[i], cr, atol=1e-6, rtol=0)
+        assert torch.all(a[m == 0] == 0) and torch.all(r[m == 0] == 0)
+    # Negative control: the environment tokens' values are not ignored by accident of the data.
+    bumped = [v + 5.0 * (1 - m) for v, m in zip(values, masks)]
+    adv2, _ = gae_advantages(scores, masks, bumped, gamma, lam, kl=kl, kl_coef=0.1)
+    assert all(torch.equal(a, b) for a, b in zip(adv, adv2))
+
+
 @pytest.mark.parametrize("gamma,lam", [(1.0, 1.0), (0.9, 0.8), (1.0, 0.0), (0.0, 0.95)])
 @pytest.mark.parametrize("kl_coef", [0.0, 0.2])
 def test_matches_the_per_sequence_loop(gamma, lam, kl_coef):

@@ -2,6 +2,7 @@
 drawn with loss_mask 1, environment turns from the chat template with 0), the engine's
 recomputed log-probs equal the sampler's in both pad modes, one-line environment errors, and a
 user environment from a test file training through polyfsdp-train."""
+import math
 import os
 
 import pytest
@@ -166,6 +167,25 @@ def test_a_user_environment_from_a_test_file_trains_through_polyfsdp_train(tmp_p
     assert len(grpo) == 2 and all(r["multi_turn/turns_mean"] >= 1.0 for r in grpo)
     assert max(r["multi_turn/turns_mean"] for r in grpo) > 1.0  # some conversations had a second turn
     assert all(0.0 <= r["multi_turn/truncated_mean"] <= 1.0 for r in grpo)
+
+
+def test_ppo_trains_a_critic_over_environment_turns_through_polyfsdp_train(tmp_path):
+    """algo=ppo with an environment: GAE skips the environment's tokens (tests/cpu/test_gae.py),
+    the critic's value loss sees only the sampled ones."""
+    from test_cli import TINY, TINY_GRPO
+
+    from polyfsdp.trainer.metrics import read_metrics
+    from polyfsdp.trainer.train import main
+
+    out = tmp_path / "run"
+    code = main([*TINY, *TINY_GRPO, "algo=ppo", "algo.critic.critic_warmup=0", "trainer.sft_steps=30",
+                 "trainer.rl_steps=2", "trainer.plot=false", "trainer.export=false", f"rollout.env={GUESS_ENV}",
+                 "rollout.max_turns=3", "+rollout.env_kwargs.target=c", f"trainer.output_dir={out}"])
+    assert code == 0
+    rl = [r for r in read_metrics(str(out / "metrics.jsonl")) if r["phase"] == "rl" and "loss" in r]
+    assert len(rl) == 2 and max(r["multi_turn/turns_mean"] for r in rl) > 1.0  # environment turns happened
+    for r in rl:
+        assert all(math.isfinite(r[k]) for k in ("loss", "vf_loss", "vf_explained_var", "grad_norm")), r
 
 
 class _Hangs(_Raises):
