@@ -3,6 +3,7 @@ and generates: the tokenizer is written as real Hugging Face files beside char_t
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from polyfsdp.trainer.chat import text_prompt_tokens
 from polyfsdp.trainer.model_init import write_initial_model
 from polyfsdp.trainer.task import CharTokenizer, load_tokenizer
 
@@ -19,6 +20,7 @@ def test_auto_tokenizer_encodes_decodes_and_renders_chats_like_the_char_tokenize
     for text in TEXTS:
         ids = chars.encode(text)
         assert hf.encode(text, add_special_tokens=False) == ids, text
+        assert hf(text)["input_ids"] == text_prompt_tokens(chars, text), text  # what training's prompts are
         assert hf.decode(ids + [chars.eos_token_id], skip_special_tokens=True) == chars.decode(ids), text
     messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "2+2?"}]
     for prompt in (True, False):
