@@ -486,10 +486,15 @@ class Job:
         entropy, vocab = metrics.get("entropy"), getattr(engine.module.config, "vocab_size", 0)
         if entropy is None or vocab < 2 or entropy < FLAT_ENTROPY_SHARE * math.log(vocab):
             return
+        if self.cfg.trainer.sft_steps > 0:
+            harm = "RL may undo the SFT warm-up"
+            fix = ("train the warm-up longer (trainer.sft_steps, algo.sft.optim.lr; with LoRA the adapters cannot "
+                   "sharpen a from-scratch model much)")
+        else:
+            harm, fix = "RL learns slowly from it", "start from a trained model or add an SFT warm-up (trainer.sft_steps)"
         _say(f"warning: the first RL rollout was sampled at entropy {entropy:.2f}, near uniform over "
-             f"{vocab} tokens ({math.log(vocab):.2f}): its rewards are chance and RL may undo the SFT warm-up; "
-             f"train the warm-up longer (trainer.sft_steps, algo.sft.optim.lr; with LoRA the adapters cannot "
-             f"sharpen a from-scratch model much) or lower algo.actor.temperature")
+             f"{vocab} tokens ({math.log(vocab):.2f}): its rewards are chance and {harm}; {fix} "
+             f"or lower algo.actor.temperature")
 
     def _step_seed(self, step: int) -> int:
         """The seed of a phase's step ``step``, from trainer.seed (the same on every rank)."""

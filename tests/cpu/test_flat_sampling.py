@@ -17,12 +17,17 @@ def _engine(vocab: int):
     return SimpleNamespace(module=SimpleNamespace(config=SimpleNamespace(vocab_size=vocab)))
 
 
+def _job(sft_steps: int = 30):
+    return SimpleNamespace(cfg=SimpleNamespace(trainer=SimpleNamespace(sft_steps=sft_steps)))
+
+
 def test_the_warning_fires_from_the_share_of_the_uniform_entropy(capsys):
     uniform = math.log(85)
-    Job._warn_if_sampling_is_flat(None, _engine(85), {"entropy": FLAT_ENTROPY_SHARE * uniform + 1e-3})
-    assert WARNING in capsys.readouterr().out
+    Job._warn_if_sampling_is_flat(_job(), _engine(85), {"entropy": FLAT_ENTROPY_SHARE * uniform + 1e-3})
+    said = capsys.readouterr().out
+    assert WARNING in said and "undo the SFT warm-up" in said
     for metrics in ({"entropy": FLAT_ENTROPY_SHARE * uniform - 1e-3}, {"entropy": 0.9}, {}):
-        Job._warn_if_sampling_is_flat(None, _engine(85), metrics)
+        Job._warn_if_sampling_is_flat(_job(), _engine(85), metrics)
         assert capsys.readouterr().out == ""
 
 
@@ -35,4 +40,6 @@ def test_rl_from_an_untrained_model_warns_once(tmp_path, capsys):
     finally:
         torch.set_num_threads(threads)
     assert code == 0
-    assert capsys.readouterr().out.count(WARNING) == 1
+    said = capsys.readouterr().out
+    assert said.count(WARNING) == 1
+    assert "undo the SFT warm-up" not in said and "start from a trained model" in said  # no warm-up ran
