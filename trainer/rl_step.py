@@ -26,10 +26,10 @@ from polyfsdp.backends.distributed import all_reduce_sum, sum_over_replicas
 
 from .batch import build_batch, per_sequence, response_field, response_mask
 from .compose import ConfigError
-from .estimators import AdvantageInputs
+from .estimators import AdvantageInputs, Advantages
 from .gae import explained_variance
 from .multi_turn import rollout_metrics
-from .rewards import mean_over_ranks
+from .rewards import RewardError, call_user_code, mean_over_ranks
 from .sampling import sample_groups
 from .task import Example
 from .updates import mini_batch_plan, old_and_ref_log_probs, run_updates, summarise_updates
@@ -93,10 +93,11 @@ def train_on_rollout(policy, critic, ref, tokenizer, roll, pairs, algo, actor_lo
     values = per_sequence(critic.infer_values(batch)["values"], batch, pad_mode) if critic is not None else None
     # Batch statistics count each replica once (its SP ranks hold the same rollout).
     over_ranks = lambda v: sum_over_replicas(v, device)  # noqa: E731
-    result = est(AdvantageInputs(
+    inputs = AdvantageInputs(
         rewards=roll.rewards, masks=masks, group_size=g.group_size, algo=algo, old_log_probs=old,
         ref_log_probs=ref_lp, values=values, kl=[o - r for o, r in zip(old, ref_lp)] if kl_in_reward else None,
-        kl_coef=g.kl_coef, sum_over_ranks=over_ranks))
+        kl_coef=g.kl_coef, sum_over_ranks=over_ranks)
+    result = _user_estimator(est, inputs, algo.adv_estimator) if ":" in str(algo.adv_estimator) else est(inputs)
     if critic is not None and result.returns is None:
         raise ConfigError(f"algo.adv_estimator={algo.adv_estimator} declares needs_critic but returned no returns "
                          f"(the critic's targets): return Advantages(advantages, returns)")
@@ -137,6 +138,21 @@ def reward_metrics(roll, device) -> dict:
     mean = reward_sum / count
     return {"reward": mean, "reward_std": max(reward_sq / count - mean ** 2, 0.0) ** 0.5,
             "solved": solved_sum / count, "response_len": resp_sum / count}
+
+
+def _user_estimator(est, inputs: AdvantageInputs, spec: str) -> Advantages:
+    """The user's estimator (``path.py:NAME``) on this rollout: an exception, ``sys.exit`` or a
+    result of the wrong shape is one line naming it, like a failing reward function."""
+    who, where = f"algo.adv_estimator={spec}", f"(a rollout of {len(inputs.masks)} sequences)"
+    result = call_user_code(lambda: est(inputs), who, where, None, "")
+    if not isinstance(result, Advantages):
+        raise RewardError(f"{who} returned {type(result).__name__}; return Advantages(advantages, returns=None) "
+                          f"with one tensor per sequence, shaped like its mask {where}")
+    if len(result.advantages) != len(inputs.masks) or any(
+            not torch.is_tensor(a) or a.shape != m.shape for a, m in zip(result.advantages, inputs.masks)):
+        raise RewardError(f"{who} returned advantages that are not one tensor per sequence shaped like its mask "
+                          f"(expected {len(inputs.masks)}, got {len(result.advantages)}) {where}")
+    return result
 
 
 def value_metrics(values, returns, masks, over_ranks) -> dict:

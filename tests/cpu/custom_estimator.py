@@ -23,3 +23,23 @@ def not_an_estimator(inputs):
 @estimator("last_turn_only", "an estimator that cannot skip environment turns", multi_turn=False)
 def last_turn_only(inputs):
     return median_baseline(inputs)
+
+
+@estimator("raises", "an estimator with a bug")
+def raises(inputs):
+    return {}["missing"]
+
+
+@estimator("exits", "an estimator that ends the process")
+def exits(inputs):
+    raise SystemExit(0)
+
+
+@estimator("returns_a_list", "an estimator that forgets the Advantages wrapper")
+def returns_a_list(inputs):
+    return [torch.zeros(len(m)) for m in inputs.masks]
+
+
+@estimator("one_short", "an estimator that drops a sequence")
+def one_short(inputs):
+    return Advantages([torch.zeros(len(m)) for m in inputs.masks][1:])

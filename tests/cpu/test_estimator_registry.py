@@ -134,3 +134,23 @@ def test_an_estimator_declaring_multi_turn_false_is_refused_with_an_environment(
         load_config([f"algo.adv_estimator={single_turn}", f"rollout.env={env}"])
     assert "\n" not in str(info.value)
     load_config(["algo=ppo", f"rollout.env={env}"])  # GAE skips environment turns
+
+
+@pytest.mark.parametrize("name, expected", [
+    ("raises", "raised KeyError: 'missing' at "),
+    ("exits", "called sys.exit(0)"),
+    ("returns_a_list", "returned list; return Advantages("),
+    ("one_short", "not one tensor per sequence shaped like its mask (expected 8, got 7)"),
+])
+def test_a_failing_users_estimator_is_one_line_naming_it(tmp_path, capsys, name, expected):
+    from polyfsdp.trainer.train import main
+
+    spec = f"{HERE / 'custom_estimator.py'}:{name}"
+    code = main(["trainer.sft_steps=0", "trainer.rl_steps=1", "trainer.prompts_per_step=2", "algo.actor.group_size=4",
+                 "data.eval_size=4", "trainer.progress=off", "trainer.plot=false", "trainer.export=false",
+                 "trainer.checkpoint_interval=0", f"algo.adv_estimator={spec}", f"trainer.output_dir={tmp_path}"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code != 0 and len(err) == 1, err
+    assert f"algo.adv_estimator={spec}" in err[0] and expected in err[0], err[0]
+    if name == "raises":
+        assert "custom_estimator.py:" in err[0]  # the user's file:line
