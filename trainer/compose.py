@@ -19,14 +19,24 @@ PRESET_GROUPS = ("task",)
 RENAMED_KEYS = {"trainer.grpo_steps": "trainer.rl_steps", "algo.grpo": "algo.actor", "algo.ppo": "algo.critic"}
 
 
-def renamed_key(key: str) -> str | None:
-    """``"OLD was renamed NEW"`` when dotted ``key`` (an override's, ``+``/``~`` allowed) is or
-    lies under a renamed key, else None."""
+def renamed_to(key: str) -> str | None:
+    """Dotted ``key`` (an override's, ``+``/``~`` allowed) under its new name when it is or lies
+    under a renamed key, else None."""
     key = key.lstrip("+~")
     for old, new in RENAMED_KEYS.items():
         if key == old or key.startswith(old + "."):
-            return f"{old} was renamed {new}" + (f" ({new}{key[len(old):]})" if key != old else "")
+            return new + key[len(old):]
     return None
+
+
+def renamed_key(key: str) -> str | None:
+    """``"OLD was renamed NEW"`` when dotted ``key`` is or lies under a renamed key, else None."""
+    new_key = renamed_to(key)
+    if new_key is None:
+        return None
+    key = key.lstrip("+~")
+    old = next(old for old in RENAMED_KEYS if key == old or key.startswith(old + "."))
+    return f"{old} was renamed {RENAMED_KEYS[old]}" + (f" ({new_key})" if key != old else "")
 
 
 def upgrade_saved_config(raw: dict) -> dict:
@@ -54,6 +64,14 @@ def _keys(node, prefix: str = "") -> list[str]:
         key = f"{prefix}{name}"
         out.extend(_keys(value, key + ".") if isinstance(value, DictConfig) else [key])
     return out
+
+
+def _is_known(key: str, others: list[str]) -> bool:
+    """Whether ``key`` exists in the config the ``others`` overrides compose (True when they fail)."""
+    try:
+        return key in _keys(compose(others))
+    except ConfigError:
+        return True
 
 
 def _did_you_mean(key: str, overrides: list[str]) -> str:
@@ -88,7 +106,12 @@ def _hydra_error(exc: Exception, overrides: list[str]) -> ConfigError:
     if match and "not in struct" in f"{text} {exc.__cause__}":
         key = match.group(1)
         if renamed_key(key):
-            return ConfigError(f"{key}: {renamed_key(key)}")
+            # The old name may have been wrong too (algo.grpo.lr): then the new one is unknown.
+            new_key = renamed_to(key)
+            others = [o for o in overrides if o.lstrip("+~").partition("=")[0] != key]
+            unknown_too = new_key != RENAMED_KEYS.get(key.lstrip("+~")) and not _is_known(new_key, others)
+            hint = _did_you_mean(new_key, others) if unknown_too else ""
+            return ConfigError(f"{key}: {renamed_key(key)}" + (f", which is unknown too; {hint}" if hint else ""))
         hint = _did_you_mean(key, overrides)
         return ConfigError(f"{key}: unknown key; {hint or 'check the spelling'} "
                            f"(`polyfsdp-train --cfg` prints every key)")

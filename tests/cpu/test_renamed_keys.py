@@ -12,6 +12,10 @@ from polyfsdp.trainer.config import ConfigError, build_job_config, load_config
     ("algo.grpo.group_size=4", "algo.grpo.group_size: algo.grpo was renamed algo.actor (algo.actor.group_size)"),
     ("algo.ppo.gamma=0.9", "algo.ppo.gamma: algo.ppo was renamed algo.critic (algo.critic.gamma)"),
     ("+trainer.grpo_steps=5", "trainer.grpo_steps: trainer.grpo_steps was renamed trainer.rl_steps"),
+    # The old key was wrong as well: the new name is unknown too, and the hint is its close match.
+    ("algo.grpo.lr=1e-4", "algo.grpo.lr: algo.grpo was renamed algo.actor (algo.actor.lr), which is unknown too; "
+                          "did you mean algo.actor.optim.lr?"),
+    ("algo.grpo.optim.lr=1e-4", "algo.grpo.optim.lr: algo.grpo was renamed algo.actor (algo.actor.optim.lr)"),
 ])
 def test_an_old_key_is_one_line_naming_the_new_one(override, line):
     with pytest.raises(ConfigError) as info:
