@@ -19,24 +19,26 @@ PRESET_GROUPS = ("task",)
 RENAMED_KEYS = {"trainer.grpo_steps": "trainer.rl_steps", "algo.grpo": "algo.actor", "algo.ppo": "algo.critic"}
 
 
+def _renamed_prefix(key: str) -> str | None:
+    """The renamed key that dotted ``key`` (``+``/``~`` already stripped) is or lies under."""
+    return next((old for old in RENAMED_KEYS if key == old or key.startswith(old + ".")), None)
+
+
 def renamed_to(key: str) -> str | None:
     """Dotted ``key`` (an override's, ``+``/``~`` allowed) under its new name when it is or lies
     under a renamed key, else None."""
     key = key.lstrip("+~")
-    for old, new in RENAMED_KEYS.items():
-        if key == old or key.startswith(old + "."):
-            return new + key[len(old):]
-    return None
+    old = _renamed_prefix(key)
+    return None if old is None else RENAMED_KEYS[old] + key[len(old):]
 
 
 def renamed_key(key: str) -> str | None:
     """``"OLD was renamed NEW"`` when dotted ``key`` is or lies under a renamed key, else None."""
-    new_key = renamed_to(key)
-    if new_key is None:
-        return None
     key = key.lstrip("+~")
-    old = next(old for old in RENAMED_KEYS if key == old or key.startswith(old + "."))
-    return f"{old} was renamed {RENAMED_KEYS[old]}" + (f" ({new_key})" if key != old else "")
+    old = _renamed_prefix(key)
+    if old is None:
+        return None
+    return f"{old} was renamed {RENAMED_KEYS[old]}" + (f" ({renamed_to(key)})" if key != old else "")
 
 
 def upgrade_saved_config(raw: dict) -> dict:
@@ -66,23 +68,23 @@ def _keys(node, prefix: str = "") -> list[str]:
     return out
 
 
-def _is_known(key: str, others: list[str]) -> bool:
-    """Whether ``key`` exists in the config the ``others`` overrides compose (True when they fail)."""
-    try:
-        return key in _keys(compose(others))
-    except ConfigError:
-        return True
-
-
-def _did_you_mean(key: str, overrides: list[str]) -> str:
-    """'did you mean X?' for an unknown ``key``: the same leaf name under the key's own section
-    (``algo.actor.lr`` -> ``algo.actor.optim.lr``), else the closest spelling; '' if none is close."""
-    import difflib
-
+def _keys_without(key: str, overrides: list[str]) -> list[str] | None:
+    """Every key of the config the overrides other than ``key``'s compose; None when another
+    override is wrong too (then no suggestion is made)."""
     others = [o for o in overrides if o.lstrip("+~").partition("=")[0] != key]
     try:
-        known = _keys(compose(others))
-    except ConfigError:  # another override is wrong too: no suggestion
+        return _keys(compose(others))
+    except ConfigError:
+        return None
+
+
+def _did_you_mean(key: str, known: list[str] | None) -> str:
+    """'did you mean X?' for an unknown ``key`` among the ``known`` keys: the same leaf name
+    under the key's own section (``algo.actor.lr`` -> ``algo.actor.optim.lr``), else the closest
+    spelling; '' if none is close (or ``known`` is None)."""
+    import difflib
+
+    if known is None:
         return ""
     section, _, leaf = key.rpartition(".")
     same_leaf = [k for k in known if k.rpartition(".")[2] == leaf]
@@ -105,14 +107,14 @@ def _hydra_error(exc: Exception, overrides: list[str]) -> ConfigError:
     match = re.search(r"Could not override '([^']+)'", text)
     if match and "not in struct" in f"{text} {exc.__cause__}":
         key = match.group(1)
+        known = _keys_without(key, overrides)
         if renamed_key(key):
             # The old name may have been wrong too (algo.grpo.lr): then the new one is unknown.
             new_key = renamed_to(key)
-            others = [o for o in overrides if o.lstrip("+~").partition("=")[0] != key]
-            unknown_too = new_key != RENAMED_KEYS.get(key.lstrip("+~")) and not _is_known(new_key, others)
-            hint = _did_you_mean(new_key, others) if unknown_too else ""
+            unknown_too = new_key != RENAMED_KEYS.get(key.lstrip("+~")) and known is not None and new_key not in known
+            hint = _did_you_mean(new_key, known) if unknown_too else ""
             return ConfigError(f"{key}: {renamed_key(key)}" + (f", which is unknown too; {hint}" if hint else ""))
-        hint = _did_you_mean(key, overrides)
+        hint = _did_you_mean(key, known)
         return ConfigError(f"{key}: unknown key; {hint or 'check the spelling'} "
                            f"(`polyfsdp-train --cfg` prints every key)")
     cause = exc.__cause__
