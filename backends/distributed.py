@@ -15,23 +15,19 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from .base import Backend
-from .topology import forget_topologies, launch_env, set_job_sp_size, topology
+from .topology import forget_topologies, group_exists, launch_env, set_job_sp_size, topology
 
 logger = logging.getLogger(__name__)
 
 
-def _group_exists() -> bool:
-    return dist.is_available() and dist.is_initialized()
-
-
 def current_rank() -> int:
     """This process's rank, 0 when no process group is initialised."""
-    return dist.get_rank() if _group_exists() else 0
+    return dist.get_rank() if group_exists() else 0
 
 
 def current_world_size() -> int:
     """The number of ranks, 1 when no process group is initialised."""
-    return dist.get_world_size() if _group_exists() else 1
+    return dist.get_world_size() if group_exists() else 1
 
 
 # ----------------------------------------------------------------------------- collectives
@@ -142,7 +138,7 @@ def all_to_all(tensor: torch.Tensor, group) -> torch.Tensor:
     """Differentiable all-to-all within ``group`` (any backend: gloo, nccl, hccl): ``tensor``'s
     dim 0 has the group's size; chunk ``i`` is sent to group rank ``i`` and the result's chunk
     ``j`` is the one rank ``j`` sent here. The input itself on a group of one."""
-    size = dist.get_world_size(group) if _group_exists() else 1
+    size = dist.get_world_size(group) if group_exists() else 1
     if tensor.shape[0] != size:
         raise ValueError(f"all_to_all: dim 0 must be the group size {size}, got shape {tuple(tensor.shape)}")
     return tensor if size == 1 else _AllToAll.apply(tensor, group)
@@ -151,7 +147,7 @@ def all_to_all(tensor: torch.Tensor, group) -> torch.Tensor:
 def all_gather_differentiable(tensor: torch.Tensor, group) -> torch.Tensor:
     """``(group size, *tensor.shape)`` holding every group rank's ``tensor`` in rank order,
     with gradients flowing back to each owner (summed over the ranks that used it)."""
-    if not _group_exists() or dist.get_world_size(group) == 1:
+    if not group_exists() or dist.get_world_size(group) == 1:
         return tensor.unsqueeze(0)
     return _AllGather.apply(tensor, group)
 
@@ -166,7 +162,7 @@ def sequence_parallel_mesh(device_type: str, sp_size: int) -> DeviceMesh:
 def barrier(group=None) -> None:
     """Wait until every rank (of ``group``, default all) arrives; a no-op when no process group
     is initialised."""
-    if _group_exists():
+    if group_exists():
         dist.barrier(group=group)
 
 
@@ -178,7 +174,7 @@ def background_group():
     background thread (an asynchronous checkpoint save) that must never interleave with the
     training's on the default group. Created on the first call, which every rank must make at
     the same point; None without a process group."""
-    if not _group_exists():
+    if not group_exists():
         return None
     if not _BACKGROUND_GROUP:
         _BACKGROUND_GROUP.append(dist.new_group(backend="gloo"))

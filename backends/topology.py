@@ -108,7 +108,8 @@ _GROUP_ID: list[int] = []  # id() of the default process group the cache belongs
 _job_sp_size = 1  # the degree a bare topology() returns: what init_distributed was told
 
 
-def _group_exists() -> bool:
+def group_exists() -> bool:
+    """Whether a default process group is initialised (torch.distributed loads on this call)."""
     import torch.distributed as dist
 
     return dist.is_available() and dist.is_initialized()
@@ -129,7 +130,7 @@ def topology(sp_size: int | None = None, device_type: str | None = None) -> Topo
     from torch.distributed.device_mesh import init_device_mesh
 
     sp_size = _job_sp_size if sp_size is None else sp_size
-    if not _group_exists():
+    if not group_exists():
         return Topology(1, 0, launch_env().local_rank, sp_size)
     group = id(dist.group.WORLD)
     if _GROUP_ID != [group]:

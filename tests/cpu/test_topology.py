@@ -70,7 +70,7 @@ def test_a_share_that_does_not_split_and_a_degree_that_does_not_divide_are_refus
 def test_without_a_process_group_the_topology_is_one_rank(monkeypatch):
     from polyfsdp.backends import topology as owner
 
-    monkeypatch.setattr(owner, "_group_exists", lambda: False)
+    monkeypatch.setattr(owner, "group_exists", lambda: False)
     monkeypatch.setenv("LOCAL_RANK", "3")
     topo = topology(1)
     assert (topo.world_size, topo.rank, topo.local_rank, topo.dp_size, topo.replica) == (1, 0, 3, 1, 0)
