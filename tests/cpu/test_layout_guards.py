@@ -20,11 +20,11 @@ DOCS = ("README.md", "docs/architecture.md")
 CITED_PATH = re.compile(r"`((?:backends|patches|engines|trainer|configs|tests|benchmarks|scripts|docs)/[^`\s]*)`")
 
 
-def _imported_layers(path: Path, package: str) -> list[tuple[int, str]]:
+def _imported_layers(path: Path) -> list[tuple[int, str]]:
     """``(line, top-level polyfsdp folder)`` of every polyfsdp import in ``path``."""
     found = []
-    parts = path.relative_to(ROOT).with_suffix("").parts
-    module_package = parts[:-1] if parts[-1] != "__init__" else parts[:-1]
+    # A relative import counts from the module's folder (for an __init__.py: its own package).
+    module_package = path.relative_to(ROOT).parts[:-1]
     for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
         names = []
         if isinstance(node, ast.Import):
@@ -46,7 +46,7 @@ def _upward_imports() -> list[str]:
     violations = []
     for folder, layer in LAYERS.items():
         for path in sorted((ROOT / folder).rglob("*.py")):
-            for line, target in _imported_layers(path, folder):
+            for line, target in _imported_layers(path):
                 if LAYERS[target] > layer:
                     violations.append(f"{path.relative_to(ROOT)}:{line} imports polyfsdp.{target}")
     return violations
@@ -59,7 +59,7 @@ def test_the_import_check_sees_relative_and_absolute_imports(tmp_path, monkeypat
     probe.write_text("from ...trainer import job\nimport polyfsdp.trainer.config\nfrom ..backends import x\n"
                      "from . import sibling\n")
     monkeypatch.setattr(f"{__name__}.ROOT", tmp_path)
-    assert [target for _, target in _imported_layers(probe, "engines")] == ["trainer", "trainer", "engines",
+    assert [target for _, target in _imported_layers(probe)] == ["trainer", "trainer", "engines",
                                                                               "engines"]
 
 
