@@ -21,15 +21,14 @@ from typing import Callable
 
 import torch
 
+# Host copy of ``cu_seq_lens_q`` for attention functions that need the boundaries on the host.
+from polyfsdp.backends.varlen_keywords import HOST_CU_SEQ_LENS
+
 from . import jagged
 from .flat_batch import FlatBatch
 from .fused_logprob import check_labels_on_host, fused_logprob_entropy
 from .fused_logprob_loss import FULL_PRECISION, LossOf, fused_logprob_loss
 from .jagged import IGNORE_INDEX
-
-# Host copy of ``cu_seq_lens_q`` for attention functions that need the boundaries on the
-# host (polyfsdp_varlen_sdpa, the NPU fusion attention): no device read per forward/layer.
-from polyfsdp.patches.fused_attention import HOST_CU_SEQ_LENS  # noqa: E402
 
 FUSED_HEAD_METHOD = "polyfsdp_fused_head"
 # Config attributes through which some families rescale logits inside their forward

@@ -10,11 +10,9 @@ from __future__ import annotations
 
 import torch
 
+from polyfsdp.backends.varlen_keywords import HOST_CU_SEQ_LENS
+
 ATTN_NAME = "polyfsdp_fusion_attention"
-# Keyword through which the engine hands attention functions a host copy (list of ints) of
-# ``cu_seq_lens_q``: functions that need the boundaries on the host read it instead of the
-# device tensor, which would stall the device once per layer.
-HOST_CU_SEQ_LENS = "polyfsdp_host_cu_seq_lens"
 OP_ATTR = "_polyfsdp_fusion_attention_op"
 # sparse_mode 3 (causal, aligned bottom-right) takes this fixed, compressed 2048 x 2048 mask.
 _CAUSAL_SPARSE_MODE = 3
