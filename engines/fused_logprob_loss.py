@@ -150,7 +150,7 @@ def fused_logprob_loss(hidden: torch.Tensor, weight: torch.Tensor, labels: torch
     carries the gradient to ``hidden`` and ``weight`` (computed in this forward), ``metrics``,
     ``log_probs`` and ``entropy`` are detached. ``loss_of`` must be token-separable (see the
     module docstring): a loss that is not gives wrong gradients here, so callers check
-    :func:`losses.is_token_separable`. Float32/float64 inputs only.
+    :func:`loss_inputs.is_token_separable`. Float32/float64 inputs only.
     """
     _check_inputs(hidden, weight, labels, temperature, chunk_size, softcap, check_values)
     if hidden.dtype not in FULL_PRECISION:

@@ -1,4 +1,5 @@
-"""The contract between the engine's training step and a loss function.
+"""The contract between the engine's training step and a loss function, and the checks of it
+every log-prob loss runs (shapes only) and the declaration the fused head reads.
 
 Alignment convention (one rule for every per-token field): position ``t`` of a sequence
 holds quantities about predicting token ``t + 1``, exactly like ``log_probs`` (docs/architecture.md).
@@ -9,6 +10,7 @@ So ``response_mask[t] == 1`` means "the log-prob at ``t`` belongs to the respons
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Sequence
 
 import torch
 
@@ -40,3 +42,66 @@ class LossInputs:
 # and ``required_fields = (...)`` naming the batch keys it reads (checked before the step),
 # and ``mask_field`` naming the per-token mask whose sum is ``global_num_tokens``
 # (default ``response_mask``; without that field, every position that has a next token).
+
+
+def check_inputs(inputs: LossInputs, required: Sequence[str], need_entropy: bool,
+                 loss_name: str = "this loss") -> None:
+    """Raise ValueError for inputs of the wrong kind or shape, naming the field.
+
+    Shape checks only: they cost no device-to-host read. Values (0/1 masks, finite fields,
+    offsets) are checked once per batch at the engine's edge (engines/batch_checks.py).
+    """
+    if not isinstance(inputs, LossInputs):
+        raise TypeError(f"loss functions take a LossInputs, got {type(inputs).__name__}")
+    lp = inputs.log_probs
+    if not torch.is_tensor(lp) or lp.dim() != 1 or not lp.is_floating_point():
+        raise ValueError(
+            f"log_probs must be a flat (total_tokens,) float tensor, got "
+            f"{type(lp).__name__} {tuple(lp.shape) if torch.is_tensor(lp) else ''} "
+            f"{lp.dtype if torch.is_tensor(lp) else ''}".rstrip()
+        )
+    offsets = inputs.offsets
+    if not torch.is_tensor(offsets) or offsets.dim() != 1 or offsets.numel() < 1 or offsets.is_floating_point():
+        raise ValueError(f"offsets must be a 1-D integer tensor (num_seqs + 1,), got {offsets!r}")
+    missing = [name for name in required if name not in inputs.fields]
+    per_seq = inputs.extras.get("seq_fields", {})
+    for name in missing:
+        if name in per_seq:
+            raise ValueError(
+                f"batch[{name!r}] has one value per sequence (shape {tuple(per_seq[name].shape)}); "
+                f"{loss_name} needs it per token, in input_ids' layout (broadcast it over each sequence)"
+            )
+    if missing:
+        raise ValueError(
+            f"loss needs batch fields {list(required)}; missing {missing} (given: {sorted(inputs.fields)})"
+        )
+    for name in required:
+        value = inputs.fields[name]
+        if not torch.is_tensor(value) or value.shape != lp.shape:
+            given = tuple(value.shape) if torch.is_tensor(value) else type(value).__name__
+            raise ValueError(
+                f"field {name!r} must have the shape of log_probs {tuple(lp.shape)} "
+                f"(flat, same layout), got {given}"
+            )
+    if need_entropy:
+        ent = inputs.entropy
+        if ent is None:
+            raise ValueError("this loss needs entropy (requires_entropy=True) but inputs.entropy is None")
+        if ent.shape != lp.shape:
+            raise ValueError(f"entropy must have the shape of log_probs {tuple(lp.shape)}, got {tuple(ent.shape)}")
+    if not inputs.global_num_tokens > 0:
+        raise ValueError(
+            f"global_num_tokens must be > 0 (the step's response-token count), got {inputs.global_num_tokens}"
+        )
+    if not inputs.global_num_seqs > 0:
+        raise ValueError(f"global_num_seqs must be > 0, got {inputs.global_num_seqs}")
+
+
+def is_token_separable(loss_fn) -> bool:
+    """Whether ``loss_fn`` declares itself token-separable: a sum over tokens of a function of
+    that token's log-prob, entropy and per-token fields, with normalisers fixed before the step
+    (global counts, constants), so each token's gradient needs that token alone. The fused head
+    then takes the loss gradient inside its forward (engines/fused_logprob_loss.py). The
+    declaration (``token_separable = True``) counts only on the loss's own class: a subclass may
+    change ``__call__`` and must declare it again."""
+    return vars(type(loss_fn)).get("token_separable", False) is True

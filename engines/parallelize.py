@@ -88,7 +88,7 @@ def parallelize_model(model: nn.Module, mesh: DeviceMesh, config: EngineConfig,
     fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=root_reshard, **offload)
     for name in forward_methods:
         register_fsdp_forward_method(model, name)
-    # Losses are normalised by GLOBAL counts (engines/losses.py), so rank gradients must be
+    # Losses are normalised by GLOBAL counts (engines/loss_aggregation.py), so rank gradients must be
     # summed, not averaged. Plain SUM collectives also avoid PREMUL_SUM, which gloo lacks.
     for module in model.modules():
         if isinstance(module, FSDPModule):

@@ -6,7 +6,7 @@ Per response token, with ``v`` the critic's prediction, ``v_old`` the rollout's 
     v_clipped = clamp(v, v_old - cliprange_value, v_old + cliprange_value)
     loss_t    = 0.5 * max((v - R)^2, (v_clipped - R)^2)
 
-aggregated over ``response_mask`` like the PPO loss (``losses.aggregate``: shares of the
+aggregated over ``response_mask`` like the PPO loss (``loss_aggregation.aggregate``: shares of the
 step's global counts, so micro-batches and ranks do not change the result).
 ``cliprange_value=None`` turns clipping off (``loss_t = 0.5 * (v - R)^2``).
 """
@@ -17,7 +17,7 @@ import math
 import torch
 
 from .loss_inputs import LossInputs
-from .losses import AGG_MODES, _token_share, aggregate
+from .loss_aggregation import aggregate, check_agg_mode, token_share
 
 
 class ValueLoss:
@@ -37,10 +37,8 @@ class ValueLoss:
                                                 and math.isfinite(cliprange_value) and cliprange_value > 0):
             raise ValueError(f"cliprange_value must be a finite number > 0 (or None to disable), got "
                              f"{cliprange_value!r}")
-        if agg_mode not in AGG_MODES:
-            raise ValueError(f"unknown agg_mode {agg_mode!r}; choose one of {', '.join(AGG_MODES)}")
         self.cliprange_value = cliprange_value
-        self.agg_mode = agg_mode
+        self.agg_mode = check_agg_mode(agg_mode)
 
     def __call__(self, inputs: LossInputs) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """Return ``(loss, metrics)`` for one micro-batch of a critic."""
@@ -70,5 +68,5 @@ class ValueLoss:
             clipped_sq = (vclipped - returns) ** 2
             per_token, clipped = torch.maximum(unclipped, clipped_sq), clipped_sq > unclipped
         loss = 0.5 * aggregate(per_token, mask, inputs, self.agg_mode)
-        return loss, {"vf_loss": loss.detach(), "vf_clip_frac": _token_share(clipped.float(), mask, inputs),
-                      "vpred_mean": _token_share(vpred, mask, inputs)}
+        return loss, {"vf_loss": loss.detach(), "vf_clip_frac": token_share(clipped.float(), mask, inputs),
+                      "vpred_mean": token_share(vpred, mask, inputs)}
