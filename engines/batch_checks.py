@@ -2,15 +2,20 @@
 
 Each check reduces its tensor to a device scalar (a count of bad entries); :meth:`read`
 brings all of them to the host in a single transfer, together with any other values the
-step needs there (the global token counts). Only when a count is non-zero does the slow
-path run, to name the field and the first bad position. On an accelerator every extra
-``.item()``/``bool()`` is a pipeline stall, so nothing else in the hot loop reads values.
+step needs there (the step's global token and sequence counts: ``read_global_counts``). Only
+when a count is non-zero does the slow path run, to name the field and the first bad position.
+On an accelerator every extra ``.item()``/``bool()`` is a pipeline stall, so nothing else in
+the hot loop reads values.
 """
 from __future__ import annotations
 
 from typing import Callable
 
 import torch
+
+from polyfsdp.backends.distributed import all_reduce_sum
+
+from .flat_batch import FlatBatch
 
 
 def check_integer_ids(ids: torch.Tensor) -> None:
@@ -93,3 +98,28 @@ class BatchChecks:
             if count:
                 raise explain()
         return values[len(self._counts):]
+
+    def loss_fields(self, flat: FlatBatch, names, mask_field: str) -> None:
+        """The per-token fields a loss reads: its mask ``mask_field`` 0/1, the others finite."""
+        for name in names:
+            value = flat.fields.get(name)
+            if value is not None and name == mask_field:
+                self.zero_one(name, value, flat.offsets)
+            elif value is not None:
+                self.finite(name, value, flat.offsets)
+
+    def read_global_counts(self, flat: FlatBatch, mask_field: str, device) -> tuple[float, int]:
+        """Read every check and the step's (tokens, sequences) over all ranks in one go. Tokens
+        are the loss's mask sum (or every position with a next token, without the mask)."""
+        mask = flat.fields.get(mask_field)
+        if mask is not None:
+            tokens = mask.sum(dtype=torch.float64)
+        else:
+            tokens = torch.tensor(float(flat.total - sum(1 for n in flat.seq_lens if n > 0)), dtype=torch.float64)
+        counts = torch.cat([tokens.reshape(1).to(device),
+                            torch.tensor([flat.num_seqs, flat.total], dtype=torch.float64, device=device)])
+        all_reduce_sum(counts)
+        global_tokens, global_seqs, global_total = self.read(counts)
+        if global_total == 0:
+            raise ValueError("train_batch: the batch holds no tokens (every sequence is empty)")
+        return global_tokens, int(global_seqs)

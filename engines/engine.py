@@ -20,8 +20,7 @@ from tensordict import TensorDict
 from torch.distributed.tensor import DTensor
 
 from polyfsdp.backends.base import Backend
-from polyfsdp.backends.distributed import (all_gather_object, all_reduce_max, all_reduce_sum, current_rank,
-                                           current_world_size, init_distributed)
+from polyfsdp.backends.distributed import all_reduce_max, current_rank, current_world_size, init_distributed
 from polyfsdp.backends.registry import get_backend
 from polyfsdp.backends.topology import Topology, topology
 
@@ -30,39 +29,26 @@ from .checkpoint import CheckpointMixin
 from .config import EngineConfig, ModelConfig, OptimConfig
 from .dp_balance import Balanced, balance, restore
 from .flat_batch import FlatBatch, batch_to_flat, flat_to_caller
-from .forward_logprobs import (FUSED_HEAD_METHOD, forward_logprobs, forward_loss, fused_head_support,
-                               install_fused_head)
 from .fused_logprob_compiled import resolve_fused_kernel_impl
+from .heads import ValueHead, head_for
 from .lora import add_adapters, adapters_disabled, export_lora
-from .loss_inputs import LossInputs
-from .losses import is_token_separable
+from .loss_inputs import LossInputs, LossNeeds
 from .micro_batch import count_micro_batches, is_placeholder, merge, split
 from .model_builder import build_model
 from .offload import host_grad_norm, offload_policy, optimizer_on_host
-from .optim import build_lr_scheduler, build_optimizer
-from .parallelize import gathered, parallelize_model, set_gradient_sync
-from .sequence_parallel import check_same_batch, setup_sequence_parallel, sp_forward_logprobs, sp_forward_values
-from .value_head import VALUE_HEAD_METHOD, export_value_head, forward_values, install_value_head
+from .optim import build_lr_scheduler, build_optimizer, check_master_dtype
+from .parallelize import gather_fits, gathered, parallelize_model, set_gradient_sync
+from .sequence_parallel import check_same_batch, setup_sequence_parallel
+from .step_metrics import MAX_SUFFIX, accumulate, reduce_over_ranks
 
 logger = logging.getLogger(__name__)
-
-
-# Loss metrics whose name ends with this are maxima: combined by max over micro-batches,
-# batches and ranks instead of summed (engines/losses.py).
-MAX_SUFFIX = "_max"
-
-
-def _combine(key: str, total: torch.Tensor | None, value: torch.Tensor) -> torch.Tensor:
-    """Accumulate one metric: a sum of shares, or a maximum for ``*_max`` keys."""
-    if total is None:
-        return value
-    return torch.maximum(total, value) if key.endswith(MAX_SUFFIX) else total + value
 
 
 class FSDPEngine(CheckpointMixin):
     """One policy (or reference) model under FSDP2, or a critic with
     ``ModelConfig(value_head=True)`` (per-token values instead of log-probs:
-    :meth:`infer_values`, and ``LossInputs.values`` in training). Modes are read from ``engine_config``
+    :meth:`infer_values`, and ``LossInputs.values`` in training); ``head`` (engines/heads.py)
+    does what the two do differently. Modes are read from ``engine_config``
     at every call, so one engine can serve every mode combination; ``optim_config``
     (default ``OptimConfig()``) sets AdamW and its schedule. Checkpoint methods
     (``save_checkpoint``, ``load_checkpoint``, ``export_hf``) come from CheckpointMixin."""
@@ -92,12 +78,9 @@ class FSDPEngine(CheckpointMixin):
         # a rollout engine holding a copy of the weights (trainer/vllm_rollout.py) resyncs on it.
         self.weights_version = 0
         self._model = None
-        self._fused_unsupported: str | None = None
+        self.head = head_for(model_config)  # the LM head or a critic's value head (engines/heads.py)
         self._sp = None  # this rank's sequence-parallel group (engines/sequence_parallel.py), or None
         self._offload = None  # FSDP2's CPUOffloadPolicy when EngineConfig.offload moves shards to the host
-        self._softcap: float | None = None
-        self._fused_impl: tuple[str, bool] = ("eager", False)
-        self._warned_fallback = False
         self._warned_bf16_master = False
         # Loss and loss metrics since the last optimizer step: device tensors, read in optimizer_step.
         self._pending: dict[str, torch.Tensor] = {}
@@ -108,7 +91,7 @@ class FSDPEngine(CheckpointMixin):
         if self._model is not None:
             return self
         self.backend = self.backend or get_backend("auto")
-        self._fused_impl = resolve_fused_kernel_impl(self.engine_config.fused_kernel_impl, self.backend)
+        fused_impl = resolve_fused_kernel_impl(self.engine_config.fused_kernel_impl, self.backend)
         self.mesh = init_distributed(self.backend)
         self.topology = topology(self.engine_config.ulysses_sp_size, self.backend.device_type)
         self.device = self.backend.device(self.topology.local_rank)
@@ -117,22 +100,13 @@ class FSDPEngine(CheckpointMixin):
         if self.model_config.lora.enabled:
             # After the patches: they edit the base modules, which peft then wraps.
             add_adapters(model, self.model_config.lora, self.model_config.seed)
-        if self.is_critic:
-            # After the adapters: peft froze every base weight, and the new head (trainable)
-            # then trains beside the adapters; it is never wrapped by peft.
-            install_value_head(model, self.model_config.value_head_init_std, self.model_config.seed,
-                               self.model_config.value_head_path)
-            head_method = VALUE_HEAD_METHOD
-        else:
-            self._softcap, self._fused_unsupported = fused_head_support(model)
-            install_fused_head(model)
-            head_method = FUSED_HEAD_METHOD
+        self.head.install(model, fused_impl)  # after the adapters: peft never wraps the head
         self._sp = setup_sequence_parallel(model, self.topology)
         self._offload = offload_policy(self.engine_config.offload, self.backend)
         if self._offload is None:
             model.to(self.device)  # with CPU offload FSDP2 keeps the shards on the host
-        self._model = parallelize_model(model, self.mesh, self.engine_config, forward_methods=(head_method,),
-                                        offload_policy=self._offload)
+        self._model = parallelize_model(model, self.mesh, self.engine_config,
+                                        forward_methods=(self.head.forward_method,), offload_policy=self._offload)
         self.optimizer = build_optimizer(model, self.optim_config,
                                          on_host=optimizer_on_host(self.engine_config.offload, self.backend))
         self.lr_scheduler = build_lr_scheduler(self.optimizer, self.optim_config)
@@ -141,7 +115,7 @@ class FSDPEngine(CheckpointMixin):
     @property
     def is_critic(self) -> bool:
         """Whether the model has a scalar value head instead of the LM head."""
-        return self.model_config.value_head
+        return isinstance(self.head, ValueHead)
 
     @property
     def module(self) -> torch.nn.Module:
@@ -181,20 +155,12 @@ class FSDPEngine(CheckpointMixin):
     def gather_fits(self) -> bool:
         """Whether holding the full parameters on this rank fits the device's free memory
         (with 20% to spare); True when the backend cannot tell (CPU)."""
-        free = self.backend.free_memory_bytes()
-        if free is None:
-            return True
-        extra = sum(p.numel() * p.element_size() for p in self.module.parameters())
-        extra -= sum(p.to_local().numel() * p.element_size() if isinstance(p, DTensor) else 0
-                     for p in self.module.parameters())
-        return extra * 1.2 <= free
+        return gather_fits(self.module, self.backend)
 
     def export_value_head(self, path) -> None:
         """A critic's value head as a safetensors file (``weight``, ``bias``), which
         ``ModelConfig(value_head_path=...)`` loads into a new critic. Collective: call on every rank."""
-        if not self.is_critic:
-            raise ValueError("export_value_head: this engine has no value head (ModelConfig.value_head=False)")
-        export_value_head(self.module, path, current_rank())
+        self.head.export_value_head(self.module, path, current_rank())
 
     def load_checkpoint(self, directory, parts: dict | None = None) -> tuple[int, dict | None]:
         """The checkpoint mixin's load (engines/checkpoint.py), which also changes the weights
@@ -215,42 +181,12 @@ class FSDPEngine(CheckpointMixin):
         return super().export_hf(directory, tokenizer=tokenizer, dtype=dtype)
 
     # ------------------------------------------------------------------ forward
-    def _use_fused(self) -> bool:
-        if not self.engine_config.use_fused_kernels:
-            return False
-        if self._fused_unsupported is None:
-            return True
-        if not self._warned_fallback:
-            logger.warning("use_fused_kernels=True but %s: using the unfused log-prob path for this model",
-                           self._fused_unsupported)
-            self._warned_fallback = True
-        return False
-
     def forward_flat(self, flat: FlatBatch, return_entropy: bool = True):
         """Per-token ``(log_probs, entropy)`` of a flat batch on the engine's device (flat
         ``(total,)``, float32), with autograd when enabled (engines/forward_logprobs.py;
         split over the sequence-parallel group with ``ulysses_sp_size > 1``); a critic
         returns ``(values, None)`` (engines/value_head.py)."""
-        if self.is_critic and self._sp is not None:
-            return sp_forward_values(self.module, flat, use_remove_padding=self.engine_config.use_remove_padding,
-                                     sp=self._sp), None
-        if self.is_critic:
-            return forward_values(self.module, flat, use_remove_padding=self.engine_config.use_remove_padding), None
-        if self._sp is not None:
-            return sp_forward_logprobs(self.module, flat, use_remove_padding=self.engine_config.use_remove_padding,
-                                       fused=self._use_fused(), softcap=self._softcap, return_entropy=return_entropy,
-                                       sp=self._sp, fused_impl=self._fused_impl)
-        return forward_logprobs(self.module, flat, use_remove_padding=self.engine_config.use_remove_padding,
-                                fused=self._use_fused(), softcap=self._softcap, return_entropy=return_entropy,
-                                fused_impl=self._fused_impl)
-
-    def _fuses_loss(self, loss_fn) -> bool:
-        """Whether ``loss_fn`` is taken inside the fused head's forward (3 GEMMs instead of 4,
-        engines/fused_logprob_loss.py): ``fuse_loss_into_head`` is on, the fused head serves
-        this model, and the loss declares itself token-separable. A critic, sequence
-        parallelism and any other loss keep the head's outputs -> loss -> backward path."""
-        return (self.engine_config.fuse_loss_into_head and not self.is_critic and self._sp is None
-                and is_token_separable(loss_fn) and self._use_fused())
+        return self.head.forward(self.module, flat, self.engine_config, self._sp, return_entropy)
 
     def _to_flat(self, batch: TensorDict, temperature, keys, checks: BatchChecks) -> FlatBatch:
         """The edge: caller's layout -> FlatBatch on the device, with value checks queued."""
@@ -259,16 +195,7 @@ class FSDPEngine(CheckpointMixin):
         flat = batch_to_flat(batch, self.engine_config.pad_mode, keys=keys)
         if self._sp is not None:
             check_same_batch(flat, self._sp)
-        if torch.is_tensor(temperature):
-            if temperature.shape != (flat.num_seqs,):
-                raise ValueError(f"temperature: expected a float or a ({flat.num_seqs},) tensor, "
-                                 f"got shape {tuple(temperature.shape)}")
-            flat.temperature = temperature.to(dtype=torch.float32)
-        elif isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not temperature > 0 \
-                or not math.isfinite(temperature):
-            raise ValueError(f"temperature: expected a float > 0 (finite) or a (B,) tensor, got {temperature!r}")
-        else:
-            flat.temperature = float(temperature)
+        flat.set_temperature(temperature)
         flat = flat.to(self.device)  # tensors already on the device are kept, not copied
         if self.engine_config.check_inputs:
             checks.token_ids(flat.input_ids, self.module.get_input_embeddings().num_embeddings)
@@ -288,9 +215,7 @@ class FSDPEngine(CheckpointMixin):
         """``log_probs`` (and ``entropy``) per token, in the caller's layout: jagged with the
         input's offsets for ``no_padding``; dense ``(B, L)`` zero-padded for ``left_right``.
         ``adapters=False`` runs the base model under LoRA (the KL reference)."""
-        if self.is_critic:
-            raise ValueError("infer_batch: this engine is a critic (ModelConfig.value_head=True); use infer_values")
-        names = ("log_probs", "entropy") if calculate_entropy else ("log_probs",)
+        names = self.head.log_prob_names(calculate_entropy)
         with nullcontext() if adapters else self.adapters_disabled():
             return self._infer(batch, temperature, names, calculate_entropy)
 
@@ -298,9 +223,7 @@ class FSDPEngine(CheckpointMixin):
         """A critic's ``values`` per token, in the caller's layout (as :meth:`infer_batch`'s
         log-probs): ``values[i][t]`` is the value of the state before token ``t + 1``, the
         last position of every sequence is 0 (engines/value_head.py)."""
-        if not self.is_critic:
-            raise ValueError("infer_values: this engine has no value head; build it with ModelConfig(value_head=True)")
-        return self._infer(batch, 1.0, ("values",), False)
+        return self._infer(batch, 1.0, self.head.value_names(), False)
 
     def _infer(self, batch: TensorDict, temperature, names: tuple[str, ...], calculate_entropy: bool) -> TensorDict:
         """The forward's outputs ``names`` (in forward_flat's order) under no_grad, per
@@ -342,35 +265,6 @@ class FSDPEngine(CheckpointMixin):
         return split(flat, budget, num_groups=int(count))
 
     # ------------------------------------------------------------------ training
-    def _check_trainable(self) -> None:
-        if self.model_config.dtype == "float16":
-            # AdamW's eps (1e-8) rounds to 0 in float16: a zero gradient gives 0/0 = NaN weights.
-            raise ValueError("train_batch: ModelConfig.dtype='float16' keeps the master weights in float16, "
-                             "which AdamW turns into NaN; use ModelConfig.dtype='float32' with "
-                             "EngineConfig.param_dtype='float16' (float16 compute, float32 weights)")
-        if self.model_config.dtype == "bfloat16" and not self._warned_bf16_master:
-            # bf16 keeps ~3 significant digits: lr-sized AdamW updates mostly round away.
-            logger.warning("train_batch: ModelConfig.dtype='bfloat16' keeps the master weights in bfloat16, "
-                           "where small updates round to nothing; for training prefer ModelConfig.dtype="
-                           "'float32' with EngineConfig.param_dtype='bfloat16'")
-            self._warned_bf16_master = True
-
-    def _global_counts(self, flat: FlatBatch, mask_field: str, checks: BatchChecks) -> tuple[float, int]:
-        """The step's (tokens, sequences) over all ranks, read with the value checks in one go.
-        Tokens are the loss's mask sum (or every position with a next token, without the mask)."""
-        mask = flat.fields.get(mask_field)
-        if mask is not None:
-            tokens = mask.sum(dtype=torch.float64)
-        else:
-            tokens = torch.tensor(float(flat.total - sum(1 for n in flat.seq_lens if n > 0)), dtype=torch.float64)
-        counts = torch.cat([tokens.reshape(1).to(self.device),
-                            torch.tensor([flat.num_seqs, flat.total], dtype=torch.float64, device=self.device)])
-        all_reduce_sum(counts)
-        global_tokens, global_seqs, global_total = checks.read(counts)
-        if global_total == 0:
-            raise ValueError("train_batch: the batch holds no tokens (every sequence is empty)")
-        return global_tokens, int(global_seqs)
-
     def forward_backward(self, batch: TensorDict, loss_fn, temperature=1.0) -> dict[str, torch.Tensor]:
         """Forward and backward over ``batch``'s micro-batches; gradients accumulate until
         :meth:`optimizer_step`. ``loss_fn`` follows engines/loss_inputs.py.
@@ -379,77 +273,63 @@ class FSDPEngine(CheckpointMixin):
         (shares of global counts, summed over micro-batches; not reduced over ranks). They
         are also accumulated for :meth:`optimizer_step`, which reads and reduces them.
         """
-        self._check_trainable()
-        if not callable(loss_fn):
-            raise TypeError(f"loss_fn must be a callable taking LossInputs and returning (loss, metrics), such as "
-                            f"SFTLoss() or PPOLoss(); got {loss_fn!r}")
-        required = tuple(getattr(loss_fn, "required_fields", ()))
-        missing = [k for k in required if k not in batch.keys()]
-        if missing:
-            raise ValueError(f"loss function {type(loss_fn).__name__} needs batch keys {list(required)}; "
-                             f"missing {missing} (batch has {sorted(batch.keys())})")
-        need_entropy = bool(getattr(loss_fn, "requires_entropy", True))
-        mask_field = getattr(loss_fn, "mask_field", "response_mask")
+        self._warned_bf16_master = check_master_dtype(self.model_config.dtype, self._warned_bf16_master)
+        needs = LossNeeds.of(loss_fn, batch)
         checks = BatchChecks()
         flat = self._to_flat(batch, temperature, None, checks)
         if self.engine_config.check_inputs:
-            for name in required:
-                value = flat.fields.get(name)
-                if value is not None and name == mask_field:
-                    checks.zero_one(name, value, flat.offsets)
-                elif value is not None:
-                    checks.finite(name, value, flat.offsets)
-        global_tokens, global_seqs = self._global_counts(flat, mask_field, checks)
+            checks.loss_fields(flat, needs.required, needs.mask_field)
+        counts = checks.read_global_counts(flat, needs.mask_field, self.device)  # the step's one host read
         balanced = self._balance(flat)
+        sums = self._run_micro_batches(flat if balanced is None else balanced.flat, loss_fn, needs, counts)
         if balanced is not None:
-            flat = balanced.flat
+            # max / mean tokens per data-parallel replica (the same on every rank): maxima over the step.
+            accumulate(sums, {f"dp_token_imbalance_{key}{MAX_SUFFIX}": torch.tensor(value, dtype=torch.float64)
+                              for key, value in (("before", balanced.before), ("after", balanced.after))}, self.device)
+        accumulate(self._pending, sums, self.device)
+        return sums
 
-        model = self.module
+    def _run_micro_batches(self, flat: FlatBatch, loss_fn, needs: LossNeeds,
+                           counts: tuple[float, int]) -> dict[str, torch.Tensor]:
+        """Forward, loss and backward per micro-batch (gradients synced on the last): through the
+        head, with the loss inside the fused head when it may; the batch's loss and metrics."""
         micro_batches = self._micro_batches(flat)
-        fuse_loss = self._fuses_loss(loss_fn)
+        fuse_loss = self.head.fuses_loss(loss_fn, self.engine_config, self._sp)
         sums: dict[str, torch.Tensor] = {}
         with self.train_mode():
             for i, (micro, index) in enumerate(micro_batches):
-                set_gradient_sync(model, i == len(micro_batches) - 1)
-
-                def loss_of(log_probs, entropy, micro=micro, i=i):
-                    # A critic's forward gives values where a policy's gives log-probs.
-                    return loss_fn(LossInputs(log_probs=None if self.is_critic else log_probs, entropy=entropy,
-                                              values=log_probs if self.is_critic else None,
-                                              fields=dict(micro.fields), offsets=micro.offsets,
-                                              global_num_tokens=global_tokens, global_num_seqs=global_seqs,
-                                              extras={"seq_fields": micro.seq_fields, "micro_batch": i,
-                                                      "num_micro_batches": len(micro_batches)}))
-
-                if fuse_loss and micro.total > 0 and not is_placeholder(index):
-                    loss, metrics = forward_loss(model, micro, loss_of,
-                                                 use_remove_padding=self.engine_config.use_remove_padding,
-                                                 softcap=self._softcap, return_entropy=need_entropy,
-                                                 fused_impl=self._fused_impl)
-                    loss.backward()
+                set_gradient_sync(self.module, i == len(micro_batches) - 1)
+                if is_placeholder(index):
+                    self._placeholder_backward(micro, needs.entropy)
+                    continue
+                if micro.total == 0:
+                    continue
+                loss_of = self._loss_of(loss_fn, micro, counts, (i, len(micro_batches)))
+                if fuse_loss:
+                    loss, metrics = self.head.forward_loss(self.module, micro, loss_of, self.engine_config,
+                                                           needs.entropy)
                 else:
-                    log_probs, entropy = self.forward_flat(micro, need_entropy)
-                    if is_placeholder(index):
-                        # A placeholder: join the collectives, contribute nothing.
-                        if log_probs.requires_grad:
-                            (log_probs.sum() * 0.0).backward()
-                        continue
-                    if micro.total == 0:
-                        continue
-                    loss, metrics = loss_of(log_probs, entropy)
-                    loss.backward()
-                for key, value in {"loss": loss, **metrics}.items():
-                    value = torch.as_tensor(value).detach().to(device=self.device, dtype=torch.float64)
-                    sums[key] = _combine(key, sums.get(key), value)
-        set_gradient_sync(model, True)
-        if balanced is not None:
-            # max / mean tokens per data-parallel replica (the same on every rank): maxima over the step.
-            for key, value in (("before", balanced.before), ("after", balanced.after)):
-                sums[f"dp_token_imbalance_{key}{MAX_SUFFIX}"] = torch.tensor(value, dtype=torch.float64,
-                                                                             device=self.device)
-        for key, value in sums.items():
-            self._pending[key] = _combine(key, self._pending.get(key), value)
+                    loss, metrics = loss_of(*self.forward_flat(micro, needs.entropy))
+                loss.backward()
+                accumulate(sums, {"loss": loss, **metrics}, self.device)
+        set_gradient_sync(self.module, True)
         return sums
+
+    def _placeholder_backward(self, micro: FlatBatch, return_entropy: bool) -> None:
+        """A placeholder micro-batch: join the forward's and backward's collectives, contribute nothing."""
+        outputs, _ = self.forward_flat(micro, return_entropy)
+        if outputs.requires_grad:
+            (outputs.sum() * 0.0).backward()
+
+    def _loss_of(self, loss_fn, micro: FlatBatch, counts: tuple[float, int], position: tuple[int, int]):
+        """``loss_of(first, second)``: ``loss_fn`` on one micro-batch, the head's two outputs put
+        where they belong in ``LossInputs``; ``position`` is (micro-batch, of how many)."""
+        def loss_of(first, second):
+            return loss_fn(LossInputs(**self.head.loss_outputs(first, second), fields=dict(micro.fields),
+                                      offsets=micro.offsets, global_num_tokens=counts[0], global_num_seqs=counts[1],
+                                      extras={"seq_fields": micro.seq_fields, "micro_batch": position[0],
+                                              "num_micro_batches": position[1]}))
+        return loss_of
 
     def optimizer_step(self) -> dict[str, float]:
         """Clip the gradients, step AdamW unless their norm is not finite, zero them.
@@ -459,21 +339,11 @@ class FSDPEngine(CheckpointMixin):
         ranks; all of it comes to the host in one read. Advances ``global_step``.
         """
         params = [p for p in self.module.parameters() if p.grad is not None]
-        keys = self._union_keys(self._pending)
-        # Metrics named *_max are maxima (of non-negative values), reduced by max; the rest are shares, summed.
-        reduced = []
-        for maxima, reduce in ((False, all_reduce_sum), (True, all_reduce_max)):
-            group = [k for k in keys if k.endswith(MAX_SUFFIX) == maxima]
-            values = torch.stack([self._pending.get(k, torch.zeros((), dtype=torch.float64, device=self.device))
-                                  for k in group]) if group else torch.zeros(0, dtype=torch.float64, device=self.device)
-            if group:
-                reduce(values)
-            reduced.append((group, values))
-        keys = reduced[0][0] + reduced[1][0]
+        keys, values = reduce_over_ranks(self._pending, self.device)
         norm = self._grad_norm(params)
         # With CPU offload the gradients (and their norm) live on the host.
         norm_here = norm.reshape(1).to(device=self.device, dtype=torch.float64)
-        grad_norm, *values = torch.cat([norm_here, reduced[0][1], reduced[1][1]]).tolist()
+        grad_norm, *values = torch.cat([norm_here, values]).tolist()
         self._pending = {}
         skipped = not math.isfinite(grad_norm)
         lr = self.optimizer.param_groups[0]["lr"]
@@ -507,10 +377,6 @@ class FSDPEngine(CheckpointMixin):
         metrics = self.optimizer_step()
         self.lr_scheduler_step()
         return metrics
-
-    def _union_keys(self, metrics: dict) -> list[str]:
-        """Metric names over all ranks (a rank with only placeholder micro-batches has none)."""
-        return sorted(set().union(*all_gather_object(sorted(metrics))))
 
     def _grad_norm(self, params: list[torch.Tensor]) -> torch.Tensor:
         """Global gradient L2 norm over all ranks, as a device tensor (0 without gradients)."""

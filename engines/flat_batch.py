@@ -7,6 +7,7 @@ another device-to-host read.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -54,6 +55,20 @@ class FlatBatch:
     def lengths(self) -> torch.Tensor:
         """Per-sequence lengths ``(B,)`` on the batch's device."""
         return self.offsets[1:] - self.offsets[:-1]
+
+    def set_temperature(self, temperature) -> None:
+        """Set the caller's temperature: a finite float > 0 or a ``(B,)`` tensor (its values are
+        checked at the edge with the others, engines/batch_checks.py)."""
+        if torch.is_tensor(temperature):
+            if temperature.shape != (self.num_seqs,):
+                raise ValueError(f"temperature: expected a float or a ({self.num_seqs},) tensor, "
+                                 f"got shape {tuple(temperature.shape)}")
+            self.temperature = temperature.to(dtype=torch.float32)
+        elif isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not temperature > 0 \
+                or not math.isfinite(temperature):
+            raise ValueError(f"temperature: expected a float > 0 (finite) or a (B,) tensor, got {temperature!r}")
+        else:
+            self.temperature = float(temperature)
 
     def token_temperature(self) -> float | torch.Tensor:
         """The temperature as the forward wants it: a float, or one value per token ``(total,)``."""

@@ -105,3 +105,27 @@ def is_token_separable(loss_fn) -> bool:
     declaration (``token_separable = True``) counts only on the loss's own class: a subclass may
     change ``__call__`` and must declare it again."""
     return vars(type(loss_fn)).get("token_separable", False) is True
+
+
+@dataclass(frozen=True)
+class LossNeeds:
+    """What a loss declares by its attributes (the defaults above where it sets none)."""
+
+    required: tuple[str, ...]
+    entropy: bool
+    mask_field: str
+
+    @classmethod
+    def of(cls, loss_fn, batch) -> "LossNeeds":
+        """Read ``loss_fn``'s attributes; a TypeError for a non-callable, a ValueError naming the
+        keys it needs and ``batch`` lacks."""
+        if not callable(loss_fn):
+            raise TypeError(f"loss_fn must be a callable taking LossInputs and returning (loss, metrics), such as "
+                            f"SFTLoss() or PPOLoss(); got {loss_fn!r}")
+        required = tuple(getattr(loss_fn, "required_fields", ()))
+        missing = [k for k in required if k not in batch.keys()]
+        if missing:
+            raise ValueError(f"loss function {type(loss_fn).__name__} needs batch keys {list(required)}; "
+                             f"missing {missing} (batch has {sorted(batch.keys())})")
+        return cls(required, bool(getattr(loss_fn, "requires_entropy", True)),
+                   getattr(loss_fn, "mask_field", "response_mask"))

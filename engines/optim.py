@@ -1,4 +1,5 @@
-"""AdamW and the learning-rate schedules (constant, linear warmup + cosine decay)."""
+"""AdamW, the learning-rate schedules (constant, linear warmup + cosine decay), and the
+master-weight dtypes AdamW can train."""
 from __future__ import annotations
 
 import logging
@@ -27,6 +28,23 @@ def build_optimizer(model: torch.nn.Module, config: OptimConfig, on_host: bool =
     kernel = {"auto": {}, "for_loop": {"foreach": False}, "foreach": {"foreach": True},
               "fused": {"fused": True}}[config.impl]
     return torch.optim.AdamW(params, **hyper, **kernel)
+
+
+def check_master_dtype(dtype: str, warned: bool) -> bool:
+    """Refuse float16 master weights; warn about bfloat16 ones unless ``warned``. Returns
+    whether the bfloat16 warning has been given."""
+    if dtype == "float16":
+        # AdamW's eps (1e-8) rounds to 0 in float16: a zero gradient gives 0/0 = NaN weights.
+        raise ValueError("train_batch: ModelConfig.dtype='float16' keeps the master weights in float16, "
+                         "which AdamW turns into NaN; use ModelConfig.dtype='float32' with "
+                         "EngineConfig.param_dtype='float16' (float16 compute, float32 weights)")
+    if dtype == "bfloat16" and not warned:
+        # bf16 keeps ~3 significant digits: lr-sized AdamW updates mostly round away.
+        logger.warning("train_batch: ModelConfig.dtype='bfloat16' keeps the master weights in bfloat16, "
+                       "where small updates round to nothing; for training prefer ModelConfig.dtype="
+                       "'float32' with EngineConfig.param_dtype='bfloat16'")
+        return True
+    return warned
 
 
 def lr_factor(step: int, config: OptimConfig) -> float:

@@ -10,6 +10,7 @@ from contextlib import contextmanager
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
+from torch.distributed.tensor import DTensor
 
 from .config import TORCH_DTYPES, EngineConfig
 
@@ -119,3 +120,14 @@ def gathered(model: nn.Module, policy: str):
             flag = bool(root_reshard) if module is model else layer_reshard
             module.set_reshard_after_forward(flag, recurse=False)
             module.reshard()
+
+
+def gather_fits(model: nn.Module, backend) -> bool:
+    """Whether holding ``model``'s full parameters on this rank fits the device's free memory
+    (with 20% to spare); True when the backend cannot tell (CPU)."""
+    free = backend.free_memory_bytes()
+    if free is None:
+        return True
+    extra = sum(p.numel() * p.element_size() for p in model.parameters())
+    extra -= sum(p.to_local().numel() * p.element_size() if isinstance(p, DTensor) else 0 for p in model.parameters())
+    return extra * 1.2 <= free

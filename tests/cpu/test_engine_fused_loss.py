@@ -108,7 +108,7 @@ def test_engine_step_with_the_loss_in_the_head_equals_todays_step(head_calls, pr
     stepped_old = _step(old, batch, loss_fn, temperature)
     assert len(head_calls) == calls_before  # and the switched-off one did not
     _assert_steps_equal(stepped_new, stepped_old)
-    assert (new._softcap is not None) == (preset == "gemma2-tiny")  # the soft-cap case has one
+    assert (new.head.softcap is not None) == (preset == "gemma2-tiny")  # the soft-cap case has one
 
 
 def test_lora_gradients_reach_only_the_adapters_and_equal_todays(head_calls):

@@ -155,7 +155,7 @@ def test_engine_fused_head_with_each_impl_matches_per_sequence_reference(impl):
 
     engine = FSDPEngine(ModelConfig(preset="qwen2-tiny", seed=3),
                         EngineConfig(use_fused_kernels=True, fused_kernel_impl=impl)).initialize()
-    assert engine._fused_impl == (impl, False)
+    assert engine.head.fused_impl == (impl, False)
     seqs = sequences([6, 1, 12, 3], seed=11)
     temps = torch.tensor([1.0, 0.7, 1.3, 0.5])
     out = engine.infer_batch(no_padding_batch(seqs), temperature=temps)
