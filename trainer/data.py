@@ -11,6 +11,7 @@ import logging
 import os
 import random
 
+from .demonstrations import MESSAGES_FIELD, DemonstrationError, final_answer, opening, plain_value, read_conversation
 from .task import CharTokenizer, Example, ReverseTask
 
 logger = logging.getLogger(__name__)
@@ -129,18 +130,13 @@ def _lookup(raw: dict, dotted: str):
     return True, node
 
 
-def _plain(value):
-    # pandas hands list columns over as numpy arrays.
-    return value.tolist() if hasattr(value, "tolist") and not isinstance(value, (str, bytes)) else value
-
-
 def _messages(value, where: str, key: str) -> tuple:
     """A chat prompt: a non-empty list of ``{"role": str, "content": str}``."""
     if not value:
         raise DataError(f"{where}: field {key!r} is an empty list of chat messages")
     out = []
     for i, message in enumerate(value):
-        message = _plain(message)
+        message = plain_value(message)
         if not (isinstance(message, dict) and isinstance(message.get("role"), str)
                 and isinstance(message.get("content"), str)):
             raise DataError(f"{where}: field {key!r} message {i} must be {{\"role\": text, \"content\": text}}, "
@@ -150,12 +146,22 @@ def _messages(value, where: str, key: str) -> tuple:
 
 
 def _record(raw, where: str, prompt_key: str, answer_key: str | None) -> Example:
-    """An Example from one record in verl's RL layout (or today's ``{"prompt", "answer"}``)."""
+    """An Example from one record in verl's RL layout (or today's ``{"prompt", "answer"}``),
+    with the demonstration conversation of its ``messages`` field (trainer/demonstrations.py)
+    when it has one (and ``messages`` is not its prompt)."""
     answer_keys = (answer_key,) if answer_key else AUTO_ANSWER_KEYS
     if not isinstance(raw, dict):
         raise DataError(f"{where}: expected an object with fields {prompt_key!r} and {answer_keys[-1]!r}, "
                         f"got {type(raw).__name__}")
+    conversation = None
+    if MESSAGES_FIELD in raw and prompt_key != MESSAGES_FIELD:
+        try:
+            conversation = read_conversation(raw[MESSAGES_FIELD])
+        except DemonstrationError as exc:
+            raise DataError(f"{where}: {exc}") from None
     found, prompt = _lookup(raw, prompt_key)
+    if not found and conversation is not None:
+        found, prompt = True, list(opening(conversation))
     if not found:
         raise DataError(f"{where}: missing field {prompt_key!r} (record has {sorted(raw)}); set "
                         f"data.prompt_key to the name your file uses")
@@ -164,10 +170,12 @@ def _record(raw, where: str, prompt_key: str, answer_key: str | None) -> Example
         if found:
             break
     else:
-        names = " or ".join(repr(k) for k in reversed(answer_keys))
-        raise DataError(f"{where}: missing field {names} (record has {sorted(raw)}); set "
-                        f"data.answer_key to the name your file uses")
-    prompt, answer = _plain(prompt), _plain(answer)
+        if conversation is None:
+            names = " or ".join(repr(k) for k in reversed(answer_keys))
+            raise DataError(f"{where}: missing field {names} (record has {sorted(raw)}); set "
+                            f"data.answer_key to the name your file uses")
+        key, answer = MESSAGES_FIELD, final_answer(conversation)
+    prompt, answer = plain_value(prompt), plain_value(answer)
     messages = None
     if isinstance(prompt, list):
         messages = _messages(prompt, where, prompt_key)
@@ -176,14 +184,14 @@ def _record(raw, where: str, prompt_key: str, answer_key: str | None) -> Example
         if isinstance(value, bool) or not isinstance(value, (str, int, float)):
             kind = "text or a list of chat messages" if name == prompt_key else "text"
             raise DataError(f"{where}: field {name!r} must be {kind}, got {type(value).__name__} {str(value)[:80]}")
-    data_source = _plain(raw.get("data_source")) or ""
+    data_source = plain_value(raw.get("data_source")) or ""
     if not isinstance(data_source, str):
         raise DataError(f"{where}: field 'data_source' must be text, got {type(data_source).__name__}")
-    extra_info = _plain(raw.get("extra_info"))
+    extra_info = plain_value(raw.get("extra_info"))
     if extra_info is not None and not isinstance(extra_info, dict):
         raise DataError(f"{where}: field 'extra_info' must be an object, got {type(extra_info).__name__}")
     return Example(prompt=str(prompt), answer=str(answer), messages=messages, data_source=data_source,
-                   extra_info=extra_info, where=where)
+                   extra_info=extra_info, where=where, conversation=conversation)
 
 
 def read_jsonl(path: str, prompt_key: str = "prompt", answer_key: str | None = None) -> list[Example]:

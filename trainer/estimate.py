@@ -5,7 +5,9 @@ Each phase's batches are the job's own: the data source is read as the job reads
 tokenizer, seed and draws), every step's examples are split over the ranks and into micro-batches
 by the engine's planner (``engines/micro_batch.py``), and the largest micro-batch is what is
 estimated. What cannot be known before the run is bounded: RL completions are counted at
-``algo.actor.max_new_tokens`` (the decoding loop's KV cache is that size anyway). The bytes come
+``algo.actor.max_new_tokens`` (the decoding loop's KV cache is that size anyway); with
+``rollout.env`` SFT sequences are the demonstrations' conversations and sampled conversations
+are bounded over their turns (trainer/estimate_turns.py). The bytes come
 from ``engines/memory.py`` (``ModelMemory``): exact parameter, gradient and AdamW shards, the
 reference copy of a full fine-tune (none with LoRA: its adapters off), a critic estimator's critic, and each
 step's activations, head buffers and KV cache.
@@ -108,6 +110,7 @@ class _Lengths:
         from .task import CharTokenizer, load_tokenizer
 
         self.note = None
+        self.turns = None  # with rollout.env: the multi-turn job's lengths (trainer/estimate_turns.py)
         try:
             tokenizer = load_tokenizer(cfg.model.path)
         except ValueError:
@@ -144,10 +147,16 @@ def _device_grads(memory: ModelMemory, host: set[str]) -> int:
     return 0 if "grads" in host else memory.grads
 
 
+def _context(lengths: _Lengths, prompt: int, new_tokens: int) -> int:
+    """The longest context a turn is decoded from: the prompt, or a conversation's tokens before its last turn."""
+    return prompt if lengths.turns is None else lengths.turns.conversation(prompt) - new_tokens
+
+
 def _evaluation(cfg, lengths: _Lengths, world: int, memory: ModelMemory, new_tokens: int, resident: int) -> Step:
     """Greedy held-out generation (every phase evaluates): the largest chunk of one rank's prompts."""
     shares = [lengths.source.eval_examples[r::world][:EVAL_CHUNK] for r in range(world)]
-    rows, width = max((len(s), max((lengths.prompt(ex) for ex in s), default=0)) for s in shares)
+    rows, width = max((len(s), max((_context(lengths, lengths.prompt(ex), new_tokens) for ex in s), default=0))
+                      for s in shares)
     return Step("held-out evaluation (generation)", rows, rows * (width + new_tokens),
                 memory.generation(rows, width, new_tokens), resident)
 
@@ -159,9 +168,9 @@ def _sft_phase(cfg, lengths: _Lengths, world: int, policy: ModelMemory, host_bac
     resident = sum(state.values())
     packed = cfg.engine.use_remove_padding
     budget = cfg.engine.max_tokens_per_micro_batch
-    batches = ([lengths.prompt(ex) + lengths.answer(ex) for ex in share]
-               for share in lengths.batches("sft", cfg.trainer.sft_steps, cfg.trainer.sft_batch_size,
-                                               _replicas(cfg, world)))
+    shares = lengths.batches("sft", cfg.trainer.sft_steps, cfg.trainer.sft_batch_size, _replicas(cfg, world))
+    batches = (lengths.turns.sft(share) if lengths.turns is not None else
+               [lengths.prompt(ex) + lengths.answer(ex) for ex in share] for share in shares)
     rows, tokens = _largest(batches, budget, packed)
     grads = _device_grads(policy, host)
     est.state["sft"] = {**state, "policy gradients (during the update)": grads}
@@ -186,8 +195,8 @@ def _rl_phase(cfg, lengths: _Lengths, world: int, policy: ModelMemory, critic: M
     # The rollout of every step: each rank's prompts x group_size completions at max_new_tokens.
     shares = list(lengths.batches(RL_DATA_STREAM, t.rl_steps, t.prompts_per_step, _replicas(cfg, world)))
     prompt_lengths = [[lengths.prompt(ex) for ex in share for _ in range(n)] for share in shares]
-    gen_rows, width = max((len(p), max(p, default=0)) for p in prompt_lengths)
-    full = [[p + new for p in ps] for ps in prompt_lengths]
+    gen_rows, width = max((len(p), max((_context(lengths, x, new) for x in p), default=0)) for p in prompt_lengths)
+    full = [[_context(lengths, p, new) + new for p in ps] for ps in prompt_lengths]
     roll_rows, roll_tokens = _largest(full, budget, packed)
     # Update mini-batches hold whole groups; the longest groups bound the largest one.
     groups_per_rank = t.prompts_per_step // _replicas(cfg, world)
@@ -217,8 +226,9 @@ def _rl_phase(cfg, lengths: _Lengths, world: int, policy: ModelMemory, critic: M
     if critic is not None:
         est.state[name]["critic gradients (during its update)"] = _device_grads(critic, host)
     est.steps[name] = steps
-    est.notes.append(f"{name}: completions counted at algo.actor.max_new_tokens={new} (an upper bound; the KV "
-                     f"cache is that size)")
+    if lengths.turns is None:
+        est.notes.append(f"{name}: completions counted at algo.actor.max_new_tokens={new} (an upper bound; the KV "
+                         f"cache is that size)")
     if gathered:
         est.notes.append(f"{name}: generation holds the whole model gathered ({gathered / MIB:.2f} MiB, "
                          f"rollout.unshard={cfg.rollout.unshard}); rollout.unshard=false gathers one layer at a time")
@@ -266,6 +276,14 @@ def estimate_job(cfg, world_size: int) -> JobEstimate:
                          f"sequences; the split of the log-prob and update activations over the SP group is not "
                          f"modelled (an upper bound for those rows)")
     eval_tokens = actor.max_new_tokens if actor is not None else lengths.max_answer() + 2  # Job.eval_tokens
+    if cfg.rollout.env is not None:
+        from .chat import model_max_positions
+        from .estimate_turns import TurnLengths
+
+        source = lengths.source
+        lengths.turns = TurnLengths(cfg, lengths.tokenizer, source.eval_examples + getattr(source, "train_examples", []),
+                                    model_max_positions(cfg.model), eval_tokens)
+        est.notes.append(lengths.turns.note())
     if cfg.trainer.sft_steps > 0 or not cfg.algo.rl:
         _sft_phase(cfg, lengths, world_size, policy, host_backend, est, eval_tokens)
     if cfg.algo.rl:

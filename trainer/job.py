@@ -46,6 +46,7 @@ from polyfsdp.engines.losses import SFTLoss
 from .chat import PromptEncoder, check_position_budget, model_max_positions
 from .config import ConfigError, JobConfig
 from .data import RL_DATA_STREAM, build_source, check_generation_budget, check_tokenizer_covers, max_answer_tokens
+from .demonstrations import unused_demonstrations_note
 from .evaluation import GENERATION_COLUMNS, EvalSettings, evaluate
 from .generations_log import GENERATIONS_FILE, GenerationsLog
 from .metrics import METRICS_FILE, MetricsLogger
@@ -131,6 +132,9 @@ class Job:
         # A file missing on one rank stops every rank; then all must have read the same records.
         self.source = on_every_rank(lambda: build_source(cfg.data, cfg.trainer.seed, encoder))
         check_same_data(self.source, cfg.data)
+        note = unused_demonstrations_note(getattr(self.source, "train_examples", ()), cfg.rollout.env)
+        if note:
+            _say(note)
         if encoder.added_characters:
             _say(f"character tokenizer: added the data's characters {encoder.added_characters!r} to its "
                  f"vocabulary ({self.tokenizer.vocab_size} tokens)")

@@ -92,6 +92,11 @@ def build_rollout_engine(rollout, backend, lora: bool = False, max_positions: in
         engine = PolicyDecoding(rollout.engine, rollout.unshard)
     if rollout.env is None:
         return engine
+    return multi_turn_engine(rollout, engine, max_positions)
+
+
+def multi_turn_engine(rollout, engine, max_positions: int | None):
+    """The multi-turn rollout engine (trainer/multi_turn.py) of ``rollout.env`` over ``engine``."""
     from .multi_turn import MultiTurnRollout, MultiTurnSettings
 
     settings = MultiTurnSettings(rollout.env, dict(rollout.env_kwargs or {}), rollout.max_turns,

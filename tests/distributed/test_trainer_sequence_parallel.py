@@ -4,11 +4,12 @@ Each step's global prompts are split over data-parallel replicas (world size / s
 of one SP group share their replica's prompts and sampling seed (so they draw the same
 completions), and training goes through the SP engine. So 2 ranks with sp=2 (one replica)
 must end one SFT and one RL step with the parameters of 1 rank with sp=1 on the same
-prompts (1e-5),
-for GRPO, PPO (actor and critic, GAE whitened over replicas) and PPO with LoRA (the critic's
-value head training beside its adapters); and dp=2 x sp=2 on 4 processes those of dp=2 x
-sp=1 on 2 (slow). Negative control: 2 replicas of sp=1 draw other completions for half the
-prompts, and their parameters differ by far more than the tolerance.
+prompts (1e-5), for GRPO, PPO (actor and critic, GAE whitened over replicas), PPO with LoRA
+(the critic's value head training beside its adapters) and a multi-turn environment
+(multi-turn SFT on demonstrations with tool turns, GRPO over conversations with environment
+turns); and dp=2 x sp=2 on 4 processes those of dp=2 x sp=1 on 2 (slow). Negative control:
+2 replicas of sp=1 draw other completions for half the prompts, and their parameters differ by
+far more than the tolerance.
 """
 from __future__ import annotations
 
@@ -32,7 +33,15 @@ def score(data_source, solution_str, ground_truth, extra_info=None):
 # One SFT step first: its batch goes through the same replica split and the SP engine.
 OVERRIDES = ["trainer.sft_steps=1", "trainer.sft_batch_size=8", "trainer.rl_steps=1", "trainer.prompts_per_step=4",
              "algo.actor.group_size=4", "data.eval_size=4", "trainer.progress=off", "trainer.plot=false", "trainer.checkpoint_interval=0"]
-ALGOS = {"grpo": [], "ppo": ["algo=ppo"], "ppo_lora": ["algo=ppo", "model.lora.rank=4"]}
+GUESS_ENV = os.path.join(os.path.dirname(__file__), os.pardir, "cpu", "envs", "guess_env.py") + ":GuessEnv"
+# Multi-turn: SFT on the calculator task's demonstrations (a tool call, the tool's result masked
+# out of the loss, the answer), then GRPO over conversations with a user environment from a test
+# file that answers "higher"/"lower" for up to 3 turns. The untrained policy seldom guesses right
+# and ends some turns with <eos> within the task's 80 tokens, so some RL sequences hold
+# environment turns (checked); the length reward is added so the rewards carry a signal.
+ENV = ["task=calculator", f"rollout.env={GUESS_ENV}", "rollout.max_turns=3",
+       "rollout.env_add_reward_fn=true"]
+ALGOS = {"grpo": [], "ppo": ["algo=ppo"], "ppo_lora": ["algo=ppo", "model.lora.rank=4"], "env": ENV}
 
 
 def _launch(out, nproc: int, *extra: str) -> subprocess.CompletedProcess:
@@ -80,7 +89,9 @@ def test_two_ranks_with_sp2_equal_one_rank(tmp_path, algo):
     assert sft2["loss"] == pytest.approx(sft1["loss"], rel=1e-5)
     r1, r2 = _records(one, "rl"), _records(two, "rl")
     assert r1[0]["reward_std"] > 0, "the reward must carry a signal"
-    for key in ("reward", "response_len", "loss", "grad_norm"):
+    if algo == "env":
+        assert r1[0]["multi_turn/turns_mean"] > 1.25, "the conversations must hold environment turns"
+    for key in ("reward", "response_len", "loss", "grad_norm") + (("multi_turn/turns_mean",) if algo == "env" else ()):
         assert r2[0][key] == pytest.approx(r1[0][key], rel=1e-5, abs=1e-7), key
     if algo == "grpo":
         # Negative control: two sp=1 replicas sample half of the prompts with another seed.
