@@ -16,7 +16,8 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from .compose import GROUPS, ConfigError, compose, to_container, upgrade_saved_config
+from .compose import GROUPS, compose, to_container, upgrade_saved_config
+from .errors import ConfigError
 
 PROG = "polyfsdp-eval"
 USAGE = """usage: polyfsdp-eval MODEL_DIR [KEY=VALUE ...] [--json FILE]
@@ -177,8 +178,7 @@ def main(argv: list[str] | None = None) -> int:
     from polyfsdp.backends import BackendUnavailableError
     from polyfsdp.backends.distributed import destroy_distributed
 
-    from .data import DataError
-    from .rank_errors import RankError
+    from .errors import DataError, RankError
     from .train import _error, _setup_logging
 
     args = list(sys.argv[1:] if argv is None else argv)

@@ -44,7 +44,8 @@ from polyfsdp.engines.lora import AdaptersOff
 from polyfsdp.engines.losses import SFTLoss
 
 from .chat import PromptEncoder, check_position_budget, model_max_positions
-from .config import ConfigError, JobConfig
+from .config import JobConfig
+from .errors import ConfigError, Preempted, TrackerStartError
 from .data import RL_DATA_STREAM, build_source, check_generation_budget, check_tokenizer_covers, max_answer_tokens
 from .evaluation import GENERATION_COLUMNS, EvalSettings, evaluate
 from .generations_log import GENERATIONS_FILE, GenerationsLog
@@ -57,9 +58,9 @@ from .rl_step import rl_step
 from .rollout_engines import build_rollout_engine
 from .resume import RL_PHASE, STATE_FILE, ResumePoint, check_same_run, find_resume, load_resume_point
 from .sft import sft_step
-from .stop import Preempted, StopRequest
+from .stop import StopRequest
 from .task import TOKENIZER_FILE, load_tokenizer
-from .tracking import RunInfo, Trackers, TrackerStartError, start_trackers
+from .tracking import RunInfo, Trackers, start_trackers
 
 logger = logging.getLogger(__name__)
 
