@@ -11,9 +11,7 @@ import signal
 import threading
 
 from .errors import Preempted  # noqa: F401 (re-exported: its old home)
-
-# The shell's convention for a process ended by SIGTERM: 128 + 15.
-EXIT_TERMINATED = 128 + signal.SIGTERM
+from .startup import EXIT_TERMINATED  # noqa: F401 (re-exported) the status of a run stopped by SIGTERM
 
 
 # The keys a continuation sets itself; the rest of the user's overrides are repeated as given.

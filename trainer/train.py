@@ -13,7 +13,8 @@ import logging
 import os
 import sys
 
-from .startup import EXIT_INTERRUPTED, interrupted_while_starting, rank_prefix
+from .startup import (EXIT_INTERRUPTED, SigtermWhileStarting, TerminatedWhileStarting, interrupted_while_starting,
+                      rank_prefix, terminated_while_starting)
 
 USAGE = """usage: polyfsdp-train [GROUP=OPTION] [KEY=VALUE ...] [--cfg] [--estimate] [--help]
 
@@ -143,12 +144,15 @@ def _take_cfg_flag(args: list[str]) -> tuple[bool, list[str]]:
 
 def main(argv: list[str] | None = None) -> int:
     """Parse overrides, validate, run the job; returns the process exit status."""
-    try:
-        return _main(argv)
-    except KeyboardInterrupt:
-        # Ctrl-C while torch and transformers load, or while the job is set up (the run
-        # itself catches its own, to say how to continue).
-        return interrupted_while_starting().code
+    with SigtermWhileStarting() as starting:
+        try:
+            return _main(argv, starting)
+        except KeyboardInterrupt:
+            # Ctrl-C while torch and transformers load, or while the job is set up (the run
+            # itself catches its own, to say how to continue).
+            return interrupted_while_starting().code
+        except TerminatedWhileStarting:
+            return terminated_while_starting().code
 
 
 def _known_failure(exc: BaseException) -> str | None:
@@ -167,7 +171,7 @@ def _known_failure(exc: BaseException) -> str | None:
     return collective_failure(exc)
 
 
-def _main(argv: list[str] | None) -> int:
+def _main(argv: list[str] | None, starting: SigtermWhileStarting) -> int:
     # Until the overrides have composed, only Hydra is imported: --help, a mistyped key or option
     # and a value outside its bounds answer in about a second, not after torch and transformers load.
     from .compose import compose, to_container
@@ -235,6 +239,7 @@ def _main(argv: list[str] | None) -> int:
             raise
         return _error(ConfigError(line))
     finished = False
+    starting.job_starts()
     try:
         with job.stop:
             job.run()
