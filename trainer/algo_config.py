@@ -12,7 +12,7 @@ from polyfsdp.engines.config import OptimConfig
 from polyfsdp.engines.losses import AGG_MODES, KL_TYPES, PPO_AGG_MODES, PPOLoss
 from polyfsdp.engines.value_loss import ValueLoss
 
-from .compose import ConfigError
+from .errors import ConfigError
 from .estimators import Estimator, resolve_estimator
 from .policy_losses import policy_loss_entry
 

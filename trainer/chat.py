@@ -10,7 +10,8 @@ from __future__ import annotations
 import dataclasses
 import logging
 
-from .data import DataError, tokenized_text
+from .data import tokenized_text
+from .errors import DataError
 from .task import Example
 
 logger = logging.getLogger(__name__)

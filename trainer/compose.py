@@ -6,6 +6,8 @@ import re
 
 from omegaconf import DictConfig, OmegaConf
 
+from .errors import ConfigError  # also importable from here, its old home
+
 CONFIG_MODULE = "polyfsdp.configs"
 CONFIG_NAME = "train"
 GROUPS = ("backend", "model", "engine", "patches", "algo", "data", "reward", "rollout", "eval", "trainer")
@@ -50,13 +52,6 @@ def upgrade_saved_config(raw: dict) -> dict:
         if isinstance(section, dict) and old_leaf in section and new_leaf not in section:
             section[new_leaf] = section.pop(old_leaf)
     return raw
-
-
-class ConfigError(ValueError):
-    """A configuration mistake; ``str()`` is one line naming the key and what was expected."""
-
-    def __init__(self, message: str) -> None:
-        super().__init__(" ".join(str(message).split()))
 
 
 def _keys(node, prefix: str = "") -> list[str]:

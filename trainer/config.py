@@ -1,5 +1,6 @@
 """The job configuration: Hydra composition (trainer/compose.py), then strict conversion of
-every group into validated dataclasses (the engine's where they exist).
+every group into validated dataclasses (the sections of trainer/config_sections.py and
+trainer/algo_config.py, the engine's where they exist); every section is importable from here.
 
 Any mistake a user can make on the command line (unknown key, value outside its choices,
 wrong type, bad override syntax) becomes one :class:`ConfigError` with a one-line message.
@@ -10,18 +11,19 @@ import dataclasses
 import logging
 import os
 import typing
-from dataclasses import dataclass, field
 from typing import Any
 
 from polyfsdp.backends.registry import BACKEND_NAMES
-from polyfsdp.engines.config import EngineConfig, ModelConfig, OptimConfig
+from polyfsdp.engines.config import EngineConfig, OptimConfig
 from polyfsdp.engines.lora import require_peft
 
 from .algo_config import (RL_ALGOS, ActorSection, AlgoSection, CriticSection,  # noqa: F401 (re-exported)
                           RolloutCorrectionSection, SFTSection, check_choice, check_min)
-from .compose import (GROUPS, ConfigError, available_options, compose, renamed_key,  # noqa: F401 (re-exported)
-                      to_container)
+from .compose import GROUPS, available_options, compose, renamed_key, to_container
 from .config_bounds import check_bounds
+from .config_sections import (DataSection, EvalSection, JobConfig, ModelSection,  # noqa: F401 (re-exported)
+                              RewardSection, RolloutSection, TrainerSection)
+from .errors import ConfigError
 from .rollout_engines import check_rollout
 from .tracking import check_loggers
 
@@ -32,141 +34,6 @@ TASKS = ("reverse", "arith_words", "calculator")
 OVERLONG_POLICIES = ("filter", "error", "truncate")
 PROGRESS_MODES = ("auto", "bar", "lines", "off")
 LORA_EXPORT_MODES = ("merged", "adapter")
-
-
-# --------------------------------------------------------------------------- sections
-
-
-@dataclass
-class ModelSection:
-    """A tiny preset (with Hugging Face config ``overrides``) or a local checkpoint ``path``."""
-
-    preset: str | None = "qwen2-tiny"
-    path: str | None = None
-    dtype: str = "float32"
-    attn_implementation: str | None = None
-    seed: int = 0
-    overrides: dict = field(default_factory=dict)
-    lora: dict = field(default_factory=dict)  # the engine's LoraConfig keys; rank 0: no adapters
-
-    def model_config(self, vocab_size: int | None = None, path: str | None = None) -> ModelConfig:
-        """The engine's ModelConfig: from ``path`` (given or configured) else the preset;
-        a bad field raises naming it as ``model.<field>``."""
-        path = path or self.path
-        return ModelConfig.from_dict({"preset": None if path else self.preset, "path": path, "dtype": self.dtype,
-                                      "attn_implementation": self.attn_implementation,
-                                      "vocab_size": None if path else vocab_size, "seed": self.seed,
-                                      "lora": dict(self.lora)}, where="model")
-
-
-@dataclass
-class DataSection:
-    """Where prompts and answers come from: the built-in task or a local file."""
-
-    source: str = "builtin"
-    task: str = "reverse"
-    alphabet: str = "abcdefgh"
-    min_len: int = 3
-    max_len: int = 5
-    path: str | None = None
-    prompt_key: str = "prompt"
-    answer_key: str | None = None
-    eval_size: int = 128
-    train_files: list | str | None = None
-    val_files: list | str | None = None
-    apply_chat_template: bool = False
-    max_prompt_length: int | None = None
-    overlong: str = "filter"
-
-
-@dataclass
-class RewardSection:
-    """``reward.fn``: a built-in rule, ``path/to/file.py:fn`` or ``package.module:fn``
-    (``auto``: the data's own rule); ``kwargs`` are extra keyword arguments to it."""
-
-    fn: str = "auto"
-    kwargs: dict | None = None
-    timeout_s: float | None = 60.0  # one call's limit (trainer/reward_timeout.py); null: none
-
-
-@dataclass
-class RolloutSection:
-    """Generation: ``engine`` samples (trainer/rollout_engines.py); ``unshard`` (auto | true |
-    false) gathers the model once per rollout instead of once per layer per decoding step
-    (trainer/generate.py); the rest is vLLM's (trainer/vllm_rollout.py)."""
-
-    engine: str = "auto"
-    unshard: bool | str = "auto"
-    sync_bucket_mb: float = 64.0
-    check_sync: bool = True
-    check_sync_tol: float = 1e-3
-    vllm: dict = field(default_factory=dict)
-    # Multi-turn (trainer/multi_turn.py): an environment plug-in and its limits.
-    env: str | None = None
-    env_kwargs: dict = field(default_factory=dict)
-    max_turns: int = 1
-    max_total_tokens: int | None = None
-    env_add_reward_fn: bool = False
-    env_timeout_s: float | None = 60.0
-
-
-@dataclass
-class EvalSection:
-    """Held-out evaluation (trainer/evaluation.py): ``n_samples`` completions per prompt at
-    ``temperature`` (0: greedy); with n_samples > 1 also mean@n, pass@k and maj@n, where a
-    sample passes when its reward >= ``pass_threshold``."""
-
-    n_samples: int = 1
-    temperature: float = 0.0
-    pass_threshold: float = 1.0
-
-
-@dataclass
-class TrainerSection:
-    """Steps, batch sizes, logging, checkpoints, output directory, resume."""
-
-    sft_steps: int = 40
-    rl_steps: int = 150
-    sft_batch_size: int = 64
-    prompts_per_step: int = 32
-    eval_interval: int = 25
-    log_interval: int = 1
-    checkpoint_interval: int = 50
-    keep_checkpoints: int = 2
-    # Write checkpoints on a background thread while training goes on (engines/checkpoint.py).
-    async_checkpoint: bool = False
-    output_dir: str = "outputs/run"
-    resume: str = "auto"
-    seed: int = 0
-    progress: str = "auto"
-    cpu_threads: int | None = 1
-    dist_timeout_s: float = 600.0  # how long a collective waits for a silent peer rank
-    plot: bool = True
-    export: bool = True
-    export_lora: str = "merged"  # with model.lora: the final export as merged weights or a peft adapter
-    # Experiment tracking (trainer/tracking): where metrics go, and how the trackers name the run.
-    logger: list | str = field(default_factory=lambda: ["console", "jsonl"])
-    project_name: str = "polyfsdp"
-    experiment_name: str | None = None  # null: the output directory's name
-    tags: list = field(default_factory=list)
-    log_val_generations: int = 0  # per evaluation, this many prompts' completions as a table
-
-
-@dataclass
-class JobConfig:
-    """Everything one run needs, validated."""
-
-    backend: str
-    model: ModelSection
-    engine: EngineConfig
-    patches: Any
-    algo: AlgoSection
-    data: DataSection
-    trainer: TrainerSection
-    raw: dict
-    reward: RewardSection = field(default_factory=RewardSection)
-    rollout: RolloutSection = field(default_factory=RolloutSection)
-    eval: EvalSection = field(default_factory=EvalSection)
 
 
 # --------------------------------------------------------------------------- checks

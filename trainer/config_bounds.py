@@ -13,7 +13,7 @@ import math
 from fnmatch import fnmatchcase
 from typing import Any, Iterator
 
-from .compose import ConfigError
+from .errors import ConfigError
 
 # torch's generators take 64-bit seeds, and the trainer derives per-step, per-rank seeds as
 # (seed * 1_000_003 + step) * 1024 + rank: a 32-bit seed keeps that inside the range.

@@ -12,16 +12,13 @@ import os
 import random
 
 from .demonstrations import MESSAGES_FIELD, DemonstrationError, final_answer, opening, plain_value, read_conversation
+from .errors import DataError  # also importable from here, its old home
 from .task import CharTokenizer, Example, ReverseTask
 
 logger = logging.getLogger(__name__)
 # The stream the RL phase's prompts are drawn under (``batch(stream, step, count)``): kept from
 # when the phase was called grpo, so a seed draws the same prompts as it did then.
 RL_DATA_STREAM = "grpo"
-
-
-class DataError(ValueError):
-    """A data file that cannot be used (missing, unreadable, missing fields); one-line message."""
 
 
 class BuiltinSource:

@@ -25,7 +25,7 @@ import numbers
 import re
 from dataclasses import dataclass, field
 
-from .compose import ConfigError
+from .errors import ConfigError
 from .plugins import load_object
 
 TOOL_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)

@@ -20,7 +20,7 @@ from polyfsdp.engines.memory import MIB, ModelMemory, hf_config_of
 from polyfsdp.engines.micro_batch import plan_micro_batches
 from polyfsdp.engines.presets import preset_config
 
-from .compose import ConfigError
+from .errors import ConfigError
 from .data import RL_DATA_STREAM
 
 EVAL_CHUNK = 256  # prompts per evaluation generate call (trainer/evaluation.py: COMPLETIONS_PER_CALL)
@@ -247,7 +247,7 @@ def _hf_config(cfg, tokenizer):
 
 def estimate_job(cfg, world_size: int) -> JobEstimate:
     """The per-rank memory of ``cfg``'s job on ``world_size`` ranks, phase by phase."""
-    from .data import DataError
+    from .errors import DataError
 
     try:
         lengths = _Lengths(cfg)

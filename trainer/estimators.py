@@ -16,7 +16,7 @@ from typing import Callable, Sequence
 import torch
 
 from .advantages import GROUP_ESTIMATORS, group_advantages, reinforce_plus_plus_advantages, sum_on_one_rank
-from .compose import ConfigError
+from .errors import ConfigError
 from .gae import gae_advantages
 
 # The aggregation Dr. GRPO's advantages assume: each sequence's token losses summed, over a

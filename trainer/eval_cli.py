@@ -1,7 +1,8 @@
 """``polyfsdp-eval``: evaluate a Hugging Face model directory (a run's ``final/`` export, or
 any local checkpoint) or a training checkpoint of a run (``OUTPUT_DIR/checkpoints/sft|rl[/step_N]``)
 on held-out data with a reward function, the way ``polyfsdp-train`` evaluates
-(trainer/evaluation.py); prints a table and writes JSON.
+(trainer/evaluation.py); prints a table and writes JSON: by default next to what it evaluated
+(:func:`default_json_path`), never over the results of another model.
 
 The data, reward and eval keys are polyfsdp-train's. For a run's export (a directory next to
 the run's ``config.yaml``) they default to that run's, so ``polyfsdp-eval runs/a/final``
@@ -16,7 +17,8 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from .compose import GROUPS, ConfigError, compose, to_container, upgrade_saved_config
+from .compose import GROUPS, compose, to_container, upgrade_saved_config
+from .errors import ConfigError
 
 PROG = "polyfsdp-eval"
 USAGE = """usage: polyfsdp-eval MODEL_DIR [KEY=VALUE ...] [--json FILE]
@@ -24,14 +26,18 @@ USAGE = """usage: polyfsdp-eval MODEL_DIR [KEY=VALUE ...] [--json FILE]
 Evaluates the Hugging Face model in MODEL_DIR (or a run's checkpoint) on the held-out prompts
 of the data config (a run's export or checkpoint: that run's data, reward and eval settings
 unless overridden).
-  --json FILE  where to write the results (default: eval_results.json)
+  --json FILE  where to write the results (default: a run's RUN/eval/<what>.json, e.g.
+               runs/a/eval/final.json; outside a run MODEL_DIR.eval.json next to it); a file
+               holding another model's results is never overwritten
 Examples:
   polyfsdp-eval runs/a/final
   polyfsdp-eval runs/a/final eval.n_samples=8 eval.temperature=1.0
   polyfsdp-eval runs/a/checkpoints/rl/step_000050
   polyfsdp-eval my_model data=files data.train_files=[train.jsonl] data.val_files=[test.jsonl] reward.fn=gsm8k
 """
-DEFAULT_JSON = "eval_results.json"
+# A run's evaluations go to RUN/<EVAL_DIR>/; a model outside a run gets MODEL_DIR<JSON_SUFFIX>.
+EVAL_DIR = "eval"
+JSON_SUFFIX = ".eval.json"
 
 
 # A run's phases (trainer/resume.py's PHASES), and the RL phase's old name (LEGACY_RL_PHASE):
@@ -49,6 +55,49 @@ class ModelToEvaluate:
     run_dir: Path | None = None
     checkpoint: Path | None = None
     phase: str = "sft"
+
+    @property
+    def evaluated(self) -> Path:
+        """What the numbers belong to: the checkpoint loaded, else the model directory."""
+        return self.checkpoint or self.weights
+
+    def label(self, rl_run: bool) -> str:
+        """What the model is, for the lines the engine prints (``rl_run``: the run had an RL phase,
+        so its ``final/`` export is the RL policy)."""
+        if self.checkpoint is not None:
+            return f"{'sft' if self.phase == 'sft' else 'rl'} policy"
+        if self.run_dir is None:
+            return "evaluated model"
+        return {"init_model": "initial model", "sft_model": "sft policy"}.get(
+            self.weights.name, "rl policy" if rl_run else "sft policy")
+
+
+def default_json_path(model: ModelToEvaluate) -> Path:
+    """Where the results go without ``--json``: in a run, ``RUN/eval/`` named after what was
+    evaluated (``final.json``, ``checkpoints_rl_step_000050.json``); outside one, next to the
+    model directory (``my_model.eval.json``). Never the working directory, where every model's
+    results would land in one file."""
+    if model.run_dir is None:
+        return model.weights.with_name(model.weights.name + JSON_SUFFIX)
+    try:
+        name = "_".join(model.evaluated.relative_to(model.run_dir).parts)
+    except ValueError:  # a checkpoint linked in from other storage
+        name = model.evaluated.name
+    return model.run_dir / EVAL_DIR / (name + ".json")
+
+
+def check_json_target(path: Path, model: ModelToEvaluate) -> None:
+    """A ConfigError unless ``path`` is free or holds earlier results of this same model: the
+    results of another model (or any other file) are not overwritten."""
+    if not path.exists():
+        return
+    try:
+        previous = json.loads(path.read_text()).get("evaluated")
+    except (OSError, ValueError, AttributeError):
+        previous = None
+    if previous != str(model.evaluated):
+        held = f"the results of {previous}" if previous else "a file that is not this model's results"
+        raise ConfigError(f"--json {path}: it holds {held}; name another file with --json FILE or remove it")
 
 
 def _run_dir(directory: Path) -> Path | None:
@@ -115,8 +164,8 @@ def _table(metrics: dict[str, float]) -> str:
     return "\n".join(f"{key:<{width}}  {value:.4f}" for key, value in metrics.items())
 
 
-def _take_json_flag(args: list[str]) -> tuple[str, list[str]]:
-    path, rest, i = DEFAULT_JSON, [], 0
+def _take_json_flag(args: list[str]) -> tuple[str | None, list[str]]:
+    path, rest, i = None, [], 0
     while i < len(args):
         if args[i] == "--json" and i + 1 < len(args):
             path, i = args[i + 1], i + 2
@@ -129,8 +178,9 @@ def _take_json_flag(args: list[str]) -> tuple[str, list[str]]:
     return path, rest
 
 
-def evaluate_model(model_dir: Path, overrides: list[str], json_path: str) -> dict:
-    """Build the engine on ``model_dir``, evaluate, print (rank 0) and write the JSON; returns it."""
+def evaluate_model(model_dir: Path, overrides: list[str], json_path: str | None) -> dict:
+    """Build the engine on ``model_dir``, evaluate, print (rank 0) and write the JSON (to
+    ``json_path``, default :func:`default_json_path`); returns it."""
     from polyfsdp.backends.distributed import current_rank
     from polyfsdp.backends.topology import launch_env
 
@@ -143,8 +193,10 @@ def evaluate_model(model_dir: Path, overrides: list[str], json_path: str) -> dic
                           f"final/, or a run's checkpoints/rl/step_N)")
     model = locate_model(model_dir)
     cfg = eval_config(model, overrides, world_size=launch_env().world_size)
+    target = Path(json_path) if json_path is not None else default_json_path(model)
+    check_json_target(target, model)  # before the model is built: a refusal costs nothing
     job = Job(cfg)  # the trainer's tokenizer, data, reward and checks; nothing is written
-    engine = job._engine(model.phase, cfg.model.path)
+    engine = job._engine(model.phase, cfg.model.path, label=model.label(rl_run=cfg.algo.rl))
     if model.checkpoint is not None:
         load_resume_checkpoint(engine, model.checkpoint)
     e = cfg.eval
@@ -156,19 +208,21 @@ def evaluate_model(model_dir: Path, overrides: list[str], json_path: str) -> dic
     finally:
         job.sampler.close()
     metrics = {"reward": result.reward, **result.metrics}
-    report = {"model": str(model_dir), "num_prompts": len(job.source.eval_examples), "data": cfg.raw["data"],
-              "reward_fn": job.scorer.name, "eval": {**cfg.raw.get("eval", {}), "sampling": settings.describe()},
-              "metrics": metrics,
+    report = {"model": str(model_dir), "evaluated": str(model.evaluated), "num_prompts": len(job.source.eval_examples),
+              "data": cfg.raw["data"], "reward_fn": job.scorer.name,
+              "eval": {**cfg.raw.get("eval", {}), "sampling": settings.describe()}, "metrics": metrics,
               "generations": [dict(zip(GENERATION_COLUMNS, row)) for row in result.rows]}
     if current_rank() == 0:
         print(f"{PROG}: {model_dir} on {report['num_prompts']} held-out prompts ({cfg.data.source} data, reward "
               f"{job.scorer.name}, {settings.describe()})")
         print(_table(metrics))
         try:
-            Path(json_path).write_text(json.dumps(report, indent=1))
+            if json_path is None:
+                target.parent.mkdir(exist_ok=True)  # RUN/eval/; the run's own directory exists
+            target.write_text(json.dumps(report, indent=1))
         except OSError as exc:
-            raise ConfigError(f"--json {json_path}: cannot write it: {exc.strerror or exc}") from None
-        print(f"results: {json_path}", flush=True)
+            raise ConfigError(f"--json {target}: cannot write it: {exc.strerror or exc}") from None
+        print(f"results: {target}", flush=True)
     return report
 
 
@@ -177,8 +231,7 @@ def main(argv: list[str] | None = None) -> int:
     from polyfsdp.backends import BackendUnavailableError
     from polyfsdp.backends.distributed import destroy_distributed
 
-    from .data import DataError
-    from .rank_errors import RankError
+    from .errors import DataError, RankError
     from .train import _error, _setup_logging
 
     args = list(sys.argv[1:] if argv is None else argv)

@@ -13,6 +13,7 @@ from polyfsdp.backends.distributed import all_reduce_sum, current_world_size
 
 from .chat import example_prompt_tokens
 from .rank_errors import on_every_rank
+from .rollout_engines import check_unshard
 from .task import Example
 
 logger = logging.getLogger(__name__)
@@ -43,15 +44,6 @@ class Rollout:
         if self.loss_masks is None:
             return list(zip(self.prompt_ids, self.response_ids))
         return list(zip(self.prompt_ids, self.response_ids, self.loss_masks))
-
-
-UNSHARD_CHOICES = ("auto", True, False)
-
-
-def check_unshard(unshard) -> None:
-    """Raise ValueError unless ``unshard`` is one of ``rollout.unshard``'s values."""
-    if unshard not in UNSHARD_CHOICES:
-        raise ValueError(f"rollout.unshard: got {unshard!r}; allowed values: auto, true, false")
 
 
 def use_gather_once(engine, unshard) -> bool:

@@ -44,7 +44,8 @@ from polyfsdp.engines.lora import AdaptersOff
 from polyfsdp.engines.losses import SFTLoss
 
 from .chat import PromptEncoder, check_position_budget, model_max_positions
-from .config import ConfigError, JobConfig
+from .config import JobConfig
+from .errors import ConfigError, Preempted, TrackerStartError
 from .data import RL_DATA_STREAM, build_source, check_generation_budget, check_tokenizer_covers, max_answer_tokens
 from .demonstrations import unused_demonstrations_note
 from .evaluation import GENERATION_COLUMNS, EvalSettings, evaluate
@@ -58,9 +59,9 @@ from .rl_step import rl_step
 from .rollout_engines import build_rollout_engine
 from .resume import RL_PHASE, STATE_FILE, ResumePoint, check_same_run, find_resume, load_resume_point
 from .sft import sft_step
-from .stop import Preempted, StopRequest
+from .stop import StopRequest
 from .task import TOKENIZER_FILE, load_tokenizer
-from .tracking import RunInfo, Trackers, TrackerStartError, start_trackers
+from .tracking import RunInfo, Trackers, start_trackers
 
 logger = logging.getLogger(__name__)
 
@@ -170,9 +171,11 @@ class Job:
         """This replica's share of a step's global examples (the ranks of one SP group share it)."""
         return self.topo.replica_share(examples, "examples")
 
-    def _engine(self, phase: str, model_dir: str, role: str = "policy") -> FSDPEngine:
+    def _engine(self, phase: str, model_dir: str, role: str = "policy", label: str | None = None) -> FSDPEngine:
         """An initialised engine for ``phase`` on ``model_dir``; ``role`` names it in the patch
-        summary (``critic``: a critic estimator's value model, with its own optimizer)."""
+        summary (``critic``: a critic estimator's value model, with its own optimizer); ``label``
+        replaces ``"<phase> <role>"`` in the lines it prints (polyfsdp-eval: what it evaluates)."""
+        label = label or f"{phase} {role}"
         section = self.cfg.algo.sft if phase == "sft" else self.cfg.algo.actor
         model_config = self.cfg.model.model_config(path=model_dir)
         if role == "critic":
@@ -188,16 +191,17 @@ class Job:
             raise ConfigError(f"model ({model_dir}): {type(exc).__name__}: {exc}") from None
         if role == "policy" and self.rank == 0:
             trained, total = engine.parameter_counts()
-            _say(f"[{phase} {role}] trainable parameters: {trained:,} of {total:,} ({100 * trained / total:.2f}%)")
+            _say(f"[{label}] trainable parameters: {trained:,} of {total:,} ({100 * trained / total:.2f}%)")
         if engine.patch_report is not None and engine.patch_report.failed:
             _say(str(engine.patch_report))  # a failed patch is worth the whole table
         elif engine.patch_report is not None and (model_dir, engine.patch_report.summary()) not in self._patches_shown:
             # The RL reference is the policy's starting model: its summary would repeat the policy's.
             self._patches_shown.add((model_dir, engine.patch_report.summary()))
-            _say(f"[{phase} {role}] {engine.patch_report.summary()}")
+            _say(f"[{label}] {engine.patch_report.summary()}")
         return engine
 
-    def _evaluate(self, engine: FSDPEngine, tag: str, global_step: int) -> float:
+    def _evaluate(self, engine: FSDPEngine, tag: str, global_step: int, where: str | None = None) -> float:
+        """The held-out evaluation, logged under ``tag``; ``where`` (default ``tag``) opens its line."""
         t = time.perf_counter()
         e = self.cfg.eval
         settings = EvalSettings(e.n_samples, e.temperature, e.pass_threshold,
@@ -216,7 +220,7 @@ class Job:
             self.generations.write(tag, global_step, GENERATION_COLUMNS, result.rows)
             self.trackers.log_table("val/generations", GENERATION_COLUMNS, result.rows, global_step)
         passed = f", pass@{e.n_samples} {result.metrics[f'pass@{e.n_samples}']:.3f}" if e.n_samples > 1 else ""
-        _say(f"held-out reward ({tag}, global step {global_step}, {len(self.source.eval_examples)} prompts, "
+        _say(f"held-out reward ({where or tag}, global step {global_step}, {len(self.source.eval_examples)} prompts, "
              f"{settings.describe()}): {result.reward:.3f}{passed} "
              f"[{time.perf_counter() - t:.1f}s]")
         return result.reward
@@ -525,7 +529,7 @@ class Job:
                 self._warn_if_sampling_is_flat(engine, metrics)
             self._record(phase.name, step + 1, global_step, metrics, progress)
             if every and (step + 1) % every == 0 and step + 1 != phase.steps:
-                self._evaluate(engine, "step", global_step)
+                self._evaluate(engine, "step", global_step, where=f"{phase.name} step {step + 1}")
             self.position = (phase.name, step + 1)
             self._checkpoint_written(block=False)
             saved = self._due(step + 1, phase.steps)

@@ -15,15 +15,13 @@ import math
 import os
 from typing import Callable
 
+from .errors import MetricsWriteError  # also importable from here, its old home
+
 logger = logging.getLogger(__name__)
 
 METRICS_FILE = "metrics.jsonl"
 # Wall-clock fields differ between two runs of the same job; everything else must not.
 TIMING_KEYS = ("time_s", "step_time_s", "gen_time_s", "tokens_per_s", "multi_turn/env_time_s_mean")
-
-
-class MetricsWriteError(Exception):
-    """A metrics record that could not be written (e.g. a full disk); one-line message."""
 
 
 def _clean(value):

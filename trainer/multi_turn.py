@@ -22,9 +22,10 @@ from dataclasses import dataclass, field
 from polyfsdp.backends.distributed import all_reduce_max, current_world_size
 
 from .environments import as_env_step, check_messages, load_environment, parse_tool_calls
+from .errors import RewardError
 from .rank_errors import on_every_rank
 from .reward_timeout import CallDeadline
-from .rewards import RewardError, call_user_code
+from .rewards import call_user_code
 
 # A placeholder exchange: the tokens the template puts around an environment turn are the
 # difference between rendering it after this exchange and rendering the exchange alone.

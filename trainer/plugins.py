@@ -8,7 +8,7 @@ import importlib.util
 import os
 import sys
 
-from .compose import ConfigError
+from .errors import ConfigError
 
 
 def first_line(exc: BaseException) -> str:

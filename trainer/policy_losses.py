@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from polyfsdp.engines.losses import DEFAULT_CLIP_RATIO_HIGH, GSPO_CLIP_RATIO_HIGH, GSPO_CLIP_RATIO_LOW, GSPOLoss, \
     PPOLoss
 
-from .compose import ConfigError
+from .errors import ConfigError
 
 
 @dataclass(frozen=True)

@@ -12,6 +12,7 @@ from typing import Callable, TypeVar
 
 from polyfsdp.backends.distributed import all_gather_object, current_rank, current_world_size
 
+from .errors import ConfigError, DataError, RankError
 from .startup import rank_prefix
 
 T = TypeVar("T")
@@ -20,14 +21,6 @@ T = TypeVar("T")
 def error_prefix(rank: int | None = None, prog: str = "polyfsdp-train") -> str:
     """How ``prog`` starts an error line on ``rank`` (default: this process's)."""
     return rank_prefix(current_rank() if rank is None else rank, prog)
-
-
-class RankError(Exception):
-    """The first failing rank's error, raised on every rank; ``polyfsdp-train`` prints it once (rank 0)."""
-
-    def __init__(self, rank: int, message: str) -> None:
-        super().__init__(f"rank {rank}: {message}")
-        self.rank = rank
 
 
 def _one_line(exc: BaseException) -> str:
@@ -40,10 +33,6 @@ def on_every_rank(work: Callable[[], T]) -> T:
     re-raises a non-user error itself, so its traceback is kept). Every rank must call it."""
     if current_world_size() == 1:
         return work()
-    # Imported here: config and data import generate, which uses this module.
-    from .config import ConfigError
-    from .data import DataError
-
     error, result = None, None
     try:
         result = work()
@@ -74,8 +63,6 @@ def check_same_data(source, data) -> None:
     ``data`` differ between hosts, say): each rank would otherwise index a different list."""
     if current_world_size() == 1:
         return
-    from .config import ConfigError
-
     prints = all_gather_object(_fingerprint(source))
     for rank, other in enumerate(prints):
         if other != prints[0]:

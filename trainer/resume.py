@@ -15,7 +15,8 @@ from polyfsdp.engines.checkpoint import CheckpointDamaged, CheckpointError, comp
 from polyfsdp.engines.checkpoint_files import check_manifest
 
 from .compose import renamed_key
-from .config import ConfigError, JobConfig, RolloutSection, without_unused_preset
+from .config import JobConfig, RolloutSection, without_unused_preset
+from .errors import ConfigError
 from .metrics import METRICS_FILE
 
 # Written next to the SFT-end export: how many metrics records precede the RL phase's start.

@@ -21,8 +21,7 @@ from typing import Callable
 
 from polyfsdp.backends.distributed import all_gather_object
 
-from .config import ConfigError
-from .data import DataError
+from .errors import ConfigError, DataError, RewardError
 from .plugins import first_line, load_object
 from .rank_errors import error_prefix
 from .reward_rules import BUILTIN_ANSWERS, BUILTIN_REWARDS
@@ -34,10 +33,6 @@ FILE_DEFAULT_REWARD = "char_match"
 # Rewards (and their numeric extras) beyond this magnitude are refused: group means and
 # variances of larger values overflow float32 (1e308 is finite, its square is not).
 MAX_ABS_REWARD = 1e9
-
-
-class RewardError(DataError):
-    """A reward function that failed or returned something unusable; one-line message."""
 
 
 def call_user_code(call, who: str, where: str, deadline: CallDeadline | None, timeout_key: str):

@@ -25,11 +25,11 @@ import torch
 from polyfsdp.backends.distributed import all_reduce_sum, sum_over_replicas
 
 from .batch import build_batch, per_sequence, response_field, response_mask
-from .compose import ConfigError
+from .errors import ConfigError, RewardError
 from .estimators import ESTIMATORS, AdvantageInputs, Advantages
 from .gae import explained_variance
 from .multi_turn import rollout_metrics
-from .rewards import RewardError, call_user_code, mean_over_ranks
+from .rewards import call_user_code, mean_over_ranks
 from .sampling import sample_groups
 from .task import Example
 from .updates import mini_batch_plan, old_and_ref_log_probs, run_updates, summarise_updates

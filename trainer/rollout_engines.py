@@ -13,9 +13,18 @@ its new tokens ending at and including ``<eos>`` when produced, and with
 """
 from __future__ import annotations
 
-from .compose import ConfigError
+from .errors import ConfigError
 
 ROLLOUT_ENGINES = ("auto", "builtin", "hf", "vllm")
+# rollout.unshard (trainer/generate.py: use_gather_once); checked here, with the rest of the
+# section, so the config check needs nothing of the sampling code.
+UNSHARD_CHOICES = ("auto", True, False)
+
+
+def check_unshard(unshard) -> None:
+    """Raise ValueError unless ``unshard`` is one of ``rollout.unshard``'s values."""
+    if unshard not in UNSHARD_CHOICES:
+        raise ValueError(f"rollout.unshard: got {unshard!r}; allowed values: auto, true, false")
 
 
 class RolloutEngine:
@@ -48,8 +57,6 @@ class PolicyDecoding(RolloutEngine):
 
 def check_rollout(rollout, world_size: int = 1) -> None:
     """Raise ConfigError for a ``rollout`` section (trainer/config.py) that cannot run."""
-    from .generate import check_unshard
-
     try:
         check_unshard(rollout.unshard)
     except ValueError as exc:

@@ -10,8 +10,8 @@ import shlex
 import signal
 import threading
 
-# The shell's convention for a process ended by SIGTERM: 128 + 15.
-EXIT_TERMINATED = 128 + signal.SIGTERM
+from .errors import Preempted  # noqa: F401 (re-exported: its old home)
+from .startup import EXIT_TERMINATED  # noqa: F401 (re-exported) the status of a run stopped by SIGTERM
 
 
 # The keys a continuation sets itself; the rest of the user's overrides are repeated as given.
@@ -25,14 +25,6 @@ def continue_command(overrides: list[str], output_dir, world_size: int) -> str:
     launcher = ["polyfsdp-train"] if world_size <= 1 else \
         ["torchrun", f"--nproc_per_node={world_size}", "-m", "polyfsdp.trainer.train"]
     return shlex.join([*launcher, *kept, f"trainer.output_dir={output_dir}", "trainer.resume=auto"])
-
-
-class Preempted(Exception):
-    """Raised after the checkpoint a SIGTERM asked for is saved."""
-
-    def __init__(self, phase: str, step: int, checkpoint) -> None:
-        super().__init__(f"stopped by SIGTERM after {phase} step {step}; checkpoint saved: {checkpoint}")
-        self.phase, self.step, self.checkpoint = phase, step, checkpoint
 
 
 class StopRequest:

@@ -13,7 +13,8 @@ import logging
 import os
 import sys
 
-from .startup import EXIT_INTERRUPTED, interrupted_while_starting, rank_prefix
+from .startup import (EXIT_INTERRUPTED, SigtermWhileStarting, TerminatedWhileStarting, interrupted_while_starting,
+                      rank_prefix, terminated_while_starting)
 
 USAGE = """usage: polyfsdp-train [GROUP=OPTION] [KEY=VALUE ...] [--cfg] [--estimate] [--help]
 
@@ -72,10 +73,9 @@ def _setup_logging() -> None:
 
 
 def _error(exc: BaseException, prog: str = "polyfsdp-train") -> int:
-    # A RankError exists only once its module (which imports torch) is loaded: a config error
-    # found before then prints without loading it.
-    rank_errors = sys.modules.get(f"{__package__}.rank_errors")
-    if rank_errors is not None and isinstance(exc, rank_errors.RankError) and _rank() != 0:
+    from .errors import RankError  # torch-free, like every error class (trainer/errors.py)
+
+    if isinstance(exc, RankError) and _rank() != 0:
         return EXIT_USAGE  # every rank has it: rank 0 prints the one line
     message = " ".join(str(exc).split()) or type(exc).__name__
     print(rank_prefix(_rank(), prog) + message, file=sys.stderr, flush=True)
@@ -123,7 +123,7 @@ CFG_VALUES = ("job", "all")
 def _take_cfg_flag(args: list[str]) -> tuple[bool, list[str]]:
     """(whether to print the config, the remaining overrides): ``--cfg``, ``--cfg job``,
     ``--cfg=all``; a Hydra section this entry point does not have is one ConfigError."""
-    from .compose import ConfigError
+    from .errors import ConfigError
 
     show, rest, i = False, [], 0
     while i < len(args):
@@ -144,12 +144,15 @@ def _take_cfg_flag(args: list[str]) -> tuple[bool, list[str]]:
 
 def main(argv: list[str] | None = None) -> int:
     """Parse overrides, validate, run the job; returns the process exit status."""
-    try:
-        return _main(argv)
-    except KeyboardInterrupt:
-        # Ctrl-C while torch and transformers load, or while the job is set up (the run
-        # itself catches its own, to say how to continue).
-        return interrupted_while_starting().code
+    with SigtermWhileStarting() as starting:
+        try:
+            return _main(argv, starting)
+        except KeyboardInterrupt:
+            # Ctrl-C while torch and transformers load, or while the job is set up (the run
+            # itself catches its own, to say how to continue).
+            return interrupted_while_starting().code
+        except TerminatedWhileStarting:
+            return terminated_while_starting().code
 
 
 def _known_failure(exc: BaseException) -> str | None:
@@ -168,10 +171,11 @@ def _known_failure(exc: BaseException) -> str | None:
     return collective_failure(exc)
 
 
-def _main(argv: list[str] | None) -> int:
+def _main(argv: list[str] | None, starting: SigtermWhileStarting) -> int:
     # Until the overrides have composed, only Hydra is imported: --help, a mistyped key or option
     # and a value outside its bounds answer in about a second, not after torch and transformers load.
-    from .compose import ConfigError, compose, to_container
+    from .compose import compose, to_container
+    from .errors import ConfigError
     from .config_bounds import check_bounds
 
     args = list(sys.argv[1:] if argv is None else argv)
@@ -198,12 +202,9 @@ def _main(argv: list[str] | None) -> int:
     from polyfsdp.backends.distributed import destroy_distributed
 
     from .config import build_job_config
-    from .data import DataError
-    from .metrics import MetricsWriteError
-    from .stop import EXIT_TERMINATED, Preempted, continue_command
+    from .errors import DataError, MetricsWriteError, Preempted, RankError
+    from .stop import EXIT_TERMINATED, continue_command
     from polyfsdp.engines.checkpoint import CheckpointError
-
-    from .rank_errors import RankError
 
     # CheckpointError: a save that failed (full disk, unwritable output); a damaged checkpoint
     # to resume from is already a ConfigError naming trainer.resume. RankError: one rank's error.
@@ -238,6 +239,7 @@ def _main(argv: list[str] | None) -> int:
             raise
         return _error(ConfigError(line))
     finished = False
+    starting.job_starts()
     try:
         with job.stop:
             job.run()

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .compose import ConfigError
+from .errors import ConfigError
 
 
 @dataclass

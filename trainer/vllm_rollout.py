@@ -34,7 +34,7 @@ from polyfsdp.engines.weight_stream import full_weights, weight_buckets
 
 from . import vllm_adapter
 from .batch import build_batch, per_sequence
-from .compose import ConfigError
+from .errors import ConfigError
 from .rollout_engines import RolloutEngine
 
 logger = logging.getLogger(__name__)

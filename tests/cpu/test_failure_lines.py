@@ -163,6 +163,54 @@ runpy.run_module("polyfsdp.trainer.train", run_name="__main__")
 """
 
 
+SIGTERM_AT_IMPORT = """
+import os, signal, sys
+
+TERMINATED_MODULE = sys.argv[1]
+
+
+class Sigterm:
+    def find_spec(self, name, path=None, target=None):
+        if name == TERMINATED_MODULE:
+            os.kill(os.getpid(), signal.SIGTERM)  # what a scheduler sends, into polyfsdp-train's first seconds
+
+
+sys.meta_path.insert(0, Sigterm())
+sys.argv = ["polyfsdp-train", "trainer.output_dir=" + sys.argv[2], "trainer.sft_steps=1", "trainer.rl_steps=0"]
+import runpy
+runpy.run_module("polyfsdp.trainer.train", run_name="__main__")
+"""
+
+
+@pytest.mark.parametrize("module", ["hydra", "torch"])
+def test_sigterm_while_starting_is_one_line_and_status_143(tmp_path, module):
+    proc = subprocess.run([sys.executable, "-c", SIGTERM_AT_IMPORT, module, str(tmp_path / "out")],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 143, (proc.returncode, proc.stderr)
+    # Worded as a SIGTERM during the run ("stopped by SIGTERM after rl step 2; ..."), nothing to continue.
+    assert proc.stderr.strip() == "polyfsdp-train: stopped by SIGTERM while starting (nothing ran, nothing was written)"
+    assert not (tmp_path / "out").exists()
+
+
+def test_the_startup_sigterm_handler_hands_over_to_the_job_and_is_restored(tmp_path, monkeypatch):
+    import signal
+
+    from polyfsdp.trainer import job
+    from polyfsdp.trainer.stop import StopRequest
+
+    seen, during_run = [], []
+    monkeypatch.setattr(job.Job, "run", lambda self: during_run.append(signal.getsignal(signal.SIGTERM)))
+    previous = signal.signal(signal.SIGTERM, lambda *args: seen.append("the caller's handler"))
+    try:
+        assert main([*FAST, "trainer.sft_steps=1", f"trainer.output_dir={tmp_path / 'out'}"]) == 0
+        # While the job runs, its StopRequest's flag (finish the step, checkpoint); after main, the caller's.
+        assert [isinstance(getattr(h, "__self__", None), StopRequest) for h in during_run] == [True]
+        signal.raise_signal(signal.SIGTERM)
+        assert seen == ["the caller's handler"]
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 @pytest.mark.parametrize("module", ["torch", "transformers"])
 def test_ctrl_c_while_importing_is_one_line_and_status_130(tmp_path, module):
     proc = subprocess.run([sys.executable, "-c", INTERRUPT_AT_IMPORT, module, str(tmp_path / "out")],

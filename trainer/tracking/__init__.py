@@ -17,7 +17,8 @@ import math
 from dataclasses import replace
 from pathlib import Path
 
-from .base import RunInfo, Tracker, TrackerStartError  # noqa: F401 (re-exported)
+from .base import RunInfo, Tracker  # noqa: F401 (re-exported)
+from ..errors import TrackerStartError
 from .mlflow_tracker import MlflowTracker
 from .tensorboard_tracker import TensorBoardTracker
 from .wandb_tracker import WandbTracker
@@ -42,7 +43,7 @@ def _installed(package: str) -> bool:
 def check_loggers(value) -> list[str]:
     """``trainer.logger`` as a list of known, installed names (a single name is a list of one);
     anything else is a ConfigError naming the fix."""
-    from ..compose import ConfigError
+    from ..errors import ConfigError
 
     names = [value] if isinstance(value, str) else value
     known = (*BUILTIN_OUTPUTS, *TRACKERS)

@@ -12,9 +12,7 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-
-class TrackerStartError(RuntimeError):
-    """A tracker that cannot start; the message is one line naming the fix."""
+from ..errors import TrackerStartError  # also importable from here, its old home
 
 
 @dataclass

@@ -13,7 +13,8 @@ import json
 import os
 import time
 
-from .base import RunInfo, Tracker, TrackerStartError, require
+from .base import RunInfo, Tracker, require
+from ..errors import TrackerStartError
 
 PARAMS_PER_BATCH = 100   # MLflow's log_batch limit
 PARAM_VALUE_CHARS = 500  # the shortest value limit of MLflow's stores

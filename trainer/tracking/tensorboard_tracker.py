@@ -7,7 +7,8 @@ checkpoint the run resumed from), so every step shows once.
 """
 from __future__ import annotations
 
-from .base import RunInfo, Tracker, TrackerStartError, require
+from .base import RunInfo, Tracker, require
+from ..errors import TrackerStartError
 
 LOG_SUBDIR = "tensorboard"
 

@@ -8,7 +8,8 @@ a resumed run recomputes them exactly).
 """
 from __future__ import annotations
 
-from .base import RunInfo, Tracker, TrackerStartError, require
+from .base import RunInfo, Tracker, require
+from ..errors import TrackerStartError
 
 
 class WandbTracker(Tracker):
