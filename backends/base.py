@@ -9,6 +9,16 @@ from typing import Callable, Mapping, MutableMapping
 import torch
 
 
+# Keywords of varlen (packed) attention that polyfsdp adds to transformers' own. The engine puts
+# them in a packed row's model inputs (beside transformers' ``cu_seq_lens_q``/``_k``), and every
+# attention function a backend picks (``Backend.attn_implementation``: ``polyfsdp_varlen_sdpa`` on
+# CPUs and CUDA, the fusion-attention patch on NPUs) reads them, so they live with that contract.
+# HOST_CU_SEQ_LENS: a host copy (list of ints) of ``cu_seq_lens_q``; a function that needs the
+# boundaries on the host reads it instead of the device tensor, which would stall the device once
+# per layer.
+HOST_CU_SEQ_LENS = "polyfsdp_host_cu_seq_lens"
+
+
 class BackendUnavailableError(RuntimeError):
     """An explicitly requested backend cannot be used here; the message says why."""
 

@@ -19,7 +19,7 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from polyfsdp.backends.varlen_keywords import HOST_CU_SEQ_LENS
+from polyfsdp.backends.base import HOST_CU_SEQ_LENS
 
 logger = logging.getLogger(__name__)
 

@@ -22,7 +22,7 @@ from typing import Callable
 import torch
 
 # Host copy of ``cu_seq_lens_q`` for attention functions that need the boundaries on the host.
-from polyfsdp.backends.varlen_keywords import HOST_CU_SEQ_LENS
+from polyfsdp.backends.base import HOST_CU_SEQ_LENS
 
 from . import jagged
 from .flat_batch import FlatBatch

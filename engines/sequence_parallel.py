@@ -23,7 +23,7 @@ import torch
 
 from polyfsdp.backends.distributed import all_gather_differentiable, all_gather_object_in
 from polyfsdp.backends.topology import Topology
-from polyfsdp.backends.varlen_keywords import HOST_CU_SEQ_LENS
+from polyfsdp.backends.base import HOST_CU_SEQ_LENS
 
 from . import jagged
 from .flat_batch import FlatBatch

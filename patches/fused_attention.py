@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from polyfsdp.backends.varlen_keywords import HOST_CU_SEQ_LENS
+from polyfsdp.backends.base import HOST_CU_SEQ_LENS
 
 ATTN_NAME = "polyfsdp_fusion_attention"
 OP_ATTR = "_polyfsdp_fusion_attention_op"

@@ -24,7 +24,7 @@ from polyfsdp.engines.config import ModelConfig  # noqa: E402
 from polyfsdp.engines.engine import FSDPEngine  # noqa: E402
 from polyfsdp.engines.value_loss import ValueLoss  # noqa: E402
 from polyfsdp.engines.ulysses_attention import SP_KWARG, UlyssesContext, ulysses_attention  # noqa: E402
-from polyfsdp.backends.varlen_keywords import HOST_CU_SEQ_LENS  # noqa: E402
+from polyfsdp.backends.base import HOST_CU_SEQ_LENS  # noqa: E402
 from polyfsdp.patches.fused_attention import OP_ATTR, fusion_attention_forward  # noqa: E402
 from reference_ops import npu_fusion_attention  # noqa: E402
 
