@@ -33,7 +33,7 @@ from .flat_batch import FlatBatch, batch_to_flat, flat_to_caller
 from .forward_logprobs import (FUSED_HEAD_METHOD, forward_logprobs, forward_loss, fused_head_support,
                                install_fused_head)
 from .fused_logprob_compiled import resolve_fused_kernel_impl
-from .lora import add_adapters, adapters_disabled, export_lora
+from .lora import add_adapters, adapters_disabled
 from .loss_inputs import LossInputs
 from .losses import is_token_separable
 from .micro_batch import count_micro_batches, is_placeholder, merge, split
@@ -203,16 +203,6 @@ class FSDPEngine(CheckpointMixin):
         for engine in (self, *(parts or {}).values()):
             engine.weights_version += 1
         return loaded
-
-    def export_hf(self, directory, tokenizer=None, dtype: torch.dtype | None = None, lora: str = "merged"):
-        """Write a Hugging Face checkpoint of the model. With LoRA, ``lora`` picks ``merged``
-        (adapters folded into the weights) or ``adapter`` (a peft adapter directory)."""
-        if self.model_config.lora.enabled:
-            return export_lora(directory, model=self.module, config=self.model_config.lora, mode=lora,
-                               tokenizer=tokenizer, dtype=dtype)
-        if lora != "merged":
-            raise ValueError(f"export lora={lora!r} needs a LoRA model (ModelConfig.lora.rank > 0)")
-        return super().export_hf(directory, tokenizer=tokenizer, dtype=dtype)
 
     # ------------------------------------------------------------------ forward
     def _use_fused(self) -> bool:
