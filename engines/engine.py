@@ -31,7 +31,7 @@ from .dp_balance import Balanced, balance, restore
 from .flat_batch import FlatBatch, batch_to_flat, flat_to_caller
 from .fused_logprob_compiled import resolve_fused_kernel_impl
 from .heads import ValueHead, head_for
-from .lora import add_adapters, adapters_disabled, export_lora
+from .lora import add_adapters, adapters_disabled
 from .loss_inputs import LossInputs, LossNeeds
 from .micro_batch import count_micro_batches, is_placeholder, merge, split
 from .model_builder import build_model
@@ -169,16 +169,6 @@ class FSDPEngine(CheckpointMixin):
         for engine in (self, *(parts or {}).values()):
             engine.weights_version += 1
         return loaded
-
-    def export_hf(self, directory, tokenizer=None, dtype: torch.dtype | None = None, lora: str = "merged"):
-        """Write a Hugging Face checkpoint of the model. With LoRA, ``lora`` picks ``merged``
-        (adapters folded into the weights) or ``adapter`` (a peft adapter directory)."""
-        if self.model_config.lora.enabled:
-            return export_lora(directory, model=self.module, config=self.model_config.lora, mode=lora,
-                               tokenizer=tokenizer, dtype=dtype)
-        if lora != "merged":
-            raise ValueError(f"export lora={lora!r} needs a LoRA model (ModelConfig.lora.rank > 0)")
-        return super().export_hf(directory, tokenizer=tokenizer, dtype=dtype)
 
     # ------------------------------------------------------------------ forward
     def forward_flat(self, flat: FlatBatch, return_entropy: bool = True):

@@ -5,19 +5,15 @@ holding ``base_layer``, ``lora_A``, ``lora_B``) and freezes every other paramete
 engine keeps sharding the plain causal LM, so FSDP2, the fused head and the mode matrix
 are unchanged, and the optimizer (built over ``requires_grad`` parameters) only ever sees
 the adapters. The reference policy for KL is the same model with the adapters switched
-off (:func:`adapters_disabled`), not a second model.
+off (:func:`adapters_disabled`), not a second model. Exporting a LoRA model (merged weights
+or peft's adapter directory) is ``hf_export.export_hf``'s, the path full models take too.
 """
 from __future__ import annotations
 
-import copy
 import warnings
 from contextlib import contextmanager
-from pathlib import Path
 
 import torch
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-from polyfsdp.backends.distributed import barrier, current_rank
 
 from .config import LORA_ALL_LINEAR, LoraConfig
 
@@ -124,40 +120,6 @@ def plain_model_with_adapters(hf_config, config: LoraConfig, state: dict, dtype:
     if dtype is not None:
         wrapped.to(dtype)
     return wrapped.eval()
-
-
-EXPORT_MODES = ("merged", "adapter")
-
-
-def export_lora(directory, *, model: torch.nn.Module, config: LoraConfig, mode: str, tokenizer=None,
-                dtype: torch.dtype | None = None):
-    """Write a LoRA model for Hugging Face: ``merged`` (adapters folded into the base weights,
-    a plain checkpoint for ``from_pretrained``) or ``adapter`` (peft's adapter directory,
-    ``adapter_config.json`` + ``adapter_model.safetensors``, for ``PeftModel.from_pretrained``
-    over the base model). Collective: every rank gathers, rank 0 writes."""
-    if mode not in EXPORT_MODES:
-        raise ValueError(f"export lora: got {mode!r}; allowed values: {', '.join(map(repr, EXPORT_MODES))}")
-    directory = Path(directory)
-    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    if current_rank() == 0:
-        hf_config = copy.deepcopy(model.config)
-        hf_config.use_cache = True  # the engine turns the cache off for training
-        wrapped = plain_model_with_adapters(hf_config, config, full)
-        directory.mkdir(parents=True, exist_ok=True)
-        if mode == "merged":
-            merged = wrapped.merge_and_unload()
-            if dtype is not None:
-                merged.to(dtype)
-            merged.config.dtype = next(merged.parameters()).dtype
-            merged.save_pretrained(directory)
-        else:
-            if dtype is not None:
-                wrapped.to(dtype)
-            wrapped.save_pretrained(directory)
-        if tokenizer is not None:
-            tokenizer.save_pretrained(directory)
-    barrier()
-    return directory
 
 
 class AdaptersOff:

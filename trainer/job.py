@@ -22,58 +22,49 @@ from __future__ import annotations
 
 import json
 import logging
-import math
-import os
 import shutil
 import sys
 import time
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Callable
 
 import torch
 from omegaconf import OmegaConf
 
-from polyfsdp.backends.distributed import all_reduce_max, barrier, broadcast_object, current_rank, init_distributed
+from polyfsdp.backends.distributed import all_reduce_max, broadcast_object, current_rank, init_distributed
 from polyfsdp.backends.topology import topology
 from polyfsdp.backends.registry import get_backend
-from polyfsdp.engines.checkpoint import CheckpointError, PendingCheckpoint, checkpoint_parts
-from polyfsdp.engines.checkpoint_files import remove_path
 from polyfsdp.engines.engine import FSDPEngine
 from polyfsdp.engines.lora import AdaptersOff
 from polyfsdp.engines.losses import SFTLoss
 
-from .chat import PromptEncoder, check_position_budget, model_max_positions
+from .chat import model_max_positions
 from .config import JobConfig
 from .errors import ConfigError, Preempted, TrackerStartError
-from .data import RL_DATA_STREAM, build_source, check_generation_budget, check_tokenizer_covers, max_answer_tokens
-from .demonstrations import unused_demonstrations_note
 from .evaluation import GENERATION_COLUMNS, EvalSettings, evaluate
+from .flat_sampling import flat_sampling_warning
 from .generations_log import GENERATIONS_FILE, GenerationsLog
+from .job_checkpoints import JobCheckpoints
+from .job_data import load_job_data
 from .metrics import METRICS_FILE, MetricsLogger
+from .model_export import export_model
 from .model_init import write_initial_model
+from .phases import Phase, plan_phases
 from .progress import Progress
-from .rank_errors import check_same_data, on_every_rank
+from .rank_errors import on_every_rank
 from .rewards import build_scorer
 from .rl_step import rl_step
 from .rollout_engines import build_rollout_engine
-from .resume import RL_PHASE, STATE_FILE, ResumePoint, check_same_run, find_resume, load_resume_point
+from .resume import RL_PHASE, STATE_FILE, ResumePoint, check_same_run, find_resume
+from .run_state import PhaseState, TrainerPosition
 from .sft import sft_step
 from .stop import StopRequest
-from .task import TOKENIZER_FILE, load_tokenizer
 from .tracking import RunInfo, Trackers, start_trackers
 
 logger = logging.getLogger(__name__)
 
-CHECKPOINT_MARKER = "checkpoint saved:"
 CURVES_FILE = "curves.png"
-CRITIC_PART = "critic"  # a critic estimator's value model: its name in the RL phase's checkpoints
-# Where a polyfsdp before one-unit PPO checkpoints kept the critic's (checkpoints/critic/step_N).
-LEGACY_CRITIC_DIR = "critic"
-CRITIC_HEAD_FILE = "value_head.safetensors"  # final/: the critic's head (ModelConfig.value_head_path)
-# The share of ln(vocabulary) (the uniform distribution's entropy) from which a rollout counts as
-# sampled at random (Job._warn_if_sampling_is_flat).
-FLAT_ENTROPY_SHARE = 0.9
 
 
 def _say(message: str) -> None:
@@ -84,22 +75,6 @@ def _say(message: str) -> None:
 
         tqdm.write(message, file=sys.stdout)
         sys.stdout.flush()
-
-
-@dataclass
-class Phase:
-    """What differs between the SFT and RL phases; :meth:`Job._run_phase` runs either."""
-
-    name: str                 # "sft" | "rl": checkpoints/<name>/, metrics records
-    stream: str               # the data stream its examples are drawn from (source.batch)
-    steps: int                # the phase's optimizer steps
-    batch_size: int           # examples drawn per step, over all ranks
-    step_offset: int          # global step of the phase's start
-    start_dir: str            # the model the phase starts from
-    end_tag: str              # the evaluation at its end ("after_sft" or "final")
-    export_dir: Path | None   # where its end model is exported (None: not exported)
-    export_state: bool        # write the metrics position with the export (the RL phase's starting point)
-    mid_evaluations: bool     # evaluate every trainer.eval_interval steps
 
 
 class Job:
@@ -120,41 +95,7 @@ class Job:
         self.trackers = Trackers([])  # trainer.logger's trackers: started in run(), rank 0 only
         self.generations = GenerationsLog(str(self.out / GENERATIONS_FILE), enabled=self.rank == 0)
         self.scorer = build_scorer(cfg.reward, cfg.data)  # a missing reward file fails before any model
-        # A preset's character tokenizer: the one the run's initial model was built with, when
-        # it exists (a continued run); else a fresh one that learns the data's characters.
-        saved = self.out / "init_model" / TOKENIZER_FILE
-        tokenizer_dir = cfg.model.path or (str(saved.parent) if saved.is_file() else None)
-        try:
-            self.tokenizer = load_tokenizer(tokenizer_dir)
-        except ValueError as exc:
-            raise ConfigError(str(exc)) from None
-        encoder = PromptEncoder(self.tokenizer, cfg.data.apply_chat_template, cfg.data.max_prompt_length,
-                                cfg.data.overlong, cfg.model.path, grow_vocabulary=tokenizer_dir is None)
-        # A file missing on one rank stops every rank; then all must have read the same records.
-        self.source = on_every_rank(lambda: build_source(cfg.data, cfg.trainer.seed, encoder))
-        check_same_data(self.source, cfg.data)
-        note = unused_demonstrations_note(getattr(self.source, "train_examples", ()), cfg.rollout.env)
-        if note:
-            _say(note)
-        if encoder.added_characters:
-            _say(f"character tokenizer: added the data's characters {encoder.added_characters!r} to its "
-                 f"vocabulary ({self.tokenizer.vocab_size} tokens)")
-        if tokenizer_dir == str(saved.parent):
-            check_tokenizer_covers(self.source, self.tokenizer,
-                                   fix=f"this run's initial model ({saved.parent}) was built for the characters of "
-                                       f"the data it started with: continue with that data, or start a new "
-                                       f"trainer.output_dir")
-        else:
-            check_tokenizer_covers(self.source, self.tokenizer)
-        actor = cfg.algo.actor
-        if actor is not None:
-            # Rank 0 checks; the others learn its verdict instead of waiting for it in a collective.
-            on_every_rank(lambda: check_generation_budget(self.source, self.tokenizer, actor.max_new_tokens)
-                          if self.rank == 0 else None)
-        self.eval_tokens = actor.max_new_tokens if actor is not None else \
-            max_answer_tokens(self.source, self.tokenizer) + 2
-        check_position_budget(self.source, model_max_positions(cfg.model), self.eval_tokens,
-                              "algo.actor.max_new_tokens" if actor is not None else "the longest answer")
+        self.tokenizer, self.source, self.eval_tokens = load_job_data(cfg, self.out, self.rank, say=_say)
         self.critic: FSDPEngine | None = None  # a critic estimator's value model, during the RL phase
         # One rollout engine for the whole job (a vLLM engine follows the policy across phases).
         self.sampler = build_rollout_engine(cfg.rollout, self.backend, lora=cfg.model.model_config().lora.enabled,
@@ -162,8 +103,7 @@ class Job:
         self.t0 = time.perf_counter()
         self.stop = StopRequest()       # train.main installs it around run()
         self.position: tuple[str, int] | None = None  # (phase, steps done) of the last finished step
-        self.last_checkpoint: Path | None = None
-        self.pending_checkpoint: tuple[PendingCheckpoint, str] | None = None  # trainer.async_checkpoint's save in flight
+        self.checkpoints = JobCheckpoints(self.out, cfg.trainer, self.world, say=_say)
         self._patches_shown: set[tuple[str, str]] = set()  # (model directory, patch summary) printed
 
     # ------------------------------------------------------------------ helpers
@@ -226,47 +166,19 @@ class Job:
         return result.reward
 
     def _checkpoint(self, engine: FSDPEngine, phase: str, step: int, global_step: int, wait: bool = False) -> Path:
-        """Save the step's checkpoint; with trainer.async_checkpoint (and not ``wait``) its write
-        finishes in the background (``last_checkpoint`` and the line follow when it completes)."""
-        self._checkpoint_written()  # one save at a time: the previous background one first
-        extra = {"phase": phase, "phase_step": step, "global_step": global_step, "world_size": self.world,
-                 "metrics_lines": self.metrics.lines, "metrics_path": self.metrics.path,
-                 "data_position": step * (self.cfg.trainer.sft_batch_size if phase == "sft"
-                                          else self.cfg.trainer.prompts_per_step)}
-        # A critic is a part of the actor's checkpoint, so no crash can leave one
-        # of them at a step the other lacks, and pruning removes both together.
-        saved = engine.save_checkpoint(str(self.out / "checkpoints" / phase), step=step, extra=extra,
-                                       keep=self.cfg.trainer.keep_checkpoints, parts=self._parts(phase),
-                                       background=self.cfg.trainer.async_checkpoint and not wait)
-        where = f"(phase {phase}, step {step}, global step {global_step})"
-        if isinstance(saved, PendingCheckpoint):
-            self.pending_checkpoint = (saved, where)
-            return saved.path
-        return self._announce_checkpoint(Path(saved), where)
+        """Save the step's checkpoint: every part of the phase's state (``run_state.py``)."""
+        batch = self.cfg.trainer.sft_batch_size if phase == "sft" else self.cfg.trainer.prompts_per_step
+        position = TrainerPosition(phase, step, global_step, self.world, self.metrics.lines, self.metrics.path,
+                                   data_position=step * batch)
+        return self.checkpoints.save(self._state(phase, engine), position, wait=wait)
 
-    def _announce_checkpoint(self, path: Path, where: str) -> Path:
-        self.last_checkpoint = path  # before the line: a Ctrl-C right after it must name this one
-        _say(f"{CHECKPOINT_MARKER} {path} {where}")
-        return path
-
-    def _checkpoint_written(self, block: bool = True) -> None:
-        """Finish the background save in flight: wait for it (``block``) or, between steps, only
-        announce it once it has completed; a failed one raises at the next blocking call, which
-        every rank reaches at the same point."""
-        if self.pending_checkpoint is None:
-            return
-        pending, where = self.pending_checkpoint
-        if block or (pending.done() and not pending.failed()):
-            self.pending_checkpoint = None
-            self._announce_checkpoint(pending.wait(), where)
+    def _state(self, phase: str, engine: FSDPEngine) -> PhaseState:
+        """The parts of ``phase``'s checkpoints: its policy, and the critic in the RL phase."""
+        return PhaseState(engine, critic=self.critic if phase != "sft" else None)
 
     def _stop_agreed(self, device) -> bool:
         """Whether any rank got SIGTERM: all stop at the same step boundary, none waits alone."""
         return all_reduce_max([float(self.stop.requested)], device=device)[0] > 0
-
-    def _due(self, step: int, total: int) -> bool:
-        every = self.cfg.trainer.checkpoint_interval
-        return every > 0 and (step % every == 0 or step == total)
 
     def _record(self, phase: str, step: int, global_step: int, m: dict, progress: Progress) -> None:
         m = dict(m)
@@ -282,27 +194,6 @@ class Job:
                                   "global_step": global_step, **u})
             self.metrics.log(record)
         progress.update(m)
-
-    def _export(self, engine: FSDPEngine, directory: Path, state: dict | None = None, lora: str = "merged") -> None:
-        """Export engine's model + tokenizer to ``directory`` atomically (tmp + rename); a
-        LoRA model as merged weights or (``lora="adapter"``) a peft adapter directory. A
-        failed write leaves no partial directory; an old ``directory`` that is a symbolic
-        link is unlinked, never followed (its target stays as it was)."""
-        tmp = directory.with_name(directory.name + ".tmp")
-        if self.rank == 0:
-            remove_path(tmp)
-        try:
-            engine.export_hf(str(tmp), tokenizer=self.tokenizer, **({"lora": lora} if lora != "merged" else {}))
-            if self.rank == 0:
-                if state is not None:
-                    (tmp / STATE_FILE).write_text(json.dumps(state))
-                remove_path(directory)
-                os.replace(tmp, directory)
-        except BaseException:
-            if self.rank == 0:
-                shutil.rmtree(tmp, ignore_errors=True)  # a full disk: give back what was written
-            raise
-        barrier()
 
     # ------------------------------------------------------------------ phases
     def run(self) -> dict:
@@ -355,7 +246,7 @@ class Job:
              f"{self.world} rank(s){self._sp_note()}, output {out}" + (f" (resuming {resume.phase} from "
                                                       f"{resume.checkpoint or 'its start'})" if resume else ""))
         first = True
-        for phase in self._phases(start_dir, resume):
+        for phase in plan_phases(self.cfg, self.out, start_dir, resume):
             phase_resume = resume if resume is not None and resume.phase == phase.name else None
             self._run_phase(phase, phase_resume, fresh_metrics=first and resume is None)
             first = False
@@ -372,25 +263,6 @@ class Job:
         except (ValueError, TypeError) as exc:
             raise ConfigError(f"model.overrides: {exc}") from None
 
-    def _phases(self, start_dir: str, resume: ResumePoint | None) -> list[Phase]:
-        """The phases still to run: SFT (unless skipped, or already done when resuming RL), then RL."""
-        cfg, t = self.cfg, self.cfg.trainer
-        rl = cfg.algo.rl
-        sft_dir = self.out / "sft_model" if t.sft_steps > 0 else Path(start_dir)
-        if resume is not None and resume.run_dir != self.out and resume.phase == RL_PHASE and t.sft_steps > 0:
-            sft_dir = resume.run_dir / "sft_model"
-        phases = []
-        if (resume is None or resume.phase == "sft") and (t.sft_steps > 0 or not rl):
-            end_dir = sft_dir if rl else (self.out / "final" if t.export else None)
-            phases.append(Phase("sft", "sft", t.sft_steps, t.sft_batch_size, 0, start_dir,
-                                end_tag="after_sft" if rl else "final", export_dir=end_dir, export_state=rl,
-                                mid_evaluations=False))
-        if rl:
-            phases.append(Phase(RL_PHASE, RL_DATA_STREAM, t.rl_steps, t.prompts_per_step, t.sft_steps, str(sft_dir),
-                                end_tag="final", export_dir=self.out / "final" if t.export else None,
-                                export_state=False, mid_evaluations=True))
-        return phases
-
     def _start_metrics(self, resume: ResumePoint | None, lines: int | None) -> None:
         source = None if resume is None else resume.run_dir / METRICS_FILE
         if self.rank == 0 and source is not None and source != Path(self.metrics.path) and source.is_file():
@@ -405,23 +277,9 @@ class Job:
     def _restore(self, engine: FSDPEngine, phase: Phase, resume: ResumePoint | None, fresh_metrics: bool) -> int:
         """Position the engine and the metrics file where ``phase`` continues; returns its first step."""
         if resume is not None and resume.checkpoint is not None:
-            parts = self._parts(phase.name)
-            if parts:
-                self._refuse_legacy_critic(resume.checkpoint)
-            checkpoint, extra = load_resume_point(engine, resume, parts, say=_say)
-            self.last_checkpoint = checkpoint
-            saved_world = extra.get("world_size", self.world)
-            if saved_world != self.world:
-                _say(f"elastic resume: {checkpoint} was saved on {saved_world} rank(s), this run has {self.world}: "
-                     f"model and optimizer resharded, RNG states not restored (every step seeds its own)")
-            step = int(extra["phase_step"])
-            if step > phase.steps:
-                # Nothing to run: a "final" evaluation at the lower step count would be mislabelled.
-                key = f"trainer.{phase.name}_steps"
-                raise ConfigError(f"{key}={phase.steps}: {checkpoint} is already at {phase.name} step {step}; "
-                                  f"set {key}>={step} to continue it, or choose another trainer.output_dir")
-            self._start_metrics(resume, int(extra["metrics_lines"]))
-            return step
+            position = self.checkpoints.restore(self._state(phase.name, engine), resume, phase.steps)
+            self._start_metrics(resume, position.metrics_lines)
+            return position.phase_step
         if resume is not None:
             # Continuing at the phase's start: the exported start model says where the records end.
             state = json.loads((Path(phase.start_dir) / STATE_FILE).read_text())
@@ -430,22 +288,6 @@ class Job:
             self._start_metrics(None, None)
             self._evaluate(engine, "initial", 0)
         return 0
-
-    def _parts(self, phase: str) -> dict[str, FSDPEngine]:
-        """The engines saved and loaded with ``phase``'s policy as parts of its checkpoints."""
-        return {CRITIC_PART: self.critic} if self.critic is not None and phase != "sft" else {}
-
-    def _refuse_legacy_critic(self, checkpoint: Path) -> None:
-        """A PPO checkpoint from before the critic was a part of it: its critic is elsewhere."""
-        legacy = checkpoint.parent.parent / LEGACY_CRITIC_DIR
-        try:
-            held = checkpoint_parts(checkpoint)
-        except CheckpointError:
-            return  # loading it names what is wrong
-        if legacy.is_dir() and CRITIC_PART not in held:
-            raise ConfigError(f"trainer.resume: {checkpoint} holds no critic: it was written by a polyfsdp that "
-                              f"kept algo=ppo's critic apart (in {legacy}), which this one does not load; finish "
-                              f"that run with the polyfsdp that started it, or start a new trainer.output_dir")
 
     def _step_function(self, phase: Phase, engine: FSDPEngine) -> Callable[[int, list], dict]:
         """``(phase step, this rank's examples) -> metrics`` for one training step of ``phase``."""
@@ -487,22 +329,11 @@ class Job:
         return step_fn
 
     def _warn_if_sampling_is_flat(self, engine: FSDPEngine, metrics: dict) -> None:
-        """One line when the RL phase's first rollout was sampled from a near-uniform distribution
-        (mean entropy >= FLAT_ENTROPY_SHARE of ln(vocabulary)): its completions score by chance, the
-        group-normalised advantages are noise, and the updates walk the model away from what the
-        SFT warm-up taught (measured: a LoRA warm-up of a from-scratch preset; README, Tuning)."""
-        entropy, vocab = metrics.get("entropy"), getattr(engine.module.config, "vocab_size", 0)
-        if entropy is None or vocab < 2 or entropy < FLAT_ENTROPY_SHARE * math.log(vocab):
-            return
-        if self.cfg.trainer.sft_steps > 0:
-            harm = "RL may undo the SFT warm-up"
-            fix = ("train the warm-up longer (trainer.sft_steps, algo.sft.optim.lr; with LoRA the adapters cannot "
-                   "sharpen a from-scratch model much)")
-        else:
-            harm, fix = "RL learns slowly from it", "start from a trained model or add an SFT warm-up (trainer.sft_steps)"
-        _say(f"warning: the first RL rollout was sampled at entropy {entropy:.2f}, near uniform over "
-             f"{vocab} tokens ({math.log(vocab):.2f}): its rewards are chance and {harm}; {fix} "
-             f"or lower algo.actor.temperature")
+        """One line when the RL phase's first rollout was sampled near uniform (flat_sampling.py)."""
+        vocab = getattr(engine.module.config, "vocab_size", 0)
+        warning = flat_sampling_warning(metrics.get("entropy"), vocab, self.cfg.trainer.sft_steps)
+        if warning is not None:
+            _say(warning)
 
     def _step_seed(self, step: int) -> int:
         """The seed of a phase's step ``step``, from trainer.seed (the same on every rank)."""
@@ -531,28 +362,25 @@ class Job:
             if every and (step + 1) % every == 0 and step + 1 != phase.steps:
                 self._evaluate(engine, "step", global_step, where=f"{phase.name} step {step + 1}")
             self.position = (phase.name, step + 1)
-            self._checkpoint_written(block=False)
-            saved = self._due(step + 1, phase.steps)
+            self.checkpoints.written(block=False)
+            saved = self.checkpoints.due(step + 1, phase.steps)
             if saved:
                 self._checkpoint(engine, phase.name, step + 1, global_step)
             if self._stop_agreed(engine.device):
                 progress.close()
-                self._checkpoint_written()
-                path = self.last_checkpoint if saved else \
+                self.checkpoints.written()
+                path = self.checkpoints.last if saved else \
                     self._checkpoint(engine, phase.name, step + 1, global_step, wait=True)
                 raise Preempted(phase.name, step + 1, path)
         progress.close()
-        self._checkpoint_written()  # the phase's last checkpoint is complete before its end
+        self.checkpoints.written()  # the phase's last checkpoint is complete before its end
         end_step = phase.step_offset + phase.steps
         self._evaluate(engine, phase.end_tag, end_step)
         if phase.export_dir is not None:
             state = {"metrics_lines": self.metrics.lines, "global_step": end_step} if phase.export_state else None
             # A phase feeding the next one (the SFT model RL starts from) is always merged weights.
             lora = "merged" if phase.export_state else self.cfg.trainer.export_lora
-            self._export(engine, phase.export_dir, state=state, lora=lora)
-            if self.critic is not None:
-                # Beside the actor: algo.critic.value_head_path of a later run starts its critic's head here.
-                self.critic.export_value_head(phase.export_dir / CRITIC_HEAD_FILE)
+            export_model(engine, phase.export_dir, self.tokenizer, state=state, lora=lora, critic=self.critic)
         self.critic = None
         del engine, step_fn
 

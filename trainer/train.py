@@ -84,7 +84,7 @@ def _error(exc: BaseException, prog: str = "polyfsdp-train") -> int:
 
 def _interrupted_line(job) -> str:
     where = f"after {job.position[0]} step {job.position[1]}" if job.position else "before the first step"
-    last = f"last checkpoint {job.last_checkpoint}" if job.last_checkpoint else "no checkpoint yet"
+    last = f"last checkpoint {job.checkpoints.last}" if job.checkpoints.last else "no checkpoint yet"
     return f"interrupted {where}; {last}"
 
 

@@ -3,8 +3,8 @@ point of the checkpoint save of a chosen step.
 
 Usage: python checkpoint_crash_child.py STEP POINT [overrides...]. The points of a save are
 counted from 1 in the order they happen: before each file-system stage of
-``engines/checkpoint.py`` (the DCP shards, each plain file, the manifest, the rename into
-place, the ``latest`` pointer), halfway through each deletion of an old checkpoint (half of
+``engines/checkpoint.py`` and ``engines/checkpoint_layout.py`` (the DCP shards, each plain
+file, the manifest, the rename into place, the ``latest`` pointer), halfway through each deletion of an old checkpoint (half of
 its files gone), and right after each save returns. Every save whose step is STEP counts (a
 PPO step of older code saved the critic and the actor separately). The child prints
 ``CRASH POINT <n> <stage>`` on stderr before it dies; a POINT past the last one lets the run
@@ -14,7 +14,7 @@ import shutil
 import sys
 from pathlib import Path
 
-from polyfsdp.engines import checkpoint
+from polyfsdp.engines import checkpoint, checkpoint_layout, checkpoint_verdict
 
 STEP, POINT = int(sys.argv[1]), int(sys.argv[2])
 CRASH_EXIT = 137  # what a shell reports for SIGKILL
@@ -81,9 +81,12 @@ checkpoint.save_checkpoint = save_with_crash_points
 checkpoint.dcp = _Overlay(checkpoint.dcp, save=_before("dcp.save", checkpoint.dcp.save))
 checkpoint.save_plain = _before("save_plain", checkpoint.save_plain)
 checkpoint.write_manifest = _before("write_manifest", checkpoint.write_manifest)
-checkpoint.os = _Overlay(os, rename=_before("rename", os.rename))
-checkpoint._write_pointer = _before("write_pointer", checkpoint._write_pointer)
-checkpoint.shutil = _Overlay(shutil, rmtree=_halfway_rmtree(shutil.rmtree))
+# The renames, the pointer and the deletions are checkpoint_layout's; the save's own rmtree
+# (a leftover temporary directory) and a failed stage's (checkpoint_verdict) count too.
+checkpoint_layout.os = _Overlay(os, rename=_before("rename", os.rename))
+checkpoint_layout.write_pointer = _before("write_pointer", checkpoint_layout.write_pointer)
+for module in (checkpoint, checkpoint_layout, checkpoint_verdict):
+    module.shutil = _Overlay(shutil, rmtree=_halfway_rmtree(shutil.rmtree))
 
 from polyfsdp.trainer import train  # noqa: E402  (after the hooks: nothing else holds the originals)
 

@@ -193,7 +193,7 @@ def test_crafted_non_tensor_item_in_a_shard_is_refused_and_nothing_executes(save
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
 
-    from polyfsdp.engines.checkpoint import _sharded_state
+    from polyfsdp.engines.checkpoint_parts import sharded_state as _sharded_state
 
     path, parts = saved
     marker = tmp_path / "pwned"
