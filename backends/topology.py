@@ -93,8 +93,12 @@ class Topology:
         the same share); the list's length must be a multiple of ``dp_size``."""
         if len(items) % self.dp_size:
             raise ValueError(f"{len(items)} {what} do not split over {self.dp_size} data-parallel replicas")
-        per = len(items) // self.dp_size
-        return list(items[self.replica * per:(self.replica + 1) * per])
+        start = self.share_start(len(items))
+        return list(items[start:start + len(items) // self.dp_size])
+
+    def share_start(self, count: int) -> int:
+        """The global index of the first item of this replica's share of ``count`` items."""
+        return self.replica * (count // self.dp_size)
 
     def one_per_replica(self, per_rank: Sequence[Any]) -> list[Any]:
         """From a value per rank (in rank order, e.g. ``all_gather_object``'s result), the first

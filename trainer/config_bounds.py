@@ -16,7 +16,8 @@ from typing import Any, Iterator
 from .errors import ConfigError
 
 # torch's generators take 64-bit seeds, and the trainer derives per-step, per-rank seeds as
-# (seed * 1_000_003 + step) * 1024 + rank: a 32-bit seed keeps that inside the range.
+# (seed * 1_000_003 + step) * 1024 + replica: a 32-bit seed keeps that inside the range (the
+# per-row sampling seeds, trainer/row_seeds.py, are hashed to 63 bits whatever the parts).
 MAX_SEED = 2**32 - 1
 # Counts that allocate (completions, prompts, tokens per completion): far above real runs,
 # low enough that a typo (1000000000000) is refused instead of hanging in generation.

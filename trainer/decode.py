@@ -5,8 +5,10 @@ long, widely varying completions runs on the few rows still going.
 What is sampled is what Hugging Face ``generate`` samples with ``top_k=0, top_p=1``: each
 row's next token is drawn from ``softmax(logits / temperature)`` (float32 logits, as
 ``generate`` takes them) or is the argmax when greedy; a row's distribution depends only on
-its own prefix, so dropping finished rows changes no row's distribution (the random stream
-is consumed differently, so sampled tokens are not bit-identical to ``generate``'s).
+its own prefix, so dropping finished rows changes no row's distribution. With one seed per row
+(trainer/row_sampler.py) each row draws from its own generator: its tokens do not depend on
+the other rows, and equal those HF ``generate`` draws with the same seeds (trainer/generate.py);
+from the process's generator the stream is consumed differently from ``generate``'s.
 Positions follow ``generate``'s rule for left-padded prompts (count of real tokens before).
 """
 from __future__ import annotations
@@ -17,6 +19,8 @@ import torch
 from transformers.cache_utils import DynamicCache, DynamicLayer
 
 from polyfsdp.engines.attention import VARLEN_SDPA
+
+from .row_sampler import RowSampler
 
 
 class _PreallocatedLayer(DynamicLayer):
@@ -67,13 +71,16 @@ def _ready_mask_ok(model, cache: DynamicCache) -> bool:
     return attn in ("sdpa", VARLEN_SDPA) and bool(cache.layers) and all(isinstance(layer, _PreallocatedLayer) for layer in cache.layers)
 
 
-def _next_tokens(logits: torch.Tensor, do_sample: bool, temperature: float,
-                 want_log_probs: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """``(tokens (B,), their log-probs (B,) or None)`` from last-position logits (B, vocab)."""
+def _next_tokens(logits: torch.Tensor, do_sample: bool, temperature: float, want_log_probs: bool,
+                 sampler: RowSampler | None = None, rows: list[int] | None = None,
+                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``(tokens (B,), their log-probs (B,) or None)`` from last-position logits (B, vocab);
+    with a ``sampler``, row ``i`` draws with the generator of original row ``rows[i]``."""
     logits = logits.float()
     if do_sample:
         logits = logits / temperature
-        tokens = torch.multinomial(torch.softmax(logits, -1), 1)[:, 0]
+        tokens = sampler.draw(logits, rows) if sampler is not None else \
+            torch.multinomial(torch.softmax(logits, -1), 1)[:, 0]
     else:
         tokens = logits.argmax(-1)
     log_probs = torch.log_softmax(logits, -1).gather(-1, tokens[:, None])[:, 0] if want_log_probs else None
@@ -96,20 +103,21 @@ def _fsdp_free(model) -> bool:
 
 
 def decode(model, ids: torch.Tensor, mask: torch.Tensor, max_new_tokens: int, eos: int, do_sample: bool,
-           temperature: float = 1.0, return_log_probs: bool = False):
+           temperature: float = 1.0, return_log_probs: bool = False, row_seeds: list[int] | None = None):
     """Completions of left-padded prompts (see :func:`_decode`), in inference mode when the
     model is FSDP-free, else without gradients."""
     with torch.inference_mode() if _fsdp_free(model) else torch.no_grad():
-        return _decode(model, ids, mask, max_new_tokens, eos, do_sample, temperature, return_log_probs)
+        return _decode(model, ids, mask, max_new_tokens, eos, do_sample, temperature, return_log_probs, row_seeds)
 
 
 def _decode(model, ids: torch.Tensor, mask: torch.Tensor, max_new_tokens: int, eos: int, do_sample: bool,
-           temperature: float = 1.0, return_log_probs: bool = False):
+           temperature: float = 1.0, return_log_probs: bool = False, row_seeds: list[int] | None = None):
     """Completions of left-padded prompts ``ids``/``mask`` (B, width): per row its new tokens,
     ending at and including ``eos`` when produced, at most ``max_new_tokens``; with
     ``return_log_probs`` also ``(completions, log-probs)``, each token's log-prob under the
     distribution it was drawn from (logits / temperature when sampling, as ``generate``'s
-    processed scores)."""
+    processed scores). ``row_seeds`` (one per row): each row samples with its own generator
+    (trainer/row_sampler.py); without them, from the process's generator."""
     batch = ids.shape[0]
     completions: list[list[int]] = [[] for _ in range(batch)]
     log_probs: list[list[float]] = [[] for _ in range(batch)]
@@ -129,13 +137,15 @@ def _decode(model, ids: torch.Tensor, mask: torch.Tensor, max_new_tokens: int, e
     key_mask = torch.ones(batch, capacity, dtype=torch.bool, device=mask.device)
     key_mask[:, :width] = mask.bool()
     ready_mask = _ready_mask_ok(model, cache)
+    sampler = RowSampler(row_seeds, ids.device) if do_sample and row_seeds is not None else None
     for step in range(max_new_tokens):
-        tokens, lp = _next_tokens(out.logits[:, -1], do_sample, temperature, return_log_probs)
+        live = rows.tolist()
+        tokens, lp = _next_tokens(out.logits[:, -1], do_sample, temperature, return_log_probs, sampler, live)
         # One host copy per step: every row's token (and log-prob) joins its completion.
         host_tokens = tokens.tolist()
         host_lp = lp.tolist() if return_log_probs else None
         keep = []
-        for i, (row, tok) in enumerate(zip(rows.tolist(), host_tokens)):
+        for i, (row, tok) in enumerate(zip(live, host_tokens)):
             completions[row].append(tok)
             if return_log_probs:
                 log_probs[row].append(host_lp[i])

@@ -10,6 +10,7 @@ from polyfsdp.backends.distributed import all_gather_object, current_rank, curre
 
 from .eval_metrics import PromptSamples, evaluation_metrics
 from .generate import rollout
+from .row_seeds import eval_row_seeds
 from .task import Example
 
 GENERATION_COLUMNS = ["prompt", "completion", "ground_truth", "reward"]
@@ -50,7 +51,9 @@ def evaluate(engine, tokenizer, examples: list[Example], max_new_tokens: int, sc
     rank, world, n = current_rank(), current_world_size(), settings.n_samples
     sampled = settings.temperature > 0
     if sampled:
-        engine.backend.manual_seed(settings.seed * 1024 + rank)  # a function of the step: resume-exact
+        # Each row samples with its own seed (its example's index: the same on any world size);
+        # the process generators are seeded for what else draws: a function of the step.
+        engine.backend.manual_seed(settings.seed * 1024 + rank)
     mine = list(range(rank, len(examples), world))
     per_call = max(1, COMPLETIONS_PER_CALL // n)
     # Every rank runs the same number of generate calls, as synced generation needs.
@@ -58,10 +61,11 @@ def evaluate(engine, tokenizer, examples: list[Example], max_new_tokens: int, sc
     prompts, extras = [], {}
     for c in range(calls):
         indices = mine[c * per_call:(c + 1) * per_call]
-        part = [examples[i] for i in indices] or [examples[mine[0]]]
+        chosen = indices or [mine[0]]
+        part = [examples[i] for i in chosen]
         result = rollout(engine, tokenizer, part, n, max_new_tokens, do_sample=sampled,
                          temperature=settings.temperature if sampled else 1.0, scorer=scorer, sampler=sampler,
-                         with_answers=True)
+                         with_answers=True, row_seeds=eval_row_seeds(settings.seed, chosen, n) if sampled else None)
         for j, index in enumerate(indices):
             rows = slice(j * n, (j + 1) * n)
             prompts.append((PromptSamples(index, examples[index].data_source, result.rewards[rows],

@@ -81,20 +81,32 @@ def decode_loop_ok(gather_once: bool) -> bool:
 
 
 def _hf_generate(model, ids, mask, width, pad, eos, max_new_tokens, do_sample, temperature, return_log_probs,
-                 synced: bool):
-    """HF ``generate``'s completions (and log-probs), cut as :func:`generate` documents."""
-    from transformers import GenerationConfig
+                 synced: bool, row_seeds: list[int] | None = None):
+    """HF ``generate``'s completions (and log-probs), cut as :func:`generate` documents; with
+    ``row_seeds``, greedy ``generate`` whose logits processor samples each row with its own
+    generator (trainer/row_sampler.py), keeping the log-probs it drew from."""
+    from transformers import GenerationConfig, LogitsProcessorList
 
+    from .row_sampler import row_seeded_processor
+
+    chooser = None
+    if do_sample and row_seeds is not None:
+        chooser = row_seeded_processor(row_seeds, ids.device, temperature, return_log_probs)
+        do_sample = False  # the chooser leaves one finite logit per row: greedy takes it
+    scores_out = return_log_probs and chooser is None
     config = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=do_sample, pad_token_id=pad,
                               eos_token_id=eos, use_cache=True,
-                              return_dict_in_generate=return_log_probs, output_scores=return_log_probs,
+                              return_dict_in_generate=scores_out, output_scores=scores_out,
                               **({"temperature": temperature, "top_k": 0, "top_p": 1.0} if do_sample else {}))
-    out = model.generate(input_ids=ids, attention_mask=mask, generation_config=config, synced_gpus=synced)
+    out = model.generate(input_ids=ids, attention_mask=mask, generation_config=config, synced_gpus=synced,
+                         logits_processor=LogitsProcessorList([chooser] if chooser is not None else []))
     token_log_probs = None
-    if return_log_probs:
+    if scores_out:
         steps = torch.stack(out.scores, dim=1).float()  # (B, new tokens, vocab)
         out = out.sequences
         token_log_probs = torch.log_softmax(steps, -1).gather(-1, out[:, width:, None])[..., 0].tolist()
+    elif return_log_probs:
+        token_log_probs = torch.stack(chooser.log_probs, dim=1).tolist()
     completions = []
     for row in out[:, width:].tolist():
         if eos in row:
@@ -111,7 +123,8 @@ def _hf_generate(model, ids, mask, width, pad, eos, max_new_tokens, do_sample, t
 
 @torch.no_grad()
 def generate(engine, tokenizer, prompts: list[list[int]], max_new_tokens: int, do_sample: bool,
-             temperature: float = 1.0, return_log_probs: bool = False, unshard="auto", loop: str = "auto"):
+             temperature: float = 1.0, return_log_probs: bool = False, unshard="auto", loop: str = "auto",
+             row_seeds: list[int] | None = None):
     """Completions (ending at and including ``<eos>`` when produced) for left-padded prompts;
     with ``return_log_probs``, also each completion token's log-prob under the distribution
     it was drawn from (logits / temperature, as ``generate``'s processed scores).
@@ -120,7 +133,8 @@ def generate(engine, tokenizer, prompts: list[list[int]], max_new_tokens: int, d
     loop runs (trainer/decode.py: finished rows leave the batch) and each rank stops when its
     own rows are done. Otherwise, with several ranks, HF ``generate(synced_gpus=True)`` keeps
     every rank calling forward until all are done, as FSDP's per-layer all-gathers require.
-    ``loop`` (``rollout.engine``) forces one of them: ``builtin`` or ``hf``.
+    ``loop`` (``rollout.engine``) forces one of them: ``builtin`` or ``hf``. ``row_seeds`` (one
+    per prompt, trainer/row_seeds.py): each row samples with its own generator, on either path.
     """
     from .decode import decode
 
@@ -135,9 +149,11 @@ def generate(engine, tokenizer, prompts: list[list[int]], max_new_tokens: int, d
             raise ValueError("rollout.engine=builtin: on several ranks our decoding loop needs the model gathered "
                              "once, and rollout.unshard decided against it; set rollout.engine=hf or auto")
         if own_loop:
-            return decode(engine.module, ids, mask, max_new_tokens, eos, do_sample, temperature, return_log_probs)
+            return decode(engine.module, ids, mask, max_new_tokens, eos, do_sample, temperature, return_log_probs,
+                          row_seeds)
         return _hf_generate(engine.module, ids, mask, ids.shape[1], pad, eos, max_new_tokens, do_sample,
-                            temperature, return_log_probs, synced=current_world_size() > 1 and not once)
+                            temperature, return_log_probs, synced=current_world_size() > 1 and not once,
+                            row_seeds=row_seeds)
 
 
 def _default_scorer():
@@ -148,18 +164,19 @@ def _default_scorer():
 
 def rollout(engine, tokenizer, examples: list[Example], n: int, max_new_tokens: int, do_sample: bool,
             temperature: float = 1.0, scorer=None, return_log_probs: bool = False, sampler=None,
-            with_answers: bool = False) -> Rollout:
+            with_answers: bool = False, row_seeds: list[int] | None = None) -> Rollout:
     """``n`` completions per example (grouped: example i owns rows i*n .. i*n+n-1), scored
     by ``scorer`` (a rewards.Scorer; default the built-in ``char_match``); ``sampler`` is the
-    rollout engine (trainer/rollout_engines.py; default ``auto``)."""
+    rollout engine (trainer/rollout_engines.py; default ``auto``); ``row_seeds``: one sampling
+    seed per row (trainer/row_seeds.py), else the process's generator draws."""
     from .rollout_engines import PolicyDecoding
 
     if getattr(sampler, "multi_turn", False):
         return sampler.rollout(engine, tokenizer, examples, n, max_new_tokens, do_sample, temperature, scorer,
-                               return_log_probs, with_answers)
+                               return_log_probs, with_answers, row_seeds=row_seeds)
     prompts = [example_prompt_tokens(tokenizer, ex) for ex in examples for _ in range(n)]
     responses = (sampler or PolicyDecoding()).generate(engine, tokenizer, prompts, max_new_tokens, do_sample,
-                                                       temperature, return_log_probs)
+                                                       temperature, return_log_probs, row_seeds=row_seeds)
     log_probs = None
     if return_log_probs:
         responses, log_probs = responses

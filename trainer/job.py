@@ -58,6 +58,7 @@ from .rl_step import rl_step
 from .rollout_engines import build_rollout_engine
 from .resume import RL_PHASE, STATE_FILE, ResumePoint, check_same_run, find_resume
 from .run_state import PhaseState, TrainerPosition
+from .row_seeds import RowSeeds
 from .sft import sft_step
 from .stop import StopRequest
 from .tracking import RunInfo, Trackers, start_trackers
@@ -319,10 +320,12 @@ class Job:
             value_loss, warmup = cfg.algo.critic.value_loss(), cfg.algo.critic.critic_warmup
 
         def step_fn(step: int, examples: list) -> dict:
-            # Sampling (per rank) and mini-batch shuffles (same on all ranks) are seeded per step: exact resume.
+            # Sampling (per global row) and mini-batch shuffles (same on all ranks) are seeded per
+            # step: exact resume, and the same completions whatever the world size.
             step_seed = self._step_seed(step)
             more = lambda k: self._shard(self.source.batch(f"{phase.stream}-refill{k}", step, phase.batch_size))  # noqa: E731
-            return rl_step(engine, ref, self.tokenizer, examples, cfg.algo, actor_loss,
+            row_seeds = RowSeeds(cfg.trainer.seed, step, first_prompt=self.topo.share_start(phase.batch_size))
+            return rl_step(engine, ref, self.tokenizer, examples, cfg.algo, actor_loss, row_seeds=row_seeds,
                            sample_seed=self._replica_seed(step), shuffle_seed=step_seed,
                            mini_batches=mini_batches, scorer=self.scorer, more_examples=more, sampler=self.sampler,
                            critic=self.critic, value_loss=value_loss, train_actor=step >= warmup)
@@ -340,8 +343,9 @@ class Job:
         return self.cfg.trainer.seed * 1_000_003 + step
 
     def _replica_seed(self, step: int) -> int:
-        """The sampling seed of step ``step`` on this rank's replica: the ranks of one SP group
-        draw the same completions (docs/architecture.md, "Ranks, replicas and SP groups")."""
+        """The seed of the process generators at step ``step`` on this rank's replica (what draws
+        besides the rollout's sampling, which is seeded per global row: LoRA's dropout); the ranks
+        of one SP group draw alike (docs/architecture.md, "Ranks, replicas and SP groups")."""
         return self._step_seed(step) * 1024 + self.topo.replica
 
     def _run_phase(self, phase: Phase, resume: ResumePoint | None, fresh_metrics: bool) -> None:

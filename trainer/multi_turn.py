@@ -25,6 +25,7 @@ from .environments import as_env_step, check_messages, load_environment, parse_t
 from .errors import RewardError
 from .rank_errors import on_every_rank
 from .reward_timeout import CallDeadline
+from .row_seeds import turn_seed
 from .rewards import call_user_code
 
 # A placeholder exchange: the tokens the template puts around an environment turn are the
@@ -144,21 +145,26 @@ class MultiTurnRollout:
         return trajectories, turns
 
     def rollout(self, policy, tokenizer, examples, n: int, max_new_tokens: int, do_sample: bool,
-                temperature: float, scorer, return_log_probs: bool, with_answers: bool = False):
+                temperature: float, scorer, return_log_probs: bool, with_answers: bool = False,
+                row_seeds: list[int] | None = None):
         """``n`` conversations per example (grouped as :func:`~polyfsdp.trainer.generate.rollout`'s);
-        ``with_answers``: no answer to vote on (None each), the environment judges."""
+        ``with_answers``: no answer to vote on (None each), the environment judges; ``row_seeds``
+        (one per conversation): turn ``t`` of each samples with ``turn_seed(its seed, t)``."""
         from .generate import Rollout
 
         eos = tokenizer.eos_token_id
         started = time.perf_counter()
         trajectories, turns = on_every_rank(lambda: self.start(examples, n, tokenizer))
         env_time = time.perf_counter() - started
+        position = {id(t): i for i, t in enumerate(trajectories)}
         for turn in range(1, self.settings.max_turns + 1):
             active = [t for t in trajectories if not t.done]
             for t in active:
                 if self._overflows(t, max_new_tokens):
                     t.done = t.truncated = True
             active = [t for t in active if not t.done]
+            seeds = None if row_seeds is None else \
+                [turn_seed(row_seeds[position[id(t)]], turn) for t in active] or [0]
             # Sampling may be collective (synced decoding): every rank takes the turn while any
             # rank has a conversation going; one with none samples a stand-in row and drops it.
             if current_world_size() > 1:
@@ -168,7 +174,7 @@ class MultiTurnRollout:
                 break
             contexts = [t.prompt + t.tokens for t in active] or [trajectories[0].prompt]
             completions, log_probs = self.base.generate(policy, tokenizer, contexts, max_new_tokens, do_sample,
-                                                        temperature, return_log_probs=True)
+                                                        temperature, return_log_probs=True, row_seeds=seeds)
             started = time.perf_counter()
 
             def answer(active=active, completions=completions, log_probs=log_probs, turn=turn):

@@ -30,6 +30,7 @@ from .estimators import ESTIMATORS, AdvantageInputs, Advantages
 from .gae import explained_variance
 from .multi_turn import rollout_metrics
 from .rewards import call_user_code, mean_over_ranks
+from .row_seeds import RowSeeds
 from .sampling import sample_groups
 from .task import Example
 from .updates import mini_batch_plan, old_and_ref_log_probs, run_updates, summarise_updates
@@ -41,10 +42,12 @@ CRITIC_PREFIX = "vf_"
 def rl_step(policy, ref, tokenizer, examples: list[Example], algo, actor_loss, sample_seed: int,
             shuffle_seed: int = 0, mini_batches: int = 1, scorer=None,
             more_examples: Callable[[int], list[Example]] | None = None, sampler=None, critic=None,
-            value_loss=None, train_actor: bool = True) -> dict:
+            value_loss=None, train_actor: bool = True, row_seeds: RowSeeds | None = None) -> dict:
     """Train one RL step on this rank's prompts ``examples``; ``algo`` is the AlgoSection.
-    ``sample_seed`` seeds the sampling and ``shuffle_seed`` the mini-batch order, so a resumed
-    run draws the same completions and updates; ``mini_batches`` optimizer steps per epoch.
+    ``row_seeds`` seeds each completion (trainer/row_seeds.py), ``sample_seed`` the process's
+    generators (what else draws: dropout; the sampling too without ``row_seeds``) and
+    ``shuffle_seed`` the mini-batch order, so a resumed run draws the same completions and
+    updates; ``mini_batches`` optimizer steps per epoch.
     ``more_examples(k)`` gives the k-th extra prompt batch for group filtering; ``sampler`` is
     the rollout engine (trainer/rollout_engines.py). ``critic``/``value_loss``: the critic
     estimator's value model and loss (None otherwise); ``train_actor=False`` trains only the
@@ -53,7 +56,7 @@ def rl_step(policy, ref, tokenizer, examples: list[Example], algo, actor_loss, s
     g = algo.actor
     policy.backend.manual_seed(sample_seed)
     sampled = sample_groups(policy, tokenizer, examples, g, algo.rollout_correction.needs_rollout_log_probs,
-                            scorer, more_examples, sampler)
+                            scorer, more_examples, sampler, row_seeds)
     roll, first = sampled.kept, sampled.first
     t_gen = time.perf_counter() - t0
     metrics = reward_metrics(first, policy.device)

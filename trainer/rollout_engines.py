@@ -7,8 +7,9 @@
 - ``auto``: the decoding loop wherever no rank must keep calling forward for the others,
   else HF ``generate`` (what polyfsdp did before engines were selectable), on every backend.
 
-Every engine returns what :func:`polyfsdp.trainer.generate.generate` documents: per prompt
-its new tokens ending at and including ``<eos>`` when produced, and with
+Every engine takes ``row_seeds`` (one sampling seed per prompt, trainer/row_seeds.py, or None:
+the process's generator draws) and returns what :func:`polyfsdp.trainer.generate.generate`
+documents: per prompt its new tokens ending at and including ``<eos>`` when produced, and with
 ``return_log_probs`` each token's log-prob under the distribution it was drawn from.
 """
 from __future__ import annotations
@@ -33,7 +34,7 @@ class RolloutEngine:
     name = "rollout engine"
 
     def generate(self, policy, tokenizer, prompts: list[list[int]], max_new_tokens: int, do_sample: bool,
-                 temperature: float = 1.0, return_log_probs: bool = False):
+                 temperature: float = 1.0, return_log_probs: bool = False, row_seeds: list[int] | None = None):
         raise NotImplementedError
 
     def close(self) -> None:
@@ -48,11 +49,11 @@ class PolicyDecoding(RolloutEngine):
         self.loop, self.unshard, self.name = loop, unshard, loop
 
     def generate(self, policy, tokenizer, prompts, max_new_tokens, do_sample, temperature=1.0,
-                 return_log_probs=False):
+                 return_log_probs=False, row_seeds=None):
         from .generate import generate
 
         return generate(policy, tokenizer, prompts, max_new_tokens, do_sample, temperature, return_log_probs,
-                        unshard=self.unshard, loop=self.loop)
+                        unshard=self.unshard, loop=self.loop, row_seeds=row_seeds)
 
 
 def check_rollout(rollout, world_size: int = 1) -> None:

@@ -12,6 +12,7 @@ from typing import Callable
 from polyfsdp.backends.distributed import all_reduce_max, all_reduce_sum
 
 from .generate import Rollout, rollout
+from .row_seeds import RowSeeds
 from .task import Example
 
 logger = logging.getLogger(__name__)
@@ -54,17 +55,20 @@ def _concat(parts: list[Rollout]) -> Rollout:
 
 
 def sample_groups(policy, tokenizer, examples: list[Example], g, log_probs: bool, scorer,
-                  more_examples: Callable[[int], list[Example]] | None, sampler=None) -> SampledGroups:
+                  more_examples: Callable[[int], list[Example]] | None, sampler=None,
+                  row_seeds: RowSeeds | None = None) -> SampledGroups:
     """Sample ``g.group_size`` completions per prompt of ``examples`` (this rank's share);
     with ``g.filter_groups``, keep only informative groups, resampling as described above.
-    ``sampler`` is the rollout engine (trainer/rollout_engines.py)."""
+    ``sampler`` is the rollout engine (trainer/rollout_engines.py); ``row_seeds``: the step's
+    per-row sampling seeds (round k's rows get round k's), else the process's generator draws."""
     n = g.group_size
 
-    def draw(batch):
+    def draw(batch, sampling_round):
+        seeds = None if row_seeds is None else row_seeds.rows(sampling_round, len(batch), n)
         return rollout(policy, tokenizer, batch, n, g.max_new_tokens, do_sample=True, temperature=g.temperature,
-                       scorer=scorer, return_log_probs=log_probs, sampler=sampler)
+                       scorer=scorer, return_log_probs=log_probs, sampler=sampler, row_seeds=seeds)
 
-    first = draw(examples)
+    first = draw(examples, 0)
     if not g.filter_groups:
         return SampledGroups(first, first)
     target, device = len(examples), policy.device
@@ -77,7 +81,7 @@ def sample_groups(policy, tokenizer, examples: list[Example], g, log_probs: bool
         short = all_reduce_max([float(target - count)], device)[0]
         if short <= 0 or rounds >= g.max_sample_batches or more_examples is None:
             break
-        roll = draw(more_examples(rounds))
+        roll = draw(more_examples(rounds), rounds)
         rounds += 1
     common = int(-all_reduce_max([-float(count)], device)[0])
     kept_roll = _select(_concat(kept), list(range(common)), n)

@@ -10,8 +10,9 @@ engine per rank (tensor parallel 1) holding a copy of the policy's weights.
   vLLM's log-probs of a fixed probe sequence with the policy's and stops beyond
   ``rollout.check_sync_tol`` (a missed or partial sync is the usual failure of this design).
 - Sampling: the same stop token (``<eos>``, kept in the completion), temperature, top-k 0
-  and top-p 1 as our loop; each request has its own seed, drawn from the step's seeded
-  generator (trainer.seed, step, rank), so a resumed run draws the same completions.
+  and top-p 1 as our loop; each request has its own seed: its row seed (trainer/row_seeds.py:
+  trainer.seed, step, global row) in RL rollouts, so the same prompts draw the same completions
+  whatever the world size, else one drawn from the process's seeded generator.
 - Sleep (GPU/NPU, backends' ``rollout_sleep_level``): between rollouts vLLM frees its device
   memory for training; the weights are woken before a sync and the KV cache after it.
 
@@ -198,11 +199,11 @@ class VllmRolloutEngine(RolloutEngine):
 
     # ------------------------------------------------------------------ sampling
     def generate(self, policy, tokenizer, prompts, max_new_tokens, do_sample, temperature=1.0,
-                 return_log_probs=False):
-        # One seed per request from the step's seeded generator: the draw depends only on
-        # trainer.seed, the step, the rank and the row, never on vLLM's scheduling; drawn before
-        # the sync, whose work (a start after a resume, or not) must not move the generator.
-        seeds = torch.randint(0, 2**31 - 1, (len(prompts),)).tolist()
+                 return_log_probs=False, row_seeds=None):
+        # One seed per request, never depending on vLLM's scheduling: the row's own, else one from
+        # the process's seeded generator, drawn before the sync, whose work (a start after a
+        # resume, or not) must not move the generator.
+        seeds = list(row_seeds) if row_seeds is not None else torch.randint(0, 2**31 - 1, (len(prompts),)).tolist()
         self.sync(policy)
         completions, log_probs = vllm_adapter.sample(
             self.llm, prompts, max_new_tokens, temperature if do_sample else 0.0, seeds,

@@ -8,6 +8,7 @@ import torch
 from polyfsdp.engines import EngineConfig, FSDPEngine, ModelConfig
 from polyfsdp.trainer.decode import _fsdp_free, _preallocated_cache, _ready_mask_ok, decode
 from polyfsdp.trainer.generate import _hf_generate, _left_padded, generate
+from polyfsdp.trainer.row_seeds import RowSeeds
 from polyfsdp.trainer.task import CharTokenizer
 
 TOK = CharTokenizer()
@@ -81,9 +82,12 @@ def test_sampled_log_probs_match_a_plain_forward_per_sequence(temperature):
         torch.testing.assert_close(torch.tensor(lp), ref, rtol=1e-4, atol=1e-4)
 
 
-def test_sampling_follows_the_model_distribution_after_rows_leave():
+@pytest.mark.parametrize("draw", ["process_generator", "row_seeds", "hf_row_seeds"])
+def test_sampling_follows_the_model_distribution_after_rows_leave(draw):
     """Frequencies of the first and (over rows still going) second token against the exact
-    probabilities from plain forwards; a wrong temperature is told apart (negative control)."""
+    probabilities from plain forwards; a wrong temperature is told apart (negative control).
+    Drawn from the process's generator, or per row (trainer/row_sampler.py) in our loop and
+    through HF ``generate``'s logits processor."""
     model = _engine("qwen2-tiny").module.eval()
     with torch.no_grad():  # a peaked law (a random model's is near uniform): EOS likely, temperature visible
         model.get_output_embeddings().weight.mul_(12.0)
@@ -99,7 +103,12 @@ def test_sampling_follows_the_model_distribution_after_rows_leave():
     go_on[eos] = 0
     second = (go_on / go_on.sum()) @ nexts  # second token's law given the first was not EOS
     torch.manual_seed(1)
-    rows = decode(model, ids, mask, 2, eos, do_sample=True, temperature=temperature)
+    seeds = None if draw == "process_generator" else RowSeeds(1, 0).rows(0, n, 1)
+    if draw == "hf_row_seeds":
+        rows = _hf_generate(model, ids, mask, ids.shape[1], TOK.pad_token_id, eos, 2, True, temperature, False,
+                            False, row_seeds=seeds)
+    else:
+        rows = decode(model, ids, mask, 2, eos, do_sample=True, temperature=temperature, row_seeds=seeds)
     seen_first = torch.bincount(torch.tensor([r[0] for r in rows]), minlength=TOK.vocab_size).float() / n
     later = [r[1] for r in rows if len(r) == 2]
     assert 0 < len(later) < n

@@ -13,6 +13,7 @@ from polyfsdp.trainer.config import ConfigError, load_config
 from polyfsdp.trainer.evaluation import EvalSettings, evaluate
 from polyfsdp.trainer.generate import generate
 from polyfsdp.trainer.rewards import Scorer
+from polyfsdp.trainer.row_seeds import eval_row_seeds
 from polyfsdp.trainer.task import CharTokenizer, Example
 
 LETTERS = "abcdefgh"
@@ -35,13 +36,14 @@ def test_sampled_evaluation_matches_an_independent_count_of_the_same_completions
                         EngineConfig()).initialize()
     examples = [Example(prompt=w + "=", answer=w[::-1], data_source="short" if len(w) < 4 else "long")
                 for w in ("abc", "hg", "defg", "ab", "cdeh", "fa")]
-    n, settings = 4, EvalSettings(n_samples=4, temperature=1.0, seed=11, rows=2)
+    n, settings = 4, EvalSettings(n_samples=4, temperature=1.0, seed=18, rows=2)
     result = evaluate(engine, tok, examples, 3, Scorer(first_letter_in_answer, "first"), settings)
 
-    # The same draw by hand: the evaluation seeds the backend from settings.seed (rank 0).
-    engine.backend.manual_seed(settings.seed * 1024)
+    # The same draw by hand: each row is seeded by its example's index and settings.seed.
     prompts = [[tok.bos_token_id] + tok.encode(ex.prompt) for ex in examples for _ in range(n)]
-    texts = [tok.decode(r) for r in generate(engine, tok, prompts, 3, do_sample=True, temperature=1.0)]
+    seeds = eval_row_seeds(settings.seed, list(range(len(examples))), n)
+    texts = [tok.decode(r) for r in generate(engine, tok, prompts, 3, do_sample=True, temperature=1.0,
+                                             row_seeds=seeds)]
     per_prompt = [texts[i * n:(i + 1) * n] for i in range(len(examples))]
     rewards = [[first_letter_in_answer("", t, ex.answer)["score"] for t in group]
                for ex, group in zip(examples, per_prompt)]

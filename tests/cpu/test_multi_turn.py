@@ -12,6 +12,7 @@ from polyfsdp.trainer.batch import build_batch, per_sequence, response_mask
 from polyfsdp.trainer.environments import EnvStep, parse_tool_calls
 from polyfsdp.trainer.multi_turn import ChatTurns, MultiTurnRollout, MultiTurnSettings
 from polyfsdp.trainer.rewards import RewardError
+from polyfsdp.trainer.row_seeds import turn_seed
 from polyfsdp.trainer.task import CharTokenizer, Example
 from polyfsdp.trainer.tool_task import CalculatorEnv, calculate
 
@@ -25,11 +26,12 @@ class ScriptedSampler:
     name = "scripted"
 
     def __init__(self, tokenizer, turns):
-        self.tokenizer, self.turns, self.calls, self.prompts = tokenizer, list(turns), 0, []
+        self.tokenizer, self.turns, self.calls, self.prompts, self.seeds = tokenizer, list(turns), 0, [], []
 
     def generate(self, policy, tokenizer, prompts, max_new_tokens, do_sample, temperature=1.0,
-                 return_log_probs=False):
+                 return_log_probs=False, row_seeds=None):
         self.prompts.append([list(p) for p in prompts])
+        self.seeds.append(row_seeds)
         text = self.turns[self.calls]
         self.calls += 1
         out = [self.tokenizer.encode(text)[:max_new_tokens - 1] + [self.tokenizer.eos_token_id] for _ in prompts]
@@ -82,6 +84,18 @@ def test_turn_and_token_limits_end_a_conversation_and_count_it():
         _Policy(), tok, [Example("p", "")], 1, 8, True, 1.0, None, False)
     assert roll.rollout_metrics["turns"] == [1.0] and roll.rollout_metrics["truncated"] == [1.0]
     assert len(roll.prompt_ids[0]) + len(roll.response_ids[0]) <= prompt_len + 8 + 3
+
+
+def test_each_turn_samples_with_its_conversations_turn_seeds():
+    tok = CharTokenizer()
+    sampler = ScriptedSampler(tok, ["a", "b"])
+    _multi_turn(sampler, max_turns=2).rollout(_Policy(), tok, [Example("p", "")], 2, 8, True, 1.0, None, False,
+                                              row_seeds=[11, 12])
+    assert sampler.seeds == [[turn_seed(11, 1), turn_seed(12, 1)], [turn_seed(11, 2), turn_seed(12, 2)]]
+    assert len({seed for turn in sampler.seeds for seed in turn} | {11, 12}) == 6
+    unseeded = ScriptedSampler(tok, ["a"])
+    _multi_turn(unseeded, max_turns=1).rollout(_Policy(), tok, [Example("p", "")], 2, 8, True, 1.0, None, False)
+    assert unseeded.seeds == [None]
 
 
 class _Raises:

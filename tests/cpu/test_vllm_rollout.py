@@ -1,7 +1,8 @@
 """vLLM as the rollout engine (trainer/vllm_rollout.py) against independent references: its
 greedy completions equal our decoding loop's token for token (qwen2, qwen3, llama, fp32);
 after every GRPO step its log-probs of the tokens it sampled equal the policy's recomputed
-ones (a missed or partial weight sync fails that); a parameter left out of the sync makes
+ones (a missed or partial weight sync fails that); a request's own seed (its row's, 63 bits)
+draws its completion whatever else the batch holds; a parameter left out of the sync makes
 ``rollout.check_sync`` stop the run. One vLLM engine per model family for the whole module
 (starting one takes seconds)."""
 import random
@@ -14,6 +15,7 @@ from polyfsdp.engines import EngineConfig, FSDPEngine, ModelConfig, OptimConfig
 from polyfsdp.trainer.config import ConfigError, RolloutSection, load_config
 from polyfsdp.trainer.rl_step import rl_step
 from polyfsdp.trainer.rollout_engines import PolicyDecoding, build_rollout_engine
+from polyfsdp.trainer.row_seeds import RowSeeds
 from polyfsdp.trainer.task import CharTokenizer, ReverseTask
 from vllm_cases import require_vllm, write_checkpoint
 
@@ -107,6 +109,19 @@ def test_lora_policy_is_served_merged_after_every_step(engines):
         assert metrics["rollout_mismatch_abs_max"] < 1e-5, (step, metrics["rollout_mismatch_abs_max"])
     assert max(p.abs().max().item() for p in adapters) > 1e-3  # B left zero: merged == base, nothing tested
     sampler.generate(policy, TOK, PROMPTS, 2, do_sample=False)  # syncs the last step's adapters, checks them
+
+
+def test_a_row_seed_draws_the_same_completion_in_any_batch(engines):
+    policy, sampler = engines("qwen2-tiny")
+    prompts = PROMPTS * 3
+    seeds = RowSeeds(4, 1).rows(0, len(prompts), 1)
+    assert max(seeds) >= 2**40  # 63-bit seeds, as trainer/row_seeds.py derives them
+    rows = sampler.generate(policy, TOK, prompts, 6, True, row_seeds=seeds)
+    assert len(set(map(tuple, rows))) > len(PROMPTS)  # sampled: a prompt's rows differ
+    half = len(prompts) // 2
+    first = sampler.generate(policy, TOK, prompts[:half], 6, True, row_seeds=seeds[:half])
+    second = sampler.generate(policy, TOK, prompts[half:][::-1], 6, True, row_seeds=seeds[half:][::-1])
+    assert first + second[::-1] == rows
 
 
 def test_a_parameter_left_out_of_the_sync_stops_the_run(engines, monkeypatch):

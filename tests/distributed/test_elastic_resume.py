@@ -1,7 +1,9 @@
 """Elastic resume: a checkpoint saved on N ranks loads on M (gloo). The policy, a PPO critic and
 LoRA adapters come back exactly with their optimizer states, whatever M is; each rank hashes
 only the files it reads (rank 0 also the ones no rank reads); a damaged shard that only some
-ranks read fails every rank with the same line; RNG states stay untouched on another world size."""
+ranks read fails every rank with the same line; RNG states stay untouched on another world size;
+an SFT curve and an RL run (its completions seeded per global sample) continued on one rank
+follow the uninterrupted one-rank run."""
 import os
 import subprocess
 import sys
@@ -90,27 +92,48 @@ def test_one_rank_checkpoint_resumes_on_two_ranks_exactly(tmp_path):
     _assert_one_verdict(ranks, tmp_path, 2)
 
 
-def test_a_two_rank_sft_run_continues_on_one_rank_along_the_one_rank_curve(tmp_path):
+def _continued_on_one_rank(tmp_path, base, key, saved, total, phase):
+    """A run of ``key=saved`` steps on 2 ranks continued to ``key=total`` on one rank, and the
+    uninterrupted one-rank run: ``(the resumed process, its phase records, the reference's)``."""
     from test_trainer_torchrun import _launch
 
     from polyfsdp.trainer.metrics import read_metrics
 
+    first = _launch(tmp_path / "run", 2, f"{key}={saved}", base=base)
+    assert first.returncode == 0, first.stderr[-3000:]
+    resumed = _launch(tmp_path / "run", 1, f"{key}={total}", "trainer.resume=auto", base=base)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    reference = _launch(tmp_path / "one", 1, f"{key}={total}", base=base)
+    assert reference.returncode == 0, reference.stderr[-3000:]
+    got, expected = ([r for r in read_metrics(str(tmp_path / name / "metrics.jsonl")) if r["phase"] == phase]
+                     for name in ("run", "one"))
+    return resumed, got, expected
+
+
+def test_a_two_rank_sft_run_continues_on_one_rank_along_the_one_rank_curve(tmp_path):
     sft = ["algo=sft", "trainer.sft_batch_size=8", "data.eval_size=9", "trainer.progress=lines", "trainer.plot=false",
            "trainer.export=false", "trainer.checkpoint_interval=2"]
-    first = _launch(tmp_path / "run", 2, "trainer.sft_steps=2", base=sft)
-    assert first.returncode == 0, first.stderr[-3000:]
-    resumed = _launch(tmp_path / "run", 1, "trainer.sft_steps=4", "trainer.resume=auto", base=sft)
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    resumed, got, expected = _continued_on_one_rank(tmp_path, sft, "trainer.sft_steps", 2, 4, "sft")
     checkpoint = tmp_path / "run" / "checkpoints" / "sft" / "step_000002"
     assert f"resuming sft from {checkpoint}" in resumed.stdout
     assert f"elastic resume: {checkpoint} was saved on 2 rank(s), this run has 1: model and optimizer resharded, " \
            f"RNG states not restored (every step seeds its own)" in resumed.stdout
-    reference = _launch(tmp_path / "one", 1, "trainer.sft_steps=4", base=sft)
-    assert reference.returncode == 0, reference.stderr[-3000:]
-    got, expected = ([r for r in read_metrics(str(tmp_path / name / "metrics.jsonl")) if r["phase"] == "sft"]
-                     for name in ("run", "one"))
     assert [r["step"] for r in got] == [r["step"] for r in expected] == [1, 2, 3, 4]
     # The SFT batch of a step is the same whatever the world size; only the order of the rank sum
     # differs (2 ranks for steps 1-2), so the curves agree to rounding, not to the bit.
     for a, b in zip(got, expected):
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-5) and a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4)
+
+
+def test_a_two_rank_rl_run_continues_on_one_rank_drawing_the_one_rank_completions(tmp_path):
+    from test_trainer_torchrun import _assert_same_rollouts
+
+    rl = ["trainer.sft_steps=2", "trainer.sft_batch_size=8", "trainer.prompts_per_step=4", "algo.actor.group_size=4",
+          "data.eval_size=9", "trainer.progress=lines", "trainer.plot=false", "trainer.export=false",
+          "trainer.checkpoint_interval=1"]
+    resumed, got, expected = _continued_on_one_rank(tmp_path, rl, "trainer.rl_steps", 1, 3, "rl")
+    checkpoint = tmp_path / "run" / "checkpoints" / "rl" / "step_000001"
+    assert f"elastic resume: {checkpoint} was saved on 2 rank(s), this run has 1" in resumed.stdout
+    # Step 1 on two ranks, steps 2-3 on one: every rollout drew the one-rank run's completions.
+    _assert_same_rollouts(got, expected)
+    assert [r["step"] for r in got] == [1, 2, 3]

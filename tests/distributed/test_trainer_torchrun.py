@@ -2,8 +2,9 @@
 
 The global batch is the same whatever the world size (each replica takes its share), losses
 are normalised by global token counts and rank gradients are summed, so the SFT curve and
-the greedy evaluations of a 2-rank run must equal those of a 1-rank run. GRPO samples
-with per-replica seeds, so its curve differs; it must still run (synced generation) and log.
+the greedy evaluations of a 2-rank run must equal those of a 1-rank run. GRPO seeds each
+completion by its global row (trainer/row_seeds.py), so its rollouts draw the same completions
+too: the same response lengths and solved shares, rewards equal to rounding.
 """
 from __future__ import annotations
 
@@ -54,8 +55,18 @@ def test_two_rank_run_matches_one_rank_sft_curve_and_evaluations(tmp_path):
     # 9 prompts over 2 ranks: uneven shares, still the mean over all 9.
     assert evals2["initial"] == pytest.approx(evals1["initial"]) and evals2["after_sft"] == pytest.approx(evals1["after_sft"])
     assert [r["step"] for r in r2 if r["phase"] == "rl"] == [1, 2]
+    _assert_same_rollouts([r for r in r2 if r["phase"] == "rl"], [r for r in r1 if r["phase"] == "rl"])
     assert (tmp_path / "two" / "final" / "config.json").is_file()
     assert (tmp_path / "two" / "checkpoints" / "rl" / "latest").is_file()
+
+
+def _assert_same_rollouts(got, expected):
+    """RL records whose rollouts drew the same completions: response lengths and solved shares
+    are exact (counts), the mean reward equal to the rounding of the sum over ranks."""
+    assert [r["step"] for r in got] == [r["step"] for r in expected] and got
+    for a, b in zip(got, expected):
+        assert (a["response_len"], a["solved"]) == (b["response_len"], b["solved"]), a["step"]
+        assert a["reward"] == pytest.approx(b["reward"], rel=1e-6, abs=1e-9), a["step"]
 
 
 RANK_REWARD = """
