@@ -19,6 +19,7 @@ from pathlib import Path
 
 from .compose import GROUPS, compose, to_container, upgrade_saved_config
 from .errors import ConfigError
+from .row_seeds import step_seed
 
 PROG = "polyfsdp-eval"
 USAGE = """usage: polyfsdp-eval MODEL_DIR [KEY=VALUE ...] [--json FILE]
@@ -200,7 +201,7 @@ def evaluate_model(model_dir: Path, overrides: list[str], json_path: str | None)
     if model.checkpoint is not None:
         load_resume_checkpoint(engine, model.checkpoint)
     e = cfg.eval
-    settings = EvalSettings(e.n_samples, e.temperature, e.pass_threshold, seed=cfg.trainer.seed * 1_000_003,
+    settings = EvalSettings(e.n_samples, e.temperature, e.pass_threshold, seed=step_seed(cfg.trainer.seed, 0),
                             rows=cfg.trainer.log_val_generations)
     try:
         result = evaluate(engine, job.tokenizer, job.source.eval_examples, job.eval_tokens, job.scorer, settings,

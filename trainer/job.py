@@ -58,7 +58,7 @@ from .rl_step import rl_step
 from .rollout_engines import build_rollout_engine
 from .resume import RL_PHASE, STATE_FILE, ResumePoint, check_same_run, find_resume
 from .run_state import PhaseState, TrainerPosition
-from .row_seeds import RowSeeds
+from .row_seeds import RowSeeds, replica_seed, step_seed
 from .sft import sft_step
 from .stop import StopRequest
 from .tracking import RunInfo, Trackers, start_trackers
@@ -146,7 +146,7 @@ class Job:
         t = time.perf_counter()
         e = self.cfg.eval
         settings = EvalSettings(e.n_samples, e.temperature, e.pass_threshold,
-                                seed=self.cfg.trainer.seed * 1_000_003 + global_step,
+                                seed=step_seed(self.cfg.trainer.seed, global_step),
                                 rows=self.cfg.trainer.log_val_generations)
         result = evaluate(engine, self.tokenizer, self.source.eval_examples, self.eval_tokens, self.scorer, settings,
                           sampler=self.sampler)
@@ -301,7 +301,7 @@ class Job:
             def sft_fn(step: int, examples: list) -> dict:
                 # What draws from the generators (LoRA's dropout) is seeded per step: the same in
                 # every run of the seed, whatever the process's generator started from.
-                self.backend.manual_seed(self._replica_seed(step))
+                self.backend.manual_seed(replica_seed(self.cfg.trainer.seed, step, self.topo.replica))
                 return sft_step(engine, self.tokenizer, examples, sft_loss, conversations=conversations)
             return sft_fn
         g = cfg.algo.actor
@@ -322,11 +322,12 @@ class Job:
         def step_fn(step: int, examples: list) -> dict:
             # Sampling (per global row) and mini-batch shuffles (same on all ranks) are seeded per
             # step: exact resume, and the same completions whatever the world size.
-            step_seed = self._step_seed(step)
+            shuffle_seed = step_seed(cfg.trainer.seed, step)
             more = lambda k: self._shard(self.source.batch(f"{phase.stream}-refill{k}", step, phase.batch_size))  # noqa: E731
             row_seeds = RowSeeds(cfg.trainer.seed, step, first_prompt=self.topo.share_start(phase.batch_size))
             return rl_step(engine, ref, self.tokenizer, examples, cfg.algo, actor_loss, row_seeds=row_seeds,
-                           sample_seed=self._replica_seed(step), shuffle_seed=step_seed,
+                           sample_seed=replica_seed(cfg.trainer.seed, step, self.topo.replica),
+                           shuffle_seed=shuffle_seed,
                            mini_batches=mini_batches, scorer=self.scorer, more_examples=more, sampler=self.sampler,
                            critic=self.critic, value_loss=value_loss, train_actor=step >= warmup)
         return step_fn
@@ -337,16 +338,6 @@ class Job:
         warning = flat_sampling_warning(metrics.get("entropy"), vocab, self.cfg.trainer.sft_steps)
         if warning is not None:
             _say(warning)
-
-    def _step_seed(self, step: int) -> int:
-        """The seed of a phase's step ``step``, from trainer.seed (the same on every rank)."""
-        return self.cfg.trainer.seed * 1_000_003 + step
-
-    def _replica_seed(self, step: int) -> int:
-        """The seed of the process generators at step ``step`` on this rank's replica (what draws
-        besides the rollout's sampling, which is seeded per global row: LoRA's dropout); the ranks
-        of one SP group draw alike (docs/architecture.md, "Ranks, replicas and SP groups")."""
-        return self._step_seed(step) * 1024 + self.topo.replica
 
     def _run_phase(self, phase: Phase, resume: ResumePoint | None, fresh_metrics: bool) -> None:
         """Train ``phase`` from its start (or ``resume``), with evaluations, checkpoints, export."""

@@ -35,6 +35,19 @@ def mix_seed(*parts: int) -> int:
     return h & MASK63
 
 
+def step_seed(seed: int, step: int) -> int:
+    """The seed of step ``step`` (a phase's step, or the global step of an evaluation), the same
+    on every rank: mini-batch shuffles and evaluations draw from it."""
+    return seed * 1_000_003 + step
+
+
+def replica_seed(seed: int, step: int, replica: int) -> int:
+    """The seed of the process generators at step ``step`` on data-parallel replica ``replica``
+    (what draws besides the rollout's sampling, which is seeded per global row: LoRA's dropout);
+    the ranks of one SP group draw alike (docs/architecture.md, "Ranks, replicas and SP groups")."""
+    return step_seed(seed, step) * 1024 + replica
+
+
 def row_seed(seed: int, step: int, sampling_round: int, row: int) -> int:
     """The sampling seed of global row ``row`` of step ``step``'s round ``sampling_round``."""
     return mix_seed(seed, step, sampling_round, row)
