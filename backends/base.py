@@ -57,14 +57,14 @@ class Backend(ABC):
     # generator is torch's default one, which torch.manual_seed and checkpoints cover).
     has_device_generators: bool = True
     # Whether the device's memory IS host memory (the CPU): offloading to the host then
-    # moves nothing (engines/offload.py turns it into a notice).
+    # moves nothing (engines/parallel/offload.py turns it into a notice).
     memory_is_host: bool = False
     # The caching allocator's settings variable (PYTORCH_CUDA_ALLOC_CONF, ...), None without one.
     alloc_conf_variable: str | None = None
     # torch's process-group timeout when the collective library sets none of its own.
     process_group_timeout_s: float = 600.0
 
-    # The vLLM build for this device (trainer/vllm_adapter.py names it in the install hint).
+    # The vLLM build for this device (trainer/rollout/vllm_adapter.py names it in the install hint).
     vllm_package: str = "vllm"
 
     def rollout_sleep_level(self, lora: bool) -> int | None:
@@ -173,7 +173,7 @@ class Backend(ABC):
         vLLM's sleep mode refuses ``expandable_segments:True``: its memory pool needs fixed
         addresses (vllm-project/vllm#14189, pytorch/pytorch#147851; on Ascend the same through
         PYTORCH_NPU_ALLOC_CONF, modelscope/ms-swift#6636). The vLLM rollout engine calls it
-        when it will sleep (trainer/vllm_rollout.py)."""
+        when it will sleep (trainer/rollout/vllm.py)."""
         if not rollout_engine_is_vllm or self.alloc_conf_variable is None:
             return None
         conf = environ.get(self.alloc_conf_variable, "")

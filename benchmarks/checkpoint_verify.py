@@ -24,7 +24,8 @@ from torch.distributed.fsdp import fully_shard
 
 from polyfsdp.backends import get_backend, init_distributed
 from polyfsdp.backends.distributed import all_gather_object, barrier, current_rank, current_world_size
-from polyfsdp.engines import checkpoint, checkpoint_files
+from polyfsdp.engines import checkpoint
+from polyfsdp.engines.checkpoint import files as checkpoint_files
 
 WIDTH = 512  # one layer: WIDTH x WIDTH fp32 = 1 MiB
 

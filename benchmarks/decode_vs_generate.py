@@ -1,4 +1,4 @@
-"""Generation alone: polyfsdp's decoding loop (trainer/decode.py) against HF ``generate`` on the
+"""Generation alone: polyfsdp's decoding loop (trainer/rollout/decode.py) against HF ``generate`` on the
 same rows, model and seed, interleaved per round; also the loop with its levers off in turn
 (transformers' per-step mask building instead of a ready mask; then also a plain growing
 DynamicCache, which the ready mask needs), to show what each gives. Prints per variant the median time and its ratio to HF per round.
@@ -19,10 +19,11 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import bench_task  # noqa: E402
 from polyfsdp.engines import EngineConfig, FSDPEngine, ModelConfig  # noqa: E402
-from polyfsdp.trainer import decode as decode_mod  # noqa: E402
-from polyfsdp.trainer.chat import example_prompt_tokens  # noqa: E402
-from polyfsdp.trainer.generate import _hf_generate, _left_padded  # noqa: E402
-from polyfsdp.trainer.task import Example, load_tokenizer  # noqa: E402
+from polyfsdp.trainer.rollout import decode as decode_mod  # noqa: E402
+from polyfsdp.trainer.data.chat import example_prompt_tokens  # noqa: E402
+from polyfsdp.trainer.rollout.generate import _hf_generate, _left_padded  # noqa: E402
+from polyfsdp.trainer.data.example import Example
+from polyfsdp.trainer.data.tokenizers import load_tokenizer  # noqa: E402
 
 
 def _loop(model, ids, mask, new_tokens, eos, prealloc: bool, ready_mask: bool):

@@ -1,7 +1,7 @@
 """Benchmark: fused log-prob/entropy (eager and compiled kernels) vs naive full logits vs the GEMM floor.
 
 The ``eager-loss`` and ``compiled-loss`` rows take the objective inside the fused head's
-forward (engines/fused_logprob_loss.py: three GEMMs, the backward only scales); they have no
+forward (engines/head/fused_loss.py: three GEMMs, the backward only scales); they have no
 separate forward-only row (without gradients they are the ``eager``/``compiled`` forward).
 
 Every (path, phase, round) runs in its own subprocess on the selected backend's device, so its
@@ -118,8 +118,8 @@ def _objective(lp, ent):
 
 def _fused(path, h, w, labels, chunk_size=None):
     """``(objective, log_probs, entropy)`` of a fused path; the objective carries the gradient."""
-    from polyfsdp.engines.fused_logprob import fused_logprob_entropy
-    from polyfsdp.engines.fused_logprob_loss import fused_logprob_loss
+    from polyfsdp.engines.head.fused import fused_logprob_entropy
+    from polyfsdp.engines.head.fused_loss import fused_logprob_loss
 
     if path in LOSS_PATHS:
         loss, _, lp, ent = fused_logprob_loss(h, w, labels, _objective, chunk_size=chunk_size, impl=LOSS_PATHS[path])

@@ -19,8 +19,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_task  # noqa: E402
 from polyfsdp.backends.distributed import all_reduce_max, current_rank, current_world_size  # noqa: E402
 from polyfsdp.engines import EngineConfig, FSDPEngine, ModelConfig  # noqa: E402
-from polyfsdp.trainer.generate import generate  # noqa: E402
-from polyfsdp.trainer.task import load_tokenizer  # noqa: E402
+from polyfsdp.trainer.rollout.generate import generate  # noqa: E402
+from polyfsdp.trainer.data.tokenizers import load_tokenizer  # noqa: E402
 
 
 def main(argv=None) -> dict:

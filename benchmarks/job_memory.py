@@ -1,5 +1,5 @@
 """Measured peak memory of whole ``polyfsdp-train`` jobs on CPU beside ``--estimate``'s peak
-(trainer/estimate.py).
+(trainer/run/estimate.py).
 
 Each job runs in a fresh child process with glibc's mmap threshold fixed (every large tensor
 is its own mapping and freeing it returns the memory, so RSS follows the live tensors). The
@@ -44,9 +44,9 @@ def child(overrides: list[str]) -> dict:
     import transformers.models.llama.modeling_llama  # noqa: F401  (imported before the baseline)
     import transformers.models.qwen2.modeling_qwen2  # noqa: F401
 
-    from polyfsdp.trainer import job  # noqa: F401
-    from polyfsdp.trainer.config import load_config
-    from polyfsdp.trainer.estimate import estimate_job
+    from polyfsdp.trainer.run import job  # noqa: F401
+    from polyfsdp.trainer.config.job import load_config
+    from polyfsdp.trainer.run.estimate import estimate_job
     from polyfsdp.trainer.train import main
 
     if "model.lora.rank=16" in " ".join(overrides):

@@ -32,7 +32,7 @@ from tensordict import TensorDict
 from polyfsdp.backends import BACKEND_NAMES, get_backend
 from polyfsdp.engines.config import EngineConfig, ModelConfig
 from polyfsdp.engines.engine import FSDPEngine
-from polyfsdp.engines.flat_batch import batch_to_flat
+from polyfsdp.engines.batch.flat import batch_to_flat
 from polyfsdp.engines.jagged import make_jagged
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests", "cpu"))

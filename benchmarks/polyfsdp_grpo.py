@@ -7,12 +7,13 @@ from contextlib import contextmanager
 
 from bench_task import addition_reward
 from polyfsdp.engines import EngineConfig, FSDPEngine, ModelConfig, OptimConfig
-from polyfsdp.trainer import generate as gen_mod
-from polyfsdp.trainer import rl_step as rl_step_mod
-from polyfsdp.trainer import sampling
-from polyfsdp.trainer.algo_config import AlgoSection, ActorSection
-from polyfsdp.trainer.rewards import Scorer
-from polyfsdp.trainer.task import Example, load_tokenizer
+from polyfsdp.trainer.rollout import generate as gen_mod
+from polyfsdp.trainer.algos import rl_step as rl_step_mod
+from polyfsdp.trainer.rollout import sampling
+from polyfsdp.trainer.config.algo import AlgoSection, ActorSection
+from polyfsdp.trainer.rewards.reward_fn import Scorer
+from polyfsdp.trainer.data.example import Example
+from polyfsdp.trainer.data.tokenizers import load_tokenizer
 
 
 def _reward(data_source, solution_str, ground_truth, extra_info=None) -> float:
@@ -37,7 +38,7 @@ class PhaseTimer:
 
 @contextmanager
 def timed_phases(engine, timer: PhaseTimer):
-    """Time rl_step's phases without editing trainer/rl_step.py."""
+    """Time rl_step's phases without editing trainer/algos/rl_step.py."""
     saved = sampling.rollout, engine.infer_batch, engine.train_batch
     sampling.rollout = timer.wrap("rollout", gen_mod.rollout)
     engine.infer_batch = timer.wrap("old_log_probs", engine.infer_batch)
@@ -51,7 +52,7 @@ def timed_phases(engine, timer: PhaseTimer):
 
 @contextmanager
 def hf_generate_only(enabled: bool):
-    """With ``enabled``, rollouts take the HF ``generate`` path (as before trainer/decode.py)."""
+    """With ``enabled``, rollouts take the HF ``generate`` path (as before trainer/rollout/decode.py)."""
     saved = gen_mod.decode_loop_ok
     if enabled:
         gen_mod.decode_loop_ok = lambda gather_once: False
@@ -75,7 +76,7 @@ class PolyfsdpGRPO:
                                                 clip_ratio_high=0.28, **(grpo_kwargs or {})))
         self.loss = None  # built per step: the loss normalises over the step's prompt count
         self.scorer = Scorer(_reward, "addition")
-        self.hf_generate = hf_generate  # sample with HF generate instead of trainer/decode.py
+        self.hf_generate = hf_generate  # sample with HF generate instead of trainer/rollout/decode.py
 
     def step(self, prompts: list[dict], seed: int) -> dict:
         """One GRPO step on ``prompts`` (dicts with prompt/answer); returns its metrics."""

@@ -22,8 +22,8 @@ from transformers import AutoModelForCausalLM
 from polyfsdp.backends.registry import get_backend
 from polyfsdp.engines import EngineConfig, FSDPEngine, ModelConfig
 from polyfsdp.engines.presets import preset_config
-from polyfsdp.trainer.config import RolloutSection
-from polyfsdp.trainer.rollout_engines import build_rollout_engine
+from polyfsdp.trainer.config.job import RolloutSection
+from polyfsdp.trainer.rollout.engines import build_rollout_engine
 
 
 class _Ids:

@@ -45,7 +45,7 @@ def worker(out: str, overrides: list[str]) -> None:
     import torch
 
     from polyfsdp.backends.topology import launch_env
-    from polyfsdp.trainer import job  # noqa: F401  (imported before the baseline)
+    from polyfsdp.trainer.run import job  # noqa: F401  (imported before the baseline)
     from polyfsdp.trainer.train import main
 
     torch.set_num_threads(1)

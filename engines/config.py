@@ -26,7 +26,7 @@ ADAMW_IMPLS = ("auto", "for_loop", "foreach", "fused")
 # torchtitan's names: "default" reshards decoder layers after forward and lets FSDP2 decide
 # for the root; "always" reshards everything; "never" keeps every gathered parameter.
 RESHARD_POLICIES = ("default", "always", "never")
-# What lives in host memory between uses (engines/offload.py): nothing, the AdamW state (the
+# What lives in host memory between uses (engines/parallel/offload.py): nothing, the AdamW state (the
 # step runs on the host), or FSDP2's parameter/gradient shards with the optimizer.
 OFFLOAD_MODES = ("none", "optimizer", "params")
 # The fused head's chunk kernels: "eager" torch ops (the reference), "compiled" through
@@ -99,7 +99,7 @@ LORA_ALL_LINEAR = "all-linear"
 
 @dataclass
 class LoraConfig(_FromDict):
-    """LoRA adapters through peft (engines/lora.py); ``rank=0`` means no adapters.
+    """LoRA adapters through peft (engines/model/lora.py); ``rank=0`` means no adapters.
 
     ``target_modules``: module names or ``all-linear``. The LM head is never a target: the
     fused head reads its plain weight.
@@ -145,7 +145,7 @@ class ModelConfig(_FromDict):
     ``attn_implementation=None`` uses the backend's choice; ``vocab_size`` overrides a preset's
     vocabulary (e.g. for the trainer's character tokenizer). ``value_head=True`` builds a
     critic: the LM head is replaced by a scalar head with weights ``N(0, value_head_init_std)``
-    (seeded by ``seed``) and zero bias (engines/value_head.py), or loaded from
+    (seeded by ``seed``) and zero bias (engines/head/value.py), or loaded from
     ``value_head_path`` (a safetensors file with ``weight (1, hidden)`` and ``bias (1,)``, as
     :meth:`FSDPEngine.export_value_head` writes it).
     """
@@ -202,11 +202,11 @@ class EngineConfig(_FromDict):
     ``check_inputs`` validates batch values (token ids inside the vocabulary, 0/1 masks,
     finite per-token fields, positive temperatures) once per batch at the edge, in one
     device-to-host read; turn it off only for batches you trust. ``ulysses_sp_size`` splits
-    each sequence over that many consecutive ranks (engines/sequence_parallel.py);
+    each sequence over that many consecutive ranks (engines/parallel/sequence.py);
     ``balance_dp_tokens`` re-assigns sequences over data-parallel replicas by token count
-    (engines/dp_balance.py). ``fuse_loss_into_head`` (with ``use_fused_kernels``): a
+    (engines/batch/dp_balance.py). ``fuse_loss_into_head`` (with ``use_fused_kernels``): a
     token-separable loss (SFTLoss, PPOLoss) has its gradient taken inside the fused head's
-    forward, three GEMMs instead of four, same numbers (engines/fused_logprob_loss.py); other
+    forward, three GEMMs instead of four, same numbers (engines/head/fused_loss.py); other
     losses are unaffected.
 
     ``shard_single_rank=False`` (default) runs a one-rank world as the plain model: FSDP2 on

@@ -24,21 +24,21 @@ from polyfsdp.backends.distributed import all_reduce_max, current_rank, current_
 from polyfsdp.backends.registry import get_backend
 from polyfsdp.backends.topology import Topology, topology
 
-from .batch_checks import BatchChecks, check_integer_ids
+from .batch.checks import BatchChecks, check_integer_ids
 from .checkpoint import CheckpointMixin
 from .config import EngineConfig, ModelConfig, OptimConfig
-from .dp_balance import Balanced, balance, restore
-from .flat_batch import FlatBatch, batch_to_flat, flat_to_caller
-from .fused_logprob_compiled import resolve_fused_kernel_impl
+from .batch.dp_balance import Balanced, balance, restore
+from .batch.flat import FlatBatch, batch_to_flat, flat_to_caller
+from .head.fused_compiled import resolve_fused_kernel_impl
 from .heads import ValueHead, head_for
-from .lora import add_adapters, adapters_disabled
-from .loss_inputs import LossInputs, LossNeeds
-from .micro_batch import count_micro_batches, is_placeholder, merge, split
-from .model_builder import build_model
-from .offload import host_grad_norm, offload_policy, optimizer_on_host
-from .optim import build_lr_scheduler, build_optimizer, check_master_dtype
-from .parallelize import gather_fits, gathered, parallelize_model, set_gradient_sync
-from .sequence_parallel import check_same_batch, setup_sequence_parallel
+from .model.lora import add_adapters, adapters_disabled
+from .losses.inputs import LossInputs, LossNeeds
+from .batch.micro import count_micro_batches, is_placeholder, merge, split
+from .model.builder import build_model
+from .parallel.offload import host_grad_norm, offload_policy, optimizer_on_host
+from .model.optim import build_lr_scheduler, build_optimizer, check_master_dtype
+from .parallel.fsdp import gather_fits, gathered, parallelize_model, set_gradient_sync
+from .parallel.sequence import check_same_batch, setup_sequence_parallel
 from .step_metrics import MAX_SUFFIX, accumulate, reduce_over_ranks
 
 logger = logging.getLogger(__name__)
@@ -75,11 +75,11 @@ class FSDPEngine(CheckpointMixin):
         self.lr_scheduler = None
         self.global_step = 0
         # Bumped whenever the weights change (an applied optimizer step, a checkpoint load):
-        # a rollout engine holding a copy of the weights (trainer/vllm_rollout.py) resyncs on it.
+        # a rollout engine holding a copy of the weights (trainer/rollout/vllm.py) resyncs on it.
         self.weights_version = 0
         self._model = None
         self.head = head_for(model_config)  # the LM head or a critic's value head (engines/heads.py)
-        self._sp = None  # this rank's sequence-parallel group (engines/sequence_parallel.py), or None
+        self._sp = None  # this rank's sequence-parallel group (engines/parallel/sequence.py), or None
         self._offload = None  # FSDP2's CPUOffloadPolicy when EngineConfig.offload moves shards to the host
         self._warned_bf16_master = False
         # Loss and loss metrics since the last optimizer step: device tensors, read in optimizer_step.
@@ -148,7 +148,7 @@ class FSDPEngine(CheckpointMixin):
             self.module.train(previous)
 
     def gathered(self):
-        """Run the block with the whole model all-gathered once (engines/parallelize.py):
+        """Run the block with the whole model all-gathered once (engines/parallel/fsdp.py):
         for many small forwards in a row, e.g. decoding steps."""
         return gathered(self.module, self.engine_config.reshard_policy)
 
@@ -163,7 +163,7 @@ class FSDPEngine(CheckpointMixin):
         self.head.export_value_head(self.module, path, current_rank())
 
     def load_checkpoint(self, directory, parts: dict | None = None) -> tuple[int, dict | None]:
-        """The checkpoint mixin's load (engines/checkpoint.py), which also changes the weights
+        """The checkpoint mixin's load (engines/checkpoint/), which also changes the weights
         (this engine's and those of the engines in ``parts``)."""
         loaded = super().load_checkpoint(directory, parts=parts)
         for engine in (self, *(parts or {}).values()):
@@ -173,9 +173,9 @@ class FSDPEngine(CheckpointMixin):
     # ------------------------------------------------------------------ forward
     def forward_flat(self, flat: FlatBatch, return_entropy: bool = True):
         """Per-token ``(log_probs, entropy)`` of a flat batch on the engine's device (flat
-        ``(total,)``, float32), with autograd when enabled (engines/forward_logprobs.py;
+        ``(total,)``, float32), with autograd when enabled (engines/head/forward.py;
         split over the sequence-parallel group with ``ulysses_sp_size > 1``); a critic
-        returns ``(values, None)`` (engines/value_head.py)."""
+        returns ``(values, None)`` (engines/head/value.py)."""
         return self.head.forward(self.module, flat, self.engine_config, self._sp, return_entropy)
 
     def _to_flat(self, batch: TensorDict, temperature, keys, checks: BatchChecks) -> FlatBatch:
@@ -212,7 +212,7 @@ class FSDPEngine(CheckpointMixin):
     def infer_values(self, batch: TensorDict) -> TensorDict:
         """A critic's ``values`` per token, in the caller's layout (as :meth:`infer_batch`'s
         log-probs): ``values[i][t]`` is the value of the state before token ``t + 1``, the
-        last position of every sequence is 0 (engines/value_head.py)."""
+        last position of every sequence is 0 (engines/head/value.py)."""
         return self._infer(batch, 1.0, self.head.value_names(), False)
 
     def _infer(self, batch: TensorDict, temperature, names: tuple[str, ...], calculate_entropy: bool) -> TensorDict:
@@ -240,7 +240,7 @@ class FSDPEngine(CheckpointMixin):
 
     def _balance(self, flat: FlatBatch) -> Balanced | None:
         """With ``balance_dp_tokens`` and several data-parallel replicas: this replica's share
-        of the step's sequences, balanced by tokens (engines/dp_balance.py); else None."""
+        of the step's sequences, balanced by tokens (engines/batch/dp_balance.py); else None."""
         if not self.engine_config.balance_dp_tokens or self.topology.dp_size == 1:
             return None
         return balance(flat, self.topology)
@@ -257,7 +257,7 @@ class FSDPEngine(CheckpointMixin):
     # ------------------------------------------------------------------ training
     def forward_backward(self, batch: TensorDict, loss_fn, temperature=1.0) -> dict[str, torch.Tensor]:
         """Forward and backward over ``batch``'s micro-batches; gradients accumulate until
-        :meth:`optimizer_step`. ``loss_fn`` follows engines/loss_inputs.py.
+        :meth:`optimizer_step`. ``loss_fn`` follows engines/losses/inputs.py.
 
         Returns this rank's ``loss`` and loss metrics for the batch as 0-d device tensors
         (shares of global counts, summed over micro-batches; not reduced over ranks). They

@@ -21,11 +21,11 @@ import logging
 import torch
 
 from .config import EngineConfig, ModelConfig
-from .flat_batch import FlatBatch
-from .forward_logprobs import FUSED_HEAD_METHOD, forward_logprobs, forward_loss, fused_head_support, install_fused_head
-from .loss_inputs import is_token_separable
-from .sequence_parallel import sp_forward_logprobs, sp_forward_values
-from .value_head import VALUE_HEAD_METHOD, export_value_head, forward_values, install_value_head
+from .batch.flat import FlatBatch
+from .head.forward import FUSED_HEAD_METHOD, forward_logprobs, forward_loss, fused_head_support, install_fused_head
+from .losses.inputs import is_token_separable
+from .parallel.sequence import sp_forward_logprobs, sp_forward_values
+from .head.value import VALUE_HEAD_METHOD, export_value_head, forward_values, install_value_head
 
 logger = logging.getLogger(__name__)
 
@@ -46,7 +46,7 @@ class LMHead:
     def install(self, model: torch.nn.Module, fused_impl: tuple[str, bool]) -> None:
         """Attach the fused log-prob method to the built model (after LoRA, before FSDP2), whose
         chunk kernels are ``fused_impl = (impl, compile_fallback)`` as the engine resolved them for
-        its backend (engines/fused_logprob_compiled.py)."""
+        its backend (engines/head/fused_compiled.py)."""
         self.fused_impl = fused_impl
         self.softcap, self.fused_unsupported = fused_head_support(model)
         install_fused_head(model)
@@ -64,7 +64,7 @@ class LMHead:
         return False
 
     def forward(self, model, flat: FlatBatch, modes: EngineConfig, sp, return_entropy: bool) -> Outputs:
-        """``(log_probs, entropy)`` flat ``(total,)`` (engines/forward_logprobs.py; split over the
+        """``(log_probs, entropy)`` flat ``(total,)`` (engines/head/forward.py; split over the
         sequence-parallel group ``sp`` when there is one)."""
         options = dict(use_remove_padding=modes.use_remove_padding, fused=self.uses_fused(modes), softcap=self.softcap,
                        return_entropy=return_entropy, fused_impl=self.fused_impl)
@@ -74,7 +74,7 @@ class LMHead:
 
     def fuses_loss(self, loss_fn, modes: EngineConfig, sp) -> bool:
         """Whether ``loss_fn`` is taken inside the fused head's forward (3 GEMMs instead of 4,
-        engines/fused_logprob_loss.py): ``fuse_loss_into_head`` is on, the fused head serves this
+        engines/head/fused_loss.py): ``fuse_loss_into_head`` is on, the fused head serves this
         model, and the loss declares itself token-separable. Sequence parallelism and any other
         loss keep the head's outputs -> loss -> backward path."""
         return (modes.fuse_loss_into_head and sp is None and is_token_separable(loss_fn)
@@ -105,7 +105,7 @@ class LMHead:
 
 
 class ValueHead:
-    """A critic's scalar head in ``lm_head``'s place (engines/value_head.py): one value per token.
+    """A critic's scalar head in ``lm_head``'s place (engines/head/value.py): one value per token.
     No vocabulary, so the fused head and its loss-in-head path do not apply."""
 
     forward_method = VALUE_HEAD_METHOD

@@ -1,7 +1,7 @@
 """Per-rank memory estimates, before the run, without building the model on a device: one
 training micro-batch (``python -m polyfsdp.engines.memory --preset qwen2-small --tokens 4096``)
 and, through :class:`ModelMemory`, the pieces ``polyfsdp-train ... --estimate`` sums per phase
-(trainer/estimate.py): state, training micro-batches, no-grad passes and generation.
+(trainer/run/estimate.py): state, training micro-batches, no-grad passes and generation.
 
 Parameter, gradient and optimizer figures are exact counts: the model is built on the meta
 device (no storage), LoRA adapters are added there too, and every tensor is sized the way
@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .config import TORCH_DTYPES, EngineConfig, LoraConfig, ModelConfig
-from .fused_logprob import default_chunk_size
+from .head.fused import default_chunk_size
 
 MIB = 2 ** 20
 # AdamW keeps exp_avg and exp_avg_sq per parameter, plus a float32 ``step`` per tensor.
@@ -32,7 +32,7 @@ ADAM_STEP_BYTES = 4
 # the logits, log_softmax's saved output and the gradient flowing back through them;
 # the entropy adds exp(log_probs), saved for its backward.
 LOGITS_PATH_TENSORS = 3
-# The fused head's float32 (chunk, V) working buffers (engines/fused_logprob.py).
+# The fused head's float32 (chunk, V) working buffers (engines/head/fused.py).
 FUSED_HEAD_BUFFERS = 2
 # Vocabulary-sized float32 tensors of a no-grad log-prob pass: the logits and log_softmax's output.
 INFERENCE_LOGITS_TENSORS = 2
@@ -41,7 +41,7 @@ INFERENCE_LOGITS_TENSORS = 2
 def hf_config_of(model_config: ModelConfig):
     """The Hugging Face config a ModelConfig builds (read from disk for a path; never downloads)."""
     if model_config.path is not None:
-        from .model_builder import read_hf_config
+        from .model.builder import read_hf_config
 
         return read_hf_config(model_config.path)
     from .presets import preset_config
@@ -59,7 +59,7 @@ def meta_model(model_config: ModelConfig, hf_config=None):
         model = AutoModelForCausalLM.from_config(hf_config or hf_config_of(model_config),
                                                  dtype=TORCH_DTYPES[model_config.dtype])
         if model_config.lora.enabled:
-            from .lora import add_adapters
+            from .model.lora import add_adapters
 
             add_adapters(model, model_config.lora)
     return model
@@ -74,7 +74,7 @@ def shard_numel(shape: torch.Size, world_size: int) -> int:
 
 def lora_targets_per_layer(model) -> list[int]:
     """LoRA rank of each adapted linear in the first decoder layer (empty without LoRA)."""
-    from .parallelize import decoder_layers
+    from .parallel.fsdp import decoder_layers
 
     ranks = []
     for module in decoder_layers(model)[0].modules():
@@ -119,7 +119,7 @@ def layer_working_set_per_token(hf_config) -> int:
 
 def kv_cache_bytes(hf_config, rows: int, positions: int, compute_bytes: int) -> int:
     """Generation's KV cache: keys and values of every layer, ``rows x positions`` (the
-    decoding loop preallocates prompt width + max_new_tokens positions, trainer/decode.py)."""
+    decoding loop preallocates prompt width + max_new_tokens positions, trainer/rollout/decode.py)."""
     _, kv_dim = _attention_dims(hf_config)
     return 2 * hf_config.num_hidden_layers * rows * positions * kv_dim * compute_bytes
 
@@ -136,7 +136,7 @@ class ModelMemory:
             raise ValueError(f"world_size: expected an int >= 1, got {world_size!r}")
         model = meta_model(model_config, hf_config)
         if value_head:
-            from .value_head import install_value_head
+            from .head.value import install_value_head
 
             with torch.device("meta"):
                 install_value_head(model, init_std=0.01, seed=0)
@@ -220,7 +220,7 @@ class ModelMemory:
         offload = self.engine_config.offload
         if offload == "none" or host_backend:
             return set()
-        # offload=optimizer: AdamW state on the host (engines/host_optimizer.py); params: all three.
+        # offload=optimizer: AdamW state on the host (engines/parallel/host_optimizer.py); params: all three.
         return {"params", "grads", "optimizer"} if offload == "params" else {"optimizer"}
 
 
@@ -251,7 +251,7 @@ def estimate_memory(model_config: ModelConfig, engine_config: EngineConfig, worl
     on ``world_size`` ranks, with ``tokens`` per micro-batch (default: the engine's
     ``max_tokens_per_micro_batch``). ``host_backend``: the CPU backend (offload is a no-op);
     ``entropy``: the loss needs the entropy (PPO with an entropy bonus; SFT does not).
-    A whole job's phases: trainer/estimate.py."""
+    A whole job's phases: trainer/run/estimate.py."""
     tokens = engine_config.max_tokens_per_micro_batch if tokens is None else tokens
     if not isinstance(tokens, int) or isinstance(tokens, bool) or tokens < 1:
         raise ValueError(f"tokens: expected an int >= 1 (or set engine.max_tokens_per_micro_batch), got {tokens!r}")

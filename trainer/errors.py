@@ -7,7 +7,7 @@ that happens to raise them, and no import circle forms through an error class. T
 
 The engine's and the backends' own errors stay with them (lower layers never import the trainer):
 ``polyfsdp.engines.config.ConfigFieldError`` (a bad engine/model/optimizer field),
-``polyfsdp.engines.checkpoint_files.CheckpointError`` (a damaged or unwritable checkpoint) and
+``polyfsdp.engines.checkpoint.files.CheckpointError`` (a damaged or unwritable checkpoint) and
 ``polyfsdp.backends.BackendUnavailableError`` (a backend this host cannot run).
 """
 from __future__ import annotations
@@ -46,7 +46,7 @@ class TrackerStartError(RuntimeError):
 
 
 class Preempted(Exception):
-    """Raised after the checkpoint a SIGTERM asked for is saved (trainer/stop.py)."""
+    """Raised after the checkpoint a SIGTERM asked for is saved (trainer/run/stop.py)."""
 
     def __init__(self, phase: str, step: int, checkpoint) -> None:
         super().__init__(f"stopped by SIGTERM after {phase} step {step}; checkpoint saved: {checkpoint}")

@@ -1,7 +1,7 @@
 """``polyfsdp-eval``: evaluate a Hugging Face model directory (a run's ``final/`` export, or
 any local checkpoint) or a training checkpoint of a run (``OUTPUT_DIR/checkpoints/sft|rl[/step_N]``)
 on held-out data with a reward function, the way ``polyfsdp-train`` evaluates
-(trainer/evaluation.py); prints a table and writes JSON: by default next to what it evaluated
+(trainer/evaluation/held_out.py); prints a table and writes JSON: by default next to what it evaluated
 (:func:`default_json_path`), never over the results of another model.
 
 The data, reward and eval keys are polyfsdp-train's. For a run's export (a directory next to
@@ -17,9 +17,9 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from .compose import GROUPS, compose, to_container, upgrade_saved_config
+from .config.composition import GROUPS, compose, to_container, upgrade_saved_config
 from .errors import ConfigError
-from .row_seeds import step_seed
+from .rollout.row_seeds import step_seed
 
 PROG = "polyfsdp-eval"
 USAGE = """usage: polyfsdp-eval MODEL_DIR [KEY=VALUE ...] [--json FILE]
@@ -41,7 +41,7 @@ EVAL_DIR = "eval"
 JSON_SUFFIX = ".eval.json"
 
 
-# A run's phases (trainer/resume.py's PHASES), and the RL phase's old name (LEGACY_RL_PHASE):
+# A run's phases (trainer/run/resume.py's PHASES), and the RL phase's old name (LEGACY_RL_PHASE):
 # an old run's checkpoints still evaluate. Literal here: resume.py imports torch, --help must not.
 TRAINING_PHASES = ("sft", "rl", "grpo")
 
@@ -132,7 +132,7 @@ def eval_config(model: ModelToEvaluate, overrides: list[str], world_size: int = 
     from omegaconf import OmegaConf
     from omegaconf.errors import OmegaConfBaseException
 
-    from .config import build_job_config
+    from .config.job import build_job_config
 
     bad = [o for o in overrides if "=" not in o]
     if bad:
@@ -185,9 +185,9 @@ def evaluate_model(model_dir: Path, overrides: list[str], json_path: str | None)
     from polyfsdp.backends.distributed import current_rank
     from polyfsdp.backends.topology import launch_env
 
-    from .evaluation import GENERATION_COLUMNS, EvalSettings, evaluate
-    from .job import Job
-    from .resume import load_resume_checkpoint
+    from .evaluation.held_out import GENERATION_COLUMNS, EvalSettings, evaluate
+    from .run.job import Job
+    from .run.resume import load_resume_checkpoint
 
     if not model_dir.is_dir():
         raise ConfigError(f"MODEL_DIR {str(model_dir)!r} is not a directory (a Hugging Face model such as a run's "

@@ -26,7 +26,7 @@ def interrupted_while_starting() -> SystemExit:
 
 
 def terminated_while_starting() -> SystemExit:
-    """Print the one line (worded as a later SIGTERM's, trainer/stop.py) and return the SystemExit
+    """Print the one line (worded as a later SIGTERM's, trainer/run/stop.py) and return the SystemExit
     (status 143) to raise or read."""
     return _stopped_while_starting("stopped by SIGTERM", EXIT_TERMINATED)
 
@@ -39,7 +39,7 @@ class TerminatedWhileStarting(BaseException):
 class SigtermWhileStarting:
     """From ``main``'s first line until :meth:`job_starts`, a SIGTERM raises
     :class:`TerminatedWhileStarting` instead of ending the process without a word (Python's
-    default). The job's own handler (trainer/stop.py's StopRequest, which finishes the step and
+    default). The job's own handler (trainer/run/stop.py's StopRequest, which finishes the step and
     checkpoints) takes over from there; leaving the block restores the caller's handler. Main
     thread only, as signal handlers are."""
 

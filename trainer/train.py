@@ -108,8 +108,8 @@ def _say_stop(line: str) -> None:
 
 
 def _usage() -> str:
-    from .compose import GROUPS, PRESET_GROUPS, available_options
-    from .rl_choices import ESTIMATOR_NAMES, POLICY_LOSS_NAMES
+    from .config.composition import GROUPS, PRESET_GROUPS, available_options
+    from .algos.rl_choices import ESTIMATOR_NAMES, POLICY_LOSS_NAMES
 
     groups = "\n".join(f"  {g:<8} {', '.join(available_options(g))}" for g in GROUPS + PRESET_GROUPS)
     return USAGE.format(groups=groups, estimators=", ".join(ESTIMATOR_NAMES), losses=", ".join(POLICY_LOSS_NAMES))
@@ -174,9 +174,9 @@ def _known_failure(exc: BaseException) -> str | None:
 def _main(argv: list[str] | None, starting: SigtermWhileStarting) -> int:
     # Until the overrides have composed, only Hydra is imported: --help, a mistyped key or option
     # and a value outside its bounds answer in about a second, not after torch and transformers load.
-    from .compose import compose, to_container
+    from .config.composition import compose, to_container
     from .errors import ConfigError
-    from .config_bounds import check_bounds
+    from .config.bounds import check_bounds
 
     args = list(sys.argv[1:] if argv is None else argv)
     if "-h" in args or "--help" in args:
@@ -201,9 +201,9 @@ def _main(argv: list[str] | None, starting: SigtermWhileStarting) -> int:
     from polyfsdp.backends import BackendUnavailableError
     from polyfsdp.backends.distributed import destroy_distributed
 
-    from .config import build_job_config
+    from .config.job import build_job_config
     from .errors import DataError, MetricsWriteError, Preempted, RankError
-    from .stop import EXIT_TERMINATED, continue_command
+    from .run.stop import EXIT_TERMINATED, continue_command
     from polyfsdp.engines.checkpoint import CheckpointError
 
     # CheckpointError: a save that failed (full disk, unwritable output); a damaged checkpoint
@@ -224,11 +224,11 @@ def _main(argv: list[str] | None, starting: SigtermWhileStarting) -> int:
             print(OmegaConf.to_yaml(OmegaConf.create(cfg.raw)), end="")
             return 0
         if estimate:
-            from .estimate import print_estimate
+            from .run.estimate import print_estimate
 
             print_estimate(cfg, world_size)
             return 0
-        from .job import Job
+        from .run.job import Job
 
         job = Job(cfg)
     except user_errors as exc:

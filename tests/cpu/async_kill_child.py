@@ -14,7 +14,7 @@ from torch.distributed.checkpoint.filesystem import FileSystemWriter
 
 from polyfsdp.engines.checkpoint import TMP_PREFIX, step_dir_name
 from polyfsdp.trainer import train
-from polyfsdp.trainer.metrics import read_metrics
+from polyfsdp.trainer.tracking.metrics import read_metrics
 
 STEP = int(sys.argv[1])
 real_write = FileSystemWriter.write_data

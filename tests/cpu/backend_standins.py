@@ -91,7 +91,7 @@ def working_torch_npu(version: str | None = None) -> types.ModuleType:
 
 class HostMemoryAccelerator(CPUBackend):
     """The CPU backend declared as an accelerator whose memory is not host memory, so that
-    engine.offload really moves work to the host (engines/offload.py) on a CPU-only machine."""
+    engine.offload really moves work to the host (engines/parallel/offload.py) on a CPU-only machine."""
 
     name = "cpu-as-accelerator"
     memory_is_host = False

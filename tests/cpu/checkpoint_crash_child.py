@@ -3,7 +3,7 @@ point of the checkpoint save of a chosen step.
 
 Usage: python checkpoint_crash_child.py STEP POINT [overrides...]. The points of a save are
 counted from 1 in the order they happen: before each file-system stage of
-``engines/checkpoint.py`` and ``engines/checkpoint_layout.py`` (the DCP shards, each plain
+``engines/checkpoint/`` and ``engines/checkpoint/layout.py`` (the DCP shards, each plain
 file, the manifest, the rename into place, the ``latest`` pointer), halfway through each deletion of an old checkpoint (half of
 its files gone), and right after each save returns. Every save whose step is STEP counts (a
 PPO step of older code saved the critic and the actor separately). The child prints
@@ -14,7 +14,9 @@ import shutil
 import sys
 from pathlib import Path
 
-from polyfsdp.engines import checkpoint, checkpoint_layout, checkpoint_verdict
+from polyfsdp.engines import checkpoint
+from polyfsdp.engines.checkpoint import layout as checkpoint_layout
+from polyfsdp.engines.checkpoint import verdict as checkpoint_verdict
 
 STEP, POINT = int(sys.argv[1]), int(sys.argv[2])
 CRASH_EXIT = 137  # what a shell reports for SIGKILL

@@ -6,7 +6,8 @@ SIGKILL lands at a known point however loaded the machine is; without the hold t
 finished its last steps before the kill arrived now and then."""
 import sys
 
-from polyfsdp.trainer import job, train
+from polyfsdp.trainer.run import job
+from polyfsdp.trainer import train
 
 PHASE, STEP = sys.argv[1], int(sys.argv[2])
 save_and_announce = job.Job._checkpoint

@@ -7,7 +7,8 @@ import os
 import signal
 import sys
 
-from polyfsdp.trainer import job, train
+from polyfsdp.trainer.run import job
+from polyfsdp.trainer import train
 
 PHASE, STEP = sys.argv[1], int(sys.argv[2])
 record = job.Job._record

@@ -2,7 +2,7 @@
 median_baseline`` (tests/cpu/test_estimator_registry.py runs it through polyfsdp-train)."""
 import torch
 
-from polyfsdp.trainer.estimators import Advantages, estimator
+from polyfsdp.trainer.algos.estimators import Advantages, estimator
 
 CALLS: list[dict] = []  # what each call saw, for the test
 

@@ -5,7 +5,7 @@ from typing import Sequence
 
 import torch
 
-from polyfsdp.engines.loss_inputs import LossInputs
+from polyfsdp.engines.losses.inputs import LossInputs
 
 
 def loss_inputs_from_sequences(

@@ -4,7 +4,7 @@ import math
 import pytest
 import torch
 
-from polyfsdp.trainer.advantages import GROUP_ESTIMATORS, group_advantages, reinforce_plus_plus_advantages
+from polyfsdp.trainer.algos.advantages import GROUP_ESTIMATORS, group_advantages, reinforce_plus_plus_advantages
 
 S = 1 / math.sqrt(2)  # (1 - 0.5) / std([1, 0]) with the unbiased std 0.7071
 

@@ -3,9 +3,9 @@ and generates: the tokenizer is written as real Hugging Face files beside char_t
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from polyfsdp.trainer.chat import text_prompt_tokens
-from polyfsdp.trainer.model_init import write_initial_model
-from polyfsdp.trainer.task import CharTokenizer, load_tokenizer
+from polyfsdp.trainer.data.chat import text_prompt_tokens
+from polyfsdp.trainer.run.model_init import write_initial_model
+from polyfsdp.trainer.data.tokenizers import CharTokenizer, load_tokenizer
 
 TEXTS = ["cadb=", "a b  c", "12+3=15", "é~z", ""]
 

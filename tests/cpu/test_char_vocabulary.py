@@ -1,13 +1,13 @@
 """A preset's character tokenizer learns the data's characters before its model is built
-(trainer/chat.py PromptEncoder.learn_characters), so user text is never cut to <unk>."""
+(trainer/data/chat.py PromptEncoder.learn_characters), so user text is never cut to <unk>."""
 import json
 import subprocess
 import sys
 
-from polyfsdp.trainer.chat import PromptEncoder
-from polyfsdp.trainer.config import load_config
-from polyfsdp.trainer.data import build_source, check_tokenizer_covers
-from polyfsdp.trainer.task import CharTokenizer
+from polyfsdp.trainer.data.chat import PromptEncoder
+from polyfsdp.trainer.config.job import load_config
+from polyfsdp.trainer.data.sources import build_source, check_tokenizer_covers
+from polyfsdp.trainer.data.tokenizers import CharTokenizer
 
 ROWS = [{"prompt": f"What is {i}% of 200?\n", "answer": f"{2 * i} é"} for i in range(1, 9)]
 ROWS.append({"prompt": [{"role": "user", "content": "Say “hi” ≠ bye"}], "answer": "hi"})
@@ -42,7 +42,7 @@ def test_a_fresh_character_tokenizer_adds_the_datas_characters_in_sorted_order(t
 def test_a_fixed_tokenizer_still_names_what_it_lacks(tmp_path):
     import pytest
 
-    from polyfsdp.trainer.data import DataError
+    from polyfsdp.trainer.data.sources import DataError
 
     source, tokenizer, encoder = _source(tmp_path, grow=False)
     assert encoder.added_characters == "" and tokenizer.chars == CharTokenizer().chars

@@ -1,4 +1,4 @@
-"""Sharded checkpoints (engines/checkpoint.py) on a tiny FSDP2-wrapped Qwen2, world size 1."""
+"""Sharded checkpoints (engines/checkpoint/) on a tiny FSDP2-wrapped Qwen2, world size 1."""
 import random
 
 import numpy as np

@@ -12,7 +12,7 @@ from checkpoint_cases import build_sharded
 
 from polyfsdp.backends import get_backend, init_distributed
 from polyfsdp.engines import checkpoint as ckpt
-from polyfsdp.engines.checkpoint_files import MANIFEST_FILE, write_manifest
+from polyfsdp.engines.checkpoint.files import MANIFEST_FILE, write_manifest
 
 
 @pytest.fixture(scope="module")
@@ -193,7 +193,7 @@ def test_crafted_non_tensor_item_in_a_shard_is_refused_and_nothing_executes(save
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
 
-    from polyfsdp.engines.checkpoint_parts import sharded_state as _sharded_state
+    from polyfsdp.engines.checkpoint.parts import sharded_state as _sharded_state
 
     path, parts = saved
     marker = tmp_path / "pwned"
@@ -259,7 +259,7 @@ def _save_plain_on_a_filling_disk(obj, path):
 def test_disk_full_during_a_save_keeps_the_previous_checkpoint_latest(saved, monkeypatch, where):
     import torch.distributed.checkpoint.filesystem as dcp_filesystem
 
-    from polyfsdp.engines import checkpoint_files
+    from polyfsdp.engines.checkpoint import files as checkpoint_files
 
     path, (model, opt, sched) = saved
     target = {"shards": (dcp_filesystem, "_write_item", _disk_full), "rng file": (ckpt, "save_plain", _disk_full),
@@ -282,7 +282,7 @@ def test_disk_full_during_a_save_keeps_the_previous_checkpoint_latest(saved, mon
 def test_the_manifest_checksums_each_shard_item_so_a_rank_hashes_only_what_it_reads(saved):
     from torch.distributed.checkpoint import FileSystemReader
 
-    from polyfsdp.engines.checkpoint_files import check_checksums, check_manifest
+    from polyfsdp.engines.checkpoint.files import check_checksums, check_manifest
 
     path, _ = saved
     expected = check_manifest(path)

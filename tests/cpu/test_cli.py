@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from polyfsdp.trainer.metrics import TIMING_KEYS, read_metrics
+from polyfsdp.trainer.tracking.metrics import TIMING_KEYS, read_metrics
 from polyfsdp.trainer.train import main
 
 # Few, small steps: every phase, evaluation, checkpoint and export still runs.
@@ -68,7 +68,7 @@ def test_default_job_runs_sft_then_grpo_and_writes_everything(default_run):
     # The export is an ordinary Hugging Face checkpoint with the character tokenizer.
     from transformers import AutoModelForCausalLM
 
-    from polyfsdp.trainer.task import CharTokenizer, load_tokenizer
+    from polyfsdp.trainer.data.tokenizers import CharTokenizer, load_tokenizer
 
     model = AutoModelForCausalLM.from_pretrained(out / "final")
     assert isinstance(load_tokenizer(str(out / "final")), CharTokenizer)
@@ -103,8 +103,9 @@ def test_sft_only_job_trains_evaluates_and_exports(tmp_path):
 def test_model_path_loads_weights_and_tokenizer_from_directory(tmp_path):
     from transformers import AutoModelForCausalLM, Qwen2Config
 
-    from polyfsdp.trainer.data import BuiltinSource
-    from polyfsdp.trainer.task import CharTokenizer, ReverseTask
+    from polyfsdp.trainer.data.sources import BuiltinSource
+    from polyfsdp.trainer.data.tokenizers import CharTokenizer
+    from polyfsdp.trainer.data.task import ReverseTask
 
     # A tokenizer unlike the default one: if the run used the default, the ids (and the
     # loss) would differ.
@@ -249,7 +250,7 @@ def test_output_dir_that_cannot_be_created_is_a_one_line_error(tmp_path, capsys)
 def test_resume_from_an_incomplete_checkpoint_is_a_one_line_error(tmp_path, capsys):
     from omegaconf import OmegaConf
 
-    from polyfsdp.trainer.config import load_config
+    from polyfsdp.trainer.config.job import load_config
 
     step = tmp_path / "old" / "checkpoints" / "sft" / "step_000001"
     step.mkdir(parents=True)  # e.g. a save that was killed halfway

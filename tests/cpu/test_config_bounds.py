@@ -1,5 +1,5 @@
 """Every number of the job config has a range: NaN, infinities and absurd sizes are one
-ConfigError naming the key, before anything is built (trainer/config_bounds.py)."""
+ConfigError naming the key, before anything is built (trainer/config/bounds.py)."""
 from __future__ import annotations
 
 import copy
@@ -9,11 +9,11 @@ import typing
 import pytest
 
 from polyfsdp.engines.config import EngineConfig, LoraConfig, OptimConfig
-from polyfsdp.trainer.algo_config import ActorSection, CriticSection, RolloutCorrectionSection, SFTSection
-from polyfsdp.trainer.compose import compose, to_container
-from polyfsdp.trainer.config import (ConfigError, DataSection, ModelSection, RewardSection, TrainerSection,
+from polyfsdp.trainer.config.algo import ActorSection, CriticSection, RolloutCorrectionSection, SFTSection
+from polyfsdp.trainer.config.composition import compose, to_container
+from polyfsdp.trainer.config.job import (ConfigError, DataSection, ModelSection, RewardSection, TrainerSection,
                                      build_job_config)
-from polyfsdp.trainer.config_bounds import BOUNDS, bounds_for
+from polyfsdp.trainer.config.bounds import BOUNDS, bounds_for
 
 # Where each section of the config lives; algo.critic.* exists under algo=ppo.
 SECTIONS = [(TrainerSection, "trainer"), (DataSection, "data"), (ModelSection, "model"), (LoraConfig, "model.lora"),

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 from omegaconf import OmegaConf
 
-from polyfsdp.trainer.config import ConfigError, load_config
-from polyfsdp.trainer.resume import check_same_run
+from polyfsdp.trainer.config.job import ConfigError, load_config
+from polyfsdp.trainer.run.resume import check_same_run
 
 
 def test_model_path_drops_the_preset_and_its_overrides(tmp_path):

@@ -11,7 +11,7 @@ from engine_reference import full_state_dict, left_right_batch, no_padding_batch
 from lora_reference import merged_by_hand, randomize_adapters
 from value_reference import CriticReference
 from polyfsdp.engines.config import EngineConfig, LoraConfig, ModelConfig, OptimConfig
-from polyfsdp.engines.value_loss import ValueLoss
+from polyfsdp.engines.losses.value import ValueLoss
 
 peft = pytest.importorskip("peft", reason="LoRA tests need peft (pip install -e '.[lora]')")
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from matplotlib.figure import Figure
 
-from polyfsdp.trainer import plot
-from polyfsdp.trainer.metrics import MetricsLogger, read_metrics
+from polyfsdp.trainer.tracking import plot
+from polyfsdp.trainer.tracking.metrics import MetricsLogger, read_metrics
 from polyfsdp.trainer.train import main
 
 

@@ -1,4 +1,4 @@
-"""Our decoding loop (trainer/decode.py) against Hugging Face: greedy completions equal
+"""Our decoding loop (trainer/rollout/decode.py) against Hugging Face: greedy completions equal
 ``generate``'s token for token (EOS cut and max_new_tokens included), sampled tokens carry
 the log-probs a plain per-sequence forward gives them, and what is drawn follows the
 model's distribution, also after finished rows have left the batch."""
@@ -6,10 +6,10 @@ import pytest
 import torch
 
 from polyfsdp.engines import EngineConfig, FSDPEngine, ModelConfig
-from polyfsdp.trainer.decode import _fsdp_free, _preallocated_cache, _ready_mask_ok, decode
-from polyfsdp.trainer.generate import _hf_generate, _left_padded, generate
-from polyfsdp.trainer.row_seeds import RowSeeds
-from polyfsdp.trainer.task import CharTokenizer
+from polyfsdp.trainer.rollout.decode import _fsdp_free, _preallocated_cache, _ready_mask_ok, decode
+from polyfsdp.trainer.rollout.generate import _hf_generate, _left_padded, generate
+from polyfsdp.trainer.rollout.row_seeds import RowSeeds
+from polyfsdp.trainer.data.tokenizers import CharTokenizer
 
 TOK = CharTokenizer()
 PROMPTS = [[TOK.bos_token_id] + TOK.encode(s) for s in ("abc=", "ba=", "hgfe=", "a=", "dcba+ab=")]
@@ -86,7 +86,7 @@ def test_sampled_log_probs_match_a_plain_forward_per_sequence(temperature):
 def test_sampling_follows_the_model_distribution_after_rows_leave(draw):
     """Frequencies of the first and (over rows still going) second token against the exact
     probabilities from plain forwards; a wrong temperature is told apart (negative control).
-    Drawn from the process's generator, or per row (trainer/row_sampler.py) in our loop and
+    Drawn from the process's generator, or per row (trainer/rollout/row_sampler.py) in our loop and
     through HF ``generate``'s logits processor."""
     model = _engine("qwen2-tiny").module.eval()
     with torch.no_grad():  # a peaked law (a random model's is near uniform): EOS likely, temperature visible

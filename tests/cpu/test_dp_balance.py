@@ -1,9 +1,9 @@
-"""The token-balanced assignment over data-parallel replicas (engines/dp_balance.py) on the
+"""The token-balanced assignment over data-parallel replicas (engines/batch/dp_balance.py) on the
 host; the exchange and order restore over ranks: tests/distributed/test_dp_balance.py."""
 import pytest
 
 from polyfsdp.engines.config import ConfigFieldError, EngineConfig
-from polyfsdp.engines.dp_balance import balance_plan, token_imbalance
+from polyfsdp.engines.batch.dp_balance import balance_plan, token_imbalance
 
 
 def test_token_imbalance_is_max_over_mean():

@@ -11,7 +11,7 @@ from engine_reference import (full_state_dict, left_right_batch, no_padding_batc
 from polyfsdp.engines.attention import VARLEN_SDPA, varlen_sdpa_mask
 from polyfsdp.engines.config import EngineConfig, ModelConfig, OptimConfig
 from polyfsdp.engines.engine import FSDPEngine
-from polyfsdp.engines.micro_batch import plan_micro_batches
+from polyfsdp.engines.batch.micro import plan_micro_batches
 
 TOL = 1e-5
 LENGTHS = [6, 1, 12, 6, 3]
@@ -184,7 +184,7 @@ def test_config_from_dict_rejects_unknown_keys_and_names_fields_by_the_callers_p
 def test_lr_schedules_follow_warmup_and_cosine():
     import math
 
-    from polyfsdp.engines.optim import lr_factor
+    from polyfsdp.engines.model.optim import lr_factor
 
     cfg = OptimConfig(lr_scheduler="warmup_cosine", warmup_steps=2, total_steps=6, min_lr_ratio=0.1)
     got = [lr_factor(s, cfg) for s in range(7)]

@@ -9,7 +9,7 @@ import torch
 from engine_cases import masks_for
 from engine_reference import no_padding_batch, sequences
 from lora_cases import lora_engine, step_batch
-from polyfsdp.engines import forward_logprobs as fl
+from polyfsdp.engines.head import forward as fl
 from polyfsdp.engines.config import EngineConfig, ModelConfig, OptimConfig
 from polyfsdp.engines.engine import FSDPEngine
 from polyfsdp.engines.losses import PPOLoss, SFTLoss, aggregate

@@ -15,7 +15,7 @@ from engine_reference import (full_state_dict, left_right_batch, no_padding_batc
                               reference_logprobs, reference_model, sequences)
 from polyfsdp.engines.config import EngineConfig, ModelConfig
 from polyfsdp.engines.engine import FSDPEngine
-from polyfsdp.engines.flat_batch import batch_to_flat
+from polyfsdp.engines.batch.flat import batch_to_flat
 
 TOL = 1e-5
 FAMILIES = ["qwen2-tiny", "qwen3-tiny", "llama-tiny", "qwen2-tiny-tied"]
@@ -216,7 +216,7 @@ def test_no_padding_outputs_are_rewrapped_without_reading_offsets_back():
     from tensordict import TensorDict
 
     from polyfsdp.engines import jagged
-    from polyfsdp.engines.flat_batch import flat_to_caller
+    from polyfsdp.engines.batch.flat import flat_to_caller
 
     ids = jagged.make_jagged(torch.zeros(8, dtype=torch.long), torch.tensor([0, 3, 4, 8]))
     batch = TensorDict({"input_ids": ids}, batch_size=[3])

@@ -83,7 +83,7 @@ def test_one_micro_batch_or_four_give_the_same_parameters(data, reference_step):
     whole = _engine()
     m_whole = whole.train_batch(batch, SFTLoss())
     split = _engine(max_tokens_per_micro_batch=12)
-    from polyfsdp.engines.micro_batch import plan_micro_batches
+    from polyfsdp.engines.batch.micro import plan_micro_batches
 
     assert len(plan_micro_batches(LENGTHS, 12)) == 4
     m_split = split.train_batch(batch, SFTLoss())

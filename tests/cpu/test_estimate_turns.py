@@ -1,12 +1,12 @@
-"""``--estimate`` of a multi-turn job (trainer/estimate_turns.py): SFT sequences are the
+"""``--estimate`` of a multi-turn job (trainer/run/estimate_turns.py): SFT sequences are the
 demonstrations' conversations, and sampled conversations are bounded by the prompt,
 rollout.max_turns turns of max_new_tokens and the environment's turns, capped by the total
 token budget. Expected lengths are counted by hand from the character tokenizer's chat text."""
 import json
 
-from polyfsdp.trainer.config import load_config
-from polyfsdp.trainer.estimate import estimate_job
-from polyfsdp.trainer.task import CharTokenizer
+from polyfsdp.trainer.config.job import load_config
+from polyfsdp.trainer.run.estimate import estimate_job
+from polyfsdp.trainer.data.tokenizers import CharTokenizer
 
 NEW = 80
 

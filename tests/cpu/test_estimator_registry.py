@@ -1,4 +1,4 @@
-"""The estimator and policy-loss registries (trainer/estimators.py, trainer/policy_losses.py):
+"""The estimator and policy-loss registries (trainer/algos/estimators.py, trainer/algos/policy_losses.py):
 the docs list exactly what is registered, a user's estimator from a file outside polyfsdp runs
 through polyfsdp-train, and every wrong name is one line."""
 import re
@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from polyfsdp.trainer.config import ConfigError, load_config
-from polyfsdp.trainer.estimators import ESTIMATORS, needs_text, resolve_estimator
-from polyfsdp.trainer.policy_losses import POLICY_LOSSES
+from polyfsdp.trainer.config.job import ConfigError, load_config
+from polyfsdp.trainer.algos.estimators import ESTIMATORS, needs_text, resolve_estimator
+from polyfsdp.trainer.algos.policy_losses import POLICY_LOSSES
 
 HERE = Path(__file__).resolve().parent
 README = HERE.parents[1] / "README.md"
@@ -55,7 +55,7 @@ def test_the_yaml_comment_and_the_readme_list_the_registered_estimators():
 
 
 def test_the_yaml_comment_and_the_readme_list_the_registered_policy_losses():
-    assert _yaml_rows("The policy loss (trainer/policy_losses.py)") == {n: p.summary for n, p in POLICY_LOSSES.items()}
+    assert _yaml_rows("The policy loss (trainer/algos/policy_losses.py)") == {n: p.summary for n, p in POLICY_LOSSES.items()}
     table = _readme_table("### Policy losses (`algo.actor.policy_loss`)")
     assert [row[0] for row in table] == list(POLICY_LOSSES)
     assert {row[0]: row[2] for row in table} == {n: p.summary for n, p in POLICY_LOSSES.items()}
@@ -97,7 +97,7 @@ def test_a_wrong_estimator_is_one_line_naming_the_key(value, start):
 
 
 def test_a_users_estimator_runs_through_polyfsdp_train_without_editing_polyfsdp(tmp_path):
-    from polyfsdp.trainer.metrics import read_metrics
+    from polyfsdp.trainer.tracking.metrics import read_metrics
     from polyfsdp.trainer.train import main
 
     calls = resolve_estimator(CUSTOM).compute.__globals__["CALLS"]
@@ -120,8 +120,8 @@ def test_a_users_estimator_runs_through_polyfsdp_train_without_editing_polyfsdp(
 
 
 def test_the_help_names_equal_the_registries():
-    """--help lists names from a torch-free module (trainer/rl_choices.py): it must stay equal."""
-    from polyfsdp.trainer.rl_choices import ESTIMATOR_NAMES, POLICY_LOSS_NAMES
+    """--help lists names from a torch-free module (trainer/algos/rl_choices.py): it must stay equal."""
+    from polyfsdp.trainer.algos.rl_choices import ESTIMATOR_NAMES, POLICY_LOSS_NAMES
 
     assert ESTIMATOR_NAMES == tuple(ESTIMATORS) and POLICY_LOSS_NAMES == tuple(POLICY_LOSSES)
 

@@ -13,7 +13,7 @@ import sys
 import pytest
 
 from polyfsdp.trainer.eval_cli import main as eval_main
-from polyfsdp.trainer.metrics import read_metrics
+from polyfsdp.trainer.tracking.metrics import read_metrics
 from polyfsdp.trainer.train import main as train_main
 
 TINY = ["trainer.sft_steps=8", "trainer.rl_steps=2", "trainer.sft_batch_size=8", "trainer.prompts_per_step=4",

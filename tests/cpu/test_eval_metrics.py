@@ -5,7 +5,7 @@ import itertools
 
 import pytest
 
-from polyfsdp.trainer.eval_metrics import (PromptSamples, evaluation_metrics, k_values, majority_reward,
+from polyfsdp.trainer.evaluation.metrics import (PromptSamples, evaluation_metrics, k_values, majority_reward,
                                            pass_at_k)
 
 

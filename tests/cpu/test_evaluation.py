@@ -1,4 +1,4 @@
-"""trainer/evaluation.py against an independent computation on the same sampled completions:
+"""trainer/evaluation/held_out.py against an independent computation on the same sampled completions:
 pass@k by enumerating every k-subset, maj@n by counting votes, per data source; the table rows;
 and the eval config's refusals."""
 from __future__ import annotations
@@ -9,12 +9,13 @@ from collections import Counter
 import pytest
 
 from polyfsdp.engines import EngineConfig, FSDPEngine, ModelConfig
-from polyfsdp.trainer.config import ConfigError, load_config
-from polyfsdp.trainer.evaluation import EvalSettings, evaluate
-from polyfsdp.trainer.generate import generate
-from polyfsdp.trainer.rewards import Scorer
-from polyfsdp.trainer.row_seeds import eval_row_seeds
-from polyfsdp.trainer.task import CharTokenizer, Example
+from polyfsdp.trainer.config.job import ConfigError, load_config
+from polyfsdp.trainer.evaluation.held_out import EvalSettings, evaluate
+from polyfsdp.trainer.rollout.generate import generate
+from polyfsdp.trainer.rewards.reward_fn import Scorer
+from polyfsdp.trainer.rollout.row_seeds import eval_row_seeds
+from polyfsdp.trainer.data.tokenizers import CharTokenizer
+from polyfsdp.trainer.data.example import Example
 
 LETTERS = "abcdefgh"
 
@@ -90,7 +91,7 @@ def test_eval_settings_are_validated():
 
 
 def test_builtin_rules_name_the_answer_they_compare_and_dicts_may_name_theirs():
-    from polyfsdp.trainer.rewards import load_reward_fn
+    from polyfsdp.trainer.rewards.reward_fn import load_reward_fn
 
     example = Example(prompt="q", answer="#### 42")
     for name, text, answer in [("gsm8k", "so 40 + 2 = 42.0 #### 42", "42"), ("gsm8k", "no number", None),

@@ -14,7 +14,7 @@ import sys
 import pytest
 from test_cli import TINY
 
-from polyfsdp.trainer.metrics import MetricsLogger, MetricsWriteError, read_metrics
+from polyfsdp.trainer.tracking.metrics import MetricsLogger, MetricsWriteError, read_metrics
 from polyfsdp.trainer.train import main
 
 # SFT only: the held-out evaluation before the first step already calls the reward.
@@ -73,7 +73,7 @@ def _full_after(limit_bytes: int):
 
 
 def test_a_metrics_record_is_appended_whole_or_not_at_all(tmp_path, monkeypatch):
-    from polyfsdp.trainer import metrics
+    from polyfsdp.trainer.tracking import metrics
 
     logger = MetricsLogger(str(tmp_path / "metrics.jsonl"))
     logger.start(None)
@@ -89,7 +89,7 @@ def test_a_metrics_record_is_appended_whole_or_not_at_all(tmp_path, monkeypatch)
 
 
 def test_a_full_disk_during_a_run_is_one_line_and_leaves_whole_records(tmp_path, monkeypatch, capsys):
-    from polyfsdp.trainer import metrics
+    from polyfsdp.trainer.tracking import metrics
 
     monkeypatch.setattr(metrics.os, "write", _full_after(700))
     out = tmp_path / "out"
@@ -195,8 +195,8 @@ def test_sigterm_while_starting_is_one_line_and_status_143(tmp_path, module):
 def test_the_startup_sigterm_handler_hands_over_to_the_job_and_is_restored(tmp_path, monkeypatch):
     import signal
 
-    from polyfsdp.trainer import job
-    from polyfsdp.trainer.stop import StopRequest
+    from polyfsdp.trainer.run import job
+    from polyfsdp.trainer.run.stop import StopRequest
 
     seen, during_run = [], []
     monkeypatch.setattr(job.Job, "run", lambda self: during_run.append(signal.getsignal(signal.SIGTERM)))
@@ -222,7 +222,7 @@ def test_ctrl_c_while_importing_is_one_line_and_status_130(tmp_path, module):
 
 def test_the_process_group_timeout_is_set_from_the_config(tmp_path, monkeypatch):
     from polyfsdp.backends import distributed, get_backend
-    from polyfsdp.trainer import job
+    from polyfsdp.trainer.run import job
 
     asked = []
     real = job.init_distributed
@@ -263,8 +263,8 @@ def test_a_dead_peer_rank_is_named_by_the_survivors(monkeypatch):
 
 def test_ranks_that_read_different_records_stop_with_one_line(monkeypatch):
     from polyfsdp.trainer import rank_errors
-    from polyfsdp.trainer.config import ConfigError, load_config
-    from polyfsdp.trainer.task import Example
+    from polyfsdp.trainer.config.job import ConfigError, load_config
+    from polyfsdp.trainer.data.example import Example
 
     class Source:
         def __init__(self, answers):

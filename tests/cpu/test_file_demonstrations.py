@@ -1,4 +1,4 @@
-"""Demonstration conversations in data files (trainer/demonstrations.py): a record's ``messages``
+"""Demonstration conversations in data files (trainer/data/demonstrations.py): a record's ``messages``
 in chat format, assistant tool calls included, is the conversation the multi-turn SFT trains on
 (only assistant tokens in the loss); malformed records stop with one line naming the file, the
 record and the field."""
@@ -8,11 +8,11 @@ import pytest
 from test_multi_turn import ScriptedSampler
 from test_tool_sft import TOKENIZERS
 
-from polyfsdp.trainer.data import DataError, read_files
-from polyfsdp.trainer.multi_turn import MultiTurnRollout, MultiTurnSettings
-from polyfsdp.trainer.task import Example
-from polyfsdp.trainer.tool_sft import conversation_sequences
-from polyfsdp.trainer.tool_task import CalculatorTask
+from polyfsdp.trainer.data.sources import DataError, read_files
+from polyfsdp.trainer.rollout.multi_turn import MultiTurnRollout, MultiTurnSettings
+from polyfsdp.trainer.data.example import Example
+from polyfsdp.trainer.algos.tool_sft import conversation_sequences
+from polyfsdp.trainer.rollout.tool_task import CalculatorTask
 
 PRODUCTS = [(17, 23), (45, 67), (99, 12), (31, 88)]
 
@@ -60,7 +60,7 @@ def test_a_record_carries_its_conversation_and_takes_prompt_and_answer_from_it(t
 
 
 def test_explicit_prompt_and_answer_fields_win_over_the_conversations():
-    from polyfsdp.trainer.data import _record as record
+    from polyfsdp.trainer.data.sources import _record as record
 
     ex = record({**_record(17, 23), "prompt": "what is 17*23?", "answer": "391"}, "f line 1", "prompt", None)
     assert ex.prompt == "what is 17*23?" and ex.messages is None and ex.answer == "391"
@@ -138,8 +138,8 @@ def test_file_demonstrations_train_through_polyfsdp_train(tmp_path, monkeypatch)
     sequence is a file conversation with its assistant tokens (and only those) in the loss."""
     import random
 
-    import polyfsdp.trainer.tool_sft as tool_sft
-    from polyfsdp.trainer.metrics import read_metrics
+    import polyfsdp.trainer.algos.tool_sft as tool_sft
+    from polyfsdp.trainer.tracking.metrics import read_metrics
     from polyfsdp.trainer.train import main
 
     rng = random.Random(3)
@@ -172,7 +172,7 @@ def test_file_demonstrations_train_through_polyfsdp_train(tmp_path, monkeypatch)
 
 
 def test_demonstrations_without_an_environment_are_named_as_unused(tmp_path):
-    from polyfsdp.trainer.demonstrations import unused_demonstrations_note
+    from polyfsdp.trainer.data.demonstrations import unused_demonstrations_note
 
     examples = _read(_write(tmp_path / "demos.jsonl", [_record(17, 23)]))
     assert "not trained on without rollout.env" in unused_demonstrations_note(examples, None)

@@ -7,8 +7,8 @@ from types import SimpleNamespace
 
 import torch
 
-from polyfsdp.trainer.flat_sampling import FLAT_ENTROPY_SHARE
-from polyfsdp.trainer.job import Job
+from polyfsdp.trainer.rollout.flat_sampling import FLAT_ENTROPY_SHARE
+from polyfsdp.trainer.run.job import Job
 from polyfsdp.trainer.train import main
 
 WARNING = "warning: the first RL rollout was sampled at entropy"

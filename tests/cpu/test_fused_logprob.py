@@ -6,8 +6,8 @@ import math
 import pytest
 import torch
 
-from polyfsdp.engines import fused_logprob as fl
-from polyfsdp.engines.fused_logprob import default_chunk_size, fused_logprob_entropy
+from polyfsdp.engines.head import fused as fl
+from polyfsdp.engines.head.fused import default_chunk_size, fused_logprob_entropy
 
 
 def reference(hidden, weight, labels, temperature=1.0, softcap=None, ignore_index=-100):
@@ -73,7 +73,7 @@ def test_gradcheck_float64(outputs, temp_kind, softcap):
 
 
 # The chunk kernels: eager (the reference implementation) and torch.compile'd
-# (engines/fused_logprob_compiled.py), held to the same references and tolerances.
+# (engines/head/fused_compiled.py), held to the same references and tolerances.
 IMPLS = ["eager", "compiled"]
 
 
@@ -261,7 +261,7 @@ def test_bad_inputs_raise_clear_errors(kwargs, exc, match):
 
 def test_unfused_helper_rejects_labels_outside_the_vocabulary():
     # clamp(min=0) used to turn a stray -1 into class 0's log-prob silently.
-    from polyfsdp.engines.forward_logprobs import logprob_entropy_from_logits
+    from polyfsdp.engines.head.forward import logprob_entropy_from_logits
 
     logits = torch.zeros(3, 7)
     for bad in (torch.tensor([0, -1, 1]), torch.tensor([0, 7, 1])):

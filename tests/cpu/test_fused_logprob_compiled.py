@@ -10,9 +10,9 @@ import torch
 from test_fused_logprob import make
 
 from polyfsdp.backends.cpu import CPUBackend
-from polyfsdp.engines import fused_logprob_compiled as flc
+from polyfsdp.engines.head import fused_compiled as flc
 from polyfsdp.engines.config import ConfigFieldError, EngineConfig
-from polyfsdp.engines.fused_logprob import fused_logprob_entropy
+from polyfsdp.engines.head.fused import fused_logprob_entropy
 
 
 def compiled(hidden, weight, labels, **kwargs):

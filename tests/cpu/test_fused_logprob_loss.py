@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from polyfsdp.engines.fused_logprob import fused_logprob_entropy
-from polyfsdp.engines.fused_logprob_loss import fused_logprob_loss
-from polyfsdp.engines.loss_inputs import LossInputs
+from polyfsdp.engines.head.fused import fused_logprob_entropy
+from polyfsdp.engines.head.fused_loss import fused_logprob_loss
+from polyfsdp.engines.losses.inputs import LossInputs
 from polyfsdp.engines.losses import AGG_MODES, PPO_AGG_MODES, PPOLoss, SFTLoss, is_token_separable
 
 SEQ_LENS = (9, 1, 14, 6, 11)  # N = 41 tokens: several chunks of 8 with a ragged last one

@@ -1,11 +1,11 @@
-"""GAE (trainer/gae.py) against a straightforward per-sequence loop, and the critic's values
+"""GAE (trainer/algos/gae.py) against a straightforward per-sequence loop, and the critic's values
 through both pad modes into it."""
 import pytest
 import torch
 
-from polyfsdp.trainer.advantages import WHITEN_EPS
-from polyfsdp.trainer.batch import build_batch, per_sequence, response_mask
-from polyfsdp.trainer.gae import explained_variance, gae_advantages
+from polyfsdp.trainer.algos.advantages import WHITEN_EPS
+from polyfsdp.trainer.data.batch import build_batch, per_sequence, response_mask
+from polyfsdp.trainer.algos.gae import explained_variance, gae_advantages
 
 
 def loop_gae(score, mask, values, gamma, lam, kl=None, kl_coef=0.0):

@@ -6,9 +6,9 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from polyfsdp.engines import EngineConfig, FSDPEngine, ModelConfig
-from polyfsdp.trainer.config import ConfigError, load_config
-from polyfsdp.trainer.generate import generate, use_gather_once
-from polyfsdp.trainer.task import CharTokenizer
+from polyfsdp.trainer.config.job import ConfigError, load_config
+from polyfsdp.trainer.rollout.generate import generate, use_gather_once
+from polyfsdp.trainer.data.tokenizers import CharTokenizer
 
 
 @pytest.mark.parametrize("policy", ["default", "always", "never"])

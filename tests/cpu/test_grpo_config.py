@@ -2,10 +2,10 @@
 step count, the loss each setting builds, and DAPO group filtering's bookkeeping."""
 import pytest
 
-from polyfsdp.trainer import sampling
-from polyfsdp.trainer.config import ConfigError, load_config
-from polyfsdp.trainer.generate import Rollout
-from polyfsdp.trainer.task import Example
+from polyfsdp.trainer.rollout import sampling
+from polyfsdp.trainer.config.job import ConfigError, load_config
+from polyfsdp.trainer.rollout.generate import Rollout
+from polyfsdp.trainer.data.example import Example
 
 
 @pytest.mark.parametrize("overrides,world,expected", [

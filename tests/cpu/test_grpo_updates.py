@@ -7,8 +7,8 @@ from engine_reference import full_state_dict, prompt_lengths, reference_logprobs
 from polyfsdp.engines.config import ModelConfig, OptimConfig
 from polyfsdp.engines.engine import FSDPEngine
 from polyfsdp.engines.losses import PPOLoss
-from polyfsdp.trainer.batch import build_batch, per_sequence
-from polyfsdp.trainer.updates import mini_batch_plan, run_updates, summarise_updates
+from polyfsdp.trainer.data.batch import build_batch, per_sequence
+from polyfsdp.trainer.algos.updates import mini_batch_plan, run_updates, summarise_updates
 
 GROUPS, GROUP_SIZE, MINI_BATCHES, EPOCHS = 4, 2, 2, 2
 LR, EPS, CLIP = 0.05, 1e-6, 0.2

@@ -8,7 +8,7 @@ import torch
 
 from loss_cases import loss_inputs_from_sequences
 from polyfsdp.engines.losses import GSPO_CLIP_RATIO_HIGH, GSPO_CLIP_RATIO_LOW, GSPOLoss, is_token_separable
-from polyfsdp.trainer.config import ConfigError, load_config
+from polyfsdp.trainer.config.job import ConfigError, load_config
 
 
 def _batch(seed: int = 0, spread: float = 0.05):
@@ -182,7 +182,7 @@ def test_the_config_builds_gspo_with_its_own_defaults_and_refuses_what_it_lacks(
 
 
 def test_a_short_gspo_job_trains(tmp_path):
-    from polyfsdp.trainer.metrics import read_metrics
+    from polyfsdp.trainer.tracking.metrics import read_metrics
     from polyfsdp.trainer.train import main
 
     out = tmp_path / "gspo"

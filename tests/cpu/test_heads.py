@@ -13,10 +13,10 @@ from tensordict import TensorDict
 
 from polyfsdp.engines.config import ModelConfig
 from polyfsdp.engines.heads import LMHead, ValueHead, head_for
-from polyfsdp.engines.loss_inputs import LossNeeds
+from polyfsdp.engines.losses.inputs import LossNeeds
 from polyfsdp.engines.losses import PPOLoss, SFTLoss
 from polyfsdp.engines.step_metrics import accumulate, reduce_over_ranks
-from polyfsdp.engines.value_loss import ValueLoss
+from polyfsdp.engines.losses.value import ValueLoss
 
 ENGINE = Path(__file__).resolve().parents[2] / "engines" / "engine.py"
 

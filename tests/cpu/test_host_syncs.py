@@ -1,5 +1,5 @@
 """The training step reads device values back to the host a fixed number of times,
-however many micro-batches it runs (engines/engine.py, engines/batch_checks.py).
+however many micro-batches it runs (engines/engine.py, engines/batch/checks.py).
 
 On a GPU/NPU every ``.item()``/``.tolist()``/``bool(tensor)`` stalls the pipeline. On the CPU
 nothing is a real sync, so the test counts the calls themselves, made by polyfsdp's own code

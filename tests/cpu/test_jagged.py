@@ -14,7 +14,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from polyfsdp.engines import jagged as J
-from polyfsdp.engines import jagged_checks, jagged_kernels
+from polyfsdp.engines.jagged import checks as jagged_checks
+from polyfsdp.engines.jagged import kernels as jagged_kernels
 
 SETTINGS = settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 DTYPES = (torch.int64, torch.float32, torch.bfloat16)

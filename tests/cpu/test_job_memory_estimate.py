@@ -1,4 +1,4 @@
-"""``polyfsdp-train ... --estimate`` covers the job it is asked about (trainer/estimate.py): its
+"""``polyfsdp-train ... --estimate`` covers the job it is asked about (trainer/run/estimate.py): its
 peak is within 30% of the measured peak-RSS rise of SFT, GRPO, PPO and LoRA jobs on CPU
 (benchmarks/job_memory.py, a model the per-token figures were not fitted to), the RL phase
 counts its rollout rows, reference copy and critic, and a config-only 7B directory gives
@@ -9,8 +9,8 @@ import sys
 
 import pytest
 
-from polyfsdp.trainer.config import load_config
-from polyfsdp.trainer.estimate import estimate_job
+from polyfsdp.trainer.config.job import load_config
+from polyfsdp.trainer.run.estimate import estimate_job
 from polyfsdp.trainer.train import main
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks"))

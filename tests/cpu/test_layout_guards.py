@@ -56,7 +56,7 @@ def test_the_import_check_sees_relative_and_absolute_imports(tmp_path, monkeypat
     engines = tmp_path / "engines" / "sub"
     engines.mkdir(parents=True)
     probe = engines / "probe.py"
-    probe.write_text("from ...trainer import job\nimport polyfsdp.trainer.config\nfrom ..backends import x\n"
+    probe.write_text("from ...trainer import job\nimport polyfsdp.trainer.config.job\nfrom ..backends import x\n"
                      "from . import sibling\n")
     monkeypatch.setattr(f"{__name__}.ROOT", tmp_path)
     assert [target for _, target in _imported_layers(probe)] == ["trainer", "trainer", "engines",

@@ -1,4 +1,4 @@
-"""LoRA through peft under FSDP2 (engines/lora.py): frozen base, optimizer over adapters only,
+"""LoRA through peft under FSDP2 (engines/model/lora.py): frozen base, optimizer over adapters only,
 the adapters-off reference, all 8 modes against a per-sequence reference whose adapters are
 merged by hand, checkpoints of what is trained, and both export formats."""
 from dataclasses import replace
@@ -99,7 +99,7 @@ def test_adding_and_exporting_adapters_raises_no_deprecation_from_peft(tmp_path)
 def test_missing_peft_is_one_clear_line(monkeypatch):
     import sys
 
-    from polyfsdp.engines.lora import add_adapters
+    from polyfsdp.engines.model.lora import add_adapters
 
     monkeypatch.setitem(sys.modules, "peft", None)  # import peft now raises ImportError
     with pytest.raises(ImportError, match=r"needs peft.*pip install -e \"\.\[lora\]\""):
@@ -260,7 +260,7 @@ def test_lora_dropout_is_active_in_training_only():
     b = engine.infer_batch(batch)["log_probs"].values()
     assert torch.equal(a, b)  # infer_batch runs in eval mode: no dropout
     flat_batch = TensorDict({"input_ids": batch["input_ids"]}, batch_size=[len(LENGTHS)])
-    from polyfsdp.engines.flat_batch import batch_to_flat
+    from polyfsdp.engines.batch.flat import batch_to_flat
 
     flat = batch_to_flat(flat_batch, "no_padding")
     with torch.no_grad(), engine.train_mode():

@@ -12,7 +12,7 @@ from tests.npu import reference_ops as ref
 
 pytest.importorskip("peft", reason="LoRA tests need peft (pip install -e '.[lora]')")
 
-from polyfsdp.engines.lora import add_adapters, adapters_disabled  # noqa: E402
+from polyfsdp.engines.model.lora import add_adapters, adapters_disabled  # noqa: E402
 
 LOGIT_TOL = 1e-5  # as tests/cpu/test_patches_fused_ops.py
 PATCH_KINDS = ("rms_norm", "rope", "swiglu", "attention")

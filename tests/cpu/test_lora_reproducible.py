@@ -13,7 +13,7 @@ import torch
 from safetensors.torch import load_file
 from test_cli import _comparable
 
-from polyfsdp.trainer.metrics import read_metrics
+from polyfsdp.trainer.tracking.metrics import read_metrics
 from polyfsdp.trainer.train import main
 
 pytest.importorskip("peft", reason="LoRA needs peft (pip install -e '.[lora]')")
@@ -31,7 +31,7 @@ def test_adapters_come_from_the_seed_and_leave_the_callers_generator_alone():
     from transformers import AutoModelForCausalLM
 
     from polyfsdp.engines.config import LoraConfig
-    from polyfsdp.engines.lora import add_adapters
+    from polyfsdp.engines.model.lora import add_adapters
     from polyfsdp.engines.presets import preset_config
 
     def adapted(seed, generator_seed):
@@ -78,7 +78,7 @@ def test_two_runs_of_one_seed_in_two_processes_are_identical(reference, tmp_path
 
 
 def test_a_run_continued_at_the_start_of_its_rl_phase_equals_the_uninterrupted_one(reference, tmp_path, monkeypatch):
-    from polyfsdp.trainer import job
+    from polyfsdp.trainer.run import job
 
     def stopped(*args, **kwargs):
         raise KeyboardInterrupt  # Ctrl-C in the first GRPO step: the SFT export is there, no GRPO checkpoint

@@ -1,10 +1,10 @@
-"""Loss functions against hand-computed values on tiny tensors (engines/losses.py)."""
+"""Loss functions against hand-computed values on tiny tensors (engines/losses/)."""
 import math
 
 import pytest
 import torch
 
-from polyfsdp.engines.loss_inputs import LossInputs
+from polyfsdp.engines.losses.inputs import LossInputs
 from polyfsdp.engines.losses import (
     AGG_MODES,
     PPOLoss,

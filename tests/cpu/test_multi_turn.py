@@ -1,4 +1,4 @@
-"""Multi-turn rollouts (trainer/multi_turn.py): exact token bookkeeping (sampled tokens kept as
+"""Multi-turn rollouts (trainer/rollout/multi_turn.py): exact token bookkeeping (sampled tokens kept as
 drawn with loss_mask 1, environment turns from the chat template with 0), the engine's
 recomputed log-probs equal the sampler's in both pad modes, one-line environment errors, and a
 user environment from a test file training through polyfsdp-train."""
@@ -8,13 +8,14 @@ import os
 import pytest
 import torch
 
-from polyfsdp.trainer.batch import build_batch, per_sequence, response_mask
-from polyfsdp.trainer.environments import EnvStep, parse_tool_calls
-from polyfsdp.trainer.multi_turn import ChatTurns, MultiTurnRollout, MultiTurnSettings
-from polyfsdp.trainer.rewards import RewardError
-from polyfsdp.trainer.row_seeds import turn_seed
-from polyfsdp.trainer.task import CharTokenizer, Example
-from polyfsdp.trainer.tool_task import CalculatorEnv, calculate
+from polyfsdp.trainer.data.batch import build_batch, per_sequence, response_mask
+from polyfsdp.trainer.rollout.environments import EnvStep, parse_tool_calls
+from polyfsdp.trainer.rollout.multi_turn import ChatTurns, MultiTurnRollout, MultiTurnSettings
+from polyfsdp.trainer.rewards.reward_fn import RewardError
+from polyfsdp.trainer.rollout.row_seeds import turn_seed
+from polyfsdp.trainer.data.tokenizers import CharTokenizer
+from polyfsdp.trainer.data.example import Example
+from polyfsdp.trainer.rollout.tool_task import CalculatorEnv, calculate
 
 HERE = os.path.dirname(__file__)
 GUESS_ENV = os.path.join(HERE, "envs", "guess_env.py") + ":GuessEnv"
@@ -116,7 +117,7 @@ class _Malformed(_Raises):
 @pytest.mark.parametrize("env,expected", [(_Raises, f"step() raised KeyError: 'boom' at {__file__}:"),
                                           (_Malformed, "step() returned the message {'role': 'user'}")])
 def test_a_failing_environment_is_one_line_naming_it_the_record_and_the_turn(env, expected, monkeypatch):
-    import polyfsdp.trainer.multi_turn as multi_turn
+    import polyfsdp.trainer.rollout.multi_turn as multi_turn
 
     monkeypatch.setattr(multi_turn, "load_environment", lambda spec: env)
     tok = CharTokenizer()
@@ -146,7 +147,7 @@ def test_tool_calls_are_parsed_and_the_calculator_answers_them():
 def test_recomputed_log_probs_of_multi_turn_trajectories_equal_the_samplers(pad_mode):
     from polyfsdp.engines.config import EngineConfig, ModelConfig, OptimConfig
     from polyfsdp.engines.engine import FSDPEngine
-    from polyfsdp.trainer.rollout_engines import PolicyDecoding
+    from polyfsdp.trainer.rollout.engines import PolicyDecoding
 
     tok = CharTokenizer()
     engine = FSDPEngine(ModelConfig(preset="qwen2-tiny", vocab_size=tok.vocab_size),
@@ -168,7 +169,7 @@ def test_recomputed_log_probs_of_multi_turn_trajectories_equal_the_samplers(pad_
 def test_a_user_environment_from_a_test_file_trains_through_polyfsdp_train(tmp_path):
     from test_cli import TINY, TINY_GRPO
 
-    from polyfsdp.trainer.metrics import read_metrics
+    from polyfsdp.trainer.tracking.metrics import read_metrics
     from polyfsdp.trainer.train import main
 
     out = tmp_path / "run"
@@ -188,7 +189,7 @@ def test_ppo_trains_a_critic_over_environment_turns_through_polyfsdp_train(tmp_p
     the critic's value loss sees only the sampled ones."""
     from test_cli import TINY, TINY_GRPO
 
-    from polyfsdp.trainer.metrics import read_metrics
+    from polyfsdp.trainer.tracking.metrics import read_metrics
     from polyfsdp.trainer.train import main
 
     out = tmp_path / "run"
@@ -209,7 +210,7 @@ class _Hangs(_Raises):
 
 
 def test_an_environment_that_hangs_stops_after_env_timeout_s(monkeypatch):
-    import polyfsdp.trainer.multi_turn as multi_turn
+    import polyfsdp.trainer.rollout.multi_turn as multi_turn
 
     monkeypatch.setattr(multi_turn, "load_environment", lambda spec: _Hangs)
     tok = CharTokenizer()

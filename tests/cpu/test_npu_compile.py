@@ -11,7 +11,7 @@ import torch
 from backend_standins import BrokenTorchNpuFinder, FakeNpuRuntime, torchair_standin, working_torch_npu
 
 from polyfsdp.backends.npu import NPUBackend
-from polyfsdp.engines import fused_logprob_compiled as flc
+from polyfsdp.engines.head import fused_compiled as flc
 from polyfsdp.engines.config import ConfigFieldError
 
 

@@ -1,5 +1,5 @@
 """engine.offload on the CPU backend: a documented no-op with a one-line notice, and the
-host gradient-norm helper of the offload path (engines/offload.py) against torch's norm."""
+host gradient-norm helper of the offload path (engines/parallel/offload.py) against torch's norm."""
 import logging
 
 import pytest
@@ -11,7 +11,7 @@ from engine_cases import masks_for
 from polyfsdp.engines.config import ConfigFieldError, EngineConfig, ModelConfig, OptimConfig
 from polyfsdp.engines.engine import FSDPEngine
 from polyfsdp.engines.losses import SFTLoss
-from polyfsdp.engines.offload import host_grad_norm
+from polyfsdp.engines.parallel.offload import host_grad_norm
 
 LENGTHS = [6, 1, 9, 4]
 
@@ -26,11 +26,11 @@ def test_offload_on_cpu_is_a_noop_with_one_notice(caplog):
     batch = no_padding_batch(seqs, per_token={"response_mask": masks_for(seqs)})
     results = {}
     for mode in ("none", "optimizer", "params"):
-        with caplog.at_level(logging.WARNING, logger="polyfsdp.engines.offload"):
+        with caplog.at_level(logging.WARNING, logger="polyfsdp.engines.parallel.offload"):
             caplog.clear()
             engine = FSDPEngine(ModelConfig(preset="qwen2-tiny"), EngineConfig(offload=mode),
                                 OptimConfig(lr=1e-2)).initialize()
-        notices = [r.getMessage() for r in caplog.records if r.name == "polyfsdp.engines.offload"]
+        notices = [r.getMessage() for r in caplog.records if r.name == "polyfsdp.engines.parallel.offload"]
         assert len(notices) == (mode != "none"), notices
         if notices:
             assert "does nothing on the cpu backend" in notices[0] and "\n" not in notices[0]

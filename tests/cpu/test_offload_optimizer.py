@@ -1,5 +1,5 @@
 """engine.offload=optimizer: AdamW state on the host and the step run there
-(engines/host_optimizer.py). On a CPU-only machine the mechanism runs through a backend
+(engines/parallel/host_optimizer.py). On a CPU-only machine the mechanism runs through a backend
 stand-in declared as an accelerator; it must take exactly torch AdamW's steps (plain and
 sharded model, weight decay and clipping on) and resume exactly from a checkpoint."""
 import pytest
@@ -11,7 +11,7 @@ from engine_cases import LENGTHS, PRESET, engine_config, masks_for, optim_config
 from engine_reference import full_state_dict, no_padding_batch, sequences
 from polyfsdp.engines.engine import FSDPEngine
 from polyfsdp.engines.config import ModelConfig, OptimConfig
-from polyfsdp.engines.host_optimizer import HostAdamW
+from polyfsdp.engines.parallel.host_optimizer import HostAdamW
 from polyfsdp.engines.losses import SFTLoss
 from polyfsdp.engines.memory import estimate_memory
 
@@ -118,7 +118,7 @@ def test_host_step_with_lora_trains_only_the_adapters_like_torch_adamw():
 
 
 def test_adamw_kernel_choice_that_cannot_apply_on_the_host_is_a_notice(caplog):
-    with caplog.at_level("WARNING", logger="polyfsdp.engines.optim"):
+    with caplog.at_level("WARNING", logger="polyfsdp.engines.model.optim"):
         engine = FSDPEngine(ModelConfig(preset=PRESET), engine_config(offload="optimizer"),
                             OptimConfig(impl="foreach"), backend=HostMemoryAccelerator()).initialize()
     assert isinstance(engine.optimizer, HostAdamW)

@@ -9,11 +9,11 @@ import sys
 import pytest
 
 from own_data_cases import bpe_tokenizer, verl_record, write_jsonl, write_model_dir, write_parquet
-from polyfsdp.trainer.chat import PromptEncoder
-from polyfsdp.trainer.config import ConfigError, load_config
-from polyfsdp.trainer.data import DataError, build_source, read_jsonl, read_parquet
-from polyfsdp.trainer.metrics import read_metrics
-from polyfsdp.trainer.task import CharTokenizer, HFTokenizerAdapter, load_tokenizer
+from polyfsdp.trainer.data.chat import PromptEncoder
+from polyfsdp.trainer.config.job import ConfigError, load_config
+from polyfsdp.trainer.data.sources import DataError, build_source, read_jsonl, read_parquet
+from polyfsdp.trainer.tracking.metrics import read_metrics
+from polyfsdp.trainer.data.tokenizers import CharTokenizer, HFTokenizerAdapter, load_tokenizer
 from polyfsdp.trainer.train import main
 
 TINY = ["trainer.sft_steps=1", "trainer.rl_steps=2", "trainer.sft_batch_size=4", "trainer.prompts_per_step=2",
@@ -161,7 +161,7 @@ def test_overlong_prompts_are_filtered_refused_or_left_truncated(tmp_path, caplo
     rows = [{"prompt": "a" * n, "answer": "x"} for n in (3, 9, 4, 12)]
     records = read_jsonl(write_jsonl(tmp_path / "d.jsonl", rows))
     tok = CharTokenizer()  # <bos> + one token per character
-    with caplog.at_level("INFO", logger="polyfsdp.trainer.chat"):
+    with caplog.at_level("INFO", logger="polyfsdp.trainer.data.chat"):
         kept = PromptEncoder(tok, max_prompt_length=5).encode_split(records, "train")
     assert [len(ex.prompt_ids) for ex in kept] == [4, 5]
     assert "filtered 2 of 4 train prompts" in caplog.text
@@ -195,7 +195,7 @@ def test_a_prompt_longer_than_the_models_positions_is_refused_at_start(tmp_path,
 
 
 def test_grpo_on_verl_files_with_a_bpe_chat_model_and_a_reward_file(tmp_path, model_dir, monkeypatch):
-    from polyfsdp.trainer import generate as generate_module
+    from polyfsdp.trainer.rollout import generate as generate_module
 
     train = write_parquet(tmp_path / "train.parquet", _rows(4))
     train2 = write_jsonl(tmp_path / "train2.jsonl", _rows(2, start=4))
@@ -244,8 +244,8 @@ def test_arith_words_runs_the_chat_and_gsm8k_path_on_a_bpe_model(tmp_path, model
 def test_arith_words_problems_are_gsm8k_shaped_and_solved_by_their_answers():
     import random
 
-    from polyfsdp.trainer.arith_words import ArithWordsTask
-    from polyfsdp.trainer.reward_rules import gsm8k
+    from polyfsdp.trainer.data.arith_words import ArithWordsTask
+    from polyfsdp.trainer.rewards.rules import gsm8k
 
     task, rng, chars = ArithWordsTask(), random.Random(0), set(CharTokenizer().chars)
     for _ in range(300):

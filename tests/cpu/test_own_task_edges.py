@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 
 from own_data_cases import write_jsonl
-from polyfsdp.trainer.config import load_config
-from polyfsdp.trainer.data import DataError, build_source, check_tokenizer_covers
-from polyfsdp.trainer.task import CharTokenizer
+from polyfsdp.trainer.config.job import load_config
+from polyfsdp.trainer.data.sources import DataError, build_source, check_tokenizer_covers
+from polyfsdp.trainer.data.tokenizers import CharTokenizer
 
 
 def _sort_rows(n, system=True):
@@ -157,8 +157,8 @@ def test_continuing_with_fewer_steps_than_were_done_is_one_line(tmp_path, capsys
 
 
 def test_relative_paths_that_miss_say_which_directory_they_were_read_from(tmp_path, monkeypatch):
-    from polyfsdp.trainer.config import ConfigError
-    from polyfsdp.trainer.rewards import load_reward_fn
+    from polyfsdp.trainer.config.job import ConfigError
+    from polyfsdp.trainer.rewards.reward_fn import load_reward_fn
 
     monkeypatch.chdir(tmp_path)
     with pytest.raises(ConfigError, match=rf"no such file 'r.py' in the working directory {tmp_path}$"):

@@ -12,8 +12,8 @@ import pytest
 from test_cli import _comparable
 
 from polyfsdp.engines.checkpoint import TRAINER_STATE_FILE
-from polyfsdp.engines.checkpoint_files import load_plain, save_plain, write_manifest
-from polyfsdp.trainer.metrics import read_metrics
+from polyfsdp.engines.checkpoint.files import load_plain, save_plain, write_manifest
+from polyfsdp.trainer.tracking.metrics import read_metrics
 from polyfsdp.trainer.train import main
 
 CHILD = os.path.join(os.path.dirname(__file__), "checkpoint_crash_child.py")

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from polyfsdp.trainer.config import ConfigError, load_config
-from polyfsdp.trainer.metrics import read_metrics
+from polyfsdp.trainer.config.job import ConfigError, load_config
+from polyfsdp.trainer.tracking.metrics import read_metrics
 from polyfsdp.trainer.train import main
 
 TINY_PPO = ["algo=ppo", "trainer.sft_steps=2", "trainer.rl_steps=2", "trainer.sft_batch_size=8",

@@ -12,7 +12,7 @@ import torch
 from safetensors.torch import load_file
 from test_cli import TINY, TINY_GRPO, _assert_one_line_error, _cli, _comparable, _run
 
-from polyfsdp.trainer.metrics import read_metrics
+from polyfsdp.trainer.tracking.metrics import read_metrics
 
 HERE = os.path.dirname(__file__)
 # No interval checkpoints: the one SIGTERM asks for is the only one there is.

@@ -3,8 +3,8 @@ the old names is refused with one line, and polyfsdp-eval still reads its config
 import pytest
 from omegaconf import OmegaConf
 
-from polyfsdp.trainer.compose import upgrade_saved_config
-from polyfsdp.trainer.config import ConfigError, build_job_config, load_config
+from polyfsdp.trainer.config.composition import upgrade_saved_config
+from polyfsdp.trainer.config.job import ConfigError, build_job_config, load_config
 
 
 @pytest.mark.parametrize("override, line", [
@@ -42,7 +42,7 @@ def test_an_old_saved_config_reads_with_the_new_names():
 
 
 def test_a_run_written_with_the_old_names_is_refused_in_one_line(tmp_path):
-    from polyfsdp.trainer.resume import check_same_run, find_resume
+    from polyfsdp.trainer.run.resume import check_same_run, find_resume
 
     old = tmp_path / "old"
     (old / "checkpoints" / "grpo" / "step_000002").mkdir(parents=True)

@@ -5,7 +5,7 @@ import json
 
 import torch
 
-from polyfsdp.trainer.metrics import read_metrics
+from polyfsdp.trainer.tracking.metrics import read_metrics
 from polyfsdp.trainer.train import main
 
 TINY = ["trainer.sft_steps=2", "trainer.rl_steps=2", "trainer.sft_batch_size=8", "trainer.prompts_per_step=4",

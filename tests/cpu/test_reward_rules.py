@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from polyfsdp.trainer.reward_rules import BUILTIN_REWARDS, char_match, exact_match, gsm8k, last_boxed, math_boxed
+from polyfsdp.trainer.rewards.rules import BUILTIN_REWARDS, char_match, exact_match, gsm8k, last_boxed, math_boxed
 
 
 @pytest.mark.parametrize("completion,answer,expected", [

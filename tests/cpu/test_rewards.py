@@ -7,10 +7,10 @@ import sys
 
 import pytest
 
-from polyfsdp.trainer.config import ConfigError, load_config
-from polyfsdp.trainer.rewards import RewardError, Scorer, build_scorer, load_reward_fn, mean_over_ranks
-from polyfsdp.trainer.reward_rules import gsm8k
-from polyfsdp.trainer.task import Example
+from polyfsdp.trainer.config.job import ConfigError, load_config
+from polyfsdp.trainer.rewards.reward_fn import RewardError, Scorer, build_scorer, load_reward_fn, mean_over_ranks
+from polyfsdp.trainer.rewards.rules import gsm8k
+from polyfsdp.trainer.data.example import Example
 
 USER_REWARDS = '''
 def compute_score(data_source, solution_str, ground_truth, extra_info=None, bonus=0.0):
@@ -45,7 +45,7 @@ def reward_file(tmp_path):
 def test_builtin_file_and_module_paths_all_resolve(reward_file, tmp_path, monkeypatch):
     assert load_reward_fn("gsm8k") is gsm8k
     assert load_reward_fn(f"{reward_file}:compute_score").__name__ == "compute_score"
-    assert load_reward_fn("polyfsdp.trainer.reward_rules:math_boxed").__name__ == "math_boxed"
+    assert load_reward_fn("polyfsdp.trainer.rewards.rules:math_boxed").__name__ == "math_boxed"
     package = tmp_path / "pkg_rewards_12"
     package.mkdir()
     (package / "__init__.py").write_text("")
@@ -61,8 +61,8 @@ def test_builtin_file_and_module_paths_all_resolve(reward_file, tmp_path, monkey
 @pytest.mark.parametrize("spec,expected", [
     ("missing_file.py:f", "reward.fn=missing_file.py:f: no such file 'missing_file.py' in the working directory "),
     ("no_such_module_12:f", "reward.fn=no_such_module_12:f: cannot import module 'no_such_module_12'"),
-    ("polyfsdp.trainer.reward_rules:nope", "reward.fn=polyfsdp.trainer.reward_rules:nope: "
-                                           "polyfsdp.trainer.reward_rules has no function 'nope'"),
+    ("polyfsdp.trainer.rewards.rules:nope", "reward.fn=polyfsdp.trainer.rewards.rules:nope: "
+                                           "polyfsdp.trainer.rewards.rules has no function 'nope'"),
     ("{file}:not_a_function", "is not callable"),
     ("{file}:", "expected a built-in"),
 ])
@@ -185,9 +185,9 @@ def test_the_timeout_is_a_documented_config_key():
 
 STUCK_IN_C = """
 import time
-from polyfsdp.trainer.reward_timeout import CallDeadline
-from polyfsdp.trainer.rewards import Scorer
-from polyfsdp.trainer.task import Example
+from polyfsdp.trainer.rewards.timeout import CallDeadline
+from polyfsdp.trainer.rewards.reward_fn import Scorer
+from polyfsdp.trainer.data.task import Example
 scorer = Scorer(lambda *a: time.sleep(3600), "F:sleep", timeout_s=0.2)
 scorer._deadline = CallDeadline(0.2, grace_s=0.3)
 scorer.score(Example(prompt="p", answer="a", where="data.jsonl line 5"), "x", [1])
@@ -245,7 +245,7 @@ def test_nested_extra_info_changed_by_a_reward_does_not_reach_the_next_call():
 
 
 def test_a_raising_reward_names_the_users_file_and_line(tmp_path, monkeypatch, capsys):
-    from polyfsdp.trainer.rewards import load_reward_fn
+    from polyfsdp.trainer.rewards.reward_fn import load_reward_fn
 
     path = tmp_path / "my_reward.py"
     path.write_text("def helper(x):\n    return 1 / x\n\n\ndef score(data_source, solution_str, ground_truth, "

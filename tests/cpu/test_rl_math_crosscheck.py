@@ -9,9 +9,9 @@ import yaml
 
 from loss_cases import loss_inputs_from_sequences
 from polyfsdp.engines.losses import DEFAULT_CLIP_RATIO_HIGH, PPOLoss, kl_penalty
-from polyfsdp.engines.value_loss import ValueLoss
-from polyfsdp.trainer.advantages import group_advantages, reinforce_plus_plus_advantages
-from polyfsdp.trainer.config import load_config
+from polyfsdp.engines.losses.value import ValueLoss
+from polyfsdp.trainer.algos.advantages import group_advantages, reinforce_plus_plus_advantages
+from polyfsdp.trainer.config.job import load_config
 
 
 def _verl_k3(logp, ref):

@@ -1,7 +1,7 @@
 """The rollout-engine layer without vLLM itself: rollout.* validation, what each choice
 builds, HF generate through the interface against our loop, the one-line error when vLLM
 does not import, the CI switch that turns a vLLM skip into a failure, and the weight stream
-(engines/weight_stream.py) against the model's own state dict and peft's merge."""
+(engines/model/weight_stream.py) against the model's own state dict and peft's merge."""
 import copy
 import sys
 
@@ -10,11 +10,11 @@ import torch
 
 from polyfsdp.backends.registry import get_backend
 from polyfsdp.engines import EngineConfig, FSDPEngine, ModelConfig
-from polyfsdp.engines.weight_stream import full_weights, weight_buckets
-from polyfsdp.trainer.config import ConfigError, RolloutSection, load_config
-from polyfsdp.trainer.rollout_engines import PolicyDecoding, build_rollout_engine, check_rollout
-from polyfsdp.trainer.task import CharTokenizer
-from polyfsdp.trainer.vllm_rollout import VllmRolloutEngine
+from polyfsdp.engines.model.weight_stream import full_weights, weight_buckets
+from polyfsdp.trainer.config.job import ConfigError, RolloutSection, load_config
+from polyfsdp.trainer.rollout.engines import PolicyDecoding, build_rollout_engine, check_rollout
+from polyfsdp.trainer.data.tokenizers import CharTokenizer
+from polyfsdp.trainer.rollout.vllm import VllmRolloutEngine
 import vllm_cases
 
 TOK = CharTokenizer()

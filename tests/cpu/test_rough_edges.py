@@ -11,7 +11,7 @@ import pytest
 from test_cli import TINY, _assert_one_line_error
 from transformers import AutoModelForCausalLM, Qwen2Config
 
-from polyfsdp.trainer.task import CharTokenizer
+from polyfsdp.trainer.data.tokenizers import CharTokenizer
 from polyfsdp.trainer.train import main
 
 

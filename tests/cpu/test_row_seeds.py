@@ -1,5 +1,5 @@
-"""Sampling seeds per global sample (trainer/row_seeds.py) and the samplers that use them
-(trainer/row_sampler.py): distinct rows get distinct bounded seeds, the replicas' shares of a
+"""Sampling seeds per global sample (trainer/rollout/row_seeds.py) and the samplers that use them
+(trainer/rollout/row_sampler.py): distinct rows get distinct bounded seeds, the replicas' shares of a
 step's rows are the global rows' seeds whatever the data-parallel degree, and a row's
 completion depends on its prompt and seed only: not on which rows share its batch, nor on
 whether our loop or HF ``generate`` decodes it."""
@@ -7,10 +7,10 @@ import pytest
 import torch
 
 from polyfsdp.backends.topology import Topology
-from polyfsdp.trainer.config_bounds import MAX_SEED
-from polyfsdp.trainer.decode import decode
-from polyfsdp.trainer.generate import _hf_generate, _left_padded
-from polyfsdp.trainer.row_seeds import RowSeeds, mix_seed, row_seed, turn_seed
+from polyfsdp.trainer.config.bounds import MAX_SEED
+from polyfsdp.trainer.rollout.decode import decode
+from polyfsdp.trainer.rollout.generate import _hf_generate, _left_padded
+from polyfsdp.trainer.rollout.row_seeds import RowSeeds, mix_seed, row_seed, turn_seed
 
 from test_decode_loop import PROMPTS, TOK, _engine
 

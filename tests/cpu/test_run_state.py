@@ -1,4 +1,4 @@
-"""A phase's checkpoint as named parts (trainer/run_state.py): the policy, the critic and the
+"""A phase's checkpoint as named parts (trainer/run/state.py): the policy, the critic and the
 trainer position are saved and restored by one mechanism, in a fixed order, and a checkpoint
 in the layout main's job wrote (the position as a plain ``extra`` dict, the critic as part
 ``critic``) resumes every part unchanged."""
@@ -10,9 +10,9 @@ from checkpoint_cases import VOCAB, build_sharded, full_params, train_steps
 
 from polyfsdp.backends import get_backend, init_distributed
 from polyfsdp.engines.checkpoint import CheckpointError, CheckpointMixin, latest_checkpoint
-from polyfsdp.trainer.config import ConfigError
-from polyfsdp.trainer.resume import ResumePoint
-from polyfsdp.trainer.run_state import PhaseState, TrainerPosition
+from polyfsdp.trainer.config.job import ConfigError
+from polyfsdp.trainer.run.resume import ResumePoint
+from polyfsdp.trainer.run.state import PhaseState, TrainerPosition
 
 # The extra dict main's Job._checkpoint wrote, key for key and in its order.
 MAINS_EXTRA = {"phase": "rl", "phase_step": 2, "global_step": 7, "world_size": 1, "metrics_lines": 11,

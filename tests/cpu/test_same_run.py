@@ -1,4 +1,4 @@
-"""A continued run keeps what decides its meaning (trainer/resume.py check_same_run): the
+"""A continued run keeps what decides its meaning (trainer/run/resume.py check_same_run): the
 algorithm and every algo setting, the SFT step count once the RL phase began, and a run
 directory without config.yaml is refused rather than continued unchecked."""
 from __future__ import annotations
@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 from omegaconf import OmegaConf
 
-from polyfsdp.trainer.config import ConfigError, load_config
-from polyfsdp.trainer.resume import check_same_run
+from polyfsdp.trainer.config.job import ConfigError, load_config
+from polyfsdp.trainer.run.resume import check_same_run
 from polyfsdp.trainer.train import main
 
 

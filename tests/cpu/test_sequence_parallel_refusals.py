@@ -8,7 +8,7 @@ from polyfsdp.engines.attention import register_attention
 from polyfsdp.engines.config import ConfigFieldError, EngineConfig, ModelConfig
 from polyfsdp.engines.engine import FSDPEngine
 from polyfsdp.engines.presets import preset_config
-from polyfsdp.engines.ulysses_attention import PREFIX, install_ulysses
+from polyfsdp.engines.attention.ulysses import PREFIX, install_ulysses
 
 
 def _model(attn="polyfsdp_varlen_sdpa", **overrides):

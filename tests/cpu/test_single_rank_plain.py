@@ -1,5 +1,5 @@
 """A one-rank engine runs the plain model (no FSDP2) unless told to shard or a mixed-precision
-cast needs FSDP2 (EngineConfig.shard_single_rank, engines/parallelize.py). Both kinds train
+cast needs FSDP2 (EngineConfig.shard_single_rank, engines/parallel/fsdp.py). Both kinds train
 to the plain-torch reference step, and their checkpoints load into each other."""
 import pytest
 import torch

@@ -1,4 +1,4 @@
-"""Multi-turn SFT (trainer/tool_sft.py): only the assistant's tokens are trained, and a
+"""Multi-turn SFT (trainer/algos/tool_sft.py): only the assistant's tokens are trained, and a
 demonstration is tokenized exactly as a rollout that samples the same turns holds it."""
 import random
 
@@ -7,11 +7,12 @@ import torch
 from own_data_cases import bpe_tokenizer
 from test_multi_turn import ScriptedSampler, _Policy
 
-from polyfsdp.trainer.batch import build_batch
-from polyfsdp.trainer.multi_turn import MultiTurnRollout, MultiTurnSettings
-from polyfsdp.trainer.task import CharTokenizer, Example, HFTokenizerAdapter
-from polyfsdp.trainer.tool_sft import conversation_sequences, demonstration
-from polyfsdp.trainer.tool_task import CALCULATOR_TOOL, CalculatorTask
+from polyfsdp.trainer.data.batch import build_batch
+from polyfsdp.trainer.rollout.multi_turn import MultiTurnRollout, MultiTurnSettings
+from polyfsdp.trainer.data.tokenizers import CharTokenizer, HFTokenizerAdapter
+from polyfsdp.trainer.data.example import Example
+from polyfsdp.trainer.algos.tool_sft import conversation_sequences, demonstration
+from polyfsdp.trainer.rollout.tool_task import CALCULATOR_TOOL, CalculatorTask
 
 # A Qwen-like template that renders the tools into a system turn and closes every turn with
 # <|im_end|> and a newline (the closing the rollout appends after a sampled <eos>).
@@ -22,7 +23,7 @@ TOOLS_TEMPLATE = ("{% if tools %}<|im_start|>system\n{% for t in tools %}{{ t | 
 
 def _char_tokenizer():
     tok = CharTokenizer()
-    tok.add_chars('"{}')  # what the calculator task's data adds (trainer/data.py)
+    tok.add_chars('"{}')  # what the calculator task's data adds (trainer/data/sources.py)
     return tok
 
 
@@ -96,7 +97,7 @@ def test_the_sft_loss_is_the_nll_of_the_assistant_tokens_only():
     from polyfsdp.engines.config import EngineConfig, ModelConfig, OptimConfig
     from polyfsdp.engines.engine import FSDPEngine
     from polyfsdp.engines.losses import SFTLoss
-    from polyfsdp.trainer.sft import sft_step
+    from polyfsdp.trainer.algos.sft import sft_step
 
     tok = _char_tokenizer()
     engine = FSDPEngine(ModelConfig(preset="qwen2-tiny", vocab_size=tok.vocab_size), EngineConfig(),
@@ -120,9 +121,9 @@ def test_the_sft_loss_is_the_nll_of_the_assistant_tokens_only():
 
 @pytest.mark.parametrize("max_turns", [2, 1])
 def test_task_calculator_runs_through_polyfsdp_train_on_the_matching_demonstrations(tmp_path, monkeypatch, max_turns):
-    import polyfsdp.trainer.tool_sft as tool_sft
-    from polyfsdp.trainer.config import load_config
-    from polyfsdp.trainer.metrics import read_metrics
+    import polyfsdp.trainer.algos.tool_sft as tool_sft
+    from polyfsdp.trainer.config.job import load_config
+    from polyfsdp.trainer.tracking.metrics import read_metrics
     from polyfsdp.trainer.train import main
 
     preset = load_config(["task=calculator"])

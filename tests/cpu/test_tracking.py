@@ -11,7 +11,7 @@ import os
 import pytest
 
 from polyfsdp.trainer import tracking
-from polyfsdp.trainer.metrics import read_metrics
+from polyfsdp.trainer.tracking.metrics import read_metrics
 from polyfsdp.trainer.tracking import Tracker, TrackerStartError, tracker_metrics
 from polyfsdp.trainer.train import main
 
@@ -49,8 +49,8 @@ def resumed_run(tmp_path_factory):
 
 
 def test_validation_generations_reach_the_file_and_the_trackers(resumed_run):
-    from polyfsdp.trainer.generations_log import read_generations
-    from polyfsdp.trainer.reward_rules import char_match
+    from polyfsdp.trainer.evaluation.generations_log import read_generations
+    from polyfsdp.trainer.rewards.rules import char_match
 
     out, _ = resumed_run
     rows = read_generations(str(out / "generations.jsonl"))

@@ -10,11 +10,12 @@ import torch
 from engine_reference import per_sequence
 
 from polyfsdp.engines import jagged
-from polyfsdp.trainer.batch import build_batch
-from polyfsdp.trainer.config import ConfigError, load_config
-from polyfsdp.trainer.data import BuiltinSource, DataError, FileSource, read_jsonl, read_parquet
-from polyfsdp.trainer.advantages import group_advantages
-from polyfsdp.trainer.task import CharTokenizer, ReverseTask, load_tokenizer, reward
+from polyfsdp.trainer.data.batch import build_batch
+from polyfsdp.trainer.config.job import ConfigError, load_config
+from polyfsdp.trainer.data.sources import BuiltinSource, DataError, FileSource, read_jsonl, read_parquet
+from polyfsdp.trainer.algos.advantages import group_advantages
+from polyfsdp.trainer.data.tokenizers import CharTokenizer, load_tokenizer
+from polyfsdp.trainer.data.task import ReverseTask, reward
 
 
 def test_char_tokenizer_round_trips_and_reloads_from_directory(tmp_path):
@@ -199,7 +200,7 @@ def test_hugging_face_tokenizer_in_model_directory_is_used_through_the_adapter(t
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    from polyfsdp.trainer.task import HFTokenizerAdapter
+    from polyfsdp.trainer.data.tokenizers import HFTokenizerAdapter
 
     vocab = {"<pad>": 0, "<s>": 1, "</s>": 2, "<unk>": 3, "ab": 4, "cd": 5}
     core = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
@@ -248,7 +249,7 @@ def test_ignored_or_missing_sections_are_one_line_config_errors(overrides, expec
     ({"hidden_size": None}, "hidden_size"),           # rejected by the Hugging Face config itself
 ])
 def test_initial_model_from_unusable_overrides_is_a_value_error(overrides, expected, tmp_path):
-    from polyfsdp.trainer.model_init import write_initial_model
+    from polyfsdp.trainer.run.model_init import write_initial_model
 
     sizes = {"hidden_size": 96, "intermediate_size": 288, "num_hidden_layers": 1, "num_attention_heads": 4,
              "num_key_value_heads": 2}
@@ -259,7 +260,7 @@ def test_initial_model_from_unusable_overrides_is_a_value_error(overrides, expec
 
 
 def test_resuming_a_grpo_checkpoint_with_algo_sft_is_a_config_error(tmp_path):
-    from polyfsdp.trainer.resume import find_resume
+    from polyfsdp.trainer.run.resume import find_resume
 
     step = tmp_path / "run" / "checkpoints" / "rl" / "step_000002"
     step.mkdir(parents=True)
@@ -282,8 +283,8 @@ def test_plot_draws_non_finite_metrics_as_numbers_not_categories(tmp_path, monke
 
     from matplotlib.figure import Figure
 
-    from polyfsdp.trainer.metrics import MetricsLogger
-    from polyfsdp.trainer.plot import plot_metrics
+    from polyfsdp.trainer.tracking.metrics import MetricsLogger
+    from polyfsdp.trainer.tracking.plot import plot_metrics
 
     metrics = MetricsLogger(str(tmp_path / "metrics.jsonl"))
     metrics.start(None)
@@ -303,7 +304,7 @@ def test_plot_draws_non_finite_metrics_as_numbers_not_categories(tmp_path, monke
 
 def test_file_text_outside_the_character_tokenizer_is_a_data_error(tmp_path):
     # "%" would become <unk>, which decoding drops: an answer holding it could never earn reward 1.
-    from polyfsdp.trainer.data import check_tokenizer_covers
+    from polyfsdp.trainer.data.sources import check_tokenizer_covers
 
     rows = [{"prompt": "3+4=", "answer": "7"}, {"prompt": "50% of 8=", "answer": "4"}, {"prompt": "1+1=", "answer": "2"}]
     source = FileSource(read_jsonl(_write_jsonl(tmp_path / "d.jsonl", rows)), seed=0, eval_size=1, path="d.jsonl")
@@ -313,16 +314,16 @@ def test_file_text_outside_the_character_tokenizer_is_a_data_error(tmp_path):
 
 
 def test_answers_longer_than_the_sampling_budget_are_warned_about(caplog):
-    from polyfsdp.trainer.data import check_generation_budget
+    from polyfsdp.trainer.data.sources import check_generation_budget
 
     tok = CharTokenizer()
     long_task = BuiltinSource(ReverseTask(min_len=3, max_len=9), seed=0, eval_size=8)
-    with caplog.at_level("WARNING", logger="polyfsdp.trainer.data"):
+    with caplog.at_level("WARNING", logger="polyfsdp.trainer.data.sources"):
         check_generation_budget(long_task, tok, max_new_tokens=8)  # 9 letters + <eos> need 10
     (record,) = caplog.records
     assert "algo.actor.max_new_tokens=8" in record.getMessage() and "10" in record.getMessage()
     caplog.clear()
-    with caplog.at_level("WARNING", logger="polyfsdp.trainer.data"):
+    with caplog.at_level("WARNING", logger="polyfsdp.trainer.data.sources"):
         check_generation_budget(long_task, tok, max_new_tokens=10)
     assert not caplog.records
 
@@ -332,7 +333,7 @@ def test_continuing_a_run_with_another_model_is_a_config_error(tmp_path):
     # config.yaml was rewritten to claim llama.
     from omegaconf import OmegaConf
 
-    from polyfsdp.trainer.resume import check_same_run
+    from polyfsdp.trainer.run.resume import check_same_run
 
     run = tmp_path / "run"
     (run / "init_model").mkdir(parents=True)
@@ -359,7 +360,7 @@ def test_continuing_a_run_with_other_data_or_algo_settings_is_a_config_error(tmp
     # silently would train a run that config.yaml does not describe.
     from omegaconf import OmegaConf
 
-    from polyfsdp.trainer.resume import check_same_run
+    from polyfsdp.trainer.run.resume import check_same_run
 
     run = tmp_path / "run"
     (run / "checkpoints").mkdir(parents=True)
@@ -375,7 +376,7 @@ def test_continuing_a_run_with_other_data_or_algo_settings_is_a_config_error(tmp
 def test_a_run_saved_before_the_timeout_keys_continues(tmp_path):
     from omegaconf import OmegaConf
 
-    from polyfsdp.trainer.resume import check_same_run
+    from polyfsdp.trainer.run.resume import check_same_run
 
     run = tmp_path / "run"
     (run / "checkpoints").mkdir(parents=True)
@@ -389,7 +390,7 @@ def test_an_sft_run_may_continue_into_grpo(tmp_path):
     # algo=sft wrote no GRPO settings; algo=grpo continuing it has none to clash with.
     from omegaconf import OmegaConf
 
-    from polyfsdp.trainer.resume import check_same_run
+    from polyfsdp.trainer.run.resume import check_same_run
 
     run = tmp_path / "run"
     (run / "checkpoints").mkdir(parents=True)
@@ -404,7 +405,7 @@ def test_prompt_without_tokens_is_a_data_error_for_a_tokenizer_without_bos(tmp_p
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    from polyfsdp.trainer.data import check_tokenizer_covers
+    from polyfsdp.trainer.data.sources import check_tokenizer_covers
 
     core = Tokenizer(models.WordLevel({"<pad>": 0, "</s>": 1, "<unk>": 2, "ab": 3}, unk_token="<unk>"))
     core.pre_tokenizer = pre_tokenizers.Whitespace()

@@ -14,7 +14,7 @@ from engine_cases import masks_for
 from value_reference import CriticReference
 from polyfsdp.engines.config import EngineConfig, ModelConfig, OptimConfig
 from polyfsdp.engines.engine import FSDPEngine
-from polyfsdp.engines.value_loss import ValueLoss
+from polyfsdp.engines.losses.value import ValueLoss
 
 TOL = 1e-5
 FAMILIES = ["qwen2-tiny", "qwen2-tiny-tied", "llama-tiny"]

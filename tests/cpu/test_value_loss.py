@@ -1,11 +1,11 @@
-"""ValueLoss (engines/value_loss.py) against hand-computed values on tiny tensors."""
+"""ValueLoss (engines/losses/value.py) against hand-computed values on tiny tensors."""
 from dataclasses import replace
 
 import pytest
 import torch
 
 from loss_cases import loss_inputs_from_sequences
-from polyfsdp.engines.value_loss import ValueLoss
+from polyfsdp.engines.losses.value import ValueLoss
 
 # cliprange_value = 0.2. Response tokens (prediction v, rollout value v_old, return R):
 #   a: (1.0, 0.5, 2.0)   v_clipped = 0.7:  max((1-2)^2, (0.7-2)^2)   = 1.69  clipped

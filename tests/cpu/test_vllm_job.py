@@ -4,7 +4,7 @@ against the same job sampled by our decoding loop: the greedy evaluations before
 step's sampled log-probs equal the trainer's (the mismatch metric, on by default with vLLM)."""
 import torch
 
-from polyfsdp.trainer.metrics import read_metrics
+from polyfsdp.trainer.tracking.metrics import read_metrics
 from polyfsdp.trainer.train import main
 from vllm_cases import require_vllm
 

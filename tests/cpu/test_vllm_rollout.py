@@ -1,4 +1,4 @@
-"""vLLM as the rollout engine (trainer/vllm_rollout.py) against independent references: its
+"""vLLM as the rollout engine (trainer/rollout/vllm.py) against independent references: its
 greedy completions equal our decoding loop's token for token (qwen2, qwen3, llama, fp32);
 after every GRPO step its log-probs of the tokens it sampled equal the policy's recomputed
 ones (a missed or partial weight sync fails that); a request's own seed (its row's, 63 bits)
@@ -12,11 +12,12 @@ import torch
 
 from polyfsdp.backends.registry import get_backend
 from polyfsdp.engines import EngineConfig, FSDPEngine, ModelConfig, OptimConfig
-from polyfsdp.trainer.config import ConfigError, RolloutSection, load_config
-from polyfsdp.trainer.rl_step import rl_step
-from polyfsdp.trainer.rollout_engines import PolicyDecoding, build_rollout_engine
-from polyfsdp.trainer.row_seeds import RowSeeds
-from polyfsdp.trainer.task import CharTokenizer, ReverseTask
+from polyfsdp.trainer.config.job import ConfigError, RolloutSection, load_config
+from polyfsdp.trainer.algos.rl_step import rl_step
+from polyfsdp.trainer.rollout.engines import PolicyDecoding, build_rollout_engine
+from polyfsdp.trainer.rollout.row_seeds import RowSeeds
+from polyfsdp.trainer.data.tokenizers import CharTokenizer
+from polyfsdp.trainer.data.task import ReverseTask
 from vllm_cases import require_vllm, write_checkpoint
 
 TOK = CharTokenizer()
@@ -115,7 +116,7 @@ def test_a_row_seed_draws_the_same_completion_in_any_batch(engines):
     policy, sampler = engines("qwen2-tiny")
     prompts = PROMPTS * 3
     seeds = RowSeeds(4, 1).rows(0, len(prompts), 1)
-    assert max(seeds) >= 2**40  # 63-bit seeds, as trainer/row_seeds.py derives them
+    assert max(seeds) >= 2**40  # 63-bit seeds, as trainer/rollout/row_seeds.py derives them
     rows = sampler.generate(policy, TOK, prompts, 6, True, row_seeds=seeds)
     assert len(set(map(tuple, rows))) > len(PROMPTS)  # sampled: a prompt's rows differ
     half = len(prompts) // 2

@@ -47,8 +47,8 @@ def test_ppo_loss_on_gpu_matches_cpu(agg_mode):
 
 
 def test_non_finite_advantage_on_gpu_names_the_index():
-    # Values are checked once per batch at the engine's edge (engines/batch_checks.py).
-    from polyfsdp.engines.batch_checks import BatchChecks
+    # Values are checked once per batch at the engine's edge (engines/batch/checks.py).
+    from polyfsdp.engines.batch.checks import BatchChecks
 
     inputs = _inputs("cuda")
     inputs.fields["advantages"][6] = float("nan")

@@ -97,7 +97,7 @@ def _continued_on_one_rank(tmp_path, base, key, saved, total, phase):
     uninterrupted one-rank run: ``(the resumed process, its phase records, the reference's)``."""
     from test_trainer_torchrun import _launch
 
-    from polyfsdp.trainer.metrics import read_metrics
+    from polyfsdp.trainer.tracking.metrics import read_metrics
 
     first = _launch(tmp_path / "run", 2, f"{key}={saved}", base=base)
     assert first.returncode == 0, first.stderr[-3000:]

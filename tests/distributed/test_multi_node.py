@@ -11,7 +11,7 @@ import sys
 from test_trainer_torchrun import OVERRIDES, _launch
 from torchrun_launcher import free_port
 
-from polyfsdp.trainer.metrics import TIMING_KEYS, read_metrics
+from polyfsdp.trainer.tracking.metrics import TIMING_KEYS, read_metrics
 
 
 def _numbers(out):

@@ -5,7 +5,7 @@ from __future__ import annotations
 from test_trainer_torchrun import _launch
 
 from polyfsdp.engines.checkpoint import checkpoint_parts
-from polyfsdp.trainer.metrics import TIMING_KEYS, read_metrics
+from polyfsdp.trainer.tracking.metrics import TIMING_KEYS, read_metrics
 
 PPO = ["algo=ppo", "trainer.sft_steps=0", "trainer.export=false", "trainer.checkpoint_interval=1",
        "trainer.keep_checkpoints=1"]

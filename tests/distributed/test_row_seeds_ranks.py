@@ -1,4 +1,4 @@
-"""Sampling seeds per global sample (trainer/row_seeds.py): one RL step's completions for the
+"""Sampling seeds per global sample (trainer/rollout/row_seeds.py): one RL step's completions for the
 same global prompts are the same token ids on one rank and on two data-parallel replicas (gloo),
 with the default rollout engine (the decoding loop on the gathered model) and with HF
 ``generate`` (per-layer gathers, ranks in lockstep); one generator per replica, the seeding

@@ -12,8 +12,8 @@ import pytest
 
 from torchrun_launcher import free_port
 
-from polyfsdp.trainer.generations_log import read_generations
-from polyfsdp.trainer.metrics import read_metrics
+from polyfsdp.trainer.evaluation.generations_log import read_generations
+from polyfsdp.trainer.tracking.metrics import read_metrics
 
 OVERRIDES = [
     "trainer.sft_steps=4", "trainer.rl_steps=1", "trainer.sft_batch_size=8", "trainer.prompts_per_step=4",

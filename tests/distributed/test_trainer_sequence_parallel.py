@@ -9,7 +9,7 @@ for GRPO, PPO (actor and critic, GAE whitened over replicas), PPO with LoRA (the
 value head training beside its adapters) and a multi-turn environment (multi-turn SFT on
 demonstrations with tool turns, GRPO over conversations with environment turns); and dp=2 x
 sp=2 on 4 processes those of dp=2 x sp=1 on 2 (slow). Since sampling is seeded per global
-sample (trainer/row_seeds.py), 2 replicas of sp=1 draw the same completions too and end GRPO's
+sample (trainer/rollout/row_seeds.py), 2 replicas of sp=1 draw the same completions too and end GRPO's
 step with the same parameters; seeded per replica (what polyfsdp did before), they drew other
 completions for half the prompts and differed by far more than the tolerance
 (tests/distributed/test_row_seeds_ranks.py keeps that negative control at the level of token ids).
@@ -25,7 +25,7 @@ from safetensors.torch import load_file
 
 from torchrun_launcher import free_port
 
-from polyfsdp.trainer.metrics import read_metrics
+from polyfsdp.trainer.tracking.metrics import read_metrics
 
 TOL = 1e-5
 # A reward with signal (advantages not all zero), a function of the completion alone.

@@ -3,7 +3,7 @@
 The global batch is the same whatever the world size (each replica takes its share), losses
 are normalised by global token counts and rank gradients are summed, so the SFT curve and
 the greedy evaluations of a 2-rank run must equal those of a 1-rank run. GRPO seeds each
-completion by its global row (trainer/row_seeds.py), so its rollouts draw the same completions
+completion by its global row (trainer/rollout/row_seeds.py), so its rollouts draw the same completions
 too: the same response lengths and solved shares, rewards equal to rounding.
 """
 from __future__ import annotations
@@ -17,7 +17,7 @@ import pytest
 
 from torchrun_launcher import free_port
 
-from polyfsdp.trainer.metrics import read_metrics
+from polyfsdp.trainer.tracking.metrics import read_metrics
 
 OVERRIDES = [
     "trainer.sft_steps=2", "trainer.rl_steps=2", "trainer.sft_batch_size=8", "trainer.prompts_per_step=4",

@@ -24,12 +24,12 @@ from rank_results import save_every_rank  # noqa: E402
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict  # noqa: E402
 
 from polyfsdp.backends import barrier, current_rank, current_world_size, destroy_distributed  # noqa: E402
-from polyfsdp.engines import checkpoint_files  # noqa: E402
+from polyfsdp.engines.checkpoint import files as checkpoint_files  # noqa: E402
 from polyfsdp.engines.checkpoint import CheckpointError  # noqa: E402
 from polyfsdp.engines.config import EngineConfig, ModelConfig, OptimConfig  # noqa: E402
 from polyfsdp.engines.engine import FSDPEngine  # noqa: E402
 from polyfsdp.engines.losses import SFTLoss  # noqa: E402
-from polyfsdp.engines.value_loss import ValueLoss  # noqa: E402
+from polyfsdp.engines.losses.value import ValueLoss  # noqa: E402
 
 LENGTHS = [6, 2, 12, 6, 3, 9, 5, 7]
 OPTIM = OptimConfig(lr=1e-2, weight_decay=0.01)

@@ -1,4 +1,4 @@
-"""torchrun worker: PPO's updates on one fixed rollout (trainer/rl_step.py's train_on_rollout: old, ref and
+"""torchrun worker: PPO's updates on one fixed rollout (trainer/algos/rl_step.py's train_on_rollout: old, ref and
 critic values, GAE whitened over ranks, two epochs of critic and actor steps), each rank
 holding its share of the groups. Rank 0 saves the metrics and the trained weights."""
 import os
@@ -13,9 +13,9 @@ from engine_reference import full_state_dict  # noqa: E402
 from polyfsdp.backends import destroy_distributed  # noqa: E402
 from polyfsdp.engines.config import EngineConfig, ModelConfig  # noqa: E402
 from polyfsdp.engines.engine import FSDPEngine  # noqa: E402
-from polyfsdp.trainer.config import load_config  # noqa: E402
-from polyfsdp.trainer.generate import Rollout  # noqa: E402
-from polyfsdp.trainer.rl_step import train_on_rollout  # noqa: E402
+from polyfsdp.trainer.config.job import load_config  # noqa: E402
+from polyfsdp.trainer.rollout.generate import Rollout  # noqa: E402
+from polyfsdp.trainer.algos.rl_step import train_on_rollout  # noqa: E402
 
 PROMPTS = 4
 GROUP = 2

@@ -2,7 +2,7 @@
 
 ``OUT``: the same policy (qwen2-tiny, seeded) and the same global prompts; each replica samples
 its contiguous share with ``algo.actor.group_size`` completions per prompt, seeded as the
-trainer seeds them (trainer/job.py: ``RowSeeds`` from trainer.seed, the step and the share's
+trainer seeds them (trainer/run/job.py: ``RowSeeds`` from trainer.seed, the step and the share's
 first global prompt), with the default rollout engine and with HF ``generate`` (per-layer
 gathers, ranks in lockstep), and, as the negative control, with the per-replica seed polyfsdp
 used before (one generator per replica). Rank 0 saves every engine's completions, in global
@@ -18,11 +18,12 @@ from polyfsdp.backends.distributed import all_gather_object  # noqa: E402
 from polyfsdp.backends.topology import topology  # noqa: E402
 from polyfsdp.engines.config import EngineConfig, ModelConfig  # noqa: E402
 from polyfsdp.engines.engine import FSDPEngine  # noqa: E402
-from polyfsdp.trainer.algo_config import ActorSection  # noqa: E402
-from polyfsdp.trainer.rollout_engines import PolicyDecoding  # noqa: E402
-from polyfsdp.trainer.row_seeds import RowSeeds  # noqa: E402
-from polyfsdp.trainer.sampling import sample_groups  # noqa: E402
-from polyfsdp.trainer.task import CharTokenizer, Example  # noqa: E402
+from polyfsdp.trainer.config.algo import ActorSection  # noqa: E402
+from polyfsdp.trainer.rollout.engines import PolicyDecoding  # noqa: E402
+from polyfsdp.trainer.rollout.row_seeds import RowSeeds  # noqa: E402
+from polyfsdp.trainer.rollout.sampling import sample_groups  # noqa: E402
+from polyfsdp.trainer.data.tokenizers import CharTokenizer
+from polyfsdp.trainer.data.example import Example  # noqa: E402
 
 SEED, STEP, PROMPTS = 3, 5, 8
 

@@ -22,8 +22,8 @@ from polyfsdp.backends.distributed import sequence_parallel_mesh  # noqa: E402
 from polyfsdp.engines.attention import varlen_sdpa_attention_forward  # noqa: E402
 from polyfsdp.engines.config import ModelConfig  # noqa: E402
 from polyfsdp.engines.engine import FSDPEngine  # noqa: E402
-from polyfsdp.engines.value_loss import ValueLoss  # noqa: E402
-from polyfsdp.engines.ulysses_attention import SP_KWARG, UlyssesContext, ulysses_attention  # noqa: E402
+from polyfsdp.engines.losses.value import ValueLoss  # noqa: E402
+from polyfsdp.engines.attention.ulysses import SP_KWARG, UlyssesContext, ulysses_attention  # noqa: E402
 from polyfsdp.backends.base import HOST_CU_SEQ_LENS  # noqa: E402
 from polyfsdp.patches.fused_attention import OP_ATTR, fusion_attention_forward  # noqa: E402
 from reference_ops import npu_fusion_attention  # noqa: E402

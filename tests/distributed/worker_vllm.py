@@ -14,10 +14,10 @@ from polyfsdp.backends import destroy_distributed  # noqa: E402
 from polyfsdp.backends.distributed import barrier, init_distributed  # noqa: E402
 from polyfsdp.backends.registry import get_backend  # noqa: E402
 from polyfsdp.engines import EngineConfig, FSDPEngine, ModelConfig, OptimConfig, SFTLoss  # noqa: E402
-from polyfsdp.trainer.batch import build_batch  # noqa: E402
-from polyfsdp.trainer.config import RolloutSection  # noqa: E402
-from polyfsdp.trainer.rollout_engines import PolicyDecoding, build_rollout_engine  # noqa: E402
-from polyfsdp.trainer.task import CharTokenizer  # noqa: E402
+from polyfsdp.trainer.data.batch import build_batch  # noqa: E402
+from polyfsdp.trainer.config.job import RolloutSection  # noqa: E402
+from polyfsdp.trainer.rollout.engines import PolicyDecoding, build_rollout_engine  # noqa: E402
+from polyfsdp.trainer.data.tokenizers import CharTokenizer  # noqa: E402
 
 
 def main(out_dir):

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from polyfsdp.backends import get_backend
-from polyfsdp.engines import fused_logprob_compiled as flc
+from polyfsdp.engines.head import fused_compiled as flc
 from tests.npu import reference_ops as ref
 
 TOL = 1e-4

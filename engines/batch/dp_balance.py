@@ -1,0 +1,110 @@
+"""Token-balanced data-parallel batches (``EngineConfig.balance_dp_tokens``).
+
+Each data-parallel replica (a rank, or a sequence-parallel group whose ranks hold the same
+batch) brings its own batch. With balancing on, the replicas' sequences are pooled and
+re-assigned so every replica gets about the same number of tokens (longest first onto the
+lightest replica: micro_batch.plan_micro_batches), the forward runs on the new assignment,
+and per-token outputs travel back to the replica that brought each sequence, in the caller's
+order (the bug class of verl #2185: reordered outputs misaligned with rewards).
+
+Losses are normalised by the step's global counts, so moving sequences between replicas does
+not change the loss or the summed gradients; it changes which rank waits for which.
+Sequences travel through ``all_gather_object`` on the host: simple, one host round trip per
+batch, and every rank briefly holds the whole step's batch (fine for token ids; large
+per-token fields make it costly).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from polyfsdp.backends.distributed import all_gather_object
+from polyfsdp.backends.topology import Topology
+
+from .flat import FlatBatch
+from .micro import plan_micro_batches
+
+
+def token_imbalance(loads: list[int]) -> float:
+    """``max / mean`` of the replicas' token counts (1.0 is perfect balance, and for no tokens)."""
+    total = sum(loads)
+    return 1.0 if total == 0 else max(loads) * len(loads) / total
+
+
+def balance_plan(lengths: list[list[int]]) -> list[list[tuple[int, int]]]:
+    """For each replica, the ``(source replica, sequence index)`` pairs it runs, balanced by tokens."""
+    items = [(replica, i) for replica, lens in enumerate(lengths) for i in range(len(lens))]
+    flat_lengths = [lengths[r][i] for r, i in items]
+    groups = plan_micro_batches(flat_lengths, None, num_groups=len(lengths))
+    return [[items[j] for j in group] for group in groups]
+
+
+def _host(flat: FlatBatch) -> FlatBatch:
+    return flat.to(torch.device("cpu"))
+
+
+def _sequence(flat: FlatBatch, i: int) -> dict:
+    start, end = sum(flat.seq_lens[:i]), sum(flat.seq_lens[:i + 1])
+    temperature = flat.temperature[i] if torch.is_tensor(flat.temperature) else torch.tensor(flat.temperature)
+    return {"input_ids": flat.input_ids[start:end], "fields": {k: v[start:end] for k, v in flat.fields.items()},
+            "seq_fields": {k: v[i] for k, v in flat.seq_fields.items()}, "temperature": temperature}
+
+
+def _assemble(sequences: list[dict], like: FlatBatch, device) -> FlatBatch:
+    lengths = [s["input_ids"].shape[0] for s in sequences]
+    offsets = torch.tensor([0, *lengths]).cumsum(0)
+
+    def cat(parts, empty):
+        return torch.cat(parts) if parts else empty
+
+    fields = {k: cat([s["fields"][k] for s in sequences], v[:0].cpu()) for k, v in like.fields.items()}
+    seq_fields = {k: torch.stack([s["seq_fields"][k] for s in sequences]) if sequences else v[:0].cpu()
+                  for k, v in like.seq_fields.items()}
+    # One value per sequence: replicas may have called with different temperatures.
+    temperature = torch.stack([s["temperature"].float() for s in sequences]) if sequences else like.temperature
+    flat = FlatBatch(cat([s["input_ids"] for s in sequences], like.input_ids[:0].cpu()), offsets, lengths,
+                     fields, seq_fields, temperature)
+    return flat.to(device)  # tensors already on ``device`` are kept, not copied
+
+
+@dataclass
+class Balanced:
+    """This replica's balanced batch, where its sequences came from, and the imbalance before/after."""
+
+    flat: FlatBatch
+    origin: list[tuple[int, int]]
+    before: float
+    after: float
+
+
+def balance(flat: FlatBatch, topo: Topology) -> Balanced:
+    """Re-assign the step's sequences over the data-parallel replicas of ``topo`` by tokens
+    (the ranks of one replica's SP group hold one batch)."""
+    replica = topo.replica
+    batches = topo.one_per_replica(all_gather_object(_host(flat)))
+    plan = balance_plan([b.seq_lens for b in batches])
+    mine = [_sequence(batches[r], i) for r, i in plan[replica]]
+    lengths = [sum(b.seq_lens) for b in batches]
+    after = [sum(batches[r].seq_lens[i] for r, i in group) for group in plan]
+    return Balanced(_assemble(mine, flat, flat.input_ids.device), plan[replica], token_imbalance(lengths),
+                    token_imbalance(after))
+
+
+def restore(values: torch.Tensor, balanced: Balanced, original: FlatBatch, topo: Topology) -> torch.Tensor:
+    """Per-token ``values (total,)`` of the balanced batch -> flat values of ``original`` (this
+    replica's own sequences, in the caller's order)."""
+    bounds = [0]
+    for n in balanced.flat.seq_lens:
+        bounds.append(bounds[-1] + n)
+    host = values.detach().cpu()
+    pieces = {origin: host[s:e] for origin, s, e in zip(balanced.origin, bounds[:-1], bounds[1:])}
+    everyone = topo.one_per_replica(all_gather_object(pieces))
+    replica = topo.replica
+    found = {}
+    for held in everyone:
+        found.update({i: v for (r, i), v in held.items() if r == replica})
+    parts = [found[i] for i in range(original.num_seqs)]
+    out = torch.cat(parts) if parts else host[:0]
+    return out.to(values.device)
+

@@ -1,0 +1,117 @@
+"""Build the Hugging Face model named by a ModelConfig (never downloads), then patch it."""
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from polyfsdp.backends.base import Backend
+
+from ..attention import register_attention
+from ..config import TORCH_DTYPES, ModelConfig
+from ..presets import preset_config
+
+logger = logging.getLogger(__name__)
+
+def torch_dtype(name: str) -> torch.dtype:
+    """The torch dtype for a config dtype name (``float32``, ``bfloat16``, ``float16``)."""
+    if name not in TORCH_DTYPES:
+        raise ValueError(f"dtype: got {name!r}; allowed values: {', '.join(TORCH_DTYPES)}")
+    return TORCH_DTYPES[name]
+
+
+def _check_checkpoint_dir(path: str) -> None:
+    if not os.path.isdir(path):
+        raise FileNotFoundError(f"ModelConfig.path: {path!r} is not a directory (only local checkpoints are "
+                                f"loaded; nothing is downloaded)")
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        raise FileNotFoundError(f"ModelConfig.path: {path!r} has no config.json; expected a Hugging Face "
+                                f"checkpoint directory (config.json + weights)")
+
+
+def build_model(config: ModelConfig, backend: Backend, patch_toggles=None, compute_dtype: str | None = None):
+    """Build the causal LM on the CPU in ``config.dtype`` with the chosen attention, apply
+    the backend's patches, and return ``(model, patch_report)``. ``compute_dtype`` (the FSDP
+    ``param_dtype``; default ``config.dtype``) picks the backend's attention: the weights are
+    cast to it before attention runs."""
+    register_attention()
+    dtype = torch_dtype(config.dtype)
+    compute = torch_dtype(compute_dtype or config.dtype)
+    if config.attn_implementation is not None:
+        return _build(config, dtype, config.attn_implementation, backend, patch_toggles, compute)
+    attn = backend.attn_implementation(compute)
+    try:
+        return _build(config, dtype, attn, backend, patch_toggles, compute)
+    except ValueError as exc:
+        # The backend's choice is SDPA-based; families without SDPA support (e.g. Gemma-2,
+        # for its attention soft-cap) run eager attention instead.
+        if "does not support an attention implementation" not in str(exc):
+            raise
+        logger.warning("%s; using attn_implementation='eager' for this model", str(exc).split(".")[0])
+        return _build(config, dtype, "eager", backend, patch_toggles, compute)
+
+
+def read_hf_config(path: str):
+    """The Hugging Face config of checkpoint directory ``path``: read from disk, never downloaded,
+    and never by the directory's own Python code (an ``auto_map`` is refused, not run, and nothing
+    asks on a terminal)."""
+    try:
+        return AutoConfig.from_pretrained(path, local_files_only=True, trust_remote_code=False)
+    except (OSError, ValueError) as exc:
+        reason = " ".join(str(exc).split())
+        if "trust_remote_code" in reason:
+            reason = ("its config.json maps the model to the directory's own Python code (auto_map), which "
+                      "polyfsdp never runs (trust_remote_code=False); use a model type this transformers "
+                      "version ships")
+        raise ValueError(f"ModelConfig.path: could not read a model config from {path!r}: {reason}") from None
+
+
+def _damaged_weights_file(directory: str) -> str | None:
+    """The first ``*.safetensors`` file in ``directory`` whose header does not fit the file."""
+    for file in sorted(Path(directory).glob("*.safetensors")):
+        try:
+            with safe_open(str(file), framework="pt"):
+                pass
+        except SafetensorError:
+            return str(file)
+    return None
+
+
+def _build(config: ModelConfig, dtype: torch.dtype, attn: str, backend: Backend, patch_toggles,
+           compute_dtype: torch.dtype):
+    if config.path is not None:
+        _check_checkpoint_dir(config.path)
+        if config.vocab_size is not None:
+            raise ValueError(f"ModelConfig.vocab_size: applies to presets only; a checkpoint's vocabulary is "
+                             f"fixed by its weights (got vocab_size={config.vocab_size} with path={config.path!r})")
+        hf_config = read_hf_config(config.path)
+        # trust_remote_code stays False and .bin weights load weights-only: nothing in the
+        # directory runs.
+        try:
+            model = AutoModelForCausalLM.from_pretrained(config.path, config=hf_config, local_files_only=True,
+                                                         dtype=dtype, attn_implementation=attn,
+                                                         trust_remote_code=False, weights_only=True)
+        except (OSError, ValueError) as exc:
+            raise ValueError(f"ModelConfig.path: could not load a causal LM from {config.path!r}: {exc}") from exc
+        except SafetensorError as exc:
+            raise ValueError(f"ModelConfig.path: {_damaged_weights_file(config.path) or config.path}: unreadable "
+                             f"safetensors ({' '.join(str(exc).split())}); truncated or damaged?") from None
+    else:
+        overrides = {} if config.vocab_size is None else {"vocab_size": config.vocab_size}
+        hf_config = preset_config(config.preset, **overrides)
+        # The seed fixes the initial weights, so every rank (and a reference) builds the same model.
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(config.seed)
+            model = AutoModelForCausalLM.from_config(hf_config, dtype=dtype, attn_implementation=attn)
+    model.config.use_cache = False
+    from polyfsdp.patches import apply_patches
+
+    # The backend judges its fused ops by the dtype FSDP computes in, not the stored one.
+    report = apply_patches(model, backend, patch_toggles, compute_dtype=compute_dtype)
+    logger.debug("built %s (%s, attn=%s)", type(model).__name__, config.dtype, attn)
+    return model, report
+

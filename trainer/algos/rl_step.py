@@ -1,0 +1,171 @@
+"""One RL step, for every advantage estimator and policy loss (verl's order)::
+
+    sample_groups (sampling.py)      generate + score (DAPO's group filtering when asked)
+    old log-probs, ref log-probs     policy / reference infer_batch: old ones when the loss is off
+                                     policy (several updates per rollout), the estimator reads them
+                                     or puts the KL into the reward; ref ones whenever there is a
+                                     reference (kl_coef > 0)
+    values                           critic.infer_values, iff the estimator needs a critic
+    advantages (estimators.py)       the registered estimator, from the declarations above
+    critic updates                   run_updates(critic, ValueLoss), iff a critic
+    actor updates                    run_updates(policy, policy loss) on the same plan, after the
+                                     critic's warm-up (train_actor)
+
+One record: the rollout's reward metrics, the critic's (``vf_``-prefixed where a name is the
+actor's too), the actor's update summary, and with more than one update per rollout one record
+per update (``update_metrics``) holding both engines' numbers.
+"""
+from __future__ import annotations
+
+import time
+from typing import Callable
+
+import torch
+
+from polyfsdp.backends.distributed import all_reduce_sum, sum_over_replicas
+
+from ..data.batch import build_batch, per_sequence, response_field, response_mask
+from ..errors import ConfigError, RewardError
+from .estimators import ESTIMATORS, AdvantageInputs, Advantages
+from .gae import explained_variance
+from ..rollout.multi_turn import rollout_metrics
+from ..rewards.reward_fn import call_user_code, mean_over_ranks
+from ..rollout.row_seeds import RowSeeds
+from ..rollout.sampling import sample_groups
+from ..data.example import Example
+from .updates import mini_batch_plan, old_and_ref_log_probs, run_updates, summarise_updates
+
+# Critic metrics that share a name with the actor's get this prefix in the step's record.
+CRITIC_PREFIX = "vf_"
+
+
+def rl_step(policy, ref, tokenizer, examples: list[Example], algo, actor_loss, sample_seed: int,
+            shuffle_seed: int = 0, mini_batches: int = 1, scorer=None,
+            more_examples: Callable[[int], list[Example]] | None = None, sampler=None, critic=None,
+            value_loss=None, train_actor: bool = True, row_seeds: RowSeeds | None = None) -> dict:
+    """Train one RL step on this rank's prompts ``examples``; ``algo`` is the AlgoSection.
+    ``row_seeds`` seeds each completion (trainer/rollout/row_seeds.py), ``sample_seed`` the process's
+    generators (what else draws: dropout; the sampling too without ``row_seeds``) and
+    ``shuffle_seed`` the mini-batch order, so a resumed run draws the same completions and
+    updates; ``mini_batches`` optimizer steps per epoch.
+    ``more_examples(k)`` gives the k-th extra prompt batch for group filtering; ``sampler`` is
+    the rollout engine (trainer/rollout/engines.py). ``critic``/``value_loss``: the critic
+    estimator's value model and loss (None otherwise); ``train_actor=False`` trains only the
+    critic (its warm-up)."""
+    t0 = time.perf_counter()
+    g = algo.actor
+    policy.backend.manual_seed(sample_seed)
+    sampled = sample_groups(policy, tokenizer, examples, g, algo.rollout_correction.needs_rollout_log_probs,
+                            scorer, more_examples, sampler, row_seeds)
+    roll, first = sampled.kept, sampled.first
+    t_gen = time.perf_counter() - t0
+    metrics = reward_metrics(first, policy.device)
+    metrics.update(sampled.metrics)
+    pairs = roll.pairs()
+    updates = []
+    if pairs:
+        trained, updates = train_on_rollout(policy, critic, ref, tokenizer, roll, pairs, algo, actor_loss,
+                                            value_loss, mini_batches, shuffle_seed, train_actor)
+        metrics.update(trained)
+    metrics.update({"tokens": float(sum(len(pair[0]) + len(pair[1]) for pair in pairs)), "gen_time_s": t_gen,
+                    "step_time_s": time.perf_counter() - t0})
+    if critic is not None:
+        metrics["actor_trained"] = float(train_actor)
+    metrics.update(mean_over_ranks(first.reward_metrics))
+    metrics.update(rollout_metrics(first.rollout_metrics))
+    if len(updates) > 1:
+        metrics["update_metrics"] = updates
+    return metrics
+
+
+def train_on_rollout(policy, critic, ref, tokenizer, roll, pairs, algo, actor_loss, value_loss, mini_batches: int,
+                     shuffle_seed: int, train_actor: bool) -> tuple[dict, list[dict]]:
+    """Advantages and updates of one rollout: ``(summary metrics, per-update records)``."""
+    g, est = algo.actor, algo.estimator
+    device = policy.device
+    pad_mode = policy.engine_config.pad_mode
+    batch = build_batch(pairs, pad_mode, tokenizer.pad_token_id)
+    masks = [response_mask(*pair) for pair in pairs]
+    token_fields: dict[str, list[torch.Tensor]] = {}
+    if roll.log_probs is not None:
+        token_fields["rollout_log_probs"] = [response_field(p, lp) for p, lp in zip(roll.prompt_ids, roll.log_probs)]
+    kl_in_reward = algo.kl_in_reward and ref is not None
+    need_old = algo.needs_old_log_probs(actor_loss, has_reference=ref is not None)
+    old, ref_lp = old_and_ref_log_probs(policy, ref, batch, g.temperature, need_old, token_fields)
+    # The critic runs with the policy's engine settings (one `engine` group), so the batch fits both.
+    values = per_sequence(critic.infer_values(batch)["values"], batch, pad_mode) if critic is not None else None
+    # Batch statistics count each replica once (its SP ranks hold the same rollout).
+    over_ranks = lambda v: sum_over_replicas(v, device)  # noqa: E731
+    inputs = AdvantageInputs(
+        rewards=roll.rewards, masks=masks, group_size=g.group_size, algo=algo, old_log_probs=old,
+        ref_log_probs=ref_lp, values=values, kl=[o - r for o, r in zip(old, ref_lp)] if kl_in_reward else None,
+        kl_coef=g.kl_coef, sum_over_ranks=over_ranks)
+    # A built-in's failure is polyfsdp's bug (a traceback); the user's own is one line naming it.
+    result = est(inputs) if algo.adv_estimator in ESTIMATORS else _user_estimator(est, inputs, algo.adv_estimator)
+    if critic is not None and result.returns is None:
+        raise ConfigError(f"algo.adv_estimator={algo.adv_estimator} declares needs_critic but returned no returns "
+                         f"(the critic's targets): return Advantages(advantages, returns)")
+    token_fields["advantages"] = result.advantages
+    plan = mini_batch_plan(len(pairs) // g.group_size, g.group_size, mini_batches, g.epochs, shuffle_seed)
+    out: dict = {}
+    critic_records: list[dict] = []
+    if critic is not None:
+        out.update(value_metrics(values, result.returns, masks, over_ranks))
+        critic_updates = run_updates(critic, pairs, {"old_values": values, "returns": result.returns}, plan,
+                                     value_loss, tokenizer.pad_token_id, 1.0)
+        out.update(_as_critic(summarise_updates(critic_updates)))
+        critic_records = [_as_critic(u) for u in critic_updates]
+    actor_records: list[dict] = []
+    if train_actor:
+        actor_records = run_updates(policy, pairs, token_fields, plan, actor_loss, tokenizer.pad_token_id,
+                                    g.temperature)
+        out.update(summarise_updates(actor_records))
+    if critic_records and actor_records:
+        return out, [{**c, **a} for c, a in zip(critic_records, actor_records)]
+    return out, critic_records or actor_records
+
+
+def _as_critic(metrics: dict) -> dict:
+    """The critic's metrics under names that cannot clash with the actor's (its ``loss`` is
+    ValueLoss' ``vf_loss`` again, so dropped)."""
+    return {key if key.startswith(CRITIC_PREFIX) else CRITIC_PREFIX + key: value
+            for key, value in metrics.items() if key != "loss"}
+
+
+def reward_metrics(roll, device) -> dict:
+    """Mean, std, solved fraction and response length of a rollout's completions (all ranks)."""
+    rewards = torch.tensor(roll.rewards, dtype=torch.float32)
+    resp_len = float(sum(len(r) for r in roll.response_ids))
+    solved = float(sum(r == 1.0 for r in roll.rewards))
+    reward_sum, reward_sq, count, resp_sum, solved_sum = all_reduce_sum(
+        [float(rewards.sum()), float((rewards ** 2).sum()), float(rewards.numel()), resp_len, solved], device)
+    mean = reward_sum / count
+    return {"reward": mean, "reward_std": max(reward_sq / count - mean ** 2, 0.0) ** 0.5,
+            "solved": solved_sum / count, "response_len": resp_sum / count}
+
+
+def _user_estimator(est, inputs: AdvantageInputs, spec: str) -> Advantages:
+    """The user's estimator (``path.py:NAME``) on this rollout: an exception, ``sys.exit`` or a
+    result of the wrong shape is one line naming it, like a failing reward function."""
+    who, where = f"algo.adv_estimator={spec}", f"(a rollout of {len(inputs.masks)} sequences)"
+    result = call_user_code(lambda: est(inputs), who, where, None, "")
+    if not isinstance(result, Advantages):
+        raise RewardError(f"{who} returned {type(result).__name__}; return Advantages(advantages, returns=None) "
+                          f"with one tensor per sequence, shaped like its mask {where}")
+    if len(result.advantages) != len(inputs.masks) or any(
+            not torch.is_tensor(a) or a.shape != m.shape for a, m in zip(result.advantages, inputs.masks)):
+        raise RewardError(f"{who} returned advantages that are not one tensor per sequence shaped like its mask "
+                          f"(expected {len(inputs.masks)}, got {len(result.advantages)}) {where}")
+    return result
+
+
+def value_metrics(values, returns, masks, over_ranks) -> dict:
+    """The rollout's critic diagnostics, before its updates: explained variance of the
+    returns by the values, and the mean return and value over the response tokens (all ranks)."""
+    sums = [sum(float((r * m).sum()) for r, m in zip(returns, masks)),
+            sum(float((v * m).sum()) for v, m in zip(values, masks)),
+            sum(float(m.sum()) for m in masks)]
+    returns_sum, values_sum, count = over_ranks(sums)
+    count = max(count, 1.0)
+    return {"vf_explained_var": explained_variance(values, returns, masks, over_ranks),
+            "returns_mean": returns_sum / count, "values_mean": values_sum / count}

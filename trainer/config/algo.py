@@ -1,0 +1,245 @@
+"""The ``algo`` group's sections: SFT, the RL phase's actor (rollout, policy loss,
+update-many, group filtering), the critic and GAE of the critic estimators, and the
+rollout/train mismatch correction; mirrored by configs/algo/*.yaml. Which estimator and
+policy loss need what is declared with them (trainer/algos/estimators.py, trainer/algos/policy_losses.py)."""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+from polyfsdp.engines.config import OptimConfig
+from polyfsdp.engines.losses import AGG_MODES, KL_TYPES, PPO_AGG_MODES, PPOLoss
+from polyfsdp.engines.losses.value import ValueLoss
+
+from ..errors import ConfigError
+from ..algos.estimators import Estimator, resolve_estimator
+from ..algos.policy_losses import policy_loss_entry
+
+# algo presets with an RL phase after the SFT warm-up (configs/algo/<name>.yaml).
+RL_ALGOS = ("grpo", "ppo")
+
+
+def check_choice(key: str, value: Any, allowed) -> None:
+    """ConfigError naming ``key`` unless ``value`` is one of ``allowed``."""
+    if value not in allowed:
+        raise ConfigError(f"{key}: got {value!r}; allowed values: {', '.join(map(str, allowed))}")
+
+
+def check_min(key: str, value: int, minimum: int) -> None:
+    """ConfigError naming ``key`` unless ``value >= minimum``."""
+    if value < minimum:
+        raise ConfigError(f"{key}: expected an int >= {minimum}, got {value}")
+
+
+@dataclass
+class SFTSection:
+    """SFT phase: its optimizer (``optim``, the engine's OptimConfig) and the loss aggregation."""
+
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    agg_mode: str = "token-mean"
+
+    def validate(self, where: str) -> None:
+        check_choice(f"{where}.agg_mode", self.agg_mode, AGG_MODES)
+
+
+@dataclass
+class ActorSection:
+    """The RL phase's policy: its optimizer (``optim``), sampling, advantage normalisation,
+    the policy loss and its terms, and how one rollout is split into optimizer steps."""
+
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    group_size: int = 8
+    temperature: float = 1.0
+    max_new_tokens: int = 8
+    policy_loss: str = "ppo"
+    clip_ratio_low: float | None = None   # None: the policy loss's default (trainer/algos/policy_losses.py)
+    clip_ratio_high: float | None = None
+    dual_clip_c: float | None = None
+    kl_coef: float = 0.01
+    kl_type: str = "k3"
+    entropy_coef: float = 0.01
+    agg_mode: str = "token-mean"
+    norm_adv_by_std: bool = True
+    mini_batch_size: int | None = None
+    epochs: int = 1
+    filter_groups: bool = False
+    max_sample_batches: int = 4
+
+    def mini_batches(self, prompts_per_step: int) -> int:
+        """Optimizer steps per pass over one rollout."""
+        return prompts_per_step // (self.mini_batch_size or prompts_per_step)
+
+    def updates_per_rollout(self, prompts_per_step: int) -> int:
+        """Optimizer steps one rollout feeds: epochs x mini-batches."""
+        return self.epochs * self.mini_batches(prompts_per_step)
+
+    def validate(self, where: str, prompts_per_step: int, world_size: int) -> None:
+        check_min(f"{where}.group_size", self.group_size, 2)
+        check_min(f"{where}.max_new_tokens", self.max_new_tokens, 1)
+        check_min(f"{where}.epochs", self.epochs, 1)
+        check_min(f"{where}.max_sample_batches", self.max_sample_batches, 1)
+        if not self.temperature > 0:
+            raise ConfigError(f"{where}.temperature: expected > 0, got {self.temperature}")
+        check_choice(f"{where}.agg_mode", self.agg_mode, PPO_AGG_MODES)
+        policy_loss_entry(self.policy_loss, f"{where}.policy_loss")
+        check_choice(f"{where}.kl_type", self.kl_type, KL_TYPES)
+        size = self.mini_batch_size
+        if size is not None:
+            check_min(f"{where}.mini_batch_size", size, 1)
+            if prompts_per_step % size:
+                raise ConfigError(f"{where}.mini_batch_size: must divide trainer.prompts_per_step="
+                                  f"{prompts_per_step}, got {size}")
+            if size % world_size:
+                raise ConfigError(f"{where}.mini_batch_size: must be a multiple of the world size {world_size} "
+                                  f"(every rank takes the same optimizer steps), got {size}")
+
+
+@dataclass
+class CriticSection:
+    """A critic estimator's (gae, algo=ppo): the critic (its optimizer ``optim``, value-head
+    init, clipped value loss, warm-up) and GAE's discounts. The rollout and the actor's loss
+    are ``algo.actor``'s."""
+
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    gamma: float = 1.0
+    lam: float = 1.0
+    kl_in_reward: bool = False
+    critic_warmup: int = 0
+    cliprange_value: float | None = 0.5
+    value_agg_mode: str = "token-mean"
+    value_head_init_std: float = 0.01
+    value_head_path: str | None = None  # a saved head (final/value_head.safetensors of a ppo run)
+
+    def validate(self, where: str) -> None:
+        for key in ("gamma", "lam"):
+            if not 0.0 <= getattr(self, key) <= 1.0:
+                raise ConfigError(f"{where}.{key}: expected a number in [0, 1], got {getattr(self, key)}")
+        check_min(f"{where}.critic_warmup", self.critic_warmup, 0)
+        check_choice(f"{where}.value_agg_mode", self.value_agg_mode, AGG_MODES)
+        if not self.value_head_init_std >= 0:
+            raise ConfigError(f"{where}.value_head_init_std: expected >= 0, got {self.value_head_init_std}")
+        if self.value_head_path is not None and not os.path.isfile(str(self.value_head_path)):
+            raise ConfigError(f"{where}.value_head_path: no such file: {self.value_head_path}")
+        try:
+            self.value_loss()
+        except ValueError as exc:
+            raise ConfigError(f"{where}: {exc}") from None
+
+    def value_loss(self) -> ValueLoss:
+        """The critic's clipped value loss."""
+        return ValueLoss(cliprange_value=self.cliprange_value, agg_mode=self.value_agg_mode)
+
+
+@dataclass
+class RolloutCorrectionSection:
+    """The sampler's log-probs vs the trainer's: report the mismatch, and optionally weight
+    the policy gradient by min(exp(logp_train - logp_rollout), tis_cap)."""
+
+    report_mismatch: bool | str = "auto"  # auto: with a separate sampler (rollout.engine=vllm)
+    tis_cap: float | None = None
+
+    def resolve(self, where: str, separate_sampler: bool) -> None:
+        """Turn ``report_mismatch: auto`` into True exactly when another engine samples."""
+        if self.report_mismatch not in ("auto", True, False):
+            raise ConfigError(f"{where}.report_mismatch: expected auto, true or false, got {self.report_mismatch!r}")
+        if self.report_mismatch == "auto":
+            self.report_mismatch = separate_sampler
+
+    def validate(self, where: str) -> None:
+        if self.tis_cap is not None and not self.tis_cap > 0:
+            raise ConfigError(f"{where}.tis_cap: expected > 0 or null, got {self.tis_cap}")
+
+    @property
+    def needs_rollout_log_probs(self) -> bool:
+        """Whether generation must record the sampler's per-token log-probs."""
+        return self.report_mismatch or self.tis_cap is not None
+
+
+@dataclass
+class AlgoSection:
+    """``algo=grpo`` (SFT warm-up then RL with a group estimator), ``algo=ppo`` (the same with
+    the critic estimator gae and its ``critic`` section) or ``algo=sft`` (SFT only). What the
+    RL phase computes follows from ``adv_estimator`` and ``actor.policy_loss``."""
+
+    name: str = "grpo"
+    adv_estimator: str = "grpo"
+    sft: SFTSection = field(default_factory=SFTSection)
+    actor: ActorSection | None = None
+    critic: CriticSection | None = None
+    rollout_correction: RolloutCorrectionSection = field(default_factory=RolloutCorrectionSection)
+
+    @property
+    def rl(self) -> bool:
+        """Whether an RL phase follows the SFT warm-up."""
+        return self.name in RL_ALGOS
+
+    @property
+    def estimator(self) -> Estimator:
+        """The registered (or user's) estimator ``adv_estimator`` names."""
+        return resolve_estimator(self.adv_estimator)
+
+    @property
+    def kl_in_reward(self) -> bool:
+        """Whether the KL penalty goes into the per-token reward instead of the actor's loss."""
+        est = self.estimator
+        return est.kl_in_reward or (est.needs_critic and self.critic is not None and self.critic.kl_in_reward)
+
+    def needs_old_log_probs(self, actor_loss, has_reference: bool) -> bool:
+        """The one rule for computing the rollout's old log-probs: a loss off policy (one update
+        per rollout is on policy: ratio == 1, the loss uses its own log-probs), an estimator that
+        reads them, or the KL in the reward (logp_old - logp_ref, when there is a reference)."""
+        return (not actor_loss.on_policy or self.estimator.needs_old_log_probs
+                or (self.kl_in_reward and has_reference))
+
+    def validate_rl(self, prompts_per_step: int, world_size: int) -> None:
+        """The RL settings, together (estimator, critic, policy loss, correction)."""
+        est = self.estimator
+        if est.needs_critic and self.critic is None:
+            raise ConfigError(f"algo.adv_estimator: {self.adv_estimator} learns a critic, which needs the algo.critic "
+                              f"section: use algo=ppo (or algo=ppo algo.adv_estimator={self.adv_estimator})")
+        if not est.needs_critic and self.critic is not None:
+            raise ConfigError(f"algo.adv_estimator: got {self.adv_estimator!r}, which uses no critic, but "
+                              f"algo={self.name} configures one (algo.critic); use algo=grpo for it, or a critic "
+                              f"estimator (gae)")
+        if self.critic is not None:
+            self.critic.validate("algo.critic")
+        self.actor.validate("algo.actor", prompts_per_step, world_size)
+        self.rollout_correction.validate("algo.rollout_correction")
+        loss = policy_loss_entry(self.actor.policy_loss)
+        if est.agg_mode and loss.agg_mode and est.agg_mode != loss.agg_mode:
+            raise ConfigError(f"algo.actor.policy_loss: adv_estimator={self.adv_estimator} aggregates with "
+                              f"{est.agg_mode}, policy_loss={loss.name} with {loss.agg_mode}; choose another pair")
+        for who, mode in ((f"adv_estimator={self.adv_estimator}", est.agg_mode),
+                          (f"policy_loss={loss.name}", loss.agg_mode)):
+            if mode and self.actor.agg_mode not in ("token-mean", mode):
+                raise ConfigError(f"algo.actor.agg_mode: {who} aggregates with {mode}; leave agg_mode at its "
+                                  f"default, got {self.actor.agg_mode!r}")
+        if not loss.per_token_corrections:
+            for key, value in (("algo.actor.dual_clip_c", self.actor.dual_clip_c),
+                               ("algo.rollout_correction.tis_cap", self.rollout_correction.tis_cap)):
+                if value is not None:
+                    raise ConfigError(f"{key}: applies to the per-token ppo policy loss, not to policy_loss="
+                                      f"{loss.name}; leave it null")
+        try:
+            self.actor_loss(prompts_per_step)
+        except ValueError as exc:
+            raise ConfigError(f"algo.actor: {exc}") from None
+
+    def actor_loss(self, prompts_per_step: int) -> PPOLoss:
+        """The policy loss these settings describe (entropy always reported). With one update
+        per rollout the old log-probs are the current ones (ratio == 1), never computed. An
+        estimator with the KL in the reward (reinforce_plus_plus, algo.critic.kl_in_reward)
+        takes it out of the loss."""
+        g = self.actor
+        entry = policy_loss_entry(g.policy_loss)
+        agg_mode = self.estimator.agg_mode or entry.agg_mode or g.agg_mode
+        corrections = {"dual_clip_c": g.dual_clip_c, "tis_cap": self.rollout_correction.tis_cap} \
+            if entry.per_token_corrections else {}
+        return entry.loss_class(
+            clip_ratio_low=entry.clip_ratio_low if g.clip_ratio_low is None else g.clip_ratio_low,
+            clip_ratio_high=entry.clip_ratio_high if g.clip_ratio_high is None else g.clip_ratio_high,
+            kl_coef=0.0 if self.kl_in_reward else g.kl_coef, kl_type=g.kl_type, entropy_coef=g.entropy_coef,
+            agg_mode=agg_mode, report_entropy=True, on_policy=g.updates_per_rollout(prompts_per_step) == 1,
+            report_mismatch=self.rollout_correction.report_mismatch, agg_norm_tokens=float(g.max_new_tokens),
+            **corrections, **entry.options)

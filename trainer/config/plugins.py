@@ -1,0 +1,64 @@
+"""Loading a user's code named in the config: a built-in name, ``path/to/file.py:Name`` or
+``package.module:Name`` (``reward.fn``, ``rollout.env``); every mistake is one ConfigError
+naming the key."""
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import os
+import sys
+
+from ..errors import ConfigError
+
+
+def first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else ""
+
+
+def _load_file(path: str, key: str, spec: str):
+    if not os.path.isfile(path):
+        # Relative paths are read from where polyfsdp-train was started, not from the data's folder.
+        where = "" if os.path.isabs(path) else f" in the working directory {os.getcwd()}"
+        raise ConfigError(f"{key}={spec}: no such file {path!r}{where}")
+    name = f"polyfsdp_user_{key.replace('.', '_')}_" + os.path.splitext(os.path.basename(path))[0]
+    module_spec = importlib.util.spec_from_file_location(name, path)
+    if module_spec is None or module_spec.loader is None:
+        raise ConfigError(f"{key}={spec}: cannot import {path!r} as Python")
+    module = importlib.util.module_from_spec(module_spec)
+    # The file's own directory first, so it can import its neighbours; it stays there because
+    # user code often imports them lazily, at call time.
+    directory = os.path.dirname(os.path.abspath(path))
+    if directory not in sys.path:
+        sys.path.insert(0, directory)
+    try:
+        module_spec.loader.exec_module(module)
+    except Exception as exc:
+        raise ConfigError(f"{key}={spec}: importing {path} raised {type(exc).__name__}: {first_line(exc)}") from None
+    return module
+
+
+def load_object(spec: str, key: str, builtins: dict, what: str = "function"):
+    """The object ``spec`` names: a key of ``builtins``, ``FILE.py:Name`` or ``module:Name``."""
+    if spec in builtins:
+        return builtins[spec]
+    target, sep, attr = spec.rpartition(":")
+    if not sep or not target or not attr:
+        raise ConfigError(f"{key}={spec}: expected a built-in ({', '.join(builtins)}), "
+                          f"path/to/file.py:{what} or package.module:{what}")
+    if target.endswith(".py") or os.sep in target or "/" in target:
+        module = _load_file(target, key, spec)
+    else:
+        try:
+            module = importlib.import_module(target)
+        except ImportError as exc:
+            raise ConfigError(f"{key}={spec}: cannot import module {target!r}: {first_line(exc)}") from None
+        except Exception as exc:
+            raise ConfigError(f"{key}={spec}: importing {target} raised {type(exc).__name__}: "
+                              f"{first_line(exc)}") from None
+    obj = getattr(module, attr, None)
+    if obj is None:
+        raise ConfigError(f"{key}={spec}: {target} has no {what} {attr!r}")
+    if not callable(obj):
+        raise ConfigError(f"{key}={spec}: {target}.{attr} is not callable")
+    return obj

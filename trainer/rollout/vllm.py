@@ -1,0 +1,222 @@
+"""vLLM as the rollout engine (``rollout.engine=vllm``), colocated with the trainer: one
+engine per rank (tensor parallel 1) holding a copy of the policy's weights.
+
+- Start: at the first rollout, from the policy's own config and weights (streamed from the
+  FSDP2 shards, engines/model/weight_stream.py) written to a local temporary directory; never a hub.
+- Sync: before a rollout, when the policy's ``weights_version`` moved (an applied optimizer
+  step, a checkpoint load) or the engine is a different one (the next phase), every rank
+  streams the full weights in buckets of ``rollout.sync_bucket_mb`` into vLLM, which resets
+  its prefix cache; ``weight_version`` counts the syncs. ``rollout.check_sync`` then compares
+  vLLM's log-probs of a fixed probe sequence with the policy's and stops beyond
+  ``rollout.check_sync_tol`` (a missed or partial sync is the usual failure of this design).
+- Sampling: the same stop token (``<eos>``, kept in the completion), temperature, top-k 0
+  and top-p 1 as our loop; each request has its own seed: its row seed (trainer/rollout/row_seeds.py:
+  trainer.seed, step, global row) in RL rollouts, so the same prompts draw the same completions
+  whatever the world size, else one drawn from the process's seeded generator.
+- Sleep (GPU/NPU, backends' ``rollout_sleep_level``): between rollouts vLLM frees its device
+  memory for training; the weights are woken before a sync and the KV cache after it.
+
+Every vLLM call is in trainer/rollout/vllm_adapter.py.
+"""
+from __future__ import annotations
+
+import copy
+import logging
+import os
+import shutil
+import tempfile
+import time
+import weakref
+from dataclasses import dataclass, fields
+
+import torch
+
+from polyfsdp.engines.model.weight_stream import full_weights, weight_buckets
+
+from . import vllm_adapter
+from ..data.batch import build_batch, per_sequence
+from ..errors import ConfigError
+from .engines import RolloutEngine
+
+logger = logging.getLogger(__name__)
+
+PROBE_LENGTH = 32
+
+
+@dataclass
+class VllmSettings:
+    """``rollout.vllm``: passed to vLLM (null: its default, or the backend's where noted)."""
+
+    gpu_memory_utilization: float = 0.5   # share of device memory for vLLM (GPU/NPU), colocated with training
+    kv_cache_mb: int | None = None        # KV cache size; null: 512 where device memory is host memory (CPU)
+    max_model_len: int | None = None      # null: the model's max_position_embeddings
+    max_num_seqs: int | None = None
+    sleep_level: int | str = "auto"       # auto: the backend's (2; 1 with LoRA and on NPUs; none on CPU); 0: never
+
+    @classmethod
+    def from_section(cls, data) -> "VllmSettings":
+        """Checked settings from the ``rollout.vllm`` mapping; ConfigError naming a bad key."""
+        data = dict(data or {})
+        known = [f.name for f in fields(cls)]
+        for key in data:
+            if key not in known:
+                raise ConfigError(f"rollout.vllm.{key}: unknown key; known keys: {', '.join(known)}")
+        settings = cls(**data)
+        if not (isinstance(settings.gpu_memory_utilization, (int, float)) and 0 < settings.gpu_memory_utilization <= 1):
+            raise ConfigError(f"rollout.vllm.gpu_memory_utilization: expected a number in (0, 1], "
+                              f"got {settings.gpu_memory_utilization!r}")
+        for key in ("kv_cache_mb", "max_model_len", "max_num_seqs"):
+            value = getattr(settings, key)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ConfigError(f"rollout.vllm.{key}: expected null or an integer >= 1, got {value!r}")
+        if settings.sleep_level not in ("auto", 0, 1, 2):
+            raise ConfigError(f"rollout.vllm.sleep_level: expected auto, 0, 1 or 2, got {settings.sleep_level!r}")
+        return settings
+
+
+def probe_ids(vocab_size: int) -> list[int]:
+    """A fixed token sequence spread over the vocabulary (the sync check's input)."""
+    return [(7 * i + 3) % vocab_size for i in range(PROBE_LENGTH)]
+
+
+def policy_probe_log_probs(policy, ids: list[int]) -> list[float]:
+    """The policy's ``log p(ids[t] | ids[:t])`` for t >= 1 at temperature 1 (collective)."""
+    batch = build_batch([(ids[:1], ids[1:])], policy.engine_config.pad_mode, pad_token_id=0)
+    out = policy.infer_batch(batch, temperature=1.0, calculate_entropy=False)["log_probs"]
+    return per_sequence(out, batch, policy.engine_config.pad_mode)[0][:-1].tolist()
+
+
+class VllmRolloutEngine(RolloutEngine):
+    """``rollout.engine=vllm`` (module docstring); ``rollout`` is the RolloutSection."""
+
+    name = "vllm"
+
+    def __init__(self, rollout, backend, lora: bool = False) -> None:
+        self.rollout, self.backend = rollout, backend
+        self.settings = VllmSettings.from_section(rollout.vllm)
+        level = backend.rollout_sleep_level(lora) if self.settings.sleep_level == "auto" else self.settings.sleep_level
+        self.sleep_level = level or 0
+        if self.sleep_level:
+            conflict = backend.vllm_sleep_mode_conflict(True, os.environ)
+            if conflict is not None:
+                raise ConfigError(f"rollout.engine=vllm: {conflict}")
+        self.llm = None
+        self.model_dir: str | None = None
+        self.weight_version = 0           # syncs done (the start counts as the first)
+        self.last_sync_s: float | None = None
+        self.last_sync_error: float | None = None
+        self._policy = None               # weakref to the engine last synced
+        self._policy_version = None
+        self._asleep = False
+        # What the weight stream yields (a seam for tests that drop a parameter on purpose).
+        self.buckets = weight_buckets
+
+    # ------------------------------------------------------------------ weights
+    def _start(self, policy) -> None:
+        """Write the policy's config and weights to a local directory; start vLLM on it."""
+        from safetensors.torch import save_file
+
+        directory = tempfile.mkdtemp(prefix="polyfsdp-vllm-")
+        config = copy.deepcopy(policy.module.config)
+        config.use_cache = True
+        # vLLM's copy keeps the output embedding as a weight of its own: reloading a tied
+        # input embedding leaves vLLM's LM head (its own processed copy on CPU) stale.
+        config.tie_word_embeddings = False
+        config.save_pretrained(directory)
+        # Every rank joins each gather (collective) and writes its own local copy.
+        state = {name: tensor.to("cpu", copy=True).contiguous()
+                 for name, tensor in full_weights(policy.module, untie=True)}
+        save_file(state, f"{directory}/model.safetensors", metadata={"format": "pt"})
+        del state
+        kv_mb = self.settings.kv_cache_mb or (512 if self.backend.memory_is_host else None)
+        options = vllm_adapter.StartOptions(
+            model_dir=directory, dtype=policy.engine_config.param_dtype, seed=0,
+            gpu_memory_utilization=None if self.backend.memory_is_host else self.settings.gpu_memory_utilization,
+            kv_cache_bytes=kv_mb << 20 if kv_mb else None, max_model_len=self.settings.max_model_len,
+            max_num_seqs=self.settings.max_num_seqs, enable_sleep_mode=self.sleep_level > 0)
+        t0 = time.perf_counter()
+        self.llm = vllm_adapter.start(options, install=self._install_hint())
+        self.model_dir = directory
+        try:  # the first forward is where vLLM finds it has no kernel for a model (e.g. its head size)
+            vllm_adapter.prompt_log_probs(self.llm, probe_ids(config.vocab_size))
+        except Exception as exc:
+            raise vllm_adapter.start_error(exc) from None
+        logger.info("vLLM rollout engine started in %.1fs", time.perf_counter() - t0)
+
+    def _install_hint(self) -> str:
+        return "polyfsdp[vllm]" if self.backend.vllm_package == "vllm" else self.backend.vllm_package
+
+    def _push(self, policy) -> None:
+        """Stream the policy's weights into the running engine (collective)."""
+        bucket_bytes = int(self.rollout.sync_bucket_mb * (1 << 20))
+        if self._asleep:
+            vllm_adapter.wake_up(self.llm, ["weights"])
+        for bucket in self.buckets(policy.module, bucket_bytes, untie=True):
+            vllm_adapter.load_weights(self.llm, bucket)
+        vllm_adapter.reset_prefix_cache(self.llm)
+
+    def _wake_cache(self) -> None:
+        if self._asleep:
+            vllm_adapter.wake_up(self.llm, ["kv_cache"])
+            self._asleep = False
+
+    def sync(self, policy) -> None:
+        """Bring vLLM's weights to the policy's if they changed (collective; every rank calls it)."""
+        current = self._policy() if self._policy is not None else None
+        # Level-2 sleep drops the weights: they come back only by a sync.
+        stale = current is not policy or self._policy_version != policy.weights_version or \
+            (self._asleep and self.sleep_level == 2)
+        if self.llm is not None and not stale:
+            self._wake_cache()
+            return
+        t0 = time.perf_counter()
+        with policy.eval_mode():
+            if self.llm is None:
+                self._start(policy)
+            else:
+                self._push(policy)
+        self._wake_cache()
+        self.last_sync_s = time.perf_counter() - t0
+        self.weight_version += 1
+        self._policy, self._policy_version = weakref.ref(policy), policy.weights_version
+        if self.rollout.check_sync:
+            self.check(policy)
+
+    def check(self, policy) -> float:
+        """vLLM's vs the policy's log-probs of the probe: the largest difference; ConfigError
+        (one line) beyond ``rollout.check_sync_tol``."""
+        ids = probe_ids(policy.module.config.vocab_size)
+        ours = vllm_adapter.prompt_log_probs(self.llm, ids)
+        theirs = policy_probe_log_probs(policy, ids)
+        error = max(abs(a - b) for a, b in zip(ours, theirs))
+        self.last_sync_error = error
+        if not error <= self.rollout.check_sync_tol:
+            raise ConfigError(f"rollout.check_sync: after weight sync {self.weight_version}, vLLM's log-probs of "
+                              f"the probe differ from the policy's by {error:.3g} (rollout.check_sync_tol="
+                              f"{self.rollout.check_sync_tol:g}): vLLM is not serving the trained weights (a missed "
+                              f"or partial sync); raise the tolerance only if the two run at different precisions")
+        return error
+
+    # ------------------------------------------------------------------ sampling
+    def generate(self, policy, tokenizer, prompts, max_new_tokens, do_sample, temperature=1.0,
+                 return_log_probs=False, row_seeds=None):
+        # One seed per request, never depending on vLLM's scheduling: the row's own, else one from
+        # the process's seeded generator, drawn before the sync, whose work (a start after a
+        # resume, or not) must not move the generator.
+        seeds = list(row_seeds) if row_seeds is not None else torch.randint(0, 2**31 - 1, (len(prompts),)).tolist()
+        self.sync(policy)
+        completions, log_probs = vllm_adapter.sample(
+            self.llm, prompts, max_new_tokens, temperature if do_sample else 0.0, seeds,
+            [tokenizer.eos_token_id], return_log_probs)
+        if self.sleep_level > 0:
+            vllm_adapter.sleep(self.llm, self.sleep_level)
+            self._asleep = True
+        return (completions, log_probs) if return_log_probs else completions
+
+    def close(self) -> None:
+        if self.llm is not None:
+            vllm_adapter.shutdown(self.llm)
+            self.llm = None
+        if self.model_dir is not None:
+            shutil.rmtree(self.model_dir, ignore_errors=True)
+            self.model_dir = None

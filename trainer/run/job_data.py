@@ -1,0 +1,58 @@
+"""What a job reads before it builds a model: the tokenizer, the data source and the token budgets.
+
+:func:`load_job_data` loads them on every rank, and checks (with one line naming the fix) that the
+tokenizer covers the data, that the data's prompts leave room for the completions, and that
+prompt plus completion fit the model's positions.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+from ..data.chat import PromptEncoder, check_position_budget, model_max_positions
+from ..config.job import JobConfig
+from ..data.sources import build_source, check_generation_budget, check_tokenizer_covers, max_answer_tokens
+from ..data.demonstrations import unused_demonstrations_note
+from ..errors import ConfigError
+from ..rank_errors import check_same_data, on_every_rank
+from ..data.tokenizers import TOKENIZER_FILE, load_tokenizer
+
+
+def load_job_data(cfg: JobConfig, out: Path, rank: int, say) -> tuple:
+    """``(tokenizer, source, eval_tokens)`` of the job writing to ``out``: ``eval_tokens`` is the
+    evaluation's completion budget (the actor's, or the longest answer's for algo=sft)."""
+    # A preset's character tokenizer: the one the run's initial model was built with, when
+    # it exists (a continued run); else a fresh one that learns the data's characters.
+    saved = out / "init_model" / TOKENIZER_FILE
+    tokenizer_dir = cfg.model.path or (str(saved.parent) if saved.is_file() else None)
+    try:
+        tokenizer = load_tokenizer(tokenizer_dir)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    encoder = PromptEncoder(tokenizer, cfg.data.apply_chat_template, cfg.data.max_prompt_length,
+                            cfg.data.overlong, cfg.model.path, grow_vocabulary=tokenizer_dir is None)
+    # A file missing on one rank stops every rank; then all must have read the same records.
+    source = on_every_rank(lambda: build_source(cfg.data, cfg.trainer.seed, encoder))
+    check_same_data(source, cfg.data)
+    note = unused_demonstrations_note(getattr(source, "train_examples", ()), cfg.rollout.env)
+    if note:
+        say(note)
+    if encoder.added_characters:
+        say(f"character tokenizer: added the data's characters {encoder.added_characters!r} to its "
+            f"vocabulary ({tokenizer.vocab_size} tokens)")
+    if tokenizer_dir == str(saved.parent):
+        check_tokenizer_covers(source, tokenizer,
+                               fix=f"this run's initial model ({saved.parent}) was built for the characters of "
+                                   f"the data it started with: continue with that data, or start a new "
+                                   f"trainer.output_dir")
+    else:
+        check_tokenizer_covers(source, tokenizer)
+    actor = cfg.algo.actor
+    if actor is not None:
+        # Rank 0 checks; the others learn its verdict instead of waiting for it in a collective.
+        on_every_rank(lambda: check_generation_budget(source, tokenizer, actor.max_new_tokens)
+                      if rank == 0 else None)
+    eval_tokens = actor.max_new_tokens if actor is not None else \
+        max_answer_tokens(source, tokenizer) + 2
+    check_position_budget(source, model_max_positions(cfg.model), eval_tokens,
+                          "algo.actor.max_new_tokens" if actor is not None else "the longest answer")
+    return tokenizer, source, eval_tokens

@@ -1,0 +1,114 @@
+"""Metrics as JSON lines (rank 0 writes; other ranks hold a no-op logger).
+
+Each record carries ``phase`` (sft, rl, rl_update, eval), the phase ``step`` and the run-wide
+``global_step``, so the SFT and RL curves form one x-axis. A resumed run first cuts the
+file back to the line count stored in its checkpoint, then appends: the curve continues
+exactly where the checkpoint left it, with no duplicated or orphaned records. A record is
+appended whole or not at all: a write that fails partway (a full disk) is cut back off and
+raised as a one-line :class:`MetricsWriteError`.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+from typing import Callable
+
+from ..errors import MetricsWriteError  # also importable from here, its old home
+
+logger = logging.getLogger(__name__)
+
+METRICS_FILE = "metrics.jsonl"
+# Wall-clock fields differ between two runs of the same job; everything else must not.
+TIMING_KEYS = ("time_s", "step_time_s", "gen_time_s", "tokens_per_s", "multi_turn/env_time_s_mean")
+
+
+def _clean(value):
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    return value
+
+
+class MetricsLogger:
+    """Append-only JSONL writer that knows how many lines it holds."""
+
+    def __init__(self, path: str, enabled: bool = True) -> None:
+        self.path = path
+        self.enabled = enabled
+        self.lines = 0
+        self.history: list[dict] = []
+        # Called with every record logged (the experiment trackers' fan-out, trainer/tracking).
+        self.on_record: Callable[[dict], None] | None = None
+
+    def start(self, keep_lines: int | None) -> None:
+        """Start fresh (``keep_lines=None``) or keep the first ``keep_lines`` records of an
+        earlier run's file (resume) and continue after them."""
+        kept: list[str] = []
+        if not self.enabled:
+            # Other ranks only count lines; reading would race with rank 0 rewriting the file.
+            self.history, self.lines = [], keep_lines or 0
+            return
+        if keep_lines and os.path.isfile(self.path):
+            with open(self.path) as f:
+                kept = [line for line in f if line.strip()][:keep_lines]
+            if len(kept) < keep_lines:
+                logger.warning("%s has %d records, the checkpoint expected %d", self.path, len(kept), keep_lines)
+        self.history = [json.loads(line) for line in kept]
+        self.lines = len(kept)
+        os.makedirs(os.path.dirname(self.path) or ".", exist_ok=True)
+        tmp = self.path + ".tmp"
+        with open(tmp, "w") as f:
+            f.writelines(kept)
+        os.replace(tmp, self.path)
+
+    def log(self, record: dict) -> None:
+        """Append one record (flushed at once, so a killed run loses nothing it logged)."""
+        record = {k: _clean(v) for k, v in record.items()}
+        if self.enabled:
+            _append_whole(self.path, (json.dumps(record) + "\n").encode())
+        self.history.append(record)
+        self.lines += 1
+        if self.on_record is not None:
+            self.on_record(record)
+
+    def next_global_step(self) -> int:
+        """The global step after the newest record held (0 for an empty file): where a
+        (resumed) run's new records start."""
+        return max((int(r["global_step"]) + 1 for r in self.history if "global_step" in r), default=0)
+
+    def elapsed_s(self) -> float:
+        """The run's time (``time_s``) at the newest record held: where a resumed run's clock
+        continues (0.0 for an empty file)."""
+        return max((float(r["time_s"]) for r in self.history if "time_s" in r), default=0.0)
+
+    def last(self, phase: str, tag: str | None = None) -> dict | None:
+        """The newest record of ``phase`` (and eval ``tag``), or None."""
+        for record in reversed(self.history):
+            if record.get("phase") == phase and (tag is None or record.get("tag") == tag):
+                return record
+        return None
+
+
+def _append_whole(path: str, data: bytes) -> None:
+    """Append ``data`` with unbuffered writes; if one fails, truncate the file back to its
+    size before, so no torn line is left for a resumed run (or a reader) to trip over."""
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        size = os.fstat(fd).st_size
+        try:
+            done = 0
+            while done < len(data):
+                done += os.write(fd, data[done:])
+        except OSError as exc:
+            os.ftruncate(fd, size)
+            raise MetricsWriteError(f"cannot append a record to {path}: {exc.strerror or exc} "
+                                    f"(the file keeps its {size} bytes of whole records)") from None
+    finally:
+        os.close(fd)
+
+
+def read_metrics(path: str) -> list[dict]:
+    """All records of a metrics file."""
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
