@@ -1,7 +1,9 @@
-"""Old module paths keep importing after the move into sub-packages (docs/architecture.md,
-"Layout"): ``import polyfsdp.engines.fused_logprob`` gives ``polyfsdp.engines.head.fused``, the
-same module object. Each package that
-moved modules installs one finder with its table (old name -> new name, both full)."""
+"""Module paths from before the move into sub-packages keep working (docs/architecture.md,
+"Inside engines/ and trainer/"). ``import polyfsdp.engines.fused_logprob`` gives
+``polyfsdp.engines.head.fused``, the same module object: each package that moved modules
+installs one finder with its table (old name -> new name, both full). A package that took the
+name of a module it now holds (``trainer.config`` holds the old ``config.py`` as ``job.py``)
+resolves that module's names on first use (:func:`names_of`)."""
 from __future__ import annotations
 
 import importlib
@@ -37,3 +39,19 @@ def install(moved: dict[str, str]) -> None:
     """Add a finder for ``moved`` unless one with the same table is installed already."""
     if not any(isinstance(f, MovedModuleFinder) and f.moved == moved for f in sys.meta_path):
         sys.meta_path.append(MovedModuleFinder(moved))
+
+
+def names_of(package: str, module: str):
+    """The ``__getattr__`` of a package that took the name of a module it now holds as
+    ``package.module``: a submodule is imported as itself; any other name is that module's,
+    imported on first use (so the package itself stays as light as its submodules)."""
+
+    def __getattr__(name: str):
+        if importlib.util.find_spec(f"{package}.{name}") is not None:
+            return importlib.import_module(f"{package}.{name}")
+        try:
+            return getattr(importlib.import_module(f"{package}.{module}"), name)
+        except AttributeError:
+            raise AttributeError(f"module {package!r} has no attribute {name!r}") from None
+
+    return __getattr__

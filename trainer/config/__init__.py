@@ -6,15 +6,6 @@ The package itself imports nothing heavy, so composing and checking overrides (`
 mistyped key) stays free of torch; ``polyfsdp.trainer.config.JobConfig`` and the other names of
 ``job.py`` resolve on first use.
 """
-import importlib
-import importlib.util
+from polyfsdp.engines.moved_modules import names_of
 
-
-def __getattr__(name: str):
-    # A submodule is imported as itself; any other name is job.py's, imported on first use.
-    if importlib.util.find_spec(f"{__name__}.{name}") is not None:
-        return importlib.import_module(f"{__name__}.{name}")
-    try:
-        return getattr(importlib.import_module(f"{__name__}.job"), name)
-    except AttributeError:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}") from None
+__getattr__ = names_of(__name__, "job")

@@ -6,15 +6,6 @@ demonstration conversations (demonstrations.py), chat templates and the prompt-l
 
 The names of sources.py (``build_source``, ...) resolve from the package on first use.
 """
-import importlib
-import importlib.util
+from polyfsdp.engines.moved_modules import names_of
 
-
-def __getattr__(name: str):
-    # A submodule is imported as itself; any other name is sources.py's, imported on first use.
-    if importlib.util.find_spec(f"{__name__}.{name}") is not None:
-        return importlib.import_module(f"{__name__}.{name}")
-    try:
-        return getattr(importlib.import_module(f"{__name__}.sources"), name)
-    except AttributeError:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}") from None
+__getattr__ = names_of(__name__, "sources")

@@ -3,15 +3,6 @@ rules with verl's signature (rules.py), and the time limit of one call (timeout.
 
 The names of reward_fn.py resolve from the package on first use.
 """
-import importlib
-import importlib.util
+from polyfsdp.engines.moved_modules import names_of
 
-
-def __getattr__(name: str):
-    # A submodule is imported as itself; any other name is reward_fn.py's, imported on first use.
-    if importlib.util.find_spec(f"{__name__}.{name}") is not None:
-        return importlib.import_module(f"{__name__}.{name}")
-    try:
-        return getattr(importlib.import_module(f"{__name__}.reward_fn"), name)
-    except AttributeError:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}") from None
+__getattr__ = names_of(__name__, "reward_fn")

@@ -7,6 +7,9 @@ console lines and ``metrics.jsonl``, on rank 0 only.
 :class:`Trackers` fans each metrics record out to them: a tracker that fails mid-run is
 reported once and dropped, and the run goes on (metrics.jsonl has everything). The run id
 each tracker returned is kept in ``OUTPUT_DIR/trackers.json`` so a resumed run reopens it.
+
+Beside the trackers: ``metrics.jsonl`` itself (metrics.py) and ``curves.png`` drawn from it
+(plot.py).
 """
 from __future__ import annotations
 
