@@ -95,6 +95,8 @@ class _FromDict:
 
 # LoRA targets: module names (q_proj, ...) or "all-linear" (every linear layer but the LM head).
 LORA_ALL_LINEAR = "all-linear"
+# How a LoRA model is exported: adapters folded into the weights, or peft's adapter directory.
+ADAPTER_EXPORTS = ("merged", "adapter")
 
 
 @dataclass

@@ -18,12 +18,9 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 
 from polyfsdp.backends.distributed import barrier, current_rank
 
-from ..config import LoraConfig
+from ..config import ADAPTER_EXPORTS, LoraConfig
 
 logger = logging.getLogger(__name__)
-
-# How a LoRA model is exported: adapters folded into the weights, or peft's adapter directory.
-ADAPTER_EXPORTS = ("merged", "adapter")
 
 
 def _plain_model(config, full: dict, dtype: torch.dtype | None):

@@ -14,7 +14,7 @@ import typing
 from typing import Any
 
 from polyfsdp.backends.registry import BACKEND_NAMES
-from polyfsdp.engines.config import EngineConfig, OptimConfig
+from polyfsdp.engines.config import ADAPTER_EXPORTS, EngineConfig, OptimConfig
 from polyfsdp.engines.model.lora import require_peft
 
 from .algo import (RL_ALGOS, ActorSection, AlgoSection, CriticSection,  # noqa: F401 (re-exported)
@@ -33,7 +33,6 @@ DATA_SOURCES = ("builtin", "jsonl", "parquet", "files")
 TASKS = ("reverse", "arith_words", "calculator")
 OVERLONG_POLICIES = ("filter", "error", "truncate")
 PROGRESS_MODES = ("auto", "bar", "lines", "off")
-LORA_EXPORT_MODES = ("merged", "adapter")
 
 
 # --------------------------------------------------------------------------- checks
@@ -124,7 +123,7 @@ def _validate_trainer(t: TrainerSection, algo: AlgoSection) -> None:
     for key in ("sft_batch_size", "prompts_per_step", "log_interval", "keep_checkpoints"):
         check_min(f"trainer.{key}", getattr(t, key), 1)
     check_choice("trainer.progress", t.progress, PROGRESS_MODES)
-    check_choice("trainer.export_lora", t.export_lora, LORA_EXPORT_MODES)
+    check_choice("trainer.export_lora", t.export_lora, ADAPTER_EXPORTS)
     t.logger = check_loggers(t.logger)
     check_min("trainer.log_val_generations", t.log_val_generations, 0)
     if not isinstance(t.tags, list) or not all(isinstance(tag, str) and tag for tag in t.tags):
