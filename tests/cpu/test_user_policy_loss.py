@@ -131,6 +131,24 @@ def test_a_users_policy_loss_trains_through_polyfsdp_train(tmp_path):
     assert all(u["ratio_max"] != 1.0 for u in updates if u["update"] == 2)  # off policy on the second update
 
 
+def test_ppo_written_again_trains_exactly_like_the_builtin(tmp_path):
+    """Through the engine (the fused head takes both: both declare token_separable): the same records."""
+    from polyfsdp.trainer.tracking.metrics import read_metrics
+    from polyfsdp.trainer.train import main
+
+    runs = {}
+    for name, spec in (("builtin", "ppo"), ("user", f"{FILE}:ppo_again")):
+        out = tmp_path / name
+        assert main(["trainer.sft_steps=1", "trainer.rl_steps=2", "trainer.sft_batch_size=8",
+                     "trainer.prompts_per_step=4", "algo.actor.group_size=4", "algo.actor.epochs=2", "data.eval_size=8",
+                     "trainer.progress=off", "trainer.plot=false", "trainer.export=false", "trainer.checkpoint_interval=0",
+                     f"algo.actor.policy_loss={spec}", f"trainer.output_dir={out}"]) == 0
+        runs[name] = [{k: v for k, v in r.items() if not k.endswith("time_s") and k != "tokens_per_s"}
+                      for r in read_metrics(str(out / "metrics.jsonl"))]
+    assert any(r["phase"] == "rl_update" and r["clip_frac"] > 0 for r in runs["builtin"])  # the clip mattered
+    assert runs["user"] == runs["builtin"]
+
+
 @pytest.mark.parametrize("value, expected", [
     ("ppp", "algo.actor.policy_loss: got 'ppp'; allowed values: ppo, gspo, gspo_token, or path/to/file.py:NAME / "
             "package.module:NAME of your own (did you mean ppo?)"),
