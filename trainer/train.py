@@ -28,7 +28,7 @@ Config groups (pick with GROUP=OPTION):
 {groups}
 RL choices (registered; docs: configs/algo/grpo.yaml, README):
   algo.adv_estimator   {estimators}, or path/to/file.py:NAME / package.module:NAME
-  algo.actor.policy_loss {losses}
+  algo.actor.policy_loss {losses}, or path/to/file.py:NAME / package.module:NAME
 Examples:
   polyfsdp-train
   polyfsdp-train trainer.rl_steps=50 engine.pad_mode=left_right

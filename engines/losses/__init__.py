@@ -21,11 +21,13 @@ import torch
 from .aggregation import AGG_MODES, aggregate, check_agg_mode, segment_ids, segment_sum, token_share
 from .inputs import LossInputs, check_inputs, is_token_separable
 from .ppo import (DEFAULT_CLIP_RATIO_HIGH, GSPO_CLIP_RATIO_HIGH, GSPO_CLIP_RATIO_LOW, GSPO_LOG_RATIO_CLAMP,
-                       K3_BOUND, K3_LOG_RATIO_BOUND, KL_TYPES, PPO_AGG_MODES, GSPOLoss, PPOLoss, kl_penalty)
+                       K3_BOUND, K3_LOG_RATIO_BOUND, KL_TYPES, LOG_RATIO_CLAMP, PPO_AGG_MODES, GSPOLoss, PPOLoss,
+                       clip_metrics, kl_penalty)
 
 __all__ = ["AGG_MODES", "DEFAULT_CLIP_RATIO_HIGH", "GSPO_CLIP_RATIO_HIGH", "GSPO_CLIP_RATIO_LOW",
-           "GSPO_LOG_RATIO_CLAMP", "K3_BOUND", "K3_LOG_RATIO_BOUND", "KL_TYPES", "PPO_AGG_MODES", "GSPOLoss",
-           "LossInputs", "PPOLoss", "SFTLoss", "aggregate", "check_agg_mode", "check_inputs", "is_token_separable",
+           "GSPO_LOG_RATIO_CLAMP", "K3_BOUND", "K3_LOG_RATIO_BOUND", "KL_TYPES", "LOG_RATIO_CLAMP", "PPO_AGG_MODES",
+           "GSPOLoss", "LossInputs", "PPOLoss", "SFTLoss", "aggregate", "check_agg_mode", "check_inputs",
+           "clip_metrics", "is_token_separable",
            "kl_penalty", "segment_ids", "segment_sum", "token_share"]
 
 

@@ -18,7 +18,7 @@ KL_TYPES = ("k1", "k3")
 DEFAULT_CLIP_RATIO_HIGH = 0.28
 # exp() of a log-ratio beyond this overflows fp32 long before it carries information;
 # the same guard verl applies.
-_LOG_RATIO_CLAMP = 20.0
+LOG_RATIO_CLAMP = 20.0
 # verl's bounds on the k3 KL estimate (core_algos.kl_penalty, low_var_kl).
 K3_LOG_RATIO_BOUND = 20.0
 K3_BOUND = 10.0
@@ -154,13 +154,13 @@ class PPOLoss:
                          mask: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """The clipped policy-gradient term's share of the step loss and its metrics: per token,
         aggregated with ``agg_mode`` (a subclass may change what one term is, e.g. GSPOLoss)."""
-        log_ratio = torch.clamp(log_probs - old, -_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP)
+        log_ratio = torch.clamp(log_probs - old, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
         ratio = torch.exp(log_ratio)
         loss_unclipped = -adv * ratio
         loss_clipped = -adv * torch.clamp(ratio, 1.0 - self.clip_ratio_low, 1.0 + self.clip_ratio_high)
         pg = torch.maximum(loss_unclipped, loss_clipped)
         clipped = loss_clipped > loss_unclipped  # = (A > 0, ratio > 1 + high) or (A < 0, ratio < 1 - low)
-        metrics = _clip_metrics(clipped, adv, ratio, mask, inputs)
+        metrics = clip_metrics(clipped, adv, ratio, mask, inputs)
         if self.dual_clip_c is not None:
             cap = -adv * self.dual_clip_c
             negative = adv < 0
@@ -170,7 +170,7 @@ class PPOLoss:
             # Truncated importance sampling: the rollout came from the sampler's
             # distribution, the gradient is taken under the trainer's.
             rollout = inputs.fields["rollout_log_probs"].to(log_probs.dtype)
-            weight = torch.clamp(torch.exp(torch.clamp(old - rollout, max=_LOG_RATIO_CLAMP)), max=self.tis_cap)
+            weight = torch.clamp(torch.exp(torch.clamp(old - rollout, max=LOG_RATIO_CLAMP)), max=self.tis_cap)
             metrics["tis_weight_mean"] = token_share(weight, mask, inputs)
             pg = pg * weight.detach()
         return aggregate(pg, mask, inputs, self.agg_mode, self.agg_norm_tokens), metrics
@@ -227,10 +227,10 @@ class GSPOLoss(PPOLoss):
             pg_loss = aggregate(torch.maximum(unclipped, clipped_loss), mask, inputs, self.agg_mode,
                                 self.agg_norm_tokens)
             clipped = clipped_loss > unclipped
-        return pg_loss, _clip_metrics(clipped, adv, ratio, mask, inputs)
+        return pg_loss, clip_metrics(clipped, adv, ratio, mask, inputs)
 
 
-def _clip_metrics(clipped: torch.Tensor, adv: torch.Tensor, ratio: torch.Tensor, mask: torch.Tensor,
+def clip_metrics(clipped: torch.Tensor, adv: torch.Tensor, ratio: torch.Tensor, mask: torch.Tensor,
                   inputs: LossInputs) -> dict[str, torch.Tensor]:
     """Clip fractions (all, A > 0 at the upper bound, A < 0 at the lower) and the ratio's mean
     and max over the response tokens."""

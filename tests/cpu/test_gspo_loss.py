@@ -173,8 +173,9 @@ def test_the_config_builds_gspo_with_its_own_defaults_and_refuses_what_it_lacks(
         (["algo.actor.policy_loss=gspo", "algo.actor.agg_mode=seq-mean-token-sum"],
          "algo.actor.agg_mode: policy_loss=gspo aggregates with seq-mean-token-mean"),
         (["algo.actor.policy_loss=gspo", "algo.adv_estimator=dr_grpo"], "algo.actor.policy_loss: adv_estimator=dr_grpo"),
-        (["algo.actor.policy_loss=gpso"], "algo.actor.policy_loss: got 'gpso'; allowed values: ppo, gspo, gspo_token "
-                                          "(did you mean gspo?)"),
+        (["algo.actor.policy_loss=gpso"], "algo.actor.policy_loss: got 'gpso'; allowed values: ppo, gspo, gspo_token, "
+                                          "or path/to/file.py:NAME / package.module:NAME of your own (did you mean "
+                                          "gspo?)"),
     ]:
         with pytest.raises(ConfigError) as info:
             load_config(overrides)

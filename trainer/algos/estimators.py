@@ -9,14 +9,12 @@ its entry in ``ESTIMATORS`` (a built-in) or, from the user's own code, the confi
 """
 from __future__ import annotations
 
-import difflib
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
 import torch
 
 from .advantages import GROUP_ESTIMATORS, group_advantages, reinforce_plus_plus_advantages, sum_on_one_rank
-from ..errors import ConfigError
 from .gae import gae_advantages
 
 # The aggregation Dr. GRPO's advantages assume: each sequence's token losses summed, over a
@@ -144,19 +142,8 @@ _loaded: dict[str, Estimator] = {}  # user estimators by spec: a file is importe
 def resolve_estimator(spec: str, key: str = "algo.adv_estimator") -> Estimator:
     """The estimator ``spec`` names: a built-in, ``path/to/file.py:NAME`` or ``module:NAME``
     (an :func:`estimator`-decorated function); anything else is one ConfigError naming ``key``."""
-    if spec in ESTIMATORS:
-        return ESTIMATORS[spec]
-    if ":" not in str(spec):
-        close = difflib.get_close_matches(str(spec), ESTIMATORS, n=1)
-        hint = f" (did you mean {close[0]}?)" if close else ""
-        raise ConfigError(f"{key}: got {spec!r}; allowed values: {', '.join(ESTIMATORS)}, or "
-                          f"path/to/file.py:NAME / package.module:NAME of your own{hint}")
-    if spec not in _loaded:
-        from ..config.plugins import load_object
+    from ..config.plugins import load_registered
 
-        found = load_object(spec, key, ESTIMATORS, what="estimator")
-        if not isinstance(found, Estimator):
-            raise ConfigError(f"{key}={spec}: {spec.rpartition(':')[2]} is not an estimator; decorate it with "
-                              f"@polyfsdp.trainer.algos.estimators.estimator(name, summary, ...)")
-        _loaded[spec] = found
-    return _loaded[spec]
+    return load_registered(spec, key, ESTIMATORS, Estimator, "estimator",
+                           "an estimator; decorate it with @polyfsdp.trainer.algos.estimators.estimator(name, "
+                           "summary, ...)", _loaded)

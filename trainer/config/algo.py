@@ -13,8 +13,10 @@ from polyfsdp.engines.losses import AGG_MODES, KL_TYPES, PPO_AGG_MODES, PPOLoss
 from polyfsdp.engines.losses.value import ValueLoss
 
 from ..errors import ConfigError
+from .plugins import first_line
 from ..algos.estimators import Estimator, resolve_estimator
-from ..algos.policy_losses import policy_loss_entry
+from ..algos.policy_losses import POLICY_LOSSES, UserLoss, check_on_a_made_up_batch, policy_loss_entry, \
+    wrap_user_loss
 
 # algo presets with an RL phase after the SFT warm-up (configs/algo/<name>.yaml).
 RL_ALGOS = ("grpo", "ppo")
@@ -221,25 +223,35 @@ class AlgoSection:
                 if value is not None:
                     raise ConfigError(f"{key}: applies to the per-token ppo policy loss, not to policy_loss="
                                       f"{loss.name}; leave it null")
+        builtin = self.actor.policy_loss in POLICY_LOSSES
         try:
-            self.actor_loss(prompts_per_step)
+            actor_loss = self.actor_loss(prompts_per_step)
         except ValueError as exc:
             raise ConfigError(f"algo.actor: {exc}") from None
+        except Exception as exc:  # a user's loss class, e.g. one not taking PPOLoss' keywords
+            if builtin:
+                raise
+            raise ConfigError(f"algo.actor.policy_loss={self.actor.policy_loss}: {loss.loss_class.__name__}(...) "
+                              f"raised {type(exc).__name__}: {first_line(exc)}; it must take PPOLoss' keyword "
+                              f"arguments (and the entry's options)") from None
+        if not builtin:
+            check_on_a_made_up_batch(actor_loss)
 
-    def actor_loss(self, prompts_per_step: int) -> PPOLoss:
+    def actor_loss(self, prompts_per_step: int) -> PPOLoss | UserLoss:
         """The policy loss these settings describe (entropy always reported). With one update
         per rollout the old log-probs are the current ones (ratio == 1), never computed. An
         estimator with the KL in the reward (reinforce_plus_plus, algo.critic.kl_in_reward)
-        takes it out of the loss."""
+        takes it out of the loss. A user's loss comes wrapped: its failures are one line."""
         g = self.actor
         entry = policy_loss_entry(g.policy_loss)
         agg_mode = self.estimator.agg_mode or entry.agg_mode or g.agg_mode
         corrections = {"dual_clip_c": g.dual_clip_c, "tis_cap": self.rollout_correction.tis_cap} \
             if entry.per_token_corrections else {}
-        return entry.loss_class(
+        loss = entry(
             clip_ratio_low=entry.clip_ratio_low if g.clip_ratio_low is None else g.clip_ratio_low,
             clip_ratio_high=entry.clip_ratio_high if g.clip_ratio_high is None else g.clip_ratio_high,
             kl_coef=0.0 if self.kl_in_reward else g.kl_coef, kl_type=g.kl_type, entropy_coef=g.entropy_coef,
             agg_mode=agg_mode, report_entropy=True, on_policy=g.updates_per_rollout(prompts_per_step) == 1,
             report_mismatch=self.rollout_correction.report_mismatch, agg_norm_tokens=float(g.max_new_tokens),
-            **corrections, **entry.options)
+            **corrections)
+        return loss if g.policy_loss in POLICY_LOSSES else wrap_user_loss(loss, g.policy_loss)

@@ -1,8 +1,10 @@
 """Loading a user's code named in the config: a built-in name, ``path/to/file.py:Name`` or
-``package.module:Name`` (``reward.fn``, ``rollout.env``); every mistake is one ConfigError
+``package.module:Name`` (``reward.fn``, ``rollout.env``, ``algo.adv_estimator``,
+``algo.actor.policy_loss``); every mistake is one ConfigError
 naming the key."""
 from __future__ import annotations
 
+import difflib
 import importlib
 import importlib.util
 import os
@@ -62,3 +64,23 @@ def load_object(spec: str, key: str, builtins: dict, what: str = "function"):
     if not callable(obj):
         raise ConfigError(f"{key}={spec}: {target}.{attr} is not callable")
     return obj
+
+
+def load_registered(spec: str, key: str, builtins: dict, kind: type, what: str, refusal: str, loaded: dict):
+    """The ``kind`` instance ``spec`` names: a key of ``builtins`` or the user's
+    ``path/to/file.py:NAME`` / ``package.module:NAME``, imported once per spec (kept in ``loaded``).
+    A mistyped built-in is one ConfigError with the closest name; an object of another type one
+    saying ``refusal`` (how to register it)."""
+    if spec in builtins:
+        return builtins[spec]
+    if ":" not in str(spec):
+        close = difflib.get_close_matches(str(spec), builtins, n=1)
+        hint = f" (did you mean {close[0]}?)" if close else ""
+        raise ConfigError(f"{key}: got {spec!r}; allowed values: {', '.join(builtins)}, or "
+                          f"path/to/file.py:NAME / package.module:NAME of your own{hint}")
+    if spec not in loaded:
+        found = load_object(spec, key, builtins, what=what)
+        if not isinstance(found, kind):
+            raise ConfigError(f"{key}={spec}: {spec.rpartition(':')[2]} is not {refusal}")
+        loaded[spec] = found
+    return loaded[spec]
