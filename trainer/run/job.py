@@ -167,7 +167,7 @@ class Job:
         return result.reward
 
     def _checkpoint(self, engine: FSDPEngine, phase: str, step: int, global_step: int, wait: bool = False) -> Path:
-        """Save the step's checkpoint: every part of the phase's state (``run_state.py``)."""
+        """Save the step's checkpoint: every part of the phase's state (``state.py``)."""
         batch = self.cfg.trainer.sft_batch_size if phase == "sft" else self.cfg.trainer.prompts_per_step
         position = TrainerPosition(phase, step, global_step, self.world, self.metrics.lines, self.metrics.path,
                                    data_position=step * batch)
