@@ -220,7 +220,7 @@ def evaluate_model(model_dir: Path, overrides: list[str], json_path: str | None)
               "generations": [dict(zip(GENERATION_COLUMNS, row)) for row in result.rows]}
     if current_rank() == 0:
         print(f"{PROG}: {model_dir} on {report['num_prompts']} held-out prompts ({cfg.data.source} data, reward "
-              f"{job.scorer.name}, {settings.describe()})")
+              f"{cfg.rollout.describe_reward(job.scorer.name)}, {settings.describe()})")
         print(_table(metrics))
         try:
             if json_path is None:

@@ -242,8 +242,8 @@ class Job:
     def _run_phases(self, resume: ResumePoint | None) -> dict:
         cfg, out = self.cfg, self.out
         start_dir = cfg.model.path or self._initial_model()
-        _say(f"polyfsdp-train: {cfg.algo.name} on {cfg.data.source} data (reward {self.scorer.name}), "
-             f"backend {self.backend.name}, "
+        _say(f"polyfsdp-train: {cfg.algo.name} on {cfg.data.source} data "
+             f"(reward {cfg.rollout.describe_reward(self.scorer.name)}), backend {self.backend.name}, "
              f"{self.world} rank(s){self._sp_note()}, output {out}" + (f" (resuming {resume.phase} from "
                                                       f"{resume.checkpoint or 'its start'})" if resume else ""))
         first = True
