@@ -192,6 +192,11 @@ def evaluate_model(model_dir: Path, overrides: list[str], json_path: str | None)
     if not model_dir.is_dir():
         raise ConfigError(f"MODEL_DIR {str(model_dir)!r} is not a directory (a Hugging Face model such as a run's "
                           f"final/, or a run's checkpoints/rl/step_N)")
+    if (model_dir / "adapter_config.json").is_file() and not (model_dir / "config.json").is_file():
+        # trainer.export_lora=adapter writes only the adapters; the run's checkpoints hold base and adapters.
+        run_dir = _run_dir(model_dir.parent) or "RUN"
+        raise ConfigError(f"MODEL_DIR {str(model_dir)!r} holds LoRA adapters only (trainer.export_lora=adapter): "
+                          f"evaluate the run's checkpoint instead (polyfsdp-eval {run_dir}/checkpoints/rl)")
     model = locate_model(model_dir)
     cfg = eval_config(model, overrides, world_size=launch_env().world_size)
     target = Path(json_path) if json_path is not None else default_json_path(model)
@@ -215,7 +220,7 @@ def evaluate_model(model_dir: Path, overrides: list[str], json_path: str | None)
               "generations": [dict(zip(GENERATION_COLUMNS, row)) for row in result.rows]}
     if current_rank() == 0:
         print(f"{PROG}: {model_dir} on {report['num_prompts']} held-out prompts ({cfg.data.source} data, reward "
-              f"{job.scorer.name}, {settings.describe()})")
+              f"{cfg.rollout.describe_reward(job.scorer.name)}, {settings.describe()})")
         print(_table(metrics))
         try:
             if json_path is None:

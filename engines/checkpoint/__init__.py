@@ -1,6 +1,6 @@
 """Sharded training checkpoints that a killed run resumes from exactly: the save and the load.
 
-Layout of one checkpoint (``step_000120/``; the root's names and moves: ``checkpoint_layout.py``)::
+Layout of one checkpoint (``step_000120/``; the root's names and moves: ``layout.py``)::
 
     .metadata, *.distcp     model + optimizer shards (torch.distributed.checkpoint), and those
                             of every named part (a PPO run's critic) under ``parts.<name>.``
@@ -16,9 +16,9 @@ and are kept or deleted together, so no crash can leave one part at a step the o
 A save writes everything into a temporary directory, waits for every rank, then rank 0
 renames it into place and replaces ``latest`` atomically; older checkpoints beyond ``keep`` are
 deleted only after that. So a crash at any point leaves ``latest`` naming a complete checkpoint;
-so too for a save finishing in the background (``background=True``, ``checkpoint_background.py``),
+so too for a save finishing in the background (``background=True``, ``background.py``),
 whose commit waits for the write. Loading checks the manifest and reads every pickle with an
-allow-list (``checkpoint_files.py``): a damaged or crafted checkpoint is a :class:`CheckpointError`,
+allow-list (``files.py``): a damaged or crafted checkpoint is a :class:`CheckpointError`,
 and nothing in it executes. Hugging Face export: ``hf_export.py`` (re-exported here).
 """
 from __future__ import annotations

@@ -8,7 +8,7 @@ Layout of a checkpoint root::
     latest                  text file naming the newest complete checkpoint
 
 Only this module names, renames or deletes checkpoint directories and the ``latest`` pointer;
-what goes inside one is ``checkpoint.py``'s (the save and load) and ``checkpoint_files.py``'s
+what goes inside one is ``__init__.py``'s (the save and load) and ``files.py``'s
 (the manifest). A crash at any point leaves ``latest`` naming a complete checkpoint.
 """
 from __future__ import annotations

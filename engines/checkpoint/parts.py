@@ -1,6 +1,6 @@
 """What a checkpoint holds, part by part: trained models (sharded) and plain state.
 
-A checkpoint is a set of named parts saved and restored by one mechanism (``checkpoint.py``):
+A checkpoint is a set of named parts saved and restored by one mechanism (``engines/checkpoint/__init__.py``):
 
 - :class:`CheckpointPart`: a trained model with its optimizer and scheduler, saved through DCP
   (sharded, reshardable). The engine's own model is the main part; others (PPO's critic) are

@@ -1,5 +1,5 @@
 """The token-balanced assignment over data-parallel replicas (engines/batch/dp_balance.py) on the
-host; the exchange and order restore over ranks: tests/distributed/test_dp_balance.py."""
+host; the exchange and order restore over ranks: tests/distributed/test_dp_balance_ranks.py."""
 import pytest
 
 from polyfsdp.engines.config import ConfigFieldError, EngineConfig

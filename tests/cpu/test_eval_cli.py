@@ -143,3 +143,12 @@ def test_mistakes_are_one_line(exported_run, tmp_path, args, expected):
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
     assert proc.returncode == 2 and len(lines) == 1, proc.stderr
     assert lines[0].startswith("polyfsdp-eval: error: ") and expected in lines[0], lines[0]
+
+
+def test_an_adapter_export_is_one_line_pointing_at_the_runs_checkpoint(tmp_path, capsys):
+    # trainer.export_lora=adapter writes a peft directory without config.json: nothing to build.
+    (tmp_path / "final").mkdir()
+    (tmp_path / "final" / "adapter_config.json").write_text("{}")
+    assert eval_main([str(tmp_path / "final")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "LoRA adapters only" in err and "RUN/checkpoints/rl" in err, err

@@ -233,3 +233,16 @@ def test_resume_refuses_a_changed_environment(tmp_path, capsys):
     assert main([*base, "rollout.max_turns=3", "trainer.rl_steps=2"]) == 2
     err = capsys.readouterr().err.strip()
     assert "rollout.max_turns=2, but this run asks for rollout.max_turns=3" in err and "\n" not in err, err
+
+
+def test_the_reward_named_in_the_first_line_is_the_environments():
+    # With rollout.env the score is the environment's (reward.fn only with env_add_reward_fn):
+    # polyfsdp-train's and polyfsdp-eval's first line must not name reward.fn alone.
+    from polyfsdp.trainer.config.job import load_config
+
+    def described(*overrides):
+        return load_config(list(overrides)).rollout.describe_reward("char_match")
+
+    assert described() == "char_match"
+    assert described("rollout.env=calculator") == "environment calculator"
+    assert described("rollout.env=calculator", "rollout.env_add_reward_fn=true") == "environment calculator + char_match"

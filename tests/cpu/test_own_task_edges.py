@@ -167,3 +167,11 @@ def test_relative_paths_that_miss_say_which_directory_they_were_read_from(tmp_pa
     with pytest.raises(DataError, match=rf"^data.train_files: 't.jsonl' is not a file in the working directory "
                                         rf"{tmp_path}$"):
         build_source(cfg.data, 0)
+
+
+def test_a_file_no_larger_than_the_held_out_share_names_the_fix(tmp_path):
+    # A user's first file is often a handful of records: the default data.eval_size (64) would
+    # hold out all of them; the line says which two keys fix it.
+    with pytest.raises(DataError, match=r"data.eval_size=2 are held out .*lower data.eval_size or give data=files "
+                                        r"data.val_files=\[\.\.\.\]$"):
+        _source(tmp_path, _sort_rows(2))

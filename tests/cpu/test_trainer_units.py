@@ -146,7 +146,10 @@ def test_parquet_without_a_reader_says_what_to_install(tmp_path, monkeypatch):
     (["algo.sft.optim.lr=-1"], "algo.sft.optim.lr: expected a finite number >= 0, got -1"),
     (["algo.actor.optim.lr_scheduler=linear"], "algo.actor.optim.lr_scheduler: got 'linear'; allowed values"),
     (["algo.actor.optim.lr_scheduler=warmup_cosine", "algo.actor.optim.warmup_steps=500"],
-     "algo.actor.optim.warmup_steps: expected <= total_steps=150"),
+     "algo.actor.optim.warmup_steps: expected <= total_steps=150, got 500 (algo.actor.optim.total_steps is null: "
+     "the phase's 150 optimizer steps, from trainer.rl_steps)"),
+    (["algo.sft.optim.lr_scheduler=warmup_cosine", "algo.sft.optim.warmup_steps=50", "algo.sft.optim.total_steps=20"],
+     "algo.sft.optim.warmup_steps: expected <= total_steps=20, got 50"),
     (["+algo.actor.optim.momentum=0.9"], "algo.actor.optim.momentum: unknown key"),
     (["engine.reshard_policy=sometimes"], "engine.reshard_policy: got 'sometimes'; allowed values"),
     (["data=jsonl"], "data.path: a value is required"),

@@ -89,17 +89,22 @@ def _section(cls, where: str, data: Any, nested: dict | None = None):
     return cls(**kwargs)
 
 
-def _optim(where: str, data: Any, phase_steps: int) -> OptimConfig:
-    """A phase's OptimConfig; ``total_steps: null`` means the phase's own step count."""
+def _optim(where: str, data: Any, phase_steps: int, steps_key: str) -> OptimConfig:
+    """A phase's OptimConfig; ``total_steps: null`` means the phase's own step count (from
+    ``steps_key``)."""
     if not isinstance(data, dict):
         raise ConfigError(f"{where}: expected a mapping of optimizer settings, got {data!r}")
     data = dict(data)
-    if data.get("total_steps") is None:
+    derived = data.get("total_steps") is None
+    if derived:
         data["total_steps"] = max(phase_steps, 1)
     try:
         return OptimConfig.from_dict(data, where=where)
     except (ValueError, TypeError) as exc:
-        raise ConfigError(str(exc)) from None
+        # The user never typed the total_steps the message compares with: say where it came from.
+        origin = (f" ({where}.total_steps is null: the phase's {data['total_steps']} optimizer steps, "
+                  f"from {steps_key})") if derived and "total_steps=" in str(exc) else ""
+        raise ConfigError(f"{exc}{origin}") from None
 
 
 def _check_replica_split(t: TrainerSection, algo: AlgoSection, world_size: int, sp_size: int) -> None:
@@ -260,7 +265,7 @@ def build_job_config(raw: dict, world_size: int = 1) -> JobConfig:
     check_choice("algo.name", algo.name, RL_ALGOS + ("sft",))
     if algo.sft is None:
         raise ConfigError("algo.sft: expected a mapping (every algo has an SFT section), got None")
-    algo.sft.optim = _optim("algo.sft.optim", algo.sft.optim, trainer.sft_steps)
+    algo.sft.optim = _optim("algo.sft.optim", algo.sft.optim, trainer.sft_steps, "trainer.sft_steps")
     algo.sft.validate("algo.sft")
     _validate_trainer(trainer, algo)
     _check_replica_split(trainer, algo, world_size, sp_size)
@@ -274,9 +279,11 @@ def build_job_config(raw: dict, world_size: int = 1) -> JobConfig:
             raise ConfigError(f"algo.actor: algo={algo.name} needs its actor section")
         # The schedule counts optimizer steps: several per rollout with mini-batches or epochs.
         updates = algo.actor.updates_per_rollout(trainer.prompts_per_step)
-        algo.actor.optim = _optim("algo.actor.optim", algo.actor.optim, trainer.rl_steps * max(updates, 1))
+        algo.actor.optim = _optim("algo.actor.optim", algo.actor.optim, trainer.rl_steps * max(updates, 1),
+                                  "trainer.rl_steps")
         if algo.critic is not None:
-            algo.critic.optim = _optim("algo.critic.optim", algo.critic.optim, trainer.rl_steps * max(updates, 1))
+            algo.critic.optim = _optim("algo.critic.optim", algo.critic.optim, trainer.rl_steps * max(updates, 1),
+                                   "trainer.rl_steps")
         algo.validate_rl(trainer.prompts_per_step, replicas)
     data = _section(DataSection, "data", raw["data"])
     _validate_data(data)

@@ -87,6 +87,13 @@ class RolloutSection:
     env_add_reward_fn: bool = False
     env_timeout_s: float | None = 60.0
 
+    def describe_reward(self, fn_name: str) -> str:
+        """What scores a completion, for the run's first line: reward.fn, or with an environment
+        its step rewards (plus reward.fn with env_add_reward_fn)."""
+        if not self.env:
+            return fn_name
+        return f"environment {self.env}" + (f" + {fn_name}" if self.env_add_reward_fn else "")
+
 
 @dataclass
 class EvalSection:

@@ -86,7 +86,8 @@ class FileSource:
             self.train_examples, self.eval_examples = list(records), list(eval_records[:eval_size])
         elif len(records) <= eval_size:
             raise DataError(f"{key} {path}: {len(records)} records, but data.eval_size={eval_size} are held out "
-                            f"and at least one is needed for training")
+                            f"and at least one is needed for training: lower data.eval_size or give data=files "
+                            f"data.val_files=[...]")
         else:
             self.train_examples = records[: len(records) - eval_size]
             self.eval_examples = records[len(records) - eval_size:]

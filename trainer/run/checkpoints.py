@@ -1,7 +1,7 @@
 """When and how the job checkpoints: the save of a step (in the background with
 trainer.async_checkpoint), its announcement, and the restore of a phase from a resume point.
 
-What a checkpoint holds is ``run_state.py``'s (:class:`PhaseState`); this module decides when a
+What a checkpoint holds is ``state.py``'s (:class:`PhaseState`); this module decides when a
 save is due, keeps the one background save in flight, and says on stdout which checkpoint is
 complete (``checkpoint saved: PATH (phase P, step S, global step G)``: tests and users read it).
 """

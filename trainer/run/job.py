@@ -167,7 +167,7 @@ class Job:
         return result.reward
 
     def _checkpoint(self, engine: FSDPEngine, phase: str, step: int, global_step: int, wait: bool = False) -> Path:
-        """Save the step's checkpoint: every part of the phase's state (``run_state.py``)."""
+        """Save the step's checkpoint: every part of the phase's state (``state.py``)."""
         batch = self.cfg.trainer.sft_batch_size if phase == "sft" else self.cfg.trainer.prompts_per_step
         position = TrainerPosition(phase, step, global_step, self.world, self.metrics.lines, self.metrics.path,
                                    data_position=step * batch)
@@ -242,8 +242,8 @@ class Job:
     def _run_phases(self, resume: ResumePoint | None) -> dict:
         cfg, out = self.cfg, self.out
         start_dir = cfg.model.path or self._initial_model()
-        _say(f"polyfsdp-train: {cfg.algo.name} on {cfg.data.source} data (reward {self.scorer.name}), "
-             f"backend {self.backend.name}, "
+        _say(f"polyfsdp-train: {cfg.algo.name} on {cfg.data.source} data "
+             f"(reward {cfg.rollout.describe_reward(self.scorer.name)}), backend {self.backend.name}, "
              f"{self.world} rank(s){self._sp_note()}, output {out}" + (f" (resuming {resume.phase} from "
                                                       f"{resume.checkpoint or 'its start'})" if resume else ""))
         first = True
