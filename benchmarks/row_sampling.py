@@ -8,16 +8,12 @@ vocabularies; interleaved per round, prints per shape the median times and their
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
-import sys
 import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from trainer.rollout.row_sampler import RowSampler  # noqa: E402
+from polyfsdp.trainer.rollout.row_sampler import RowSampler
 
 
 def _median_seconds(fn, repeats: int) -> float:
@@ -30,14 +26,15 @@ def _median_seconds(fn, repeats: int) -> float:
     return statistics.median(times)
 
 
-def main() -> None:
+def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--rows", type=int, nargs="+", default=[64, 256])
     parser.add_argument("--vocab", type=int, nargs="+", default=[64, 32768, 151936])
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
+    ratios_by_shape = {}
     print(f"{'vocab':>7} {'rows':>5} {'multinomial ms':>15} {'row generators ms':>18} {'ratio':>6} {'range':>12}")
     for vocab in args.vocab:
         for rows in args.rows:
@@ -54,8 +51,10 @@ def main() -> None:
                 batch.append(took[0])
                 per_row.append(took[1])
             ratios = [p / b for p, b in zip(per_row, batch)]
+            ratios_by_shape[(vocab, rows)] = ratios
             print(f"{vocab:7d} {rows:5d} {statistics.median(batch) * 1e3:15.3f} {statistics.median(per_row) * 1e3:18.3f}"
                   f" {statistics.median(ratios):6.2f} {min(ratios):5.2f}-{max(ratios):.2f}", flush=True)
+    return ratios_by_shape
 
 
 if __name__ == "__main__":
