@@ -1,5 +1,7 @@
 """Generation alone: polyfsdp's decoding loop (trainer/rollout/decode.py) against HF ``generate`` on the
-same rows, model and seed, interleaved per round; also the loop with its levers off in turn
+same rows, model and seed, interleaved per round; the loop drawing from the process generator
+(one multinomial over the batch) and with per-row seeds (trainer/rollout/row_sampler.py, what
+the job samples with); also the loop with its levers off in turn
 (transformers' per-step mask building instead of a ready mask; then also a plain growing
 DynamicCache, which the ready mask needs), to show what each gives. Prints per variant the median time and its ratio to HF per round.
 
@@ -22,18 +24,19 @@ from polyfsdp.engines import EngineConfig, FSDPEngine, ModelConfig  # noqa: E402
 from polyfsdp.trainer.rollout import decode as decode_mod  # noqa: E402
 from polyfsdp.trainer.data.chat import example_prompt_tokens  # noqa: E402
 from polyfsdp.trainer.rollout.generate import _hf_generate, _left_padded  # noqa: E402
+from polyfsdp.trainer.rollout.row_seeds import RowSeeds  # noqa: E402
 from polyfsdp.trainer.data.example import Example
 from polyfsdp.trainer.data.tokenizers import load_tokenizer  # noqa: E402
 
 
-def _loop(model, ids, mask, new_tokens, eos, prealloc: bool, ready_mask: bool):
+def _loop(model, ids, mask, new_tokens, eos, prealloc: bool, ready_mask: bool, row_seeds=None):
     saved = decode_mod._preallocated_cache, decode_mod._ready_mask_ok
     if not prealloc:
         decode_mod._preallocated_cache = lambda m, capacity: decode_mod.DynamicCache(config=m.config)
     if not ready_mask:
         decode_mod._ready_mask_ok = lambda m, cache: False
     try:
-        return decode_mod.decode(model, ids, mask, new_tokens, eos, True, 1.0, True)
+        return decode_mod.decode(model, ids, mask, new_tokens, eos, True, 1.0, True, row_seeds)
     finally:
         decode_mod._preallocated_cache, decode_mod._ready_mask_ok = saved
 
@@ -55,9 +58,11 @@ def main(argv=None) -> dict:
     ids, mask = _left_padded([example_prompt_tokens(tok, e) for e in examples for _ in range(args.group)],
                              tok.pad_token_id)
     pad, eos, n = tok.pad_token_id, tok.eos_token_id, args.new_tokens
+    seeds = RowSeeds(seed=0, step=0).rows(0, args.prompts, args.group)
     variants = {
         "HF generate": lambda: _hf_generate(model, ids, mask, ids.shape[1], pad, eos, n, True, 1.0, True, False),
         "loop": lambda: _loop(model, ids, mask, n, eos, True, True),
+        "loop, per-row seeds (the job's)": lambda: _loop(model, ids, mask, n, eos, True, True, seeds),
         "loop, HF step masks": lambda: _loop(model, ids, mask, n, eos, True, False),
         "loop, growing cache, HF step masks": lambda: _loop(model, ids, mask, n, eos, False, False),
     }
@@ -77,7 +82,8 @@ def main(argv=None) -> dict:
         per_round = [t / b for t, b in zip(ts, base)]
         print(f"{name:<36} median {statistics.median(ts) * 1e3:7.0f} ms   vs HF per round "
               f"{statistics.median(per_round):.2f} [{min(per_round):.2f}-{max(per_round):.2f}]   "
-              f"mean completion {statistics.mean(lengths[name]):.1f} tokens")
+              f"mean completion {statistics.mean(lengths[name]):.1f} tokens, "
+              f"{statistics.median(ts) * 1e3 / statistics.mean(lengths[name]):.1f} ms per mean token")
     return times
 
 

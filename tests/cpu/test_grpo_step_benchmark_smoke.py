@@ -45,5 +45,13 @@ def test_decode_vs_generate_runs_every_variant(capsys, tmp_path, monkeypatch):
 
     times = decode_vs_generate.main(["--rounds", "1", "--prompts", "1", "--group", "2", "--new-tokens", "3",
                                      "--warm-steps", "0"])
-    assert len(times) == 4 and all(len(t) == 1 and t[0] > 0 for t in times.values())
+    assert len(times) == 5 and all(len(t) == 1 and t[0] > 0 for t in times.values())
     assert "vs HF per round" in capsys.readouterr().out
+
+
+def test_row_sampling_times_every_shape(capsys):
+    import row_sampling
+
+    ratios = row_sampling.main(["--rounds", "2", "--rows", "2", "3", "--vocab", "5"])
+    assert sorted(ratios) == [(5, 2), (5, 3)] and all(len(r) == 2 and min(r) > 0 for r in ratios.values())
+    assert "row generators ms" in capsys.readouterr().out
