@@ -11,7 +11,7 @@ from pathlib import Path
 
 from polyfsdp.engines.checkpoint import PendingCheckpoint
 
-from ..config.job import ConfigError
+from ..errors import ConfigError
 from .resume import ResumePoint
 from .state import PhaseState, TrainerPosition
 

@@ -20,7 +20,7 @@ from typing import Any
 
 from polyfsdp.engines.checkpoint import CheckpointError, PendingCheckpoint, checkpoint_parts
 
-from ..config.job import ConfigError
+from ..errors import ConfigError
 from .resume import ResumePoint, load_resume_point
 
 POLICY_PART = "policy"
