@@ -112,3 +112,18 @@ def test_weight_stream_merges_lora_as_peft_does():
     assert max((streamed[k] - expected[k]).abs().max().item() for k in expected) < 1e-6
     base = {k.replace(".base_layer.", "."): v for k, v in model.state_dict().items() if "lora_" not in k}
     assert max((streamed[k] - base[k]).abs().max().item() for k in base) > 1e-3  # the merge changed them
+
+
+@pytest.mark.parametrize("positions,expected", [(4096, 32), (33, 32), (32, 31), (8, 7), (3, 2)])
+def test_the_sync_probe_fits_the_models_positions(positions, expected):
+    from polyfsdp.trainer.rollout.vllm import probe_ids, probe_length
+
+    # vLLM refuses a prompt that leaves no room for the one token every request asks for.
+    assert probe_length(positions) == expected and len(probe_ids(97, probe_length(positions))) == expected
+
+
+def test_a_model_too_short_for_the_probe_is_one_line():
+    from polyfsdp.trainer.rollout.vllm import probe_length
+
+    with pytest.raises(ConfigError, match="the model holds 2 positions .*needs at least 3"):
+        probe_length(2)

@@ -147,3 +147,11 @@ def test_a_model_vllm_cannot_serve_is_one_line_naming_the_fix(engines):
     with pytest.raises(ConfigError, match="vLLM cannot serve this model .*use rollout.engine=auto") as err:
         sampler.generate(policy, TOK, PROMPTS, 4, do_sample=False)
     assert "\n" not in str(err.value)
+
+
+def test_a_model_of_32_positions_starts_and_checks_its_sync(engines):
+    # The sync probe was 32 tokens: vLLM refused it on such a model (prompt + 1 > 32) at start.
+    policy, sampler = engines("llama-tiny", model=(("max_position_embeddings", 32),))
+    completions = sampler.generate(policy, TOK, PROMPTS, 4, do_sample=False)
+    assert len(completions) == len(PROMPTS) and len(sampler.probe) == 31
+    assert sampler.last_sync_error is not None and sampler.last_sync_error <= 1e-5

@@ -74,9 +74,20 @@ class VllmSettings:
         return settings
 
 
-def probe_ids(vocab_size: int) -> list[int]:
+def probe_length(max_model_len: int) -> int:
+    """The sync probe's length on a model of ``max_model_len`` positions: PROBE_LENGTH, or less
+    where vLLM would refuse it (every request asks for at least one token after its prompt);
+    ConfigError where not even 2 tokens (one log-prob) fit."""
+    length = min(PROBE_LENGTH, max_model_len - 1)
+    if length < 2:
+        raise ConfigError(f"rollout.engine=vllm: the model holds {max_model_len} positions (max_position_embeddings, "
+                          f"or rollout.vllm.max_model_len); vLLM's sync probe needs at least 3")
+    return length
+
+
+def probe_ids(vocab_size: int, length: int = PROBE_LENGTH) -> list[int]:
     """A fixed token sequence spread over the vocabulary (the sync check's input)."""
-    return [(7 * i + 3) % vocab_size for i in range(PROBE_LENGTH)]
+    return [(7 * i + 3) % vocab_size for i in range(length)]
 
 
 def policy_probe_log_probs(policy, ids: list[int]) -> list[float]:
@@ -102,6 +113,7 @@ class VllmRolloutEngine(RolloutEngine):
                 raise ConfigError(f"rollout.engine=vllm: {conflict}")
         self.llm = None
         self.model_dir: str | None = None
+        self.probe: list[int] = []        # the sync check's tokens, sized to the model at start
         self.weight_version = 0           # syncs done (the start counts as the first)
         self.last_sync_s: float | None = None
         self.last_sync_error: float | None = None
@@ -116,8 +128,10 @@ class VllmRolloutEngine(RolloutEngine):
         """Write the policy's config and weights to a local directory; start vLLM on it."""
         from safetensors.torch import save_file
 
-        directory = tempfile.mkdtemp(prefix="polyfsdp-vllm-")
         config = copy.deepcopy(policy.module.config)
+        positions = self.settings.max_model_len or getattr(config, "max_position_embeddings", None) or PROBE_LENGTH + 1
+        self.probe = probe_ids(config.vocab_size, probe_length(positions))
+        directory = tempfile.mkdtemp(prefix="polyfsdp-vllm-")
         config.use_cache = True
         # vLLM's copy keeps the output embedding as a weight of its own: reloading a tied
         # input embedding leaves vLLM's LM head (its own processed copy on CPU) stale.
@@ -138,7 +152,7 @@ class VllmRolloutEngine(RolloutEngine):
         self.llm = vllm_adapter.start(options, install=self._install_hint())
         self.model_dir = directory
         try:  # the first forward is where vLLM finds it has no kernel for a model (e.g. its head size)
-            vllm_adapter.prompt_log_probs(self.llm, probe_ids(config.vocab_size))
+            vllm_adapter.prompt_log_probs(self.llm, self.probe)
         except Exception as exc:
             raise vllm_adapter.start_error(exc) from None
         logger.info("vLLM rollout engine started in %.1fs", time.perf_counter() - t0)
@@ -185,7 +199,7 @@ class VllmRolloutEngine(RolloutEngine):
     def check(self, policy) -> float:
         """vLLM's vs the policy's log-probs of the probe: the largest difference; ConfigError
         (one line) beyond ``rollout.check_sync_tol``."""
-        ids = probe_ids(policy.module.config.vocab_size)
+        ids = self.probe
         ours = vllm_adapter.prompt_log_probs(self.llm, ids)
         theirs = policy_probe_log_probs(policy, ids)
         error = max(abs(a - b) for a, b in zip(ours, theirs))
