@@ -34,9 +34,9 @@ import torch.distributed.checkpoint as dcp
 from polyfsdp.backends.distributed import all_gather_object, background_group, barrier, current_rank, current_world_size
 
 from .background import PendingCheckpoint, start_background_save, wait_for_background_save
-from .files import (ALL_SPANS, DCP_METADATA_FILE, CheckpointDamaged, CheckpointError, CheckpointSaveError,
-                               check_checksums, check_manifest, dcp_spans_read, load_plain, read_dcp_metadata,
-                               save_plain, unread_spans, verify_checkpoint, write_manifest)
+from .errors import CheckpointDamaged, CheckpointError, CheckpointSaveError
+from .files import (ALL_SPANS, DCP_METADATA_FILE, check_checksums, check_manifest, dcp_spans_read, load_plain,
+                               read_dcp_metadata, save_plain, unread_spans, verify_checkpoint, write_manifest)
 from .layout import (TMP_PREFIX, TRAINER_STATE_FILE, complete_checkpoints, is_complete,
                                 latest_checkpoint, move_into_place, prune, remove_leftovers, step_dir_name)
 from .parts import CheckpointPart, check_parts, check_plain, rng_state, set_rng_state

@@ -29,6 +29,9 @@ import torch
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
+# Re-exported from here, where callers have always imported them.
+from .errors import CheckpointDamaged, CheckpointError, CheckpointSaveError  # noqa: F401
+
 MANIFEST_FILE = "manifest.json"
 DCP_METADATA_FILE = ".metadata"
 _HASH_CHUNK = 1 << 20
@@ -44,20 +47,6 @@ _DCP_METADATA_GLOBALS = {
     "torch.serialization": ("_get_layout",),
     "pathlib": ("PosixPath", "WindowsPath", "PurePosixPath", "PureWindowsPath"),
 }
-
-
-class CheckpointError(ValueError):
-    """A checkpoint that is missing, incomplete, damaged or not safe to load (one-line message)."""
-
-
-class CheckpointDamaged(CheckpointError):
-    """A checkpoint whose files do not match its manifest (missing, truncated, altered, unlisted):
-    ``trainer.resume=auto`` skips it for an older one."""
-
-
-class CheckpointSaveError(CheckpointError, OSError):
-    """A save that failed (a full disk, an unwritable directory) on some rank; raised on every
-    rank, after the partial save is removed. Also an OSError: it is one."""
 
 
 def _sha256(path: Path, start: int = 0, length: int | None = None) -> str:
