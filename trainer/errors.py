@@ -7,7 +7,7 @@ that happens to raise them, and no import circle forms through an error class. T
 
 The engine's and the backends' own errors stay with them (lower layers never import the trainer):
 ``polyfsdp.engines.config.ConfigFieldError`` (a bad engine/model/optimizer field),
-``polyfsdp.engines.checkpoint.files.CheckpointError`` (a damaged or unwritable checkpoint) and
+``polyfsdp.engines.checkpoint.errors.CheckpointError`` (a damaged or unwritable checkpoint) and
 ``polyfsdp.backends.BackendUnavailableError`` (a backend this host cannot run).
 """
 from __future__ import annotations

@@ -18,8 +18,9 @@ renames it into place and replaces ``latest`` atomically; older checkpoints beyo
 deleted only after that. So a crash at any point leaves ``latest`` naming a complete checkpoint;
 so too for a save finishing in the background (``background=True``, ``background.py``),
 whose commit waits for the write. Loading checks the manifest and reads every pickle with an
-allow-list (``files.py``): a damaged or crafted checkpoint is a :class:`CheckpointError`,
-and nothing in it executes. Hugging Face export: ``hf_export.py`` (re-exported here).
+allow-list (``files.py``), and reads no file outside the checkpoint (``paths.py``): a damaged
+or crafted checkpoint is a :class:`CheckpointError`, and nothing in it executes. Hugging Face
+export: ``hf_export.py`` (re-exported here).
 """
 from __future__ import annotations
 
@@ -34,9 +35,10 @@ import torch.distributed.checkpoint as dcp
 from polyfsdp.backends.distributed import all_gather_object, background_group, barrier, current_rank, current_world_size
 
 from .background import PendingCheckpoint, start_background_save, wait_for_background_save
-from .files import (ALL_SPANS, DCP_METADATA_FILE, CheckpointDamaged, CheckpointError, CheckpointSaveError,
-                               check_checksums, check_manifest, dcp_spans_read, load_plain, read_dcp_metadata,
-                               save_plain, unread_spans, verify_checkpoint, write_manifest)
+from .errors import CheckpointDamaged, CheckpointError, CheckpointSaveError
+from .files import (ALL_SPANS, DCP_METADATA_FILE, check_checksums, check_manifest, dcp_spans_read, load_plain,
+                               read_dcp_metadata, save_plain, unread_spans, verify_checkpoint, write_manifest)
+from .paths import check_shard_files
 from .layout import (TMP_PREFIX, TRAINER_STATE_FILE, complete_checkpoints, is_complete,
                                 latest_checkpoint, move_into_place, prune, remove_leftovers, step_dir_name)
 from .parts import CheckpointPart, check_parts, check_plain, rng_state, set_rng_state
@@ -187,7 +189,8 @@ def load_checkpoint(
     ``directory`` is a checkpoint root (its latest complete checkpoint is used) or one
     ``step_*`` directory. Collective: every rank calls it, on any world size: DCP reshards the
     model and optimizer to this one. Before anything loads, every rank checks the manifest's
-    list and sizes and hashes what it reads (``.metadata``, ``trainer_state.pt``, its RNG file,
+    list and sizes, that every path the checkpoint names is a file of its own the manifest
+    lists (no symbolic link, no shard file elsewhere), and hashes what it reads (``.metadata``, ``trainer_state.pt``, its RNG file,
     the items of the shard files its load plan reads); rank 0 also hashes what no rank reads. A
     problem anywhere is one :class:`CheckpointError` (:class:`CheckpointDamaged` for damage) on
     every rank. RNG states are restored only on the world size that saved them (a rank of
@@ -229,7 +232,9 @@ def load_checkpoint(
         state = main.state_to_load(trainer_state, path)
         part_states = {name: part.state_to_load(saved_parts[name], path) for name, part in parts.items()}
         full_state = {**state, "parts": part_states} if parts else state
-        shards = dcp_spans_read(full_state, read_dcp_metadata(path), expected)
+        metadata = read_dcp_metadata(path)  # refuses shard names that leave the checkpoint
+        check_shard_files(path, metadata, expected)
+        shards = dcp_spans_read(full_state, metadata, expected)
     except CheckpointError as exc:
         failure = (str(exc), isinstance(exc, CheckpointDamaged))
     # One verdict for all ranks: each hashes the items of the shard files it reads, rank 0 also

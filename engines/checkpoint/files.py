@@ -11,6 +11,9 @@ shards (``torch.load(weights_only=False)``); :class:`SafeDcpReader` and :class:`
 replace both reads. The metadata allow-list names exact classes, never a module prefix: DCP's
 modules re-export standard-library callables (``operator.attrgetter`` and friends are classes), and
 a protocol-4 pickle reaches them through dotted names.
+
+A crafted directory could also aim a read outside the checkpoint: every path it names obeys
+``paths.py`` (its own files only, no symbolic link), checked before anything is read.
 """
 from __future__ import annotations
 
@@ -29,8 +32,11 @@ import torch
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
-MANIFEST_FILE = "manifest.json"
-DCP_METADATA_FILE = ".metadata"
+# The errors and the file names are re-exported from here, where callers have always imported them.
+from .errors import CheckpointDamaged, CheckpointError, CheckpointSaveError  # noqa: F401
+from .paths import (DCP_METADATA_FILE, MANIFEST_FILE, check_listed_name, check_shard_files, check_shard_names,
+                    refuse_link)
+
 _HASH_CHUNK = 1 << 20
 # The exact globals a DCP .metadata pickle may name: the dataclasses and enum DCP's Metadata is
 # made of, tensor sizes and layouts, and the checkpoint's path (storage metadata); dtypes besides.
@@ -44,20 +50,6 @@ _DCP_METADATA_GLOBALS = {
     "torch.serialization": ("_get_layout",),
     "pathlib": ("PosixPath", "WindowsPath", "PurePosixPath", "PureWindowsPath"),
 }
-
-
-class CheckpointError(ValueError):
-    """A checkpoint that is missing, incomplete, damaged or not safe to load (one-line message)."""
-
-
-class CheckpointDamaged(CheckpointError):
-    """A checkpoint whose files do not match its manifest (missing, truncated, altered, unlisted):
-    ``trainer.resume=auto`` skips it for an older one."""
-
-
-class CheckpointSaveError(CheckpointError, OSError):
-    """A save that failed (a full disk, an unwritable directory) on some rank; raised on every
-    rank, after the partial save is removed. Also an OSError: it is one."""
 
 
 def _sha256(path: Path, start: int = 0, length: int | None = None) -> str:
@@ -167,6 +159,7 @@ def check_manifest(path: str | os.PathLike) -> dict[str, ManifestEntry]:
     :class:`CheckpointDamaged` naming the first problem."""
     path = Path(path)
     manifest = path / MANIFEST_FILE
+    refuse_link(path, MANIFEST_FILE)
     if not manifest.is_file():
         raise CheckpointDamaged(f"{path}: no {MANIFEST_FILE} (an incomplete save, or written by a polyfsdp "
                                 f"older than checkpoint manifests)")
@@ -180,8 +173,8 @@ def check_manifest(path: str | os.PathLike) -> dict[str, ManifestEntry]:
                                 f"unlisted): damaged, or not written by polyfsdp")
     for name, entry in expected.items():
         file = path / name
-        if Path(name).name != name:
-            raise CheckpointDamaged(f"{manifest}: lists {name!r}, which is not a file name")
+        check_listed_name(manifest, name)
+        refuse_link(path, name)
         if not file.is_file():
             raise CheckpointDamaged(f"{path}: {name} is missing")
         actual = file.stat().st_size
@@ -230,9 +223,13 @@ def unread_spans(expected: dict[str, ManifestEntry], reads: list[dict]) -> dict[
 def verify_checkpoint(path: str | os.PathLike) -> None:
     """Raise :class:`CheckpointDamaged` naming the first problem unless the manifest lists every
     file of the checkpoint and each is present with its size and checksum (hashes every file:
-    a load hashes only what each rank reads, ``checkpoint.load_checkpoint``)."""
+    a load hashes only what each rank reads, ``checkpoint.load_checkpoint``); a
+    :class:`CheckpointError` when a path it names leaves the checkpoint (a symbolic link, a shard
+    file of ``.metadata`` that is not one the manifest lists)."""
+    path = Path(path)
     expected = check_manifest(path)
     check_checksums(path, expected, dict.fromkeys(expected, ALL_SPANS))
+    check_shard_files(path, read_dcp_metadata(path), expected)
 
 
 def remove_path(path: Path) -> None:
@@ -286,7 +283,11 @@ def read_dcp_metadata(path: Path):
     file = path / DCP_METADATA_FILE
     try:
         with open(file, "rb") as f:
-            return _DcpMetadataUnpickler(f).load()
+            metadata = _DcpMetadataUnpickler(f).load()
+        check_shard_names(file, metadata)
+        return metadata
+    except CheckpointError:
+        raise
     except FileNotFoundError:
         raise CheckpointError(f"{path}: {DCP_METADATA_FILE} is missing") from None
     except pickle.UnpicklingError as exc:
@@ -296,7 +297,8 @@ def read_dcp_metadata(path: Path):
 
 
 class SafeDcpReader(FileSystemReader):
-    """torch's filesystem reader, with ``.metadata`` read through the allow-list."""
+    """torch's filesystem reader, with ``.metadata`` read through the allow-list and shard files
+    only ever read from the checkpoint itself."""
 
     def read_metadata(self, *args: Any, **kwargs: Any):
         metadata = read_dcp_metadata(Path(self.path))
@@ -307,6 +309,12 @@ class SafeDcpReader(FileSystemReader):
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = getattr(self, "load_id", None)
         return metadata
+
+    def set_up_storage_reader(self, metadata, *args: Any, **kwargs: Any) -> None:
+        # Every rank reads with the metadata the coordinator read (and checked) and broadcast:
+        # checked again here, where the shard names it reads from are taken.
+        check_shard_names(Path(self.path) / DCP_METADATA_FILE, metadata)
+        super().set_up_storage_reader(metadata, *args, **kwargs)
 
 
 class SafeDcpLoadPlanner(DefaultLoadPlanner):
@@ -331,13 +339,13 @@ def dcp_spans_read(state: dict, metadata, expected: dict[str, ManifestEntry]) ->
     """The manifest spans of each shard file that a ``dcp.load`` of ``state`` (this rank's state
     dict) reads, by the plan torch's load planner makes for it against ``metadata``
     (:func:`read_dcp_metadata`): on another world size a rank's rows span items of several saved
-    files, and a replicated item (an optimizer step count) DCP stored once sits in one of them."""
+    files, and a replicated item (an optimizer step count) DCP stored once sits in one of them.
+    Every shard file must be one the manifest lists (:func:`check_shard_files`, called first)."""
     planner = SafeDcpLoadPlanner()
     planner.set_up_planner(state, metadata, is_coordinator=False)
     spans: dict[str, set[int]] = {}
     for item in planner.create_local_plan().items:
         where = metadata.storage_data[item.storage_index]
-        entry = expected.get(where.relative_path)
-        if entry is not None:  # a file the manifest lacks is refused by check_manifest already
-            spans.setdefault(where.relative_path, set()).update(entry.spans_over(where.offset, where.length))
+        entry = expected[where.relative_path]
+        spans.setdefault(where.relative_path, set()).update(entry.spans_over(where.offset, where.length))
     return spans

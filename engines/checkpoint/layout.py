@@ -10,6 +10,9 @@ Layout of a checkpoint root::
 Only this module names, renames or deletes checkpoint directories and the ``latest`` pointer;
 what goes inside one is ``__init__.py``'s (the save and load) and ``files.py``'s
 (the manifest). A crash at any point leaves ``latest`` naming a complete checkpoint.
+
+A checkpoint root may come from someone else: ``latest`` is followed only to a ``step_*``
+directory of the root itself (not a symbolic link), whatever else it names is refused.
 """
 from __future__ import annotations
 
@@ -18,6 +21,8 @@ import os
 import re
 import shutil
 from pathlib import Path
+
+from .errors import CheckpointError
 
 logger = logging.getLogger(__name__)
 
@@ -66,17 +71,35 @@ def complete_checkpoints(directory: Path) -> list[Path]:
     return sorted(found, key=lambda p: int(STEP_DIR.match(p.name).group(1)))
 
 
+def _pointed(directory: Path, pointer: Path) -> Path:
+    """The directory ``pointer`` (a ``latest``) names: a ``step_*`` of ``directory`` itself, no
+    symbolic link on the way; anything else (an absolute or ``../..`` path, a link to elsewhere)
+    is a :class:`CheckpointError` naming the pointer."""
+    refused = "refused: a run's checkpoints are read only from its own directory"
+    if pointer.is_symlink():
+        raise CheckpointError(f"{pointer}: a symbolic link (to {os.readlink(pointer)}); {refused}")
+    name = pointer.read_text().strip()
+    if STEP_DIR.match(name) is None:
+        raise CheckpointError(f"{pointer}: names {name!r}, which is not a step_* checkpoint of {directory}; {refused}")
+    target = directory / name
+    if target.is_symlink():
+        raise CheckpointError(f"{pointer}: names {name}, a symbolic link (to {os.readlink(target)}); {refused}")
+    return target
+
+
 def latest_checkpoint(directory: str | os.PathLike) -> Path | None:
     """The checkpoint ``latest`` names, or the newest complete one if the pointer is missing
-    or stale; None when there is none. Temporary (in-progress or crashed) saves are ignored."""
+    or stale; None when there is none. Temporary (in-progress or crashed) saves are ignored,
+    and so is, when scanning, a ``step_*`` that is a symbolic link; a pointer naming anything
+    but a ``step_*`` directory of ``directory`` is refused (:func:`_pointed`)."""
     directory = Path(directory)
     pointer = directory / LATEST_FILE
-    if pointer.is_file():
-        target = directory / pointer.read_text().strip()
+    if pointer.is_file() or pointer.is_symlink():
+        target = _pointed(directory, pointer)
         if is_complete(target):
             return target
         logger.warning("%s names %s, which is not a complete checkpoint; scanning instead", pointer, target)
-    found = complete_checkpoints(directory)
+    found = [p for p in complete_checkpoints(directory) if not p.is_symlink()]
     return found[-1] if found else None
 
 

@@ -15,7 +15,8 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from polyfsdp.backends.distributed import all_gather_object, all_gather_object_in, barrier, current_rank
 
-from .files import CheckpointError, CheckpointSaveError, SafeDcpLoadPlanner, SafeDcpReader
+from .errors import CheckpointError, CheckpointSaveError
+from .files import SafeDcpLoadPlanner, SafeDcpReader
 from .layout import latest_checkpoint
 
 

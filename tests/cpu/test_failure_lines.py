@@ -129,18 +129,18 @@ def test_symbolic_links_to_an_old_export_and_checkpoint_are_replaced_not_followe
     (elsewhere / "export").mkdir(parents=True)
     (elsewhere / "export" / "keep.txt").write_text("kept")
     out = tmp_path / "out"
-    base = [*TINY, "algo=sft", "trainer.plot=false", "trainer.checkpoint_interval=1", "trainer.keep_checkpoints=1",
-            f"trainer.output_dir={out}"]
-    assert main([*base, "trainer.export=false"]) == 0
+    base = [*TINY, "algo=sft", "trainer.plot=false", "trainer.checkpoint_interval=1", f"trainer.output_dir={out}"]
+    assert main([*base, "trainer.keep_checkpoints=2", "trainer.export=false"]) == 0
     sft = out / "checkpoints" / "sft"
-    # The newest checkpoint moved to other storage, linked back; the export a link to an old one.
-    os.replace(sft / "step_000002", elsewhere / "step_000002")
-    (sft / "step_000002").symlink_to(elsewhere / "step_000002")
+    # An old checkpoint moved to other storage, linked back; the export a link to an old one. (Not
+    # the newest: a run resumes only from checkpoints inside its directory, test_checkpoint_paths.py.)
+    os.replace(sft / "step_000001", elsewhere / "step_000001")
+    (sft / "step_000001").symlink_to(elsewhere / "step_000001")
     (out / "final").symlink_to(elsewhere / "export")
-    code = main([*base, "trainer.sft_steps=3"])
+    code = main([*base, "trainer.keep_checkpoints=1", "trainer.sft_steps=3"])
     assert code == 0, _error_lines(capsys)
     assert sorted(p.name for p in sft.iterdir()) == ["latest", "step_000003"]  # the link pruned, not its target
-    assert (elsewhere / "step_000002").is_dir() and (elsewhere / "export" / "keep.txt").read_text() == "kept"
+    assert (elsewhere / "step_000001").is_dir() and (elsewhere / "export" / "keep.txt").read_text() == "kept"
     assert not (out / "final").is_symlink() and (out / "final" / "config.json").is_file()
 
 

@@ -6,6 +6,7 @@ stream or the updates (its checkpoints would be loaded while config.yaml claimed
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -90,16 +91,30 @@ def intact_checkpoints(phase_dir: Path, say=print) -> list[Path]:
     """The checkpoints of ``phase_dir`` whose manifest's file list and sizes check out, the one
     ``latest`` names first, then newest first; each that does not is skipped with a line saying
     why (a save cut short by a full disk, a truncated copy). Reads no file's content: the load
-    hashes what each rank reads, and :func:`load_resume_point` falls back past a damaged one."""
-    pointed = latest_checkpoint(phase_dir)  # ``latest`` first: a run restarted from an earlier step re-points it
+    hashes what each rank reads, and :func:`load_resume_point` falls back past a damaged one.
+    A run directory may be crafted: a ``latest`` naming anything but a ``step_*`` directory of
+    ``phase_dir``, or a checkpoint whose paths leave it (a file that is a symbolic link, a
+    manifest naming a path), is refused in one line; a ``step_*`` that is a symbolic link is
+    skipped (its files would come from outside the run)."""
+    try:
+        # ``latest`` first: a run restarted from an earlier step re-points it.
+        pointed = latest_checkpoint(phase_dir)
+    except CheckpointError as exc:
+        raise ConfigError(f"trainer.resume=auto: {exc}") from None
     newest_first = [p for p in reversed(complete_checkpoints(phase_dir)) if p != pointed]
     found = []
     for candidate in ([pointed] if pointed is not None else []) + newest_first:
+        if candidate.is_symlink():
+            say(f"trainer.resume=auto: skipping {candidate}: a symbolic link (to {os.readlink(candidate)}); a run's "
+                f"checkpoints are read only from its own directory")
+            continue
         try:
             check_manifest(candidate)
-        except CheckpointError as exc:
+        except CheckpointDamaged as exc:
             say(f"trainer.resume=auto: skipping {candidate}: {exc}")
             continue
+        except CheckpointError as exc:
+            raise ConfigError(f"trainer.resume=auto: {exc}") from None
         found.append(candidate)
     return found
 
