@@ -9,6 +9,10 @@ the run's ``config.yaml``) they default to that run's, so ``polyfsdp-eval runs/a
 scores the same held-out prompts the run did; overrides change them (``eval.n_samples=8
 eval.temperature=1.0``, ``data=files data.val_files=[test.jsonl]``). Under ``torchrun`` every
 rank evaluates its share and rank 0 prints.
+
+A run directory may be someone else's, so its config.yaml is data (trainer/config/saved_run.py):
+its ``${...}`` stay literal strings, and code it names (``reward.fn=FILE.py:NAME`` ...) is
+imported only when the user names it on the command line or passes ``--trust-run-code``.
 """
 from __future__ import annotations
 
@@ -17,19 +21,23 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from .config.composition import GROUPS, compose, to_container, upgrade_saved_config
+from .config.composition import GROUPS, compose, to_container
+from .config.saved_run import TRUST_FLAG, apply_overrides, load_saved_config, refuse_saved_code
 from .errors import ConfigError
 from .rollout.row_seeds import step_seed
 
 PROG = "polyfsdp-eval"
-USAGE = """usage: polyfsdp-eval MODEL_DIR [KEY=VALUE ...] [--json FILE]
+USAGE = """usage: polyfsdp-eval MODEL_DIR [KEY=VALUE ...] [--json FILE] [--trust-run-code]
 
 Evaluates the Hugging Face model in MODEL_DIR (or a run's checkpoint) on the held-out prompts
 of the data config (a run's export or checkpoint: that run's data, reward and eval settings
-unless overridden).
+unless overridden; its config.yaml is read as data, ${...} left unresolved).
   --json FILE  where to write the results (default: a run's RUN/eval/<what>.json, e.g.
                runs/a/eval/final.json; outside a run MODEL_DIR.eval.json next to it); a file
                holding another model's results is never overwritten
+  --trust-run-code  import the code the run's config.yaml names (reward.fn, rollout.env,
+               algo.adv_estimator, algo.actor.policy_loss as FILE.py:NAME or module:NAME);
+               without it such a key is refused unless given on the command line
 Examples:
   polyfsdp-eval runs/a/final
   polyfsdp-eval runs/a/final eval.n_samples=8 eval.temperature=1.0
@@ -126,12 +134,10 @@ def locate_model(path: Path) -> ModelToEvaluate:
     return ModelToEvaluate(path, _run_dir(path.parent))
 
 
-def eval_config(model: ModelToEvaluate, overrides: list[str], world_size: int = 1):
+def eval_config(model: ModelToEvaluate, overrides: list[str], world_size: int = 1, trust_run_code: bool = False):
     """The JobConfig to evaluate ``model`` with: its run's config (or the defaults) with
-    ``overrides`` applied; ``model.path`` is the directory the weights come from."""
-    from omegaconf import OmegaConf
-    from omegaconf.errors import OmegaConfBaseException
-
+    ``overrides`` applied; ``model.path`` is the directory the weights come from. The run's
+    config is data (config/saved_run.py): code it names is refused unless ``trust_run_code``."""
     from .config.job import build_job_config
 
     bad = [o for o in overrides if "=" not in o]
@@ -141,18 +147,15 @@ def eval_config(model: ModelToEvaluate, overrides: list[str], world_size: int = 
     if model.run_dir is None:
         raw = to_container(compose([*overrides, f"model.path={weights}"]))
     else:
-        raw = upgrade_saved_config(OmegaConf.to_container(OmegaConf.load(model.run_dir / "config.yaml")))
+        raw = load_saved_config(model.run_dir / "config.yaml")
         groups = {o.partition("=")[0] for o in overrides if o.partition("=")[0] in GROUPS}
         for group in groups:
             # A group choice (data=files): that option's section, composed as polyfsdp-train would.
             mine = [o for o in overrides if o.partition("=")[0] == group or o.startswith(group + ".")]
             raw[group] = to_container(compose(mine))[group]
         keys = [o for o in overrides if o.partition("=")[0] not in groups and o.split(".")[0] not in groups]
-        try:
-            raw = OmegaConf.to_container(OmegaConf.merge(OmegaConf.create(raw), OmegaConf.from_dotlist(keys)),
-                                         resolve=True)
-        except OmegaConfBaseException as exc:
-            raise ConfigError(" ".join(str(exc).split())) from None
+        raw = apply_overrides(raw, keys)
+        refuse_saved_code(raw, [o.partition("=")[0] for o in overrides], model.run_dir / "config.yaml", trust_run_code)
         if model.checkpoint is not None and raw["model"].get("path") and (model.phase == "sft" or
                                                                          not raw["trainer"].get("sft_steps")):
             weights = Path(raw["model"]["path"])  # the run started from this local model, not init_model/
@@ -179,9 +182,10 @@ def _take_json_flag(args: list[str]) -> tuple[str | None, list[str]]:
     return path, rest
 
 
-def evaluate_model(model_dir: Path, overrides: list[str], json_path: str | None) -> dict:
+def evaluate_model(model_dir: Path, overrides: list[str], json_path: str | None, trust_run_code: bool = False) -> dict:
     """Build the engine on ``model_dir``, evaluate, print (rank 0) and write the JSON (to
-    ``json_path``, default :func:`default_json_path`); returns it."""
+    ``json_path``, default :func:`default_json_path`); returns it. ``trust_run_code``: import
+    the code the run's config.yaml names (:func:`eval_config`)."""
     from polyfsdp.backends.distributed import current_rank
     from polyfsdp.backends.topology import launch_env
 
@@ -198,7 +202,7 @@ def evaluate_model(model_dir: Path, overrides: list[str], json_path: str | None)
         raise ConfigError(f"MODEL_DIR {str(model_dir)!r} holds LoRA adapters only (trainer.export_lora=adapter): "
                           f"evaluate the run's checkpoint instead (polyfsdp-eval {run_dir}/checkpoints/rl)")
     model = locate_model(model_dir)
-    cfg = eval_config(model, overrides, world_size=launch_env().world_size)
+    cfg = eval_config(model, overrides, world_size=launch_env().world_size, trust_run_code=trust_run_code)
     target = Path(json_path) if json_path is not None else default_json_path(model)
     check_json_target(target, model)  # before the model is built: a refusal costs nothing
     job = Job(cfg)  # the trainer's tokenizer, data, reward and checks; nothing is written
@@ -245,6 +249,10 @@ def main(argv: list[str] | None = None) -> int:
         print(USAGE)
         return 0 if args else 2
     json_path, args = _take_json_flag(args)
+    trust_run_code = TRUST_FLAG in args
+    args = [a for a in args if a != TRUST_FLAG]
+    if not args:
+        return _error(ConfigError("MODEL_DIR is missing (see --help)"), PROG)
     if args[0].startswith("-") or "=" in args[0]:
         return _error(ConfigError(f"the first argument is MODEL_DIR, got {args[0]!r} (see --help)"), PROG)
     _setup_logging()
@@ -252,7 +260,7 @@ def main(argv: list[str] | None = None) -> int:
 
     owned_group, status = not dist.is_initialized(), 0
     try:
-        evaluate_model(Path(args[0]).resolve(), args[1:], json_path)
+        evaluate_model(Path(args[0]).resolve(), args[1:], json_path, trust_run_code=trust_run_code)
     except (ConfigError, DataError, BackendUnavailableError, RankError) as exc:
         status = _error(exc, PROG)
     if owned_group:

@@ -230,6 +230,8 @@ def test_resume_after_sigkill_continues_the_same_curve(tmp_path, algo):
     resumed = _cli(*overrides, f"trainer.output_dir={out}", "trainer.resume=auto")
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     assert "resuming rl from" in resumed.stdout
+    # The kill left the run's lock behind: taken over, since its process is gone.
+    assert f"took over the lock of a run that ended without releasing it (pid {proc.pid} on host" in resumed.stdout
     records = read_metrics(str(out / "metrics.jsonl"))
     assert [(r["phase"], r.get("step"), r.get("tag")) for r in records] == \
         [(r["phase"], r.get("step"), r.get("tag")) for r in reference]

@@ -18,6 +18,12 @@ def first_line(exc: BaseException) -> str:
     return text.splitlines()[0] if text else ""
 
 
+def names_code(spec) -> bool:
+    """Whether ``spec`` would import something: only ``TARGET:NAME`` does (:func:`load_object`),
+    and no built-in name holds a colon."""
+    return isinstance(spec, str) and ":" in spec
+
+
 def _load_file(path: str, key: str, spec: str):
     if not os.path.isfile(path):
         # Relative paths are read from where polyfsdp-train was started, not from the data's folder.

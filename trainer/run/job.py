@@ -2,6 +2,7 @@
 
 Output directory layout::
 
+    run.lock             held while a run writes here: a second run is refused (trainer/output_dir_lock.py)
     config.yaml          the resolved configuration
     metrics.jsonl        one record per step / evaluation (rank 0)
     generations.jsonl    trainer.log_val_generations: the first prompts' completions at each evaluation
@@ -45,6 +46,7 @@ from ..errors import ConfigError, Preempted, TrackerStartError
 from ..evaluation.held_out import GENERATION_COLUMNS, EvalSettings, evaluate
 from ..rollout.flat_sampling import flat_sampling_warning
 from ..evaluation.generations_log import GENERATIONS_FILE, GenerationsLog
+from ..output_dir_lock import hold_output_dir
 from .checkpoints import JobCheckpoints
 from .job_data import load_job_data
 from ..tracking.metrics import METRICS_FILE, MetricsLogger
@@ -200,7 +202,8 @@ class Job:
     def run(self) -> dict:
         """Run (or continue) the job; returns the held-out rewards by tag."""
         try:
-            return self._run()
+            with hold_output_dir(self.out, say=_say):  # before anything is written, until any exit
+                return self._run()
         finally:
             self.sampler.close()  # before the process group goes: a vLLM engine's groups hang off it
 

@@ -1,0 +1,94 @@
+"""``polyfsdp-eval RUN/final`` on a run directory that is not the user's (shared, downloaded): its
+config.yaml is data. Code it names (``reward.fn``, ``rollout.env``, ``algo.adv_estimator``,
+``algo.actor.policy_loss`` as FILE.py:NAME) is not imported unless the user names it on the command
+line or passes --trust-run-code, and its ``${oc.env:...}`` interpolations are not resolved.
+
+Each crafted directory is a real run's (config.yaml, metrics.jsonl, final/) with one key changed;
+the payloads are a file created on import and an environment variable standing for a secret."""
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import yaml
+from omegaconf import OmegaConf
+
+from polyfsdp.trainer.eval_cli import main as eval_main
+from polyfsdp.trainer.train import main as train_main
+
+SECRET_VARIABLE, SECRET = "POLYFSDP_TEST_SECRET", "s3cret-token-of-the-reader"
+# What each code key's file must define for its import to be attempted; creating the marker is the payload.
+USER_CODE_KEYS = {"reward.fn": "score", "rollout.env": "Env", "algo.adv_estimator": "estimate",
+                  "algo.actor.policy_loss": "loss"}
+
+
+@pytest.fixture(scope="module")
+def genuine_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("saved_run") / "run"
+    assert train_main(["trainer.sft_steps=1", "trainer.rl_steps=0", "trainer.sft_batch_size=4", "data.eval_size=4",
+                       "trainer.progress=off", "trainer.plot=false", f"trainer.output_dir={out}"]) == 0
+    return out
+
+
+def crafted_run(genuine, where, key: str, value: str):
+    """A copy of ``genuine``'s config.yaml, metrics.jsonl and final/ in ``where``, with ``key`` set to ``value``."""
+    run = where / "downloaded_run"
+    run.mkdir()
+    shutil.copy(genuine / "metrics.jsonl", run)
+    shutil.copytree(genuine / "final", run / "final")
+    config = yaml.safe_load((genuine / "config.yaml").read_text())
+    *sections, leaf = key.split(".")
+    node = config
+    for section in sections:
+        node = node[section]
+    node[leaf] = value
+    (run / "config.yaml").write_text(yaml.safe_dump(config))
+    return run
+
+
+def code_file(where, marker) -> str:
+    """A Python file that creates ``marker`` when imported (and defines every name USER_CODE_KEYS uses)."""
+    path = where / "authors_code.py"
+    path.write_text(f"open({str(marker)!r}, 'w').close()\n"
+                    "def score(*args, **kwargs):\n    return 0.0\n"
+                    "estimate = loss = score\n"
+                    "class Env:\n    def reset(self, example):\n        return []\n"
+                    "    def step(self, text):\n        return None\n")
+    return str(path)
+
+
+@pytest.mark.parametrize("key", list(USER_CODE_KEYS))
+def test_code_a_saved_config_names_is_not_imported(genuine_run, tmp_path, capsys, key):
+    marker = tmp_path / "imported"
+    spec = f"{code_file(tmp_path, marker)}:{USER_CODE_KEYS[key]}"
+    run = crafted_run(genuine_run, tmp_path, key, spec)
+    status = eval_main([str(run / "final")])
+    assert not marker.exists()
+    err = capsys.readouterr().err.strip()
+    assert status == 2 and "\n" not in err and err.startswith("polyfsdp-eval: error: "), err
+    assert f"names code to import ({key}={spec})" in err and "--trust-run-code" in err, err
+    # Negative control: the same directory with the flag that trusts it imports the author's code.
+    eval_main([str(run / "final"), "--trust-run-code"])
+    assert marker.exists()
+
+
+def test_code_named_on_the_command_line_is_the_users_own(genuine_run, tmp_path):
+    marker = tmp_path / "imported"
+    spec = f"{code_file(tmp_path, marker)}:score"
+    run = crafted_run(genuine_run, tmp_path, "reward.fn", spec)
+    assert eval_main([str(run / "final"), f"reward.fn={spec}"]) == 0
+    assert marker.exists()
+    assert json.loads((run / "eval" / "final.json").read_text())["metrics"]["reward"] == 0.0  # its score ran
+
+
+def test_a_saved_interpolation_stays_a_literal_string(genuine_run, tmp_path, monkeypatch):
+    monkeypatch.setenv(SECRET_VARIABLE, SECRET)
+    interpolation = "${oc.env:" + SECRET_VARIABLE + "}"
+    run = crafted_run(genuine_run, tmp_path, "data.prompt_key", interpolation)  # unused by the built-in task
+    # Negative control: plain OmegaConf resolves the saved file into the reader's secret.
+    assert OmegaConf.to_container(OmegaConf.load(run / "config.yaml"), resolve=True)["data"]["prompt_key"] == SECRET
+    assert eval_main([str(run / "final")]) == 0
+    written = (run / "eval" / "final.json").read_text()
+    assert SECRET not in written
+    assert json.loads(written)["data"]["prompt_key"] == interpolation

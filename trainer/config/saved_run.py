@@ -1,0 +1,83 @@
+"""A run's saved ``config.yaml``, read as data: ``polyfsdp-eval RUN/final`` evaluates run directories
+that may be someone else's (shared, downloaded), so nothing in one runs on the reader's machine.
+
+- :func:`load_saved_config`: the YAML as a plain dict. Interpolations (``${oc.env:TOKEN}``,
+  ``${oc.decode:...}``, any resolver) stay the literal strings they are: polyfsdp-train saves
+  its config resolved, so a ``${`` in one was put there by hand, and resolving it would copy the
+  reader's environment (a secret token) into the results.
+- :func:`apply_overrides`: the user's ``KEY=VALUE`` overrides on top, resolved on their own
+  (they are the user's; the saved values they sit beside are not).
+- :func:`refuse_saved_code`: a key naming code to import (``reward.fn=FILE.py:NAME`` ...) that
+  comes from the saved config, not the command line, is one ConfigError unless the user passed
+  :data:`TRUST_FLAG`.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+from ..errors import ConfigError
+from .composition import upgrade_saved_config
+from .plugins import names_code
+
+# Every key whose value plugins.py imports (trainer/rewards/reward_fn.py, trainer/rollout/
+# environments.py, trainer/algos/estimators.py, trainer/algos/policy_losses.py).
+USER_CODE_KEYS = ("reward.fn", "rollout.env", "algo.adv_estimator", "algo.actor.policy_loss")
+TRUST_FLAG = "--trust-run-code"
+
+
+def load_saved_config(path: Path) -> dict:
+    """``path`` (a run's config.yaml) as a plain dict, nothing resolved, the renamed keys under
+    their new names; a file that is not a YAML mapping is one ConfigError."""
+    import yaml
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    try:
+        raw = OmegaConf.to_container(OmegaConf.load(path), resolve=False)
+    except (OSError, yaml.YAMLError, OmegaConfBaseException) as exc:
+        raise ConfigError(f"{path}: cannot read it as the run's configuration: {exc}") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path}: expected a mapping of config groups, got {type(raw).__name__}")
+    return upgrade_saved_config(raw)
+
+
+def _merged(base, update):
+    if isinstance(base, dict) and isinstance(update, dict):
+        return {**base, **{key: _merged(base.get(key), value) for key, value in update.items()}}
+    return update
+
+
+def apply_overrides(raw: dict, keys: list[str]) -> dict:
+    """``raw`` with the ``KEY=VALUE`` overrides ``keys`` merged in (a mapping into a mapping, any
+    other value replacing), only the overrides' own interpolations resolved."""
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    try:
+        given = OmegaConf.to_container(OmegaConf.from_dotlist(keys), resolve=True)
+    except OmegaConfBaseException as exc:
+        raise ConfigError(" ".join(str(exc).split())) from None
+    return _merged(raw, given)
+
+
+def _value(raw: dict, dotted: str):
+    node = raw
+    for part in dotted.split("."):
+        if not isinstance(node, dict):
+            return None
+        node = node.get(part)
+    return node
+
+
+def refuse_saved_code(raw: dict, given: list[str], saved: Path, trusted: bool) -> None:
+    """One ConfigError naming every key of :data:`USER_CODE_KEYS` whose value in ``raw`` would
+    import code and was not given on the command line (``given``: the override keys, a group
+    such as ``reward`` counting for its keys), unless ``trusted``. ``saved``: the config it came from."""
+    if trusted:
+        return
+    named = [f"{key}={_value(raw, key)}" for key in USER_CODE_KEYS if names_code(_value(raw, key))
+             and not any(key == k or key.startswith(k + ".") for k in given)]
+    if named:
+        raise ConfigError(f"{saved} names code to import ({', '.join(named)}): polyfsdp-eval does not run code from "
+                          f"a run directory's config, which may not be yours; pass the key on the command line to use "
+                          f"your own, or {TRUST_FLAG} if you trust this run")
