@@ -127,3 +127,12 @@ def test_a_model_too_short_for_the_probe_is_one_line():
 
     with pytest.raises(ConfigError, match="the model holds 2 positions .*needs at least 3"):
         probe_length(2)
+
+
+def test_vllm_refusing_a_length_names_the_length_not_the_architecture():
+    from polyfsdp.trainer.rollout.vllm_adapter import start_error
+
+    refused = ValueError("The decoder prompt (length 40) plus the number of requested output tokens (at least 1) is "
+                         "longer than the maximum model length of 32.")
+    message = str(start_error(refused))
+    assert "longer than the model holds" in message and "architecture" not in message and "\n" not in message

@@ -58,6 +58,9 @@ def start_error(exc: BaseException) -> ConfigError:
     if "memory" in reason.lower():
         return ConfigError(f"rollout.vllm: vLLM refused its memory settings ({reason}); lower "
                            f"rollout.vllm.gpu_memory_utilization or set rollout.vllm.kv_cache_mb")
+    if "maximum model length" in reason:  # a length, not the architecture: name the two settings
+        return ConfigError(f"rollout.engine=vllm: vLLM refused a sequence longer than the model holds ({reason}); "
+                           f"raise rollout.vllm.max_model_len (at most max_position_embeddings) or shorten it")
     return ConfigError(f"rollout.engine=vllm: vLLM cannot serve this model ({reason}); use rollout.engine=auto "
                        f"(the built-in decoding loop), or a model whose architecture and head size vLLM supports")
 
