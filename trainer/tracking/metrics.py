@@ -112,8 +112,9 @@ def _append_whole(path: str, data: bytes) -> None:
 def _read_kept(path: str, keep_lines: int) -> tuple[list[str], list[dict], bool]:
     """The first ``keep_lines`` records of ``path`` (their lines, newline-ended, and parsed) and
     whether a torn last line was dropped. A killed run can leave its last line torn (a partial
-    write): that line, the file's last, is dropped with one printed line. A damaged line with records after it is not a torn write
-    but damage nobody can repair by guessing: one DataError naming the file and the line."""
+    write): that line, the file's last, is dropped with one printed line. A damaged line with
+    records after it is not a torn write but damage nobody can repair by guessing: one DataError
+    naming the file and the line."""
     with open(path) as f:
         numbered = [(number, line) for number, line in enumerate(f, start=1) if line.strip()]
     kept: list[str] = []
