@@ -1,6 +1,8 @@
 """The device-backend contract: everything the rest of polyfsdp may ask of a device."""
 from __future__ import annotations
 
+import os
+
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from types import ModuleType
@@ -122,6 +124,18 @@ class Backend(ABC):
         CPU: host memory, not worth guarding here)."""
         info = getattr(self._device_module(), "mem_get_info", None)
         return None if info is None else int(info()[0])
+
+    def memory_capacity_bytes(self) -> int | None:
+        """All the memory one process's tensors can live in: the device's total, or the host's
+        physical memory where device memory is host memory (the CPU); None when unknown. A job
+        whose smallest working set exceeds it cannot run (trainer/run/estimate.py: check_fits)."""
+        if self.memory_is_host:
+            try:
+                return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+            except (ValueError, OSError, AttributeError):  # not a POSIX host
+                return None
+        info = getattr(self._device_module(), "mem_get_info", None)
+        return None if info is None else int(info()[1])
 
     def attn_implementation(self, compute_dtype: torch.dtype) -> str:
         """The attention implementation for a model computing in ``compute_dtype`` (the FSDP

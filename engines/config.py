@@ -293,6 +293,9 @@ class OptimConfig(_FromDict):
             raise ConfigFieldError("OptimConfig", "warmup_steps", f"expected >= 0, got {self.warmup_steps}")
         if self.total_steps is not None:
             _check_type("OptimConfig", "total_steps", self.total_steps, (int,), "an int >= 1 or None")
+            if self.total_steps < 1:  # a constant schedule ignores it, but a negative count is a mistake
+                raise ConfigFieldError("OptimConfig", "total_steps", f"expected an int >= 1 or None, got "
+                                       f"{self.total_steps}")
         _check_type("OptimConfig", "min_lr_ratio", self.min_lr_ratio, (int, float), "a number in [0, 1]")
         if self.lr_scheduler == "warmup_cosine":
             if self.total_steps is None or self.total_steps < 1:

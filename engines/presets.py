@@ -55,4 +55,11 @@ def preset_config(name: str, **overrides) -> PretrainedConfig:
     """Build the Hugging Face config of preset ``name``; ``overrides`` replace its fields."""
     if name not in PRESETS:
         raise ValueError(f"model.preset: unknown preset {name!r}; choose one of {', '.join(sorted(PRESETS))}")
-    return PRESETS[name](**overrides)
+    try:
+        return PRESETS[name](**overrides)
+    except Exception as exc:
+        # Transformers' configs validate fields through huggingface_hub's strict dataclasses, whose
+        # errors are neither ValueError nor TypeError and span lines: one line naming the key instead.
+        cause = exc.__cause__ if exc.__cause__ is not None else exc
+        text = " ".join(str(cause).split()) or type(cause).__name__
+        raise ValueError(f"model.overrides: {text}") from None

@@ -223,11 +223,12 @@ def _main(argv: list[str] | None, starting: SigtermWhileStarting) -> int:
 
             print(OmegaConf.to_yaml(OmegaConf.create(cfg.raw)), end="")
             return 0
-        if estimate:
-            from .run.estimate import print_estimate
+        from .run.estimate import check_fits, print_estimate
 
+        if estimate:
             print_estimate(cfg, world_size)
             return 0
+        check_fits(cfg, world_size)  # before any work: a job this machine cannot hold is one line
         from .run.job import Job
 
         job = Job(cfg)

@@ -251,7 +251,10 @@ def _masked_max(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 def _mismatch_metrics(train: torch.Tensor, rollout: torch.Tensor, mask: torch.Tensor,
                       inputs: LossInputs) -> dict[str, torch.Tensor]:
     """How far the sampler's log-probs are from the trainer's for the same tokens: mean and
-    max |difference| and the k3 estimate of KL(sampler || trainer) (samples are the sampler's)."""
+    max |difference| and the k3 estimate of KL(sampler || trainer) (samples are the sampler's).
+    The k3 is bounded like verl's (:func:`_k3`: log-ratio to +-20, the estimate to +-10): unbounded,
+    one token at a log-ratio of 25 reads exp(25) = 7e10 and swamps the mean on a dashboard (issue 38);
+    the worst token's size stays visible, unbounded, as ``rollout_mismatch_abs_max``."""
     diff = (train - rollout).detach()
     return {"rollout_mismatch_abs_mean": token_share(diff.abs(), mask, inputs),
             "rollout_mismatch_abs_max": _masked_max(diff.abs(), mask),

@@ -107,8 +107,30 @@ class UserLoss:
     def __call__(self, inputs: LossInputs):
         from ..rewards.reward_fn import call_user_code
 
+        from ..errors import RewardError
+
         where = f"(a micro-batch of {inputs.offsets.numel() - 1} sequences)"
-        return call_user_code(lambda: self.user_loss(inputs), self.who, where, None, "")
+        result = call_user_code(lambda: self.user_loss(inputs), self.who, where, None, "")
+        problem = metrics_problem(result)
+        if problem:
+            raise RewardError(f"{self.who}: {problem} {where}")
+        return result
+
+
+def metrics_problem(result) -> str | None:
+    """What is wrong with the metrics of a loss's ``(loss, metrics)`` (the engine sums each as a
+    number: a string there was ``TypeError: new(): invalid data type 'str'`` deep in it), or None."""
+    if not (isinstance(result, tuple) and len(result) == 2 and isinstance(result[1], dict)):
+        return None  # the shape is the engine's and the made-up batch's to report
+    for key, value in result[1].items():
+        number = isinstance(value, Real) or (
+            torch.is_tensor(value) and value.numel() == 1 and not value.is_complex())
+        if not isinstance(key, str) or not number:
+            shown = f"a tensor of shape {tuple(value.shape)}" if torch.is_tensor(value) else \
+                f"a {type(value).__name__}"
+            return (f"the metric {key!r} is {shown} ({str(value)[:40]!r}); every metric must be a number or a "
+                    f"one-element tensor")
+    return None
 
 
 class SeparableUserLoss(UserLoss):
@@ -140,6 +162,9 @@ def check_on_a_made_up_batch(loss: UserLoss, key: str = "algo.actor.policy_loss"
             and result[0].dim() == 0 and isinstance(result[1], dict)):
         raise ConfigError(f"{who}: the loss returned {type(result).__name__}; its __call__ must return (loss, "
                           f"metrics): a 0-d tensor and a dict {where}")
+    problem = metrics_problem(result)
+    if problem:
+        raise ConfigError(f"{who}: {problem} {where}")
     if inputs.log_probs.grad is None or not torch.isfinite(inputs.log_probs.grad).all():
         raise ConfigError(f"{who}: the loss has no finite gradient with respect to the log-probs; build it from "
                           f"log_probs {where}")

@@ -156,6 +156,15 @@ def _user_estimator(est, inputs: AdvantageInputs, spec: str) -> Advantages:
             not torch.is_tensor(a) or a.shape != m.shape for a, m in zip(result.advantages, inputs.masks)):
         raise RewardError(f"{who} returned advantages that are not one tensor per sequence shaped like its mask "
                           f"(expected {len(inputs.masks)}, got {len(result.advantages)}) {where}")
+    # A NaN or inf here would surface as the engine's "field 'advantages' must be finite", naming
+    # neither the estimator nor the sequence.
+    for name, tensors in (("advantages", result.advantages), ("returns", result.returns or [])):
+        for i, tensor in enumerate(tensors):
+            if not torch.is_tensor(tensor) or not torch.isfinite(tensor).all():
+                bad = tensor[~torch.isfinite(tensor)][0].item() if torch.is_tensor(tensor) else tensor
+                raise RewardError(f"{who} returned {name} holding {bad} for sequence {i} (prompt group "
+                                  f"{i // inputs.group_size}, reward {inputs.rewards[i]!r}); return finite numbers "
+                                  f"{where}")
     return result
 
 

@@ -57,9 +57,22 @@ BOUNDS: tuple[tuple[str, float | None, float | None], ...] = (
     # AdamW moves each weight by about lr per step: above 1 nothing is left to train.
     ("algo.*.optim.lr", None, 1.0),
     ("algo.*.optim.eps", None, 1.0),
+    # The sizes of a preset's Hugging Face config (model.overrides is otherwise free-form): the
+    # config builds one entry per layer, so num_hidden_layers=10**12 hangs before any check, and a
+    # size below 1 fails deep in the model's construction. The upper ends are far beyond the
+    # largest open models (126 layers, hidden 16384, 256k vocabularies, 10M positions).
+    ("model.overrides.num_hidden_layers", 1, 4096),
+    ("model.overrides.vocab_size", 1, 2**24),
+    ("model.overrides.max_position_embeddings", 1, 2**30),
+    ("model.overrides.hidden_size", 1, 2**20),
+    ("model.overrides.intermediate_size", 1, 2**20),
+    ("model.overrides.num_attention_heads", 1, 2**20),
+    ("model.overrides.num_key_value_heads", 1, 2**20),
+    ("model.overrides.head_dim", 1, 2**20),
 )
 # Free-form mappings handed to someone else: only NaN and infinities are refused there (a
-# Hugging Face config field may be anything a model needs).
+# Hugging Face config field may be anything a model needs), and the ranges BOUNDS names
+# explicitly (the model's sizes).
 UNBOUNDED = ("model.overrides", "reward.kwargs")
 
 
@@ -88,7 +101,8 @@ def check_bounds(raw: dict) -> None:
     for path, value in _numbers(raw, ""):
         if isinstance(value, float) and not math.isfinite(value):
             raise ConfigError(f"{path}: expected a finite number, got {value}")
-        if any(path == free or path.startswith(free + ".") or path.startswith(free + "[") for free in UNBOUNDED):
+        if any(path == free or path.startswith(free + ".") or path.startswith(free + "[") for free in UNBOUNDED) \
+                and not any(fnmatchcase(path, pattern) and pattern.startswith(UNBOUNDED) for pattern, _, _ in BOUNDS):
             continue
         low, high = bounds_for(path)
         if not low <= value <= high:

@@ -203,6 +203,20 @@ def _validate_eval(e: EvalSection) -> None:
                           f"set eval.temperature>0 (e.g. 1.0) or eval.n_samples=1")
 
 
+def _check_preset_overrides(model: ModelSection) -> None:
+    """Build the preset's Hugging Face config with ``model.overrides`` now: a field of the wrong
+    type (``hidden_size=abc``) is one ConfigError here, not a traceback where the model is built."""
+    from polyfsdp.engines.presets import preset_config
+
+    if not isinstance(model.overrides, dict):
+        raise ConfigError(f"model.overrides: expected a mapping of Hugging Face config fields, got {model.overrides!r}")
+    try:
+        preset_config(model.preset, **dict(model.overrides))
+    except (ValueError, TypeError) as exc:
+        text = str(exc)
+        raise ConfigError(text if text.startswith("model.") else f"model.overrides: {text}") from None
+
+
 def without_unused_preset(raw: dict) -> dict:
     """``raw`` with ``model.preset`` and ``model.overrides`` emptied when ``model.path`` is set: the
     directory's own config is the model, so config.yaml (and --cfg) must not claim a preset's."""
@@ -234,6 +248,8 @@ def build_job_config(raw: dict, world_size: int = 1) -> JobConfig:
             require_peft()
     except (ValueError, TypeError, ImportError) as exc:
         raise ConfigError(str(exc)) from None
+    if model.preset and not model.path:
+        _check_preset_overrides(model)
     if model.path and not os.path.isdir(model.path):
         raise ConfigError(f"model.path: {model.path!r} is not a directory")
     if model.dtype == "float16":

@@ -16,6 +16,7 @@ whose next turn would not fit ends there (``multi_turn/truncated``).
 """
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field
 
@@ -26,7 +27,7 @@ from ..errors import RewardError
 from ..rank_errors import on_every_rank
 from ..rewards.timeout import CallDeadline
 from .row_seeds import turn_seed
-from ..rewards.reward_fn import call_user_code
+from ..rewards.reward_fn import MAX_ABS_REWARD, call_user_code
 
 # A placeholder exchange: the tokens the template puts around an environment turn are the
 # difference between rendering it after this exchange and rendering the exchange alone.
@@ -124,6 +125,19 @@ class MultiTurnRollout:
         except ValueError as exc:
             raise RewardError(f"{exc} {context}") from None
 
+    def _add_reward(self, trajectory, reward: float, turn: int) -> None:
+        """Add a turn's (finite) reward to the conversation's; a total beyond +-MAX_ABS_REWARD
+        (1e308 twice is inf) is one line naming the environment, the record and the turn here,
+        not a non-finite advantage deep in the engine."""
+        total = trajectory.reward + reward
+        if not (math.isfinite(total) and abs(total) <= MAX_ABS_REWARD):
+            record = trajectory.example.where or f"with prompt {trajectory.example.prompt!r}"
+            raise RewardError(f"rollout.env={self.settings.env} step() rewards add up to {total:g} after turn {turn} "
+                              f"(this turn's {reward:g}), beyond +-{MAX_ABS_REWARD:g}: group means and variances "
+                              f"of larger rewards overflow; scale the environment's rewards (record {record}, "
+                              f"turn {turn})")
+        trajectory.reward = total
+
     def _overflows(self, trajectory, more: int) -> bool:
         """Whether ``more`` tokens after the trajectory's would pass ``max_total_tokens``."""
         return self.max_total is not None and len(trajectory.prompt) + len(trajectory.tokens) + more > self.max_total
@@ -184,7 +198,7 @@ class MultiTurnRollout:
                     t.last_text = tokenizer.decode(tokens)
                     t.tool_calls += len(parse_tool_calls(t.last_text))
                     step = self._env_call(t, "step", turn, lambda: t.env.step(t.last_text), as_env_step)
-                    t.reward += step.reward
+                    self._add_reward(t, step.reward, turn)
                     ended = bool(tokens) and tokens[-1] == eos
                     if step.done or turn == self.settings.max_turns:
                         t.done = True

@@ -62,7 +62,8 @@ class VllmSettings:
             if key not in known:
                 raise ConfigError(f"rollout.vllm.{key}: unknown key; known keys: {', '.join(known)}")
         settings = cls(**data)
-        if not (isinstance(settings.gpu_memory_utilization, (int, float)) and 0 < settings.gpu_memory_utilization <= 1):
+        if isinstance(settings.gpu_memory_utilization, bool) or not (
+                isinstance(settings.gpu_memory_utilization, (int, float)) and 0 < settings.gpu_memory_utilization <= 1):
             raise ConfigError(f"rollout.vllm.gpu_memory_utilization: expected a number in (0, 1], "
                               f"got {settings.gpu_memory_utilization!r}")
         for key in ("kv_cache_mb", "max_model_len", "max_num_seqs"):

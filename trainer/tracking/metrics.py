@@ -13,9 +13,10 @@ import json
 import logging
 import math
 import os
+import sys
 from typing import Callable
 
-from ..errors import MetricsWriteError  # also importable from here, its old home
+from ..errors import DataError, MetricsWriteError  # MetricsWriteError: also importable from here, its old home
 
 logger = logging.getLogger(__name__)
 
@@ -50,11 +51,11 @@ class MetricsLogger:
             self.history, self.lines = [], keep_lines or 0
             return
         if keep_lines and os.path.isfile(self.path):
-            with open(self.path) as f:
-                kept = [line for line in f if line.strip()][:keep_lines]
-            if len(kept) < keep_lines:
+            kept, self.history, torn = _read_kept(self.path, keep_lines)
+            if len(kept) < keep_lines and not torn:  # a torn line has said so already
                 logger.warning("%s has %d records, the checkpoint expected %d", self.path, len(kept), keep_lines)
-        self.history = [json.loads(line) for line in kept]
+        else:
+            self.history = []
         self.lines = len(kept)
         os.makedirs(os.path.dirname(self.path) or ".", exist_ok=True)
         tmp = self.path + ".tmp"
@@ -106,6 +107,37 @@ def _append_whole(path: str, data: bytes) -> None:
                                     f"(the file keeps its {size} bytes of whole records)") from None
     finally:
         os.close(fd)
+
+
+def _read_kept(path: str, keep_lines: int) -> tuple[list[str], list[dict], bool]:
+    """The first ``keep_lines`` records of ``path`` (their lines, newline-ended, and parsed) and
+    whether a torn last line was dropped. A killed run can leave its last line torn (a partial
+    write): that line, the file's last, is dropped with one printed line. A damaged line with
+    records after it is not a torn write but damage nobody can repair by guessing: one DataError
+    naming the file and the line."""
+    with open(path) as f:
+        numbered = [(number, line) for number, line in enumerate(f, start=1) if line.strip()]
+    kept: list[str] = []
+    records: list[dict] = []
+    for i, (number, line) in enumerate(numbered[:keep_lines]):
+        try:
+            record = json.loads(line)
+            if not isinstance(record, dict):
+                raise ValueError(f"a JSON {type(record).__name__}, not a record")
+        except ValueError as exc:
+            where = f"{path} line {number}"
+            if i == len(numbered) - 1:
+                print(f"warning: {where} is a torn last record (a killed run's partial write); "
+                      f"dropped it and continuing from the {len(kept)} records before it", file=sys.stderr,
+                      flush=True)
+                return kept, records, True
+            raise DataError(f"{where} is not a JSON record ({' '.join(str(exc).split())}) and records follow "
+                            f"it, so it is not a torn last write; repair or delete that line and resume "
+                            f"again") from None
+        # A kept last line may lack its newline (written by hand): the next record must not join it.
+        kept.append(line if line.endswith("\n") else line + "\n")
+        records.append(record)
+    return kept, records, False
 
 
 def read_metrics(path: str) -> list[dict]:
