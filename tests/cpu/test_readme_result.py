@@ -1,9 +1,15 @@
 """The README's quick-start result is what the quick start prints: the default job
 (``polyfsdp-train`` with no overrides but an output directory) runs here, and its last line must
-be the one the README shows under "The main job". A change of defaults or numerics that moves it
-fails this test until the README is re-measured. The job is deterministic at a fixed seed on
-one machine; another CPU model (other SIMD kernels, another float summation order) can change a
-few greedy answers of the 128, so each number must be within ``CPU_SPREAD`` of the README's."""
+agree with the one the README shows under "The main job". A change of defaults or numerics that
+moves it fails this test until the README is re-measured.
+
+The job is exact at a fixed seed on one machine, but RL on 128 greedy answers amplifies float
+differences between CPUs (another SIMD path, another summation order): measured on one AMD EPYC,
+the final reward was 0.845 with AVX-512 kernels, 0.842 with 2 threads and 0.811 with AVX2 or no
+SIMD (ATEN_CPU_CAPABILITY=avx2|default), while ``initial`` and ``after_sft`` were the same on all
+(the README states these numbers). So ``initial`` must be exact, ``after_sft`` within
+``SFT_SPREAD``, and ``final`` in ``FINAL_RANGE`` and at least ``RL_GAIN`` above ``after_sft``: an RL
+phase that stops learning fails, a CPU's rounding does not."""
 from __future__ import annotations
 
 import re
@@ -13,7 +19,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 RESULT = re.compile(r"held-out mean reward: initial (\d\.\d{3}) -> after_sft (\d\.\d{3}) -> final (\d\.\d{3})")
-CPU_SPREAD = 0.02  # about 2.5 of the 128 held-out prompts; the drift a code change causes is larger
+SFT_SPREAD = 0.02          # about 2.5 of the 128 held-out prompts; equal on every CPU path measured
+FINAL_RANGE = (0.78, 0.88)  # measured 0.811-0.845 across CPU paths at seed 0, with 0.03 to spare
+RL_GAIN = 0.1               # RL added 0.15-0.30 in every run measured (seeds 0-4, CPU paths)
 
 
 def readme_result() -> str:
@@ -32,7 +40,12 @@ def test_the_default_job_prints_the_readmes_result(tmp_path):
     printed = done.stdout.strip().splitlines()[-1]
     assert RESULT.fullmatch(printed), printed
     shown = readme_result()
-    got = [float(x) for x in RESULT.fullmatch(printed).groups()]
-    want = [float(x) for x in RESULT.fullmatch(shown).groups()]
-    assert all(abs(g - w) <= CPU_SPREAD for g, w in zip(got, want)), \
-        f"the default job printed {printed!r}, the README shows {shown!r}; update the README (or find the drift)"
+    initial, after_sft, final = (float(x) for x in RESULT.fullmatch(printed).groups())
+    want_initial, want_sft, want_final = (float(x) for x in RESULT.fullmatch(shown).groups())
+    low, high = FINAL_RANGE
+    assert low <= want_final <= high, f"the README's own line {shown!r} is outside {FINAL_RANGE}"
+    assert f"{low:.2f}-{high:.2f}" in (ROOT / "README.md").read_text(), "the README does not state FINAL_RANGE"
+    assert initial == want_initial and abs(after_sft - want_sft) <= SFT_SPREAD and low <= final <= high \
+        and final - after_sft >= RL_GAIN, \
+        f"the default job printed {printed!r}, the README shows {shown!r} (final accepted in {low}-{high}, " \
+        f"{RL_GAIN} above after_sft); update the README (or find the drift)"
