@@ -92,3 +92,31 @@ def test_a_saved_interpolation_stays_a_literal_string(genuine_run, tmp_path, mon
     written = (run / "eval" / "final.json").read_text()
     assert SECRET not in written
     assert json.loads(written)["data"]["prompt_key"] == interpolation
+
+
+def test_a_saved_config_with_yaml_aliases_is_refused_in_one_line(genuine_run, tmp_path, capsys):
+    run = crafted_run(genuine_run, tmp_path, "data.prompt_key", "prompt")
+    # Each level repeats the one before ten times: 10^n nodes once OmegaConf copies them (n=9 never
+    # finishes); three levels keep the unfixed reader quick, refused by its unknown key instead.
+    laughs = "a: &a [x, x, x, x, x, x, x, x, x, x]\n" + "".join(
+        f"{new}: &{new} [{', '.join([f'*{old}'] * 10)}]\n" for old, new in zip("ab", "bc"))
+    (run / "config.yaml").write_text((run / "config.yaml").read_text() + laughs)
+    assert eval_main([str(run / "final")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "uses a YAML alias" in err and str(run / "config.yaml") in err, err
+
+
+@pytest.mark.parametrize("what", ["fifo", "oversized"])
+def test_a_saved_config_that_could_not_be_written_by_a_run_is_refused(tmp_path, what):
+    import os
+
+    from polyfsdp.trainer.config.saved_run import MAX_SAVED_CONFIG_BYTES, read_saved_yaml
+    from polyfsdp.trainer.errors import ConfigError
+
+    config = tmp_path / "config.yaml"
+    if what == "fifo":  # reading one blocks until a writer comes: forever
+        os.mkfifo(config)
+    else:
+        config.write_text("trainer:\n  note: " + "x" * MAX_SAVED_CONFIG_BYTES + "\n")
+    with pytest.raises(ConfigError, match="not a regular file" if what == "fifo" else "over the"):
+        read_saved_yaml(config)

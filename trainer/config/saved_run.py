@@ -1,6 +1,10 @@
 """A run's saved ``config.yaml``, read as data: ``polyfsdp-eval RUN/final`` evaluates run directories
 that may be someone else's (shared, downloaded), so nothing in one runs on the reader's machine.
 
+- :func:`read_saved_yaml`: the file as a plain dict, refused in one line when it could not be a
+  config polyfsdp-train wrote: over :data:`MAX_SAVED_CONFIG_BYTES`, not a regular file, or using
+  YAML aliases (``*name``; ten nested aliases of ten items each expand to 10^10 nodes when
+  OmegaConf copies them, hanging the reader; polyfsdp-train never writes one).
 - :func:`load_saved_config`: the YAML as a plain dict. Interpolations (``${oc.env:TOKEN}``,
   ``${oc.decode:...}``, any resolver) stay the literal strings they are: polyfsdp-train saves
   its config resolved, so a ``${`` in one was put there by hand, and resolving it would copy the
@@ -23,19 +27,42 @@ from .plugins import names_code
 # environments.py, trainer/algos/estimators.py, trainer/algos/policy_losses.py).
 USER_CODE_KEYS = ("reward.fn", "rollout.env", "algo.adv_estimator", "algo.actor.policy_loss")
 TRUST_FLAG = "--trust-run-code"
+# A config.yaml polyfsdp-train writes is a few KiB: far beyond that, it is not one.
+MAX_SAVED_CONFIG_BYTES = 1 << 20
 
 
-def load_saved_config(path: Path) -> dict:
-    """``path`` (a run's config.yaml) as a plain dict, nothing resolved, the renamed keys under
-    their new names; a file that is not a YAML mapping is one ConfigError."""
+def read_saved_yaml(path: Path) -> dict | list | str | None:
+    """``path`` (a run's config.yaml, which may be crafted) parsed, nothing resolved; ConfigError
+    when it is not a regular file of at most MAX_SAVED_CONFIG_BYTES, uses a YAML alias or does not parse."""
+    import io
+    import stat
+
     import yaml
     from omegaconf import OmegaConf
     from omegaconf.errors import OmegaConfBaseException
 
     try:
-        raw = OmegaConf.to_container(OmegaConf.load(path), resolve=False)
-    except (OSError, yaml.YAMLError, OmegaConfBaseException) as exc:
+        info = path.stat()
+        if not stat.S_ISREG(info.st_mode):  # a FIFO or device (/dev/zero) would never end reading
+            raise ConfigError(f"{path}: not a regular file; refused as the run's configuration")
+        with open(path, "rb") as f:
+            data = f.read(MAX_SAVED_CONFIG_BYTES + 1)
+        if len(data) > MAX_SAVED_CONFIG_BYTES:
+            raise ConfigError(f"{path}: over the {MAX_SAVED_CONFIG_BYTES} bytes a run's config.yaml could hold; "
+                              f"refused")
+        text = data.decode()
+        if any(isinstance(event, yaml.AliasEvent) for event in yaml.parse(text, Loader=yaml.SafeLoader)):
+            raise ConfigError(f"{path}: uses a YAML alias (*name), which polyfsdp-train never writes; refused "
+                              f"(nested aliases expand exponentially when read)")
+        return OmegaConf.to_container(OmegaConf.load(io.StringIO(text)), resolve=False)
+    except (OSError, UnicodeDecodeError, yaml.YAMLError, OmegaConfBaseException) as exc:
         raise ConfigError(f"{path}: cannot read it as the run's configuration: {exc}") from None
+
+
+def load_saved_config(path: Path) -> dict:
+    """``path`` (a run's config.yaml) as a plain dict, nothing resolved, the renamed keys under
+    their new names; a file that is not a YAML mapping is one ConfigError."""
+    raw = read_saved_yaml(path)
     if not isinstance(raw, dict):
         raise ConfigError(f"{path}: expected a mapping of config groups, got {type(raw).__name__}")
     return upgrade_saved_config(raw)

@@ -10,13 +10,13 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from omegaconf import OmegaConf
 
 from polyfsdp.engines.checkpoint import CheckpointDamaged, CheckpointError, complete_checkpoints, latest_checkpoint
 from polyfsdp.engines.checkpoint.files import check_manifest
 
 from ..config.composition import renamed_key
 from ..config.job import JobConfig, RolloutSection, without_unused_preset
+from ..config.saved_run import read_saved_yaml
 from ..errors import ConfigError
 from ..tracking.metrics import METRICS_FILE
 
@@ -192,7 +192,10 @@ def check_same_run(cfg: JobConfig, run_dir: Path) -> None:
     # evaluation, say) left only init_model, which the next run reuses: only the model must
     # match, so the user can fix the reward or the data and run again in the same directory.
     # A config.yaml written before model.path dropped the unused preset still names one.
-    before_raw = without_unused_preset(OmegaConf.to_container(OmegaConf.load(saved)))
+    before_raw = read_saved_yaml(saved)
+    if not isinstance(before_raw, dict):
+        raise ConfigError(f"{saved}: expected a mapping of config groups, got {type(before_raw).__name__}")
+    before_raw = without_unused_preset(before_raw)
     if trained and ((run_dir / "checkpoints" / LEGACY_RL_PHASE).is_dir()
                     or any(renamed_key(f"algo.{key}") for key in (_section(before_raw, "algo") or {}))):
         raise ConfigError(legacy_run_line(run_dir))
