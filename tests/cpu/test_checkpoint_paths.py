@@ -160,6 +160,27 @@ def test_a_checkpoint_file_that_is_a_symbolic_link_is_refused(saved, tmp_path, n
         find_resume(load_config([]), path.parent.parent.parent, say=lambda line: None)
 
 
+@pytest.mark.parametrize("link, step", [(".tmp-step_000009", 3), (".tmp-step_000003", 3), ("latest.tmp", 3),
+                                        (".tmp-old-step_000002", 2)])
+def test_a_save_deletes_or_overwrites_a_symbolic_link_in_the_phase_directory_never_its_target(saved, tmp_path,
+                                                                                             link, step):
+    """A crafted run's leftovers that a save removes or rewrites (a crashed save's ``.tmp-*``, the
+    temporary directory of this very step, ``latest.tmp``, a re-saved step's ``.tmp-old-*``) are
+    links to the user's files: the save goes on, the links go, what they point at stays."""
+    path, parts = saved
+    phase_dir = path.parent
+    outside = tmp_path / "users_files"
+    outside.mkdir()
+    (outside / "marker").write_text("keep")
+    target = outside / "marker" if link == "latest.tmp" else outside
+    (phase_dir / link).symlink_to(target)
+
+    final = _save(parts, phase_dir, step)
+    assert (outside / "marker").read_text() == "keep" and sorted(os.listdir(outside)) == ["marker"]
+    assert not (phase_dir / link).is_symlink()
+    assert ckpt.latest_checkpoint(phase_dir) == final and final.name == f"step_{step:06d}"
+
+
 def test_polyfsdp_train_refuses_a_latest_naming_an_outside_checkpoint_in_one_line(tmp_path, capsys):
     import shutil
 

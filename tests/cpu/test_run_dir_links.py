@@ -1,0 +1,28 @@
+"""A run continued in a directory that may be crafted (trainer.resume=auto on a downloaded run) never
+writes through a symbolic link it finds there: the temporary files and directories polyfsdp-train
+rewrites (``metrics.jsonl.tmp``, ``generations.jsonl.tmp``, ``init_model.tmp``) may be links to the
+user's files, which stay as they were (the payload: a marker file's content, a directory's listing).
+The checkpoints' own leftovers are tests/cpu/test_checkpoint_paths.py's."""
+import os
+
+import pytest
+from test_cli import TINY
+
+from polyfsdp.trainer.train import main
+
+
+@pytest.mark.parametrize("leftover", ["metrics.jsonl.tmp", "generations.jsonl.tmp", "init_model.tmp"])
+def test_polyfsdp_train_never_writes_through_a_link_left_in_its_output_directory(tmp_path, leftover):
+    out = tmp_path / "out"
+    out.mkdir()
+    users = tmp_path / "users_files"
+    users.mkdir()
+    (users / "marker").write_text("keep")
+    (out / leftover).symlink_to(users if leftover == "init_model.tmp" else users / "marker")
+    if leftover == "generations.jsonl.tmp":
+        (out / "generations.jsonl").touch()  # only an earlier run's file is rewritten (through the .tmp)
+
+    assert main([*TINY, "algo=sft", "trainer.sft_steps=1", "trainer.plot=false", "trainer.export=false",
+                 "trainer.log_val_generations=2", f"trainer.output_dir={out}"]) == 0
+    assert (users / "marker").read_text() == "keep" and os.listdir(users) == ["marker"]
+    assert not (out / leftover).is_symlink() and (out / leftover.removesuffix(".tmp")).exists()
