@@ -17,6 +17,7 @@ imported only when the user names it on the command line or passes ``--trust-run
 from __future__ import annotations
 
 import json
+import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -93,6 +94,19 @@ def default_json_path(model: ModelToEvaluate) -> Path:
     except ValueError:  # a checkpoint linked in from other storage
         name = model.evaluated.name
     return model.run_dir / EVAL_DIR / (name + ".json")
+
+
+def check_run_json_target(path: Path) -> None:
+    """A ConfigError when ``path`` (a run's default results file, RUN/eval/NAME.json) or its folder
+    is a symbolic link, or ``path`` is not a regular file: a run directory may be crafted, and a
+    link would aim the write (or the read of earlier results) at any file of the reader's, a FIFO
+    would block that read forever."""
+    for where in (path.parent, path):
+        if where.is_symlink():
+            raise ConfigError(f"{where}: a symbolic link (to {os.readlink(where)}); refused: polyfsdp-eval writes a "
+                              f"run's results only inside it; remove the link or name the file with --json FILE")
+    if path.exists() and not path.is_file():
+        raise ConfigError(f"{path}: not a regular file; refused: name the results file with --json FILE")
 
 
 def check_json_target(path: Path, model: ModelToEvaluate) -> None:
@@ -204,6 +218,8 @@ def evaluate_model(model_dir: Path, overrides: list[str], json_path: str | None,
     model = locate_model(model_dir)
     cfg = eval_config(model, overrides, world_size=launch_env().world_size, trust_run_code=trust_run_code)
     target = Path(json_path) if json_path is not None else default_json_path(model)
+    if json_path is None and model.run_dir is not None:
+        check_run_json_target(target)
     check_json_target(target, model)  # before the model is built: a refusal costs nothing
     job = Job(cfg)  # the trainer's tokenizer, data, reward and checks; nothing is written
     engine = job._engine(model.phase, cfg.model.path, label=model.label(rl_run=cfg.algo.rl))

@@ -120,3 +120,21 @@ def test_a_saved_config_that_could_not_be_written_by_a_run_is_refused(tmp_path, 
         config.write_text("trainer:\n  note: " + "x" * MAX_SAVED_CONFIG_BYTES + "\n")
     with pytest.raises(ConfigError, match="not a regular file" if what == "fifo" else "over the"):
         read_saved_yaml(config)
+
+
+@pytest.mark.parametrize("link", ["eval", "eval/final.json"])
+def test_results_are_never_written_through_a_link_in_the_run(genuine_run, tmp_path, capsys, link):
+    run = crafted_run(genuine_run, tmp_path, "data.prompt_key", "prompt")
+    users = tmp_path / "users_files"  # the payload: a file created there, outside the run
+    users.mkdir()
+    if link == "eval":
+        (run / "eval").symlink_to(users)
+    else:
+        (run / "eval").mkdir()
+        (run / "eval" / "final.json").symlink_to(users / "created_by_the_run")  # dangling: exists() is False
+    assert eval_main([str(run / "final")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and err.startswith(f"polyfsdp-eval: error: {run / link}: a symbolic link (to "), err
+    assert list(users.iterdir()) == []
+    # The user's own --json FILE is theirs to aim anywhere.
+    assert eval_main([str(run / "final"), "--json", str(users / "mine.json")]) == 0
