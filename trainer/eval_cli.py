@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .config.composition import GROUPS, compose, to_container
-from .config.saved_run import TRUST_FLAG, apply_overrides, load_saved_config, refuse_saved_code
+from .config.saved_run import TRUST_FLAG, apply_overrides, load_saved_config, parse_overrides, refuse_saved_code
 from .errors import ConfigError
 from .rollout.row_seeds import step_seed
 
@@ -163,13 +163,15 @@ def eval_config(model: ModelToEvaluate, overrides: list[str], world_size: int = 
     else:
         raw = load_saved_config(model.run_dir / "config.yaml")
         groups = {o.partition("=")[0] for o in overrides if o.partition("=")[0] in GROUPS}
+        given = {}  # what the command line sets: the only code imported without --trust-run-code
         for group in groups:
             # A group choice (data=files): that option's section, composed as polyfsdp-train would.
             mine = [o for o in overrides if o.partition("=")[0] == group or o.startswith(group + ".")]
-            raw[group] = to_container(compose(mine))[group]
+            given[group] = raw[group] = to_container(compose(mine))[group]
         keys = [o for o in overrides if o.partition("=")[0] not in groups and o.split(".")[0] not in groups]
-        raw = apply_overrides(raw, keys)
-        refuse_saved_code(raw, [o.partition("=")[0] for o in overrides], model.run_dir / "config.yaml", trust_run_code)
+        given.update(parse_overrides(keys))
+        raw = apply_overrides(raw, given)
+        refuse_saved_code(raw, given, model.run_dir / "config.yaml", trust_run_code)
         if model.checkpoint is not None and raw["model"].get("path") and (model.phase == "sft" or
                                                                          not raw["trainer"].get("sft_steps")):
             weights = Path(raw["model"]["path"])  # the run started from this local model, not init_model/

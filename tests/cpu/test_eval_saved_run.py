@@ -138,3 +138,15 @@ def test_results_are_never_written_through_a_link_in_the_run(genuine_run, tmp_pa
     assert list(users.iterdir()) == []
     # The user's own --json FILE is theirs to aim anywhere.
     assert eval_main([str(run / "final"), "--json", str(users / "mine.json")]) == 0
+
+
+def test_an_override_of_the_section_around_a_code_key_leaves_the_saved_code_refused(genuine_run, tmp_path, capsys):
+    """``algo.actor={epochs: 1}`` sets no policy loss: merged into the saved section, the run's
+    own ``algo.actor.policy_loss`` stays, and is still the run's code, not the user's."""
+    marker = tmp_path / "imported"
+    spec = f"{code_file(tmp_path, marker)}:loss"
+    run = crafted_run(genuine_run, tmp_path, "algo.actor.policy_loss", spec)
+    status = eval_main([str(run / "final"), "algo.actor={epochs: 1}"])
+    assert not marker.exists()
+    err = capsys.readouterr().err.strip()
+    assert status == 2 and "\n" not in err and f"names code to import (algo.actor.policy_loss={spec})" in err, err

@@ -9,8 +9,8 @@ that may be someone else's (shared, downloaded), so nothing in one runs on the r
   ``${oc.decode:...}``, any resolver) stay the literal strings they are: polyfsdp-train saves
   its config resolved, so a ``${`` in one was put there by hand, and resolving it would copy the
   reader's environment (a secret token) into the results.
-- :func:`apply_overrides`: the user's ``KEY=VALUE`` overrides on top, resolved on their own
-  (they are the user's; the saved values they sit beside are not).
+- :func:`parse_overrides`, :func:`apply_overrides`: the user's ``KEY=VALUE`` overrides on top,
+  resolved on their own (they are the user's; the saved values they sit beside are not).
 - :func:`refuse_saved_code`: a key naming code to import (``reward.fn=FILE.py:NAME`` ...) that
   comes from the saved config, not the command line, is one ConfigError unless the user passed
   :data:`TRUST_FLAG`.
@@ -74,16 +74,20 @@ def _merged(base, update):
     return update
 
 
-def apply_overrides(raw: dict, keys: list[str]) -> dict:
-    """``raw`` with the ``KEY=VALUE`` overrides ``keys`` merged in (a mapping into a mapping, any
-    other value replacing), only the overrides' own interpolations resolved."""
+def parse_overrides(keys: list[str]) -> dict:
+    """The ``KEY=VALUE`` overrides ``keys`` as a nested mapping, only their own interpolations resolved."""
     from omegaconf import OmegaConf
     from omegaconf.errors import OmegaConfBaseException
 
     try:
-        given = OmegaConf.to_container(OmegaConf.from_dotlist(keys), resolve=True)
+        return OmegaConf.to_container(OmegaConf.from_dotlist(keys), resolve=True)
     except OmegaConfBaseException as exc:
         raise ConfigError(" ".join(str(exc).split())) from None
+
+
+def apply_overrides(raw: dict, given: dict) -> dict:
+    """``raw`` with the user's overrides ``given`` (:func:`parse_overrides`) merged in (a mapping
+    into a mapping, any other value replacing)."""
     return _merged(raw, given)
 
 
@@ -96,14 +100,16 @@ def _value(raw: dict, dotted: str):
     return node
 
 
-def refuse_saved_code(raw: dict, given: list[str], saved: Path, trusted: bool) -> None:
+def refuse_saved_code(raw: dict, given: dict, saved: Path, trusted: bool) -> None:
     """One ConfigError naming every key of :data:`USER_CODE_KEYS` whose value in ``raw`` would
-    import code and was not given on the command line (``given``: the override keys, a group
-    such as ``reward`` counting for its keys), unless ``trusted``. ``saved``: the config it came from."""
+    import code and is not the value the command line gave it (``given``: the overrides as a
+    mapping, a group composed from the command line included), unless ``trusted``. ``saved``: the
+    config it came from. The value, not the key: ``algo.actor={epochs: 1}`` names no policy loss,
+    and the saved one merged beside it is still the run's."""
     if trusted:
         return
     named = [f"{key}={_value(raw, key)}" for key in USER_CODE_KEYS if names_code(_value(raw, key))
-             and not any(key == k or key.startswith(k + ".") for k in given)]
+             and _value(given, key) != _value(raw, key)]
     if named:
         raise ConfigError(f"{saved} names code to import ({', '.join(named)}): polyfsdp-eval does not run code from "
                           f"a run directory's config, which may not be yours; pass the key on the command line to use "
