@@ -26,3 +26,24 @@ def test_polyfsdp_train_never_writes_through_a_link_left_in_its_output_directory
                  "trainer.log_val_generations=2", f"trainer.output_dir={out}"]) == 0
     assert (users / "marker").read_text() == "keep" and os.listdir(users) == ["marker"]
     assert not (out / leftover).is_symlink() and (out / leftover.removesuffix(".tmp")).exists()
+
+
+@pytest.mark.parametrize("name", ["config.yaml", "generations.jsonl", "curves.png"])
+def test_a_file_the_run_writes_in_place_that_is_a_link_is_refused_in_one_line(tmp_path, capsys, name):
+    """The files written in place (not through a temporary file) would be written through the link:
+    an existing target overwritten, a dangling link's created."""
+    out = tmp_path / "out"
+    out.mkdir()
+    users = tmp_path / "users_files"
+    users.mkdir()
+    (users / "marker").write_text("keep")
+    target = users / ("marker" if name == "config.yaml" else "created_by_the_run")
+    (out / name).symlink_to(target)
+
+    status = main([*TINY, "algo=sft", "trainer.sft_steps=1", "trainer.plot=true", "trainer.export=false",
+                   "trainer.log_val_generations=2", f"trainer.output_dir={out}"])
+    err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert (users / "marker").read_text() == "keep" and os.listdir(users) == ["marker"]
+    assert status == 2 and err == [f"polyfsdp-train: error: trainer.output_dir {out}: {out / name} is a symbolic "
+                                   f"link (to {target}); refused: polyfsdp-train writes its files only inside its "
+                                   f"output directory; remove the link or choose another trainer.output_dir"], err

@@ -18,7 +18,10 @@ from ..config.composition import renamed_key
 from ..config.job import JobConfig, RolloutSection, without_unused_preset
 from ..config.saved_run import read_saved_yaml
 from ..errors import ConfigError
+from ..evaluation.generations_log import GENERATIONS_FILE
+from ..tracking import IDS_FILE
 from ..tracking.metrics import METRICS_FILE
+from ..tracking.plot import CURVES_FILE
 
 # Written next to the SFT-end export: how many metrics records precede the RL phase's start.
 STATE_FILE = "polyfsdp_state.json"
@@ -42,6 +45,12 @@ RL_STARTED_TRAINER_KEYS = ("sft_steps",)
 SAME_RUN_IGNORED = ("reward.timeout_s",)
 # The rollout keys that define the task a multi-turn run trains on (its engine may change).
 SAME_RUN_ROLLOUT_KEYS = ("env", "env_kwargs", "max_turns", "max_total_tokens", "env_add_reward_fn")
+
+
+# The files polyfsdp-train writes in place in its output directory (config.yaml; the trackers'
+# ids; appended validation completions; the curves): the others are written to a
+# temporary file renamed over them, or live in directories of their own.
+WRITTEN_IN_PLACE = ("config.yaml", IDS_FILE, GENERATIONS_FILE, CURVES_FILE)
 
 
 @dataclass
@@ -171,6 +180,17 @@ def _algo_leaves(before_raw: dict, now_raw: dict) -> tuple[dict, dict]:
     if old.get("name") == "sft" and new.get("name") != "sft":
         old, new = {"sft": old.get("sft")}, {"sft": new.get("sft")}
     return _leaves(old, "algo"), _leaves(new, "algo")
+
+
+def check_no_linked_run_files(out: Path) -> None:
+    """A ConfigError naming the first file of :data:`WRITTEN_IN_PLACE` in ``out`` that is a
+    symbolic link: a run directory may be crafted, and writing the file would overwrite (a
+    dangling link: create) whatever the link points at, outside the run."""
+    for name in WRITTEN_IN_PLACE:
+        if (out / name).is_symlink():
+            raise ConfigError(f"trainer.output_dir {out}: {out / name} is a symbolic link (to {os.readlink(out / name)});"
+                              f" refused: polyfsdp-train writes its files only inside its output directory; remove "
+                              f"the link or choose another trainer.output_dir")
 
 
 def check_same_run(cfg: JobConfig, run_dir: Path) -> None:
