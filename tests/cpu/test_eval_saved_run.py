@@ -106,7 +106,7 @@ def test_a_saved_config_with_yaml_aliases_is_refused_in_one_line(genuine_run, tm
     assert "\n" not in err and "uses a YAML alias" in err and str(run / "config.yaml") in err, err
 
 
-@pytest.mark.parametrize("what", ["fifo", "oversized"])
+@pytest.mark.parametrize("what", ["fifo", "oversized", "link"])
 def test_a_saved_config_that_could_not_be_written_by_a_run_is_refused(tmp_path, what):
     import os
 
@@ -116,9 +116,14 @@ def test_a_saved_config_that_could_not_be_written_by_a_run_is_refused(tmp_path, 
     config = tmp_path / "config.yaml"
     if what == "fifo":  # reading one blocks until a writer comes: forever
         os.mkfifo(config)
-    else:
+    elif what == "oversized":
         config.write_text("trainer:\n  note: " + "x" * MAX_SAVED_CONFIG_BYTES + "\n")
-    with pytest.raises(ConfigError, match="not a regular file" if what == "fifo" else "over the"):
+    else:  # a valid config of the reader's own, which the results would copy
+        users = tmp_path / "users_config.yaml"
+        users.write_text("data:\n  train_files: [/home/user/private.jsonl]\n")
+        config.symlink_to(users)
+    refusal = {"fifo": "not a regular file", "oversized": "over the", "link": "a symbolic link"}[what]
+    with pytest.raises(ConfigError, match=refusal):
         read_saved_yaml(config)
 
 

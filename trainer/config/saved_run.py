@@ -2,7 +2,8 @@
 that may be someone else's (shared, downloaded), so nothing in one runs on the reader's machine.
 
 - :func:`read_saved_yaml`: the file as a plain dict, refused in one line when it could not be a
-  config polyfsdp-train wrote: over :data:`MAX_SAVED_CONFIG_BYTES`, not a regular file, or using
+  config polyfsdp-train wrote: a symbolic link (to a file of the reader's, whose sections the
+  results would copy), over :data:`MAX_SAVED_CONFIG_BYTES`, not a regular file, or using
   YAML aliases (``*name``; ten nested aliases of ten items each expand to 10^10 nodes when
   OmegaConf copies them, hanging the reader; polyfsdp-train never writes one).
 - :func:`load_saved_config`: the YAML as a plain dict. Interpolations (``${oc.env:TOKEN}``,
@@ -17,6 +18,7 @@ that may be someone else's (shared, downloaded), so nothing in one runs on the r
 """
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 from ..errors import ConfigError
@@ -33,7 +35,8 @@ MAX_SAVED_CONFIG_BYTES = 1 << 20
 
 def read_saved_yaml(path: Path) -> dict | list | str | None:
     """``path`` (a run's config.yaml, which may be crafted) parsed, nothing resolved; ConfigError
-    when it is not a regular file of at most MAX_SAVED_CONFIG_BYTES, uses a YAML alias or does not parse."""
+    when it is a symbolic link, not a regular file of at most MAX_SAVED_CONFIG_BYTES, uses a YAML
+    alias or does not parse."""
     import io
     import stat
 
@@ -41,6 +44,9 @@ def read_saved_yaml(path: Path) -> dict | list | str | None:
     from omegaconf import OmegaConf
     from omegaconf.errors import OmegaConfBaseException
 
+    if path.is_symlink():  # read as the run's, a link's target (a file of the reader's) would end up in its results
+        raise ConfigError(f"{path}: a symbolic link (to {os.readlink(path)}); refused: a run's configuration is "
+                          f"read only from its own directory")
     try:
         info = path.stat()
         if not stat.S_ISREG(info.st_mode):  # a FIFO or device (/dev/zero) would never end reading
