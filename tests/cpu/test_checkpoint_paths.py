@@ -129,6 +129,23 @@ def test_an_older_checkpoint_that_is_a_symbolic_link_is_skipped_by_resume_auto(s
                                                  f"symbolic link (to {zeroed_outside})")
 
 
+@pytest.mark.parametrize("linked", ["checkpoints", "checkpoints/rl"])
+def test_resume_auto_refuses_checkpoints_reached_through_a_linked_directory(tmp_path, zeroed_outside, linked):
+    """A crafted run whose ``checkpoints`` (or phase directory) links to another run's: resuming
+    would load that run's checkpoints (the payload: zeroed weights) and save and prune among them."""
+    out = tmp_path / "crafted"
+    (out / linked).parent.mkdir(parents=True, exist_ok=True)
+    phase_dir = zeroed_outside.parent
+    if linked == "checkpoints":  # the other run's checkpoints: other/rl/step_000004
+        (tmp_path / "other").mkdir()
+        phase_dir = phase_dir.rename(tmp_path / "other" / "rl")
+    (out / linked).symlink_to(phase_dir if linked == "checkpoints/rl" else phase_dir.parent)
+    # Negative control: through the link, the other run's checkpoint is the newest of this one.
+    assert ckpt.latest_checkpoint(out / "checkpoints" / "rl") == out / "checkpoints" / "rl" / zeroed_outside.name
+    with pytest.raises(ConfigError, match=re.escape(f"trainer.resume=auto: {out / linked} is a symbolic link (to ")):
+        find_resume(load_config([]), out, say=lambda line: None)
+
+
 @pytest.mark.parametrize("name", ["trainer_state.pt", "manifest.json"])
 def test_a_checkpoint_file_that_is_a_symbolic_link_is_refused(saved, tmp_path, name):
     path, parts = saved

@@ -104,7 +104,13 @@ def intact_checkpoints(phase_dir: Path, say=print) -> list[Path]:
     A run directory may be crafted: a ``latest`` naming anything but a ``step_*`` directory of
     ``phase_dir``, or a checkpoint whose paths leave it (a file that is a symbolic link, a
     manifest naming a path), is refused in one line; a ``step_*`` that is a symbolic link is
-    skipped (its files would come from outside the run)."""
+    skipped (its files would come from outside the run). So is, when it holds checkpoints, a
+    ``phase_dir`` reached through a symbolic link (``checkpoints`` or the phase itself): a crafted
+    run's link would have this run resume from another run's checkpoints, then save and prune there."""
+    linked = next((d for d in (phase_dir.parent, phase_dir) if d.is_symlink()), None)
+    if linked is not None and complete_checkpoints(phase_dir):
+        raise ConfigError(f"trainer.resume=auto: {linked} is a symbolic link (to {os.readlink(linked)}); refused: a "
+                          f"run's checkpoints are read only from its own directory; move them back into it")
     try:
         # ``latest`` first: a run restarted from an earlier step re-points it.
         pointed = latest_checkpoint(phase_dir)
