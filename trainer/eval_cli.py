@@ -130,7 +130,7 @@ def _run_dir(directory: Path) -> Path | None:
 def locate_model(path: Path) -> ModelToEvaluate:
     """What ``polyfsdp-eval PATH`` evaluates: a run's checkpoint (``checkpoints/<phase>`` means
     its newest), or a Hugging Face directory (in a run, such as ``final/``, or not)."""
-    from polyfsdp.engines.checkpoint import latest_checkpoint
+    from polyfsdp.engines.checkpoint import CheckpointError, latest_checkpoint
 
     phase_dir = path if path.name in TRAINING_PHASES else path.parent
     if phase_dir.name in TRAINING_PHASES and phase_dir.parent.name == "checkpoints":
@@ -138,7 +138,10 @@ def locate_model(path: Path) -> ModelToEvaluate:
         if run_dir is None:
             raise ConfigError(f"MODEL_DIR {str(path)!r}: a checkpoint outside a polyfsdp-train run directory (no "
                               f"config.yaml and metrics.jsonl in {phase_dir.parent.parent})")
-        checkpoint = path if path != phase_dir else latest_checkpoint(phase_dir)
+        try:
+            checkpoint = path if path != phase_dir else latest_checkpoint(phase_dir)
+        except CheckpointError as exc:  # a crafted latest naming a directory outside the run: one line
+            raise ConfigError(f"MODEL_DIR {str(path)!r}: {exc}") from None
         if checkpoint is None:
             raise ConfigError(f"MODEL_DIR {str(path)!r}: no complete checkpoint in it")
         # The phase's starting model (shape, tokenizer) takes the checkpoint's weights.

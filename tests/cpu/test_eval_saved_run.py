@@ -155,3 +155,14 @@ def test_an_override_of_the_section_around_a_code_key_leaves_the_saved_code_refu
     assert not marker.exists()
     err = capsys.readouterr().err.strip()
     assert status == 2 and "\n" not in err and f"names code to import (algo.actor.policy_loss={spec})" in err, err
+
+
+def test_a_latest_naming_a_directory_outside_the_run_is_one_line(genuine_run, tmp_path, capsys):
+    run = tmp_path / "downloaded_run"
+    shutil.copytree(genuine_run, run)
+    pointer = run / "checkpoints" / "sft" / "latest"
+    pointer.write_text("../../../elsewhere\n")
+    assert eval_main([str(run / "checkpoints" / "sft")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and err.startswith(f"polyfsdp-eval: error: MODEL_DIR {str(run / 'checkpoints' / 'sft')!r}: "
+                                              f"{pointer}: names '../../../elsewhere', which is not"), err
