@@ -47,3 +47,15 @@ def test_a_file_the_run_writes_in_place_that_is_a_link_is_refused_in_one_line(tm
     assert status == 2 and err == [f"polyfsdp-train: error: trainer.output_dir {out}: {out / name} is a symbolic "
                                    f"link (to {target}); refused: polyfsdp-train writes its files only inside its "
                                    f"output directory; remove the link or choose another trainer.output_dir"], err
+
+
+def test_every_file_written_in_place_is_checked_for_a_link(tmp_path):
+    """The trackers' files (only written with trainer.logger set) are checked as the others are."""
+    from polyfsdp.trainer.errors import ConfigError
+    from polyfsdp.trainer.run.resume import check_no_linked_run_files
+
+    for name in ("trackers.json", "mlflow.db"):
+        (tmp_path / name).symlink_to(tmp_path / "users_file")
+        with pytest.raises(ConfigError, match=f"{tmp_path / name} is a symbolic link"):
+            check_no_linked_run_files(tmp_path)
+        (tmp_path / name).unlink()

@@ -21,6 +21,7 @@ from ..errors import ConfigError
 from ..evaluation.generations_log import GENERATIONS_FILE
 from ..tracking import IDS_FILE
 from ..tracking.metrics import METRICS_FILE
+from ..tracking.mlflow_tracker import STORE_FILE as MLFLOW_STORE_FILE
 from ..tracking.plot import CURVES_FILE
 
 # Written next to the SFT-end export: how many metrics records precede the RL phase's start.
@@ -48,9 +49,9 @@ SAME_RUN_ROLLOUT_KEYS = ("env", "env_kwargs", "max_turns", "max_total_tokens", "
 
 
 # The files polyfsdp-train writes in place in its output directory (config.yaml; the trackers'
-# ids; appended validation completions; the curves): the others are written to a
-# temporary file renamed over them, or live in directories of their own.
-WRITTEN_IN_PLACE = ("config.yaml", IDS_FILE, GENERATIONS_FILE, CURVES_FILE)
+# ids; appended validation completions; the curves; MLflow's SQLite store): the others are
+# written to a temporary file renamed over them, or live in directories of their own.
+WRITTEN_IN_PLACE = ("config.yaml", IDS_FILE, GENERATIONS_FILE, CURVES_FILE, MLFLOW_STORE_FILE)
 
 
 @dataclass
