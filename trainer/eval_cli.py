@@ -17,12 +17,13 @@ imported only when the user names it on the command line or passes ``--trust-run
 from __future__ import annotations
 
 import json
+import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 from .config.composition import GROUPS, compose, to_container
-from .config.saved_run import TRUST_FLAG, apply_overrides, load_saved_config, refuse_saved_code
+from .config.saved_run import TRUST_FLAG, apply_overrides, load_saved_config, parse_overrides, refuse_saved_code
 from .errors import ConfigError
 from .rollout.row_seeds import step_seed
 
@@ -95,6 +96,19 @@ def default_json_path(model: ModelToEvaluate) -> Path:
     return model.run_dir / EVAL_DIR / (name + ".json")
 
 
+def check_run_json_target(path: Path) -> None:
+    """A ConfigError when ``path`` (a run's default results file, RUN/eval/NAME.json) or its folder
+    is a symbolic link, or ``path`` is not a regular file: a run directory may be crafted, and a
+    link would aim the write (or the read of earlier results) at any file of the reader's, a FIFO
+    would block that read forever."""
+    for where in (path.parent, path):
+        if where.is_symlink():
+            raise ConfigError(f"{where}: a symbolic link (to {os.readlink(where)}); refused: polyfsdp-eval writes a "
+                              f"run's results only inside it; remove the link or name the file with --json FILE")
+    if path.exists() and not path.is_file():
+        raise ConfigError(f"{path}: not a regular file; refused: name the results file with --json FILE")
+
+
 def check_json_target(path: Path, model: ModelToEvaluate) -> None:
     """A ConfigError unless ``path`` is free or holds earlier results of this same model: the
     results of another model (or any other file) are not overwritten."""
@@ -116,7 +130,7 @@ def _run_dir(directory: Path) -> Path | None:
 def locate_model(path: Path) -> ModelToEvaluate:
     """What ``polyfsdp-eval PATH`` evaluates: a run's checkpoint (``checkpoints/<phase>`` means
     its newest), or a Hugging Face directory (in a run, such as ``final/``, or not)."""
-    from polyfsdp.engines.checkpoint import latest_checkpoint
+    from polyfsdp.engines.checkpoint import CheckpointError, latest_checkpoint
 
     phase_dir = path if path.name in TRAINING_PHASES else path.parent
     if phase_dir.name in TRAINING_PHASES and phase_dir.parent.name == "checkpoints":
@@ -124,7 +138,10 @@ def locate_model(path: Path) -> ModelToEvaluate:
         if run_dir is None:
             raise ConfigError(f"MODEL_DIR {str(path)!r}: a checkpoint outside a polyfsdp-train run directory (no "
                               f"config.yaml and metrics.jsonl in {phase_dir.parent.parent})")
-        checkpoint = path if path != phase_dir else latest_checkpoint(phase_dir)
+        try:
+            checkpoint = path if path != phase_dir else latest_checkpoint(phase_dir)
+        except CheckpointError as exc:  # a crafted latest naming a directory outside the run: one line
+            raise ConfigError(f"MODEL_DIR {str(path)!r}: {exc}") from None
         if checkpoint is None:
             raise ConfigError(f"MODEL_DIR {str(path)!r}: no complete checkpoint in it")
         # The phase's starting model (shape, tokenizer) takes the checkpoint's weights.
@@ -149,13 +166,15 @@ def eval_config(model: ModelToEvaluate, overrides: list[str], world_size: int = 
     else:
         raw = load_saved_config(model.run_dir / "config.yaml")
         groups = {o.partition("=")[0] for o in overrides if o.partition("=")[0] in GROUPS}
+        given = {}  # what the command line sets: the only code imported without --trust-run-code
         for group in groups:
             # A group choice (data=files): that option's section, composed as polyfsdp-train would.
             mine = [o for o in overrides if o.partition("=")[0] == group or o.startswith(group + ".")]
-            raw[group] = to_container(compose(mine))[group]
+            given[group] = raw[group] = to_container(compose(mine))[group]
         keys = [o for o in overrides if o.partition("=")[0] not in groups and o.split(".")[0] not in groups]
-        raw = apply_overrides(raw, keys)
-        refuse_saved_code(raw, [o.partition("=")[0] for o in overrides], model.run_dir / "config.yaml", trust_run_code)
+        given.update(parse_overrides(keys))
+        raw = apply_overrides(raw, given)
+        refuse_saved_code(raw, given, model.run_dir / "config.yaml", trust_run_code)
         if model.checkpoint is not None and raw["model"].get("path") and (model.phase == "sft" or
                                                                          not raw["trainer"].get("sft_steps")):
             weights = Path(raw["model"]["path"])  # the run started from this local model, not init_model/
@@ -204,6 +223,8 @@ def evaluate_model(model_dir: Path, overrides: list[str], json_path: str | None,
     model = locate_model(model_dir)
     cfg = eval_config(model, overrides, world_size=launch_env().world_size, trust_run_code=trust_run_code)
     target = Path(json_path) if json_path is not None else default_json_path(model)
+    if json_path is None and model.run_dir is not None:
+        check_run_json_target(target)
     check_json_target(target, model)  # before the model is built: a refusal costs nothing
     job = Job(cfg)  # the trainer's tokenizer, data, reward and checks; nothing is written
     engine = job._engine(model.phase, cfg.model.path, label=model.label(rl_run=cfg.algo.rl))

@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import os
 import socket
+import stat
 import time
 import uuid
 from contextlib import contextmanager
@@ -103,20 +104,37 @@ class Holder:
         return self.started is not None and fields[19] != self.started  # the pid was reused
 
 
+# A lock polyfsdp-train writes is one short JSON line: reading more means it is no lock of ours.
+MAX_LOCK_BYTES = 4096
+
+
+def _lock_text(path: Path) -> str:
+    """The content of lock file ``path``, read without following a symbolic link and only from a
+    regular file (OSError otherwise): a crafted directory's lock linked to /dev/zero, or a FIFO,
+    would never finish reading. FileNotFoundError when it is gone."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(f"{path}: not a regular file")
+        return os.read(fd, MAX_LOCK_BYTES).decode()
+    finally:
+        os.close(fd)
+
+
 def _read(path: Path) -> Holder | None:
     """The holder ``path`` names; None when it is unreadable after :data:`UNREADABLE_WAIT_S`.
     Raises FileNotFoundError when it is gone (its holder released it meanwhile)."""
     deadline = time.monotonic() + UNREADABLE_WAIT_S
     while True:
         try:
-            holder = Holder(**json.loads(path.read_text()))
+            holder = Holder(**json.loads(_lock_text(path)))
             if isinstance(holder.host, str) and isinstance(holder.pid, int) and isinstance(holder.token, str):
                 return holder
         except FileNotFoundError:
             raise
-        except OSError:  # not readable by this user, a directory: no run of ours made it
+        except OSError:  # not readable by this user, a directory, a link, a FIFO: no run of ours made it
             return None
-        except (ValueError, TypeError):
+        except (ValueError, TypeError):  # UnicodeDecodeError included
             pass
         if time.monotonic() >= deadline:
             return None
@@ -195,7 +213,7 @@ def release_lock(out: Path, me: Holder) -> None:
     """Remove ``out``'s lock if it is still ``me``'s (a user may have deleted it, another run taken it)."""
     path = out / LOCK_FILE
     try:
-        holder = Holder(**json.loads(path.read_text()))
+        holder = Holder(**json.loads(_lock_text(path)))
     except (OSError, ValueError, TypeError):
         return
     if holder.token == me.token:

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import logging
 import os
-import shutil
 from pathlib import Path
 
 import torch
@@ -40,7 +39,8 @@ from .files import (ALL_SPANS, DCP_METADATA_FILE, check_checksums, check_manifes
                                read_dcp_metadata, save_plain, unread_spans, verify_checkpoint, write_manifest)
 from .paths import check_shard_files
 from .layout import (TMP_PREFIX, TRAINER_STATE_FILE, complete_checkpoints, is_complete,
-                                latest_checkpoint, move_into_place, prune, remove_leftovers, step_dir_name)
+                                latest_checkpoint, move_into_place, prune, remove_leftovers, remove_tree,
+                                step_dir_name)
 from .parts import CheckpointPart, check_parts, check_plain, rng_state, set_rng_state
 from .verdict import all_ranks_or_raise, safe_dcp_load
 from .hf_export import export_hf
@@ -95,9 +95,9 @@ def save_checkpoint(
     def prepare() -> None:
         if rank == 0:
             directory.mkdir(parents=True, exist_ok=True)
-            if tmp.exists():
+            if tmp.exists() or tmp.is_symlink():
                 logger.warning("removing leftover %s from an interrupted save", tmp)
-                shutil.rmtree(tmp)
+                remove_tree(tmp)
             tmp.mkdir()
 
     def sharded_states() -> tuple[dict, dict, dict]:

@@ -12,7 +12,9 @@ what goes inside one is ``__init__.py``'s (the save and load) and ``files.py``'s
 (the manifest). A crash at any point leaves ``latest`` naming a complete checkpoint.
 
 A checkpoint root may come from someone else: ``latest`` is followed only to a ``step_*``
-directory of the root itself (not a symbolic link), whatever else it names is refused.
+directory of the root itself (not a symbolic link), whatever else it names is refused; what this
+module deletes or overwrites that is a symbolic link (a ``.tmp-*`` leftover, ``latest.tmp``) loses
+the link only, never its target.
 """
 from __future__ import annotations
 
@@ -50,6 +52,8 @@ def fsync_dir(path: Path) -> None:
 def write_pointer(directory: Path, name: str) -> None:
     """Point ``latest`` at ``name`` atomically (temp file + ``os.replace``)."""
     tmp = directory / f"{LATEST_FILE}.tmp"
+    # A leftover may be a crafted run's link to any file: opening it would overwrite that file.
+    tmp.unlink(missing_ok=True)
     with open(tmp, "w") as f:
         f.write(name + "\n")
         f.flush()
@@ -103,18 +107,28 @@ def latest_checkpoint(directory: str | os.PathLike) -> Path | None:
     return found[-1] if found else None
 
 
+def remove_tree(path: Path) -> None:
+    """Remove directory ``path``; when it is a symbolic link (a checkpoint linked to other storage,
+    or a crafted run's ``.tmp-*`` aimed anywhere) only the link: rmtree refuses one, which would stop
+    every save, and nothing outside the checkpoint root is ever deleted."""
+    if path.is_symlink():
+        path.unlink()
+    else:
+        shutil.rmtree(path)
+
+
 def move_into_place(directory: Path, tmp: Path, final: Path) -> None:
     """Move a finished save into place and point ``latest`` at it."""
     fsync_dir(tmp)
     if final.exists():
         # Re-saving a step: move the old copy aside first; rename cannot replace a directory.
         stale = directory / f"{TMP_PREFIX}old-{final.name}"
-        if stale.exists():
-            shutil.rmtree(stale)
+        if stale.exists() or stale.is_symlink():
+            remove_tree(stale)
         os.rename(final, stale)
         os.rename(tmp, final)
         write_pointer(directory, final.name)
-        shutil.rmtree(stale)
+        remove_tree(stale)
     else:
         os.rename(tmp, final)
         write_pointer(directory, final.name)
@@ -136,9 +150,9 @@ def remove_leftovers(directory: Path) -> None:
     directories, and ``step_*`` directories without their trainer state from older code)."""
     for path in directory.iterdir():
         leftover = path.name.startswith(TMP_PREFIX) or (STEP_DIR.match(path.name) and not is_complete(path))
-        if leftover and path.is_dir():
+        if leftover and (path.is_dir() or path.is_symlink()):
             logger.warning("removing %s, left by an interrupted save or deletion", path)
-            shutil.rmtree(path)
+            remove_tree(path)
 
 
 def prune(directory: Path, keep: int | None, final: Path) -> None:

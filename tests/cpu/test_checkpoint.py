@@ -1,5 +1,6 @@
 """Sharded checkpoints (engines/checkpoint/) on a tiny FSDP2-wrapped Qwen2, world size 1."""
 import random
+import shutil
 
 import numpy as np
 import pytest
@@ -210,7 +211,7 @@ def test_a_deletion_cut_short_leaves_no_partial_checkpoint_and_the_next_save_cle
     def crash(path, *args, **kwargs):
         raise KeyboardInterrupt  # what a kill halfway through deleting step_000001 leaves
 
-    monkeypatch.setattr(ckpt.shutil, "rmtree", crash)
+    monkeypatch.setattr(shutil, "rmtree", crash)
     with pytest.raises(KeyboardInterrupt):
         ckpt.save_checkpoint(tmp_path, 2, model=model, optimizer=opt, keep=1)
     monkeypatch.undo()

@@ -129,6 +129,23 @@ def test_an_older_checkpoint_that_is_a_symbolic_link_is_skipped_by_resume_auto(s
                                                  f"symbolic link (to {zeroed_outside})")
 
 
+@pytest.mark.parametrize("linked", ["checkpoints", "checkpoints/rl"])
+def test_resume_auto_refuses_checkpoints_reached_through_a_linked_directory(tmp_path, zeroed_outside, linked):
+    """A crafted run whose ``checkpoints`` (or phase directory) links to another run's: resuming
+    would load that run's checkpoints (the payload: zeroed weights) and save and prune among them."""
+    out = tmp_path / "crafted"
+    (out / linked).parent.mkdir(parents=True, exist_ok=True)
+    phase_dir = zeroed_outside.parent
+    if linked == "checkpoints":  # the other run's checkpoints: other/rl/step_000004
+        (tmp_path / "other").mkdir()
+        phase_dir = phase_dir.rename(tmp_path / "other" / "rl")
+    (out / linked).symlink_to(phase_dir if linked == "checkpoints/rl" else phase_dir.parent)
+    # Negative control: through the link, the other run's checkpoint is the newest of this one.
+    assert ckpt.latest_checkpoint(out / "checkpoints" / "rl") == out / "checkpoints" / "rl" / zeroed_outside.name
+    with pytest.raises(ConfigError, match=re.escape(f"trainer.resume=auto: {out / linked} is a symbolic link (to ")):
+        find_resume(load_config([]), out, say=lambda line: None)
+
+
 @pytest.mark.parametrize("name", ["trainer_state.pt", "manifest.json"])
 def test_a_checkpoint_file_that_is_a_symbolic_link_is_refused(saved, tmp_path, name):
     path, parts = saved
@@ -158,6 +175,27 @@ def test_a_checkpoint_file_that_is_a_symbolic_link_is_refused(saved, tmp_path, n
         assert "\n" not in str(info.value)
     with pytest.raises(ConfigError, match=f"trainer.resume=auto: {refused}"):
         find_resume(load_config([]), path.parent.parent.parent, say=lambda line: None)
+
+
+@pytest.mark.parametrize("link, step", [(".tmp-step_000009", 3), (".tmp-step_000003", 3), ("latest.tmp", 3),
+                                        (".tmp-old-step_000002", 2)])
+def test_a_save_deletes_or_overwrites_a_symbolic_link_in_the_phase_directory_never_its_target(saved, tmp_path,
+                                                                                             link, step):
+    """A crafted run's leftovers that a save removes or rewrites (a crashed save's ``.tmp-*``, the
+    temporary directory of this very step, ``latest.tmp``, a re-saved step's ``.tmp-old-*``) are
+    links to the user's files: the save goes on, the links go, what they point at stays."""
+    path, parts = saved
+    phase_dir = path.parent
+    outside = tmp_path / "users_files"
+    outside.mkdir()
+    (outside / "marker").write_text("keep")
+    target = outside / "marker" if link == "latest.tmp" else outside
+    (phase_dir / link).symlink_to(target)
+
+    final = _save(parts, phase_dir, step)
+    assert (outside / "marker").read_text() == "keep" and sorted(os.listdir(outside)) == ["marker"]
+    assert not (phase_dir / link).is_symlink()
+    assert ckpt.latest_checkpoint(phase_dir) == final and final.name == f"step_{step:06d}"
 
 
 def test_polyfsdp_train_refuses_a_latest_naming_an_outside_checkpoint_in_one_line(tmp_path, capsys):

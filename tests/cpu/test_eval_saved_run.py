@@ -92,3 +92,77 @@ def test_a_saved_interpolation_stays_a_literal_string(genuine_run, tmp_path, mon
     written = (run / "eval" / "final.json").read_text()
     assert SECRET not in written
     assert json.loads(written)["data"]["prompt_key"] == interpolation
+
+
+def test_a_saved_config_with_yaml_aliases_is_refused_in_one_line(genuine_run, tmp_path, capsys):
+    run = crafted_run(genuine_run, tmp_path, "data.prompt_key", "prompt")
+    # Each level repeats the one before ten times: 10^n nodes once OmegaConf copies them (n=9 never
+    # finishes); three levels keep the unfixed reader quick, refused by its unknown key instead.
+    laughs = "a: &a [x, x, x, x, x, x, x, x, x, x]\n" + "".join(
+        f"{new}: &{new} [{', '.join([f'*{old}'] * 10)}]\n" for old, new in zip("ab", "bc"))
+    (run / "config.yaml").write_text((run / "config.yaml").read_text() + laughs)
+    assert eval_main([str(run / "final")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "uses a YAML alias" in err and str(run / "config.yaml") in err, err
+
+
+@pytest.mark.parametrize("what", ["fifo", "oversized", "link"])
+def test_a_saved_config_that_could_not_be_written_by_a_run_is_refused(tmp_path, what):
+    import os
+
+    from polyfsdp.trainer.config.saved_run import MAX_SAVED_CONFIG_BYTES, read_saved_yaml
+    from polyfsdp.trainer.errors import ConfigError
+
+    config = tmp_path / "config.yaml"
+    if what == "fifo":  # reading one blocks until a writer comes: forever
+        os.mkfifo(config)
+    elif what == "oversized":
+        config.write_text("trainer:\n  note: " + "x" * MAX_SAVED_CONFIG_BYTES + "\n")
+    else:  # a valid config of the reader's own, which the results would copy
+        users = tmp_path / "users_config.yaml"
+        users.write_text("data:\n  train_files: [/home/user/private.jsonl]\n")
+        config.symlink_to(users)
+    refusal = {"fifo": "not a regular file", "oversized": "over the", "link": "a symbolic link"}[what]
+    with pytest.raises(ConfigError, match=refusal):
+        read_saved_yaml(config)
+
+
+@pytest.mark.parametrize("link", ["eval", "eval/final.json"])
+def test_results_are_never_written_through_a_link_in_the_run(genuine_run, tmp_path, capsys, link):
+    run = crafted_run(genuine_run, tmp_path, "data.prompt_key", "prompt")
+    users = tmp_path / "users_files"  # the payload: a file created there, outside the run
+    users.mkdir()
+    if link == "eval":
+        (run / "eval").symlink_to(users)
+    else:
+        (run / "eval").mkdir()
+        (run / "eval" / "final.json").symlink_to(users / "created_by_the_run")  # dangling: exists() is False
+    assert eval_main([str(run / "final")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and err.startswith(f"polyfsdp-eval: error: {run / link}: a symbolic link (to "), err
+    assert list(users.iterdir()) == []
+    # The user's own --json FILE is theirs to aim anywhere.
+    assert eval_main([str(run / "final"), "--json", str(users / "mine.json")]) == 0
+
+
+def test_an_override_of_the_section_around_a_code_key_leaves_the_saved_code_refused(genuine_run, tmp_path, capsys):
+    """``algo.actor={epochs: 1}`` sets no policy loss: merged into the saved section, the run's
+    own ``algo.actor.policy_loss`` stays, and is still the run's code, not the user's."""
+    marker = tmp_path / "imported"
+    spec = f"{code_file(tmp_path, marker)}:loss"
+    run = crafted_run(genuine_run, tmp_path, "algo.actor.policy_loss", spec)
+    status = eval_main([str(run / "final"), "algo.actor={epochs: 1}"])
+    assert not marker.exists()
+    err = capsys.readouterr().err.strip()
+    assert status == 2 and "\n" not in err and f"names code to import (algo.actor.policy_loss={spec})" in err, err
+
+
+def test_a_latest_naming_a_directory_outside_the_run_is_one_line(genuine_run, tmp_path, capsys):
+    run = tmp_path / "downloaded_run"
+    shutil.copytree(genuine_run, run)
+    pointer = run / "checkpoints" / "sft" / "latest"
+    pointer.write_text("../../../elsewhere\n")
+    assert eval_main([str(run / "checkpoints" / "sft")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and err.startswith(f"polyfsdp-eval: error: MODEL_DIR {str(run / 'checkpoints' / 'sft')!r}: "
+                                              f"{pointer}: names '../../../elsewhere', which is not"), err

@@ -123,3 +123,37 @@ def test_the_lock_goes_on_an_exception_and_stays_if_it_is_no_longer_ours(tmp_pat
     with hold_output_dir(tmp_path, say=print):
         _write_lock(tmp_path, other)  # e.g. removed by hand and taken by another run meanwhile
     assert json.loads((tmp_path / LOCK_FILE).read_text())["token"] == other.token
+
+
+@pytest.mark.parametrize("how", ["fifo", "link to a fifo"])
+def test_a_lock_that_is_no_regular_file_is_refused_without_reading_it(tmp_path, how):
+    """A crafted directory's run.lock that never ends reading (a FIFO with no writer blocks forever,
+    a link to /dev/zero fills memory) is refused at once, like any lock polyfsdp-train cannot read."""
+    import threading
+
+    fifo = tmp_path / ("elsewhere" if how == "link to a fifo" else LOCK_FILE)
+    os.mkfifo(fifo)
+    if how == "link to a fifo":
+        (tmp_path / LOCK_FILE).symlink_to(fifo)
+    outcome = []
+
+    def take():
+        try:
+            with hold_output_dir(tmp_path, say=print):
+                outcome.append("ran")
+        except ConfigError as exc:
+            outcome.append(str(exc))
+
+    taker = threading.Thread(target=take, daemon=True)
+    taker.start()
+    taker.join(timeout=10)
+    blocked = taker.is_alive()
+    while taker.is_alive():  # blocked opening the FIFO: a writer that closes at once sets it free
+        try:
+            os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+        except OSError:  # no reader at this instant
+            pass
+        taker.join(timeout=0.1)
+    assert not blocked, "reading run.lock blocked"
+    assert outcome == [f"trainer.output_dir {tmp_path}: {tmp_path / LOCK_FILE} is not a lock polyfsdp-train can "
+                       f"read; if no run is writing to this directory, delete it and run again"], outcome

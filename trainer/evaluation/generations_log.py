@@ -20,6 +20,8 @@ class GenerationsLog:
         with open(self.path) as f:
             kept = [line for line in f if line.strip() and json.loads(line)["global_step"] < next_step]
         tmp = self.path + ".tmp"
+        if os.path.islink(tmp):  # a crafted run's link to any file: opening it would overwrite that file
+            os.unlink(tmp)
         with open(tmp, "w") as f:
             f.writelines(kept)
         os.replace(tmp, self.path)

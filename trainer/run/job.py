@@ -50,6 +50,7 @@ from ..output_dir_lock import hold_output_dir
 from .checkpoints import JobCheckpoints
 from .job_data import load_job_data
 from ..tracking.metrics import METRICS_FILE, MetricsLogger
+from ..tracking.plot import CURVES_FILE
 from .export import export_model
 from .model_init import write_initial_model
 from .phases import Phase, plan_phases
@@ -58,7 +59,7 @@ from ..rank_errors import on_every_rank
 from ..rewards.reward_fn import build_scorer
 from ..algos.rl_step import rl_step
 from ..rollout.engines import build_rollout_engine
-from .resume import RL_PHASE, STATE_FILE, ResumePoint, check_same_run, find_resume
+from .resume import RL_PHASE, STATE_FILE, ResumePoint, check_no_linked_run_files, check_same_run, find_resume
 from .state import PhaseState, TrainerPosition
 from ..rollout.row_seeds import RowSeeds, replica_seed, step_seed
 from ..algos.sft import sft_step
@@ -66,8 +67,6 @@ from .stop import StopRequest
 from ..tracking import RunInfo, Trackers, start_trackers
 
 logger = logging.getLogger(__name__)
-
-CURVES_FILE = "curves.png"
 
 
 def _say(message: str) -> None:
@@ -211,6 +210,7 @@ class Job:
         cfg, out = self.cfg, self.out
         resume = None
         if self.rank == 0:
+            check_no_linked_run_files(out)
             check_same_run(cfg, out)
             resume = find_resume(cfg, out, say=_say)
             if resume is not None and resume.run_dir != out:

@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import logging
 import os
-import shutil
 
 import torch
 
 from polyfsdp.backends.distributed import barrier, current_rank
+from polyfsdp.engines.checkpoint.files import remove_path
 from polyfsdp.engines.presets import preset_config
 
 logger = logging.getLogger(__name__)
@@ -40,7 +40,9 @@ def write_initial_model(directory: str, preset: str, overrides: dict, tokenizer,
             detail = " ".join(str(exc).split()) or type(exc).__name__
             raise ValueError(f"the {preset} model these overrides describe cannot run: {detail}") from None
         tmp = directory + ".tmp"
-        shutil.rmtree(tmp, ignore_errors=True)
+        # A leftover that is a link (a crafted run's, to any directory) goes itself: saving
+        # through it would write the model into its target.
+        remove_path(tmp)
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
         os.replace(tmp, directory)

@@ -10,15 +10,19 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from omegaconf import OmegaConf
 
 from polyfsdp.engines.checkpoint import CheckpointDamaged, CheckpointError, complete_checkpoints, latest_checkpoint
 from polyfsdp.engines.checkpoint.files import check_manifest
 
 from ..config.composition import renamed_key
 from ..config.job import JobConfig, RolloutSection, without_unused_preset
+from ..config.saved_run import read_saved_yaml
 from ..errors import ConfigError
+from ..evaluation.generations_log import GENERATIONS_FILE
+from ..tracking import IDS_FILE
 from ..tracking.metrics import METRICS_FILE
+from ..tracking.mlflow_tracker import STORE_FILE as MLFLOW_STORE_FILE
+from ..tracking.plot import CURVES_FILE
 
 # Written next to the SFT-end export: how many metrics records precede the RL phase's start.
 STATE_FILE = "polyfsdp_state.json"
@@ -42,6 +46,12 @@ RL_STARTED_TRAINER_KEYS = ("sft_steps",)
 SAME_RUN_IGNORED = ("reward.timeout_s",)
 # The rollout keys that define the task a multi-turn run trains on (its engine may change).
 SAME_RUN_ROLLOUT_KEYS = ("env", "env_kwargs", "max_turns", "max_total_tokens", "env_add_reward_fn")
+
+
+# The files polyfsdp-train writes in place in its output directory (config.yaml; the trackers'
+# ids; appended validation completions; the curves; MLflow's SQLite store): the others are
+# written to a temporary file renamed over them, or live in directories of their own.
+WRITTEN_IN_PLACE = ("config.yaml", IDS_FILE, GENERATIONS_FILE, CURVES_FILE, MLFLOW_STORE_FILE)
 
 
 @dataclass
@@ -95,7 +105,13 @@ def intact_checkpoints(phase_dir: Path, say=print) -> list[Path]:
     A run directory may be crafted: a ``latest`` naming anything but a ``step_*`` directory of
     ``phase_dir``, or a checkpoint whose paths leave it (a file that is a symbolic link, a
     manifest naming a path), is refused in one line; a ``step_*`` that is a symbolic link is
-    skipped (its files would come from outside the run)."""
+    skipped (its files would come from outside the run). So is, when it holds checkpoints, a
+    ``phase_dir`` reached through a symbolic link (``checkpoints`` or the phase itself): a crafted
+    run's link would have this run resume from another run's checkpoints, then save and prune there."""
+    linked = next((d for d in (phase_dir.parent, phase_dir) if d.is_symlink()), None)
+    if linked is not None and complete_checkpoints(phase_dir):
+        raise ConfigError(f"trainer.resume=auto: {linked} is a symbolic link (to {os.readlink(linked)}); refused: a "
+                          f"run's checkpoints are read only from its own directory; move them back into it")
     try:
         # ``latest`` first: a run restarted from an earlier step re-points it.
         pointed = latest_checkpoint(phase_dir)
@@ -173,6 +189,17 @@ def _algo_leaves(before_raw: dict, now_raw: dict) -> tuple[dict, dict]:
     return _leaves(old, "algo"), _leaves(new, "algo")
 
 
+def check_no_linked_run_files(out: Path) -> None:
+    """A ConfigError naming the first file of :data:`WRITTEN_IN_PLACE` in ``out`` that is a
+    symbolic link: a run directory may be crafted, and writing the file would overwrite (a
+    dangling link: create) whatever the link points at, outside the run."""
+    for name in WRITTEN_IN_PLACE:
+        if (out / name).is_symlink():
+            raise ConfigError(f"trainer.output_dir {out}: {out / name} is a symbolic link (to {os.readlink(out / name)});"
+                              f" refused: polyfsdp-train writes its files only inside its output directory; remove "
+                              f"the link or choose another trainer.output_dir")
+
+
 def check_same_run(cfg: JobConfig, run_dir: Path) -> None:
     """A run continued in (or from) ``run_dir`` must ask for the model, data and algorithm
     it was started with: its init_model and checkpoints would be loaded and the data stream
@@ -192,7 +219,10 @@ def check_same_run(cfg: JobConfig, run_dir: Path) -> None:
     # evaluation, say) left only init_model, which the next run reuses: only the model must
     # match, so the user can fix the reward or the data and run again in the same directory.
     # A config.yaml written before model.path dropped the unused preset still names one.
-    before_raw = without_unused_preset(OmegaConf.to_container(OmegaConf.load(saved)))
+    before_raw = read_saved_yaml(saved)
+    if not isinstance(before_raw, dict):
+        raise ConfigError(f"{saved}: expected a mapping of config groups, got {type(before_raw).__name__}")
+    before_raw = without_unused_preset(before_raw)
     if trained and ((run_dir / "checkpoints" / LEGACY_RL_PHASE).is_dir()
                     or any(renamed_key(f"algo.{key}") for key in (_section(before_raw, "algo") or {}))):
         raise ConfigError(legacy_run_line(run_dir))

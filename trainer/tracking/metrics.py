@@ -59,6 +59,8 @@ class MetricsLogger:
         self.lines = len(kept)
         os.makedirs(os.path.dirname(self.path) or ".", exist_ok=True)
         tmp = self.path + ".tmp"
+        if os.path.islink(tmp):  # a crafted run's link to any file: opening it would overwrite that file
+            os.unlink(tmp)
         with open(tmp, "w") as f:
             f.writelines(kept)
         os.replace(tmp, self.path)

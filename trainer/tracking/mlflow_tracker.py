@@ -17,6 +17,7 @@ from .base import RunInfo, Tracker, require
 from ..errors import TrackerStartError
 
 PARAMS_PER_BATCH = 100   # MLflow's log_batch limit
+STORE_FILE = "mlflow.db"  # the local store in the output directory, written in place by SQLite
 PARAM_VALUE_CHARS = 500  # the shortest value limit of MLflow's stores
 
 
@@ -34,7 +35,7 @@ class MlflowTracker(Tracker):
         uri = os.environ.get("MLFLOW_TRACKING_URI")
         local = not uri
         if local:
-            uri = f"sqlite:///{run.directory / 'mlflow.db'}"
+            uri = f"sqlite:///{run.directory / STORE_FILE}"
         try:
             from mlflow.entities import Param
 

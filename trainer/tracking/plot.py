@@ -7,6 +7,8 @@ import logging
 
 from .metrics import read_metrics
 
+CURVES_FILE = "curves.png"  # in the output directory, redrawn at every evaluation
+
 logger = logging.getLogger(__name__)
 
 # (title, [(phase, record key, legend label, matplotlib format)]): the first two panels are the
