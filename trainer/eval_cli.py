@@ -154,6 +154,10 @@ def eval_config(model: ModelToEvaluate, overrides: list[str], world_size: int = 
         raw = to_container(compose([*overrides, f"model.path={weights}"]))
     else:
         raw = load_saved_config(model.run_dir / "config.yaml")
+        if isinstance(raw.get("trainer"), dict):
+            # Evaluating continues no run: the checkpoint the run was resumed from (relative to where it
+            # started, or pruned since) is no concern of ours, and its check would refuse the run.
+            raw["trainer"]["resume"] = "never"
         given = [o.partition("=")[0] for o in overrides]
         # Before the overrides: a path the user types is relative to the user's own directory.
         raw = resolve_saved_paths(raw, model.run_dir, given, trust_run_code, say)

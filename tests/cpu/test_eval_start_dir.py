@@ -116,3 +116,16 @@ def test_a_checkpoint_of_a_run_on_a_relative_model_path_loads_into_that_model(tm
     monkeypatch.chdir(elsewhere)
     assert eval_main([str(run / "checkpoints" / "sft"), "--json", "r.json"]) == 0
     assert json.loads((elsewhere / "r.json").read_text())["metrics"]["reward"] == printed > 0
+
+
+def test_the_checkpoint_a_run_was_resumed_from_is_not_needed_to_evaluate_it(started_run, tmp_path, monkeypatch):
+    run, _, printed = started_run
+    resumed = tmp_path / "resumed"
+    shutil.copytree(run, resumed, ignore=shutil.ignore_patterns("eval"))
+    config = (resumed / "config.yaml").read_text()
+    assert "resume: auto" in config
+    # As a run started with trainer.resume=runs/old/checkpoints/rl/step_000001 saves it: relative, since pruned.
+    (resumed / "config.yaml").write_text(config.replace("resume: auto", "resume: runs/old/checkpoints/rl/step_000001"))
+    monkeypatch.chdir(tmp_path)
+    assert eval_main([str(resumed / "final"), "--json", "r.json"]) == 0
+    assert json.loads((tmp_path / "r.json").read_text())["metrics"]["reward"] == printed
