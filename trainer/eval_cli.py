@@ -12,7 +12,9 @@ rank evaluates its share and rank 0 prints.
 
 A run directory may be someone else's, so its config.yaml is data (trainer/config/saved_run.py):
 its ``${...}`` stay literal strings, and code it names (``reward.fn=FILE.py:NAME`` ...) is
-imported only when the user names it on the command line or passes ``--trust-run-code``.
+imported only when the user names it on the command line or passes ``--trust-run-code``. Its
+relative paths are read from the directory the run started in (trainer/config/run_start.py), the
+command line's from the working directory.
 """
 from __future__ import annotations
 
@@ -23,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .config.composition import GROUPS, compose, to_container
+from .config.run_start import resolve_saved_paths
 from .config.saved_run import TRUST_FLAG, apply_overrides, load_saved_config, parse_overrides, refuse_saved_code
 from .errors import ConfigError
 from .rollout.row_seeds import step_seed
@@ -151,10 +154,13 @@ def locate_model(path: Path) -> ModelToEvaluate:
     return ModelToEvaluate(path, _run_dir(path.parent))
 
 
-def eval_config(model: ModelToEvaluate, overrides: list[str], world_size: int = 1, trust_run_code: bool = False):
+def eval_config(model: ModelToEvaluate, overrides: list[str], world_size: int = 1, trust_run_code: bool = False,
+                say=print):
     """The JobConfig to evaluate ``model`` with: its run's config (or the defaults) with
     ``overrides`` applied; ``model.path`` is the directory the weights come from. The run's
-    config is data (config/saved_run.py): code it names is refused unless ``trust_run_code``."""
+    config is data (config/saved_run.py): code it names is refused unless ``trust_run_code``.
+    Its relative paths are read from where the run started (config/run_start.py; ``say``: the
+    line when that is not known here), the overrides' from the working directory."""
     from .config.job import build_job_config
 
     bad = [o for o in overrides if "=" not in o]
@@ -165,6 +171,13 @@ def eval_config(model: ModelToEvaluate, overrides: list[str], world_size: int = 
         raw = to_container(compose([*overrides, f"model.path={weights}"]))
     else:
         raw = load_saved_config(model.run_dir / "config.yaml")
+        if isinstance(raw.get("trainer"), dict):
+            # Evaluating continues no run: the checkpoint the run was resumed from (relative to where it
+            # started, or pruned since) is no concern of ours, and its check would refuse the run.
+            raw["trainer"]["resume"] = "never"
+        given_keys = [o.partition("=")[0] for o in overrides]
+        # Before the overrides: a path the user types is relative to the user's own directory.
+        raw = resolve_saved_paths(raw, model.run_dir, given_keys, trust_run_code, say)
         groups = {o.partition("=")[0] for o in overrides if o.partition("=")[0] in GROUPS}
         given = {}  # what the command line sets: the only code imported without --trust-run-code
         for group in groups:
@@ -221,7 +234,9 @@ def evaluate_model(model_dir: Path, overrides: list[str], json_path: str | None,
         raise ConfigError(f"MODEL_DIR {str(model_dir)!r} holds LoRA adapters only (trainer.export_lora=adapter): "
                           f"evaluate the run's checkpoint instead (polyfsdp-eval {run_dir}/checkpoints/rl)")
     model = locate_model(model_dir)
-    cfg = eval_config(model, overrides, world_size=launch_env().world_size, trust_run_code=trust_run_code)
+    launch = launch_env()
+    cfg = eval_config(model, overrides, world_size=launch.world_size, trust_run_code=trust_run_code,
+                      say=lambda line: print(line, flush=True) if launch.rank == 0 else None)
     target = Path(json_path) if json_path is not None else default_json_path(model)
     if json_path is None and model.run_dir is not None:
         check_run_json_target(target)

@@ -24,6 +24,11 @@ def names_code(spec) -> bool:
     return isinstance(spec, str) and ":" in spec
 
 
+def names_file(target: str) -> bool:
+    """Whether the ``TARGET`` of ``TARGET:NAME`` is a Python file (imported from its path), not a module."""
+    return target.endswith(".py") or os.sep in target or "/" in target
+
+
 def _load_file(path: str, key: str, spec: str):
     if not os.path.isfile(path):
         # Relative paths are read from where polyfsdp-train was started, not from the data's folder.
@@ -54,7 +59,7 @@ def load_object(spec: str, key: str, builtins: dict, what: str = "function"):
     if not sep or not target or not attr:
         raise ConfigError(f"{key}={spec}: expected a built-in ({', '.join(builtins)}), "
                           f"path/to/file.py:{what} or package.module:{what}")
-    if target.endswith(".py") or os.sep in target or "/" in target:
+    if names_file(target):
         module = _load_file(target, key, spec)
     else:
         try:

@@ -4,6 +4,8 @@ Output directory layout::
 
     run.lock             held while a run writes here: a second run is refused (trainer/output_dir_lock.py)
     config.yaml          the resolved configuration
+    started_in.json      rank 0's working directory, rewritten at every start: polyfsdp-eval reads
+                         config.yaml's relative data paths from it (trainer/config/run_start.py)
     metrics.jsonl        one record per step / evaluation (rank 0)
     generations.jsonl    trainer.log_val_generations: the first prompts' completions at each evaluation
     init_model/          the preset's starting weights + tokenizer (presets only)
@@ -31,7 +33,6 @@ from pathlib import Path
 from typing import Callable
 
 import torch
-from omegaconf import OmegaConf
 
 from polyfsdp.backends.distributed import all_reduce_max, broadcast_object, current_rank, init_distributed
 from polyfsdp.backends.topology import topology
@@ -42,6 +43,7 @@ from polyfsdp.engines.losses import SFTLoss
 
 from ..data.chat import model_max_positions
 from ..config.job import JobConfig
+from ..config.run_start import save_run_config
 from ..errors import ConfigError, Preempted, TrackerStartError
 from ..evaluation.held_out import GENERATION_COLUMNS, EvalSettings, evaluate
 from ..rollout.flat_sampling import flat_sampling_warning
@@ -216,8 +218,7 @@ class Job:
             if resume is not None and resume.run_dir != out:
                 check_same_run(cfg, resume.run_dir)
             try:
-                out.mkdir(parents=True, exist_ok=True)
-                OmegaConf.save(OmegaConf.create(cfg.raw), out / "config.yaml")
+                save_run_config(out, cfg.raw)  # and where the run started (started_in.json)
             except OSError as exc:
                 raise ConfigError(f"trainer.output_dir: cannot create {out}: {exc.strerror or exc}") from None
         resume = broadcast_object(resume)
