@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Callable
 
 from .plugins import names_code, names_file
-from .saved_run import USER_CODE_KEYS
+from .saved_run import USER_CODE_KEYS, dotted_value
 
 START_DIR_FILE = "started_in.json"
 # Keys whose saved value is a file or directory (or a list of files) the job reads: the data, the
@@ -56,15 +56,6 @@ def recorded_start_dir(run_dir: Path) -> tuple[Path | None, str]:
     return Path(recorded), ""
 
 
-def _get(raw: dict, dotted: str):
-    node = raw
-    for part in dotted.split("."):
-        if not isinstance(node, dict):
-            return None
-        node = node.get(part)
-    return node
-
-
 def _relative(path) -> bool:
     return isinstance(path, str) and bool(path) and not os.path.isabs(path)
 
@@ -82,10 +73,10 @@ def _relative_keys(raw: dict, trust_code: bool, given: list[str]) -> list[str]:
     the override keys, a group such as ``data`` counting for its keys), whose saved value is replaced."""
     found = []
     for key in SAVED_PATH_KEYS:
-        value = _get(raw, key)
+        value = dotted_value(raw, key)
         if any(_relative(v) for v in (value if isinstance(value, list) else [value])):
             found.append(key)
-    found += [key for key in USER_CODE_KEYS if trust_code and _code_file(_get(raw, key))]
+    found += [key for key in USER_CODE_KEYS if trust_code and _code_file(dotted_value(raw, key))]
     return [key for key in found if not any(key == k or key.startswith(k + ".") for k in given)]
 
 
@@ -116,5 +107,5 @@ def resolve_saved_paths(raw: dict, run_dir: Path, given: list[str], trust_code: 
     raw = copy.deepcopy(raw)
     for key in keys:
         *sections, leaf = key.split(".")
-        _get(raw, ".".join(sections))[leaf] = _resolved(key, _get(raw, key), base)
+        dotted_value(raw, ".".join(sections))[leaf] = _resolved(key, dotted_value(raw, key), base)
     return raw

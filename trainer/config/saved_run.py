@@ -97,7 +97,8 @@ def apply_overrides(raw: dict, given: dict) -> dict:
     return _merged(raw, given)
 
 
-def _value(raw: dict, dotted: str):
+def dotted_value(raw: dict, dotted: str):
+    """``raw["a"]["b"]`` for ``"a.b"``; None where a part is missing or not a mapping."""
     node = raw
     for part in dotted.split("."):
         if not isinstance(node, dict):
@@ -114,8 +115,8 @@ def refuse_saved_code(raw: dict, given: dict, saved: Path, trusted: bool) -> Non
     and the saved one merged beside it is still the run's."""
     if trusted:
         return
-    named = [f"{key}={_value(raw, key)}" for key in USER_CODE_KEYS if names_code(_value(raw, key))
-             and _value(given, key) != _value(raw, key)]
+    named = [f"{key}={dotted_value(raw, key)}" for key in USER_CODE_KEYS if names_code(dotted_value(raw, key))
+             and dotted_value(given, key) != dotted_value(raw, key)]
     if named:
         raise ConfigError(f"{saved} names code to import ({', '.join(named)}): polyfsdp-eval does not run code from "
                           f"a run directory's config, which may not be yours; pass the key on the command line to use "
