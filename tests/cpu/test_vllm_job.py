@@ -1,10 +1,18 @@
 """polyfsdp-train with rollout.engine=vllm end to end (SFT, then GRPO, evaluations, export),
 against the same job sampled by our decoding loop: the greedy evaluations before GRPO agree
 (so vLLM followed the weights across phases: SFT's engine, then GRPO's), and every GRPO
-step's sampled log-probs equal the trainer's (the mismatch metric, on by default with vLLM)."""
+step's sampled log-probs equal the trainer's (the mismatch metric, on by default with vLLM); a
+run killed and resumed with vLLM sampling continues the uninterrupted run's curve (slow: run with
+``pytest -m slow``)."""
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
 import torch
 
-from polyfsdp.trainer.tracking.metrics import read_metrics
+from polyfsdp.trainer.tracking.metrics import TIMING_KEYS, read_metrics
 from polyfsdp.trainer.train import main
 from vllm_cases import require_vllm
 
@@ -37,3 +45,35 @@ def test_vllm_job_agrees_with_the_builtin_loop(tmp_path):
     assert all(r["rollout_mismatch_abs_max"] < 1e-5 for r in grpo), [r["rollout_mismatch_abs_max"] for r in grpo]
     assert (tmp_path / "vllm" / "final" / "config.json").is_file()
 
+
+
+@pytest.mark.slow
+def test_kill_and_resume_with_vllm_sampling_continues_the_same_curve(tmp_path):
+    """SIGKILL after RL step 2's checkpoint, then resume=auto: vLLM starts afresh from the
+    checkpoint's weights and, seeded per request, draws what the uninterrupted run drew. Marked
+    slow, outside CI's gate: at 28576c2 one pass in two differed at step 4 in the last bits of kl
+    and the mismatch metrics (cause not found); at 2561479 six passes in six were bitwise equal
+    (four with a core kept busy; a seventh as this test), so it runs by hand until more passes settle it."""
+    require_vllm()
+    job = ["rollout.engine=vllm", "trainer.rl_steps=4", "trainer.checkpoint_interval=2", "trainer.export=false"]
+    reference = _run(tmp_path / "full", *job)
+    out = tmp_path / "killed"
+    command = [sys.executable, os.path.join(os.path.dirname(__file__), "cli_kill_child.py"), "rl", "2", *JOB, *job,
+               f"trainer.output_dir={out}", "trainer.progress=lines"]
+    proc = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                            text=True)
+    try:
+        for line in proc.stdout:
+            if line.startswith("checkpoint saved:") and "(phase rl, step 2," in line:
+                proc.send_signal(signal.SIGKILL)
+                break
+    finally:
+        proc.stdin.close()
+        proc.wait(timeout=300)
+    assert proc.returncode == -signal.SIGKILL
+    resumed = subprocess.run([sys.executable, "-m", "polyfsdp.trainer.train", *JOB, *job, f"trainer.output_dir={out}",
+                              "trainer.resume=auto"], capture_output=True, text=True, timeout=600)
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert "resuming rl from" in resumed.stdout
+    comparable = lambda records: [{k: v for k, v in r.items() if k not in TIMING_KEYS} for r in records]  # noqa: E731
+    assert comparable(read_metrics(str(out / "metrics.jsonl"))) == comparable(reference)
