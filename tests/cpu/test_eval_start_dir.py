@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from pathlib import Path
 
 import pytest
 from own_data_cases import write_model_dir
@@ -85,13 +86,18 @@ def test_a_start_directory_not_on_this_machine_falls_back_to_the_working_directo
                     f"from the working directory {here}"], said
 
 
+def _copy_with_saved_value(run: Path, copy: Path, line: str, replacement: str) -> Path:
+    """``run`` copied to ``copy`` (without its eval results) with one saved config line replaced."""
+    shutil.copytree(run, copy, ignore=shutil.ignore_patterns("eval"))
+    config = (copy / "config.yaml").read_text()
+    assert line in config
+    (copy / "config.yaml").write_text(config.replace(line, replacement))
+    return copy
+
+
 def test_the_start_directory_makes_no_code_importable(started_run, tmp_path, monkeypatch, capsys):
     run, project, _ = started_run
-    crafted = tmp_path / "crafted"
-    shutil.copytree(run, crafted, ignore=shutil.ignore_patterns("eval"))
-    config = (crafted / "config.yaml").read_text()
-    assert "fn: auto" in config
-    (crafted / "config.yaml").write_text(config.replace("fn: auto", "fn: authors_code.py:score"))
+    crafted = _copy_with_saved_value(run, tmp_path / "crafted", "fn: auto", "fn: authors_code.py:score")
     marker = tmp_path / "imported"
     (project / "authors_code.py").write_text(f"open({str(marker)!r}, 'w').close()\n"
                                              "def score(*args, **kwargs):\n    return 0.0\n")
@@ -120,12 +126,9 @@ def test_a_checkpoint_of_a_run_on_a_relative_model_path_loads_into_that_model(tm
 
 def test_the_checkpoint_a_run_was_resumed_from_is_not_needed_to_evaluate_it(started_run, tmp_path, monkeypatch):
     run, _, printed = started_run
-    resumed = tmp_path / "resumed"
-    shutil.copytree(run, resumed, ignore=shutil.ignore_patterns("eval"))
-    config = (resumed / "config.yaml").read_text()
-    assert "resume: auto" in config
     # As a run started with trainer.resume=runs/old/checkpoints/rl/step_000001 saves it: relative, since pruned.
-    (resumed / "config.yaml").write_text(config.replace("resume: auto", "resume: runs/old/checkpoints/rl/step_000001"))
+    resumed = _copy_with_saved_value(run, tmp_path / "resumed", "resume: auto",
+                                     "resume: runs/old/checkpoints/rl/step_000001")
     monkeypatch.chdir(tmp_path)
     assert eval_main([str(resumed / "final"), "--json", "r.json"]) == 0
     assert json.loads((tmp_path / "r.json").read_text())["metrics"]["reward"] == printed
