@@ -68,6 +68,13 @@ class Backend(ABC):
 
     # The vLLM build for this device (trainer/rollout/vllm_adapter.py names it in the install hint).
     vllm_package: str = "vllm"
+    # Rollout servers (trainer/rollout/servers/): the environment variable that gives a server its
+    # devices (rollout.server.devices), and the weight-transfer backend that pushes the trainer's
+    # weights to them: polyfsdp_cpu moves bytes through host memory over gloo, which works with every
+    # device (vLLM copies what arrives onto its own), so it is the default wherever a device library
+    # path has not been run here.
+    server_devices_variable: str | None = None
+    server_weight_transfer: str = "polyfsdp_cpu"
 
     def rollout_sleep_level(self, lora: bool) -> int | None:
         """How deep a colocated vLLM sleeps while the trainer steps: 2 frees its weights and KV

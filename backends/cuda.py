@@ -19,6 +19,9 @@ class CUDABackend(Backend):
     # Without flash-attn, or for fp32 compute: polyfsdp's per-sequence SDPA (varlen-equivalent).
     default_attn_implementation = "polyfsdp_varlen_sdpa"
     alloc_conf_variable = "PYTORCH_CUDA_ALLOC_CONF"
+    server_devices_variable = "CUDA_VISIBLE_DEVICES"
+    # vLLM's own NCCL engine: the weights go GPU to GPU (untested here: no GPU in CI).
+    server_weight_transfer = "nccl"
 
     def availability(self) -> str | None:
         if not torch.cuda.is_available():

@@ -32,6 +32,7 @@ class NPUBackend(Backend):
     default_attn_implementation = "sdpa"
     alloc_conf_variable = "PYTORCH_NPU_ALLOC_CONF"
     vllm_package = "vllm-ascend"
+    server_devices_variable = "ASCEND_RT_VISIBLE_DEVICES"
 
     def __init__(self) -> None:
         self._module = None

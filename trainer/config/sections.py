@@ -79,6 +79,8 @@ class RolloutSection:
     check_sync: bool = True
     check_sync_tol: float = 1e-3
     vllm: dict = field(default_factory=dict)
+    # rollout.engine=vllm_server: where the servers run (trainer/rollout/servers/settings.py).
+    server: dict = field(default_factory=dict)
     # Multi-turn (trainer/rollout/multi_turn.py): an environment plug-in and its limits.
     env: str | None = None
     env_kwargs: dict = field(default_factory=dict)

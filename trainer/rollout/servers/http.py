@@ -1,0 +1,70 @@
+"""JSON over HTTP to one rollout server (standard library only: the trainer needs no HTTP package).
+
+Every failure is a :class:`ServerError` of one line naming the server, the route and what the
+server said, so a user with several servers knows which one to look at.
+"""
+from __future__ import annotations
+
+import json
+import urllib.error
+import urllib.request
+
+from ...errors import ConfigError
+
+
+class ServerError(ConfigError):
+    """A rollout server that did not start, died, timed out or answered something unusable."""
+
+
+def _server_text(body: bytes) -> str:
+    """The message of a vLLM error body ({"error": {"message": ...}} or {"detail": ...}), else its start."""
+    try:
+        data = json.loads(body)
+    except ValueError:
+        return " ".join(body.decode("utf-8", "replace").split())[:300]
+    error = data.get("error") if isinstance(data, dict) else None
+    if isinstance(error, dict) and error.get("message"):
+        return " ".join(str(error["message"]).split())[:300]
+    if isinstance(data, dict) and data.get("detail"):
+        return " ".join(str(data["detail"]).split())[:300]
+    return " ".join(json.dumps(data).split())[:300]
+
+
+class ServerHttp:
+    """Requests to one server at ``url`` (``http://host:port``); ``name`` says which in errors."""
+
+    def __init__(self, url: str, name: str, timeout_s: float) -> None:
+        self.url, self.name, self.timeout_s = url.rstrip("/"), name, timeout_s
+
+    def request(self, route: str, payload: dict | None = None, method: str = "POST", timeout_s: float | None = None):
+        """The decoded JSON answer of ``route`` (None for an empty body); ServerError otherwise."""
+        data = None if payload is None else json.dumps(payload).encode()
+        req = urllib.request.Request(f"{self.url}{route}", data=data, method=method,
+                                     headers={"Content-Type": "application/json"} if data is not None else {})
+        where = f"{self.name} ({self.url}) {method} {route.split('?')[0]}"
+        try:
+            with urllib.request.urlopen(req, timeout=timeout_s or self.timeout_s) as answer:
+                body = answer.read()
+        except urllib.error.HTTPError as exc:
+            raise ServerError(f"{where}: HTTP {exc.code}: {_server_text(exc.read())}") from None
+        except (urllib.error.URLError, ConnectionError) as exc:
+            reason = getattr(exc, "reason", exc)
+            raise ServerError(f"{where}: not reachable ({reason}); is the server running and the address "
+                              f"right?") from None
+        except TimeoutError:
+            raise ServerError(f"{where}: no answer within {timeout_s or self.timeout_s:g} s "
+                              f"(rollout.server.request_timeout_s)") from None
+        if not body.strip():
+            return None
+        try:
+            return json.loads(body)
+        except ValueError:
+            raise ServerError(f"{where}: answered something that is not JSON: {_server_text(body)}") from None
+
+    def healthy(self) -> bool:
+        """Whether ``/health`` answers 200 now (no error: a server still starting is not healthy)."""
+        try:
+            with urllib.request.urlopen(f"{self.url}/health", timeout=5) as answer:
+                return answer.status == 200
+        except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
+            return False

@@ -1,0 +1,169 @@
+"""Starting vLLM OpenAI servers for rollouts: the command line (one place, used both for the
+servers polyfsdp starts and, through ``python -m polyfsdp.trainer.rollout.servers.launch``, for
+the ones a user starts on another node), and :class:`ServerProcess`, a started server owned by
+the trainer (through the keeper in supervisor.py, so no server outlives it).
+
+Every flag is there for a reason: token ids in and out (no tokenizer on the server), the
+log-probs of the distribution each token was drawn from (``processed_logprobs``, what the
+colocated engine reports), our sampling parameters only (``generation_config vllm``), eager
+execution (nothing to recompile after a weight update), the weight-transfer routes
+(``VLLM_SERVER_DEV_MODE=1`` and ``--weight-transfer-config``).
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+
+from .http import ServerError, ServerHttp
+
+SERVED_MODEL_NAME = "polyfsdp-policy"
+LOG_TAIL_LINES = 400
+
+
+@dataclass
+class ServerLaunch:
+    """What one server runs: ``model_dir`` at ``dtype`` on ``host:port``."""
+
+    model_dir: str
+    port: int
+    host: str = "127.0.0.1"
+    dtype: str = "float32"
+    tensor_parallel_size: int = 1
+    weight_transfer: str = "polyfsdp_cpu"
+    gpu_memory_utilization: float | None = None
+    kv_cache_bytes: int | None = None
+    max_model_len: int | None = None
+    max_num_seqs: int | None = None
+    extra_args: list[str] = field(default_factory=list)
+
+    def command(self, python: str = sys.executable) -> list[str]:
+        cmd = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", self.model_dir,
+               "--served-model-name", SERVED_MODEL_NAME, "--host", self.host, "--port", str(self.port),
+               "--dtype", self.dtype, "--tensor-parallel-size", str(self.tensor_parallel_size), "--seed", "0",
+               "--enforce-eager", "--skip-tokenizer-init", "--logprobs-mode", "processed_logprobs",
+               "--generation-config", "vllm", "--weight-transfer-config", json.dumps({"backend": self.weight_transfer})]
+        for flag, value in (("--gpu-memory-utilization", self.gpu_memory_utilization),
+                            ("--kv-cache-memory-bytes", self.kv_cache_bytes),
+                            ("--max-model-len", self.max_model_len), ("--max-num-seqs", self.max_num_seqs)):
+            if value is not None:
+                cmd += [flag, str(value)]
+        return cmd + list(self.extra_args)
+
+
+def server_environment(devices: str | None, devices_variable: str | None) -> dict[str, str]:
+    """The variables a server needs on top of ours: the weight-transfer routes, its devices."""
+    env = {"VLLM_SERVER_DEV_MODE": "1"}
+    if devices is not None and devices_variable is not None:
+        env[devices_variable] = devices
+    return env
+
+
+_ERROR_LINE = re.compile(r"\b(\w+(?:Error|Exception)): (.+)")
+
+
+def log_excerpt(path: str) -> str:
+    """The most telling line of a server's log: the root cause of its failure (the first error
+    that is not a pointer to another one), else its last line."""
+    try:
+        with open(path, errors="replace") as fh:
+            lines = [line.strip() for line in fh.readlines()[-LOG_TAIL_LINES:] if line.strip()]
+    except OSError:
+        return "no log"
+    for line in lines:
+        match = _ERROR_LINE.search(line)
+        if match and "WARNING" not in line and "root cause" not in line and "stack trace" not in line:
+            return " ".join(f"{match.group(1)}: {match.group(2)}".split())[:400]
+    return " ".join(lines[-1].split())[:400] if lines else "empty log"
+
+
+class ServerProcess:
+    """One server polyfsdp started (``index`` names it in messages); its output goes to ``log_path``."""
+
+    def __init__(self, index: int, launch: ServerLaunch, env: dict[str, str], log_path: str,
+                 request_timeout_s: float) -> None:
+        self.index, self.launch, self.env, self.log_path = index, launch, env, log_path
+        host = "127.0.0.1" if launch.host in ("0.0.0.0", "::") else launch.host
+        self.url = f"http://{host}:{launch.port}"
+        self.http = ServerHttp(self.url, f"rollout server {index}", request_timeout_s)
+        self.proc: subprocess.Popen | None = None
+
+    def start(self) -> None:
+        os.makedirs(os.path.dirname(self.log_path) or ".", exist_ok=True)
+        keeper = [sys.executable, "-m", "polyfsdp.trainer.rollout.servers.supervisor", str(os.getpid()), "--"]
+        with open(self.log_path, "ab") as log:
+            self.proc = subprocess.Popen(keeper + self.launch.command(), stdout=log, stderr=subprocess.STDOUT,
+                                         stdin=subprocess.DEVNULL, env={**os.environ, **self.env})
+
+    def wait_ready(self, deadline: float) -> None:
+        """Return once ``/health`` answers; ServerError when the server exits or ``deadline`` passes."""
+        while True:
+            code = self.proc.poll() if self.proc is not None else None
+            if code is not None:
+                raise ServerError(f"rollout server {self.index} ({self.url}) exited with code {code} while "
+                                  f"starting: {log_excerpt(self.log_path)} (full log: {self.log_path})")
+            if self.http.healthy():
+                return
+            if time.monotonic() > deadline:
+                raise ServerError(f"rollout server {self.index} ({self.url}) did not answer /health within "
+                                  f"rollout.server.start_timeout_s; last log line: {log_excerpt(self.log_path)} "
+                                  f"(full log: {self.log_path})")
+            time.sleep(1.0)
+
+    def died(self) -> str | None:
+        """Why the server is gone (one line), or None while it runs."""
+        code = self.proc.poll() if self.proc is not None else None
+        if code is None:
+            return None
+        return f"rollout server {self.index} ({self.url}) exited with code {code}: {log_excerpt(self.log_path)} " \
+               f"(full log: {self.log_path})"
+
+    def stop(self, timeout_s: float = 30.0) -> None:
+        """End the server and everything it started (the keeper ends its process group)."""
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()  # the keeper's parent-death watch is gone with it, but its group got SIGTERM
+            self.proc.wait()
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Start one rollout server in the foreground, with the flags polyfsdp needs: for servers on
+    another node (``rollout.server.urls``). Arguments after ``--`` go to vLLM as they are."""
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m polyfsdp.trainer.rollout.servers.launch",
+                                     description=main.__doc__)
+    parser.add_argument("--model", required=True, help="an HF checkpoint directory of the policy's architecture")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--host", default="0.0.0.0")
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--tensor-parallel-size", type=int, default=1)
+    parser.add_argument("--weight-transfer", default=None,
+                        help="nccl on GPUs; polyfsdp_cpu (default on CPU and where nothing else is set)")
+    parser.add_argument("--gpu-memory-utilization", type=float, default=None)
+    args, extra = parser.parse_known_args(argv)
+    if extra and extra[0] == "--":
+        extra = extra[1:]
+    from polyfsdp.backends import get_backend
+
+    backend = get_backend("auto")
+    launch = ServerLaunch(args.model, args.port, args.host, args.dtype, args.tensor_parallel_size,
+                          args.weight_transfer or backend.server_weight_transfer,
+                          gpu_memory_utilization=args.gpu_memory_utilization, extra_args=extra)
+    env = {**os.environ, **server_environment(None, None)}
+    cmd = launch.command()
+    print(" ".join(cmd), flush=True)
+    os.execvpe(cmd[0], cmd, env)
+    return 0  # not reached
+
+
+if __name__ == "__main__":
+    sys.exit(main())
