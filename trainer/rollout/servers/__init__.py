@@ -1,0 +1,1 @@
+"""Pushing trained weights to separate vLLM OpenAI servers through vLLM's weight-transfer protocol."""
