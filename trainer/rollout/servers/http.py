@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import urllib.error
 import urllib.request
+from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 
 from ...errors import ConfigError
 
@@ -68,3 +69,34 @@ class ServerHttp:
                 return answer.status == 200
         except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
             return False
+
+
+class Fanout:
+    """One route to every server at once: weight-transfer routes block until the server's workers
+    are done, and the workers of all servers must be inside the same collective together."""
+
+    def __init__(self, urls: list[str], timeout_s: float):
+        self.servers = [ServerHttp(url, f"rollout server {i}", timeout_s) for i, url in enumerate(urls)]
+        self._pool = ThreadPoolExecutor(max_workers=max(1, len(self.servers)), thread_name_prefix="server-post")
+
+    def submit(self, route: str, payload: dict | None = None, *, each: list[dict] | None = None) -> list[Future]:
+        """The same ``payload`` to every server, or ``each[i]`` to server ``i``."""
+        payloads = each if each is not None else [payload] * len(self.servers)
+        return [self._pool.submit(http.request, route, body) for http, body in zip(self.servers, payloads)]
+
+    def call(self, route: str, payload: dict | None = None) -> None:
+        """Every server, waited for; a failure is raised as soon as it happens."""
+        wait_all(self.submit(route, payload))
+
+    def close(self) -> None:
+        # Never wait: a thread stuck in a request to a dead server must not hold the trainer up.
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def wait_all(futures: list[Future]) -> list:
+    """The futures' results; the first failure raises at once, without waiting for the others (which
+    may be blocked in a collective the failed one will never join)."""
+    done, _ = wait(futures, return_when=FIRST_EXCEPTION)
+    for future in done:
+        future.result()  # raises the failure, if this one failed
+    return [future.result() for future in futures]

@@ -34,19 +34,22 @@ class ServerLaunch:
     host: str = "127.0.0.1"
     dtype: str = "float32"
     tensor_parallel_size: int = 1
-    weight_transfer: str = "polyfsdp_cpu"
+    weight_transfer: str | None = "polyfsdp_cpu"   # None: a server without the weight-transfer routes
     gpu_memory_utilization: float | None = None
     kv_cache_bytes: int | None = None
     max_model_len: int | None = None
     max_num_seqs: int | None = None
     extra_args: list[str] = field(default_factory=list)
+    served_model_name: str = SERVED_MODEL_NAME
 
     def command(self, python: str = sys.executable) -> list[str]:
         cmd = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", self.model_dir,
-               "--served-model-name", SERVED_MODEL_NAME, "--host", self.host, "--port", str(self.port),
+               "--served-model-name", self.served_model_name, "--host", self.host, "--port", str(self.port),
                "--dtype", self.dtype, "--tensor-parallel-size", str(self.tensor_parallel_size), "--seed", "0",
                "--enforce-eager", "--skip-tokenizer-init", "--logprobs-mode", "processed_logprobs",
-               "--generation-config", "vllm", "--weight-transfer-config", json.dumps({"backend": self.weight_transfer})]
+               "--generation-config", "vllm"]
+        if self.weight_transfer is not None:
+            cmd += ["--weight-transfer-config", json.dumps({"backend": self.weight_transfer})]
         for flag, value in (("--gpu-memory-utilization", self.gpu_memory_utilization),
                             ("--kv-cache-memory-bytes", self.kv_cache_bytes),
                             ("--max-model-len", self.max_model_len), ("--max-num-seqs", self.max_num_seqs)):
@@ -79,6 +82,20 @@ def log_excerpt(path: str) -> str:
         if match and "WARNING" not in line and "root cause" not in line and "stack trace" not in line:
             return " ".join(f"{match.group(1)}: {match.group(2)}".split())[:400]
     return " ".join(lines[-1].split())[:400] if lines else "empty log"
+
+
+def free_ports(count: int) -> list[int]:
+    """``count`` TCP ports free on this host now (the OS's choice)."""
+    import socket
+
+    sockets = [socket.socket() for _ in range(count)]
+    try:
+        for sock in sockets:
+            sock.bind(("127.0.0.1", 0))
+        return [sock.getsockname()[1] for sock in sockets]
+    finally:
+        for sock in sockets:
+            sock.close()
 
 
 class ServerProcess:

@@ -1,0 +1,274 @@
+"""``rollout.engine=vllm_server``: rollouts on vLLM OpenAI servers in processes of their own,
+started by polyfsdp (``rollout.server.count``) or by someone else (``rollout.server.urls``, e.g.
+on an inference node), the trained weights pushed to them through vLLM's weight-transfer
+protocol after every optimizer step.
+
+- Start (first :meth:`update_weights`): rank 0 writes the policy's config and weights to a
+  directory and starts the servers on it, each under a keeper that ends it with the trainer
+  (supervisor.py); with ``urls`` it connects and pushes the weights instead. The servers report
+  weight version 1.
+- Sync (:meth:`update_weights` after the policy's ``weights_version`` moved): every rank streams
+  the full weights from the FSDP2 shards in buckets of ``rollout.sync_bucket_mb`` (LoRA merged);
+  rank 0 sends them (weight_sender.py: pause, start, one update per bucket, finish with the new
+  version, resume). Then every server must report the new version (a server that missed the sync
+  stops the run) and ``rollout.check_sync`` compares server 0's log-probs of a probe sequence with
+  the policy's, as for the colocated engine.
+- Sampling (:meth:`generate`): one request per row with the row's seed (completions.py).
+"""
+from __future__ import annotations
+
+import copy
+import logging
+import os
+import shutil
+import tempfile
+import time
+import weakref
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+
+from polyfsdp.backends.distributed import broadcast_object, current_rank
+from polyfsdp.engines.model.weight_stream import full_weights, weight_buckets
+
+from ...rank_errors import on_every_rank
+from ..engines import Completions, RolloutEngine, SamplingParams
+from ..vllm import PROBE_LENGTH, VllmSettings, policy_probe_log_probs, probe_ids, probe_length
+from .completions import prompt_log_probs, sample_rows
+from .http import ServerError, ServerHttp
+from .launch import SERVED_MODEL_NAME, ServerLaunch, ServerProcess, free_ports, server_environment
+from .settings import ServerSettings
+from .weight_sender import ServerWeightSender
+
+logger = logging.getLogger(__name__)
+
+
+class ServerRolloutEngine(RolloutEngine):
+    """Rollouts on vLLM servers (module docstring); ``rollout`` is the RolloutSection,
+    ``log_dir`` where the started servers write their logs (default: a temporary directory)."""
+
+    name = "vllm_server"
+    holds_weights = True
+
+    def __init__(self, rollout, backend, lora: bool = False, log_dir: str | None = None) -> None:
+        self.rollout, self.backend = rollout, backend
+        self.settings = ServerSettings.from_section(rollout.server)
+        self.vllm = VllmSettings.from_section(rollout.vllm)
+        self.log_dir = log_dir
+        self.processes: list[ServerProcess] = []
+        self.servers: list[ServerHttp] = []
+        self.sender: ServerWeightSender | None = None
+        self.model_dir: str | None = None
+        self.model = SERVED_MODEL_NAME
+        self.probe: list[int] = []
+        self.weight_version = 0
+        self.last_sync_s: float | None = None
+        self.last_sync_error: float | None = None
+        self.last_sync_bytes = 0
+        self._policy, self._policy_version = None, None
+        self._pool: ThreadPoolExecutor | None = None
+        self._next_server = 0
+        # What the weight stream yields (a seam for tests that drop a bucket on purpose).
+        self.buckets = weight_buckets
+
+    # ------------------------------------------------------------------ start
+    def _write_model(self, policy) -> str | None:
+        """The policy's config and weights in a new directory on rank 0 (None elsewhere); every
+        rank joins the gathers."""
+        from safetensors.torch import save_file
+
+        rank0 = current_rank() == 0
+        state = {}
+        for name, tensor in full_weights(policy.module, untie=True):
+            if rank0:
+                state[name] = tensor.to("cpu", copy=True).contiguous()
+        if not rank0:
+            return None
+        directory = tempfile.mkdtemp(prefix="polyfsdp-servers-")
+        config = copy.deepcopy(policy.module.config)
+        config.use_cache = True
+        config.tie_word_embeddings = False  # the LM head is pushed as a weight of its own (vllm.py says why)
+        config.save_pretrained(directory)
+        save_file(state, f"{directory}/model.safetensors", metadata={"format": "pt"})
+        return directory
+
+    def _launch(self, dtype: str) -> list[str]:
+        """Start ``rollout.server.count`` servers on ``self.model_dir`` (rank 0); their URLs."""
+        s, kv_mb = self.settings, self.vllm.kv_cache_mb or (512 if self.backend.memory_is_host else None)
+        log_dir = self.log_dir or tempfile.mkdtemp(prefix="polyfsdp-server-logs-")
+        ports = [s.port + i for i in range(s.count)] if s.port else free_ports(s.count)
+        for i, port in enumerate(ports):
+            launch = ServerLaunch(self.model_dir, port, s.host, dtype, s.tensor_parallel_size,
+                                  self.backend.server_weight_transfer,
+                                  gpu_memory_utilization=self._memory_share(kv_mb),
+                                  kv_cache_bytes=kv_mb << 20 if kv_mb else None, max_model_len=self.vllm.max_model_len,
+                                  max_num_seqs=self.vllm.max_num_seqs, extra_args=s.extra_args)
+            env = server_environment(None if s.devices is None else s.devices[i], self.backend.server_devices_variable)
+            process = ServerProcess(i, launch, env, os.path.join(log_dir, f"server_{i}.log"), s.request_timeout_s)
+            process.start()
+            self.processes.append(process)
+        deadline = time.monotonic() + s.start_timeout_s
+        t0 = time.perf_counter()
+        for process in self.processes:
+            process.wait_ready(deadline)
+        logger.info("%d rollout server(s) ready in %.1fs (logs: %s)", len(self.processes), time.perf_counter() - t0,
+                    log_dir)
+        for process in self.processes:
+            process.http.request("/update_weight_version", {"new_version": "1"})
+        return [p.url for p in self.processes]
+
+    def _memory_share(self, kv_mb: int | None) -> float:
+        """``--gpu-memory-utilization``: ``rollout.vllm.gpu_memory_utilization`` on a device; where
+        device memory is host memory vLLM reserves that share of the host at start-up and refuses
+        to start when it is not free, so there the share is what the server needs: its weights
+        (twice: loading), its KV cache and 1 GiB of working memory."""
+        if not self.backend.memory_is_host:
+            return self.vllm.gpu_memory_utilization
+        weights = os.path.getsize(os.path.join(self.model_dir, "model.safetensors"))
+        need = 2 * weights + ((kv_mb or 512) << 20) + (1 << 30)
+        total = self.backend.memory_capacity_bytes() or need * 10
+        return round(min(0.9, max(0.01, need / total)), 4)
+
+    def _start(self, policy) -> None:
+        s = self.settings
+        self.model_dir = self._write_model(policy) if s.started_here else None
+
+        def rank0_urls():
+            if current_rank() != 0:
+                return None
+            return self._launch(policy.engine_config.param_dtype) if s.started_here \
+                else list(s.urls)
+
+        urls = broadcast_object(on_every_rank(rank0_urls))
+        name = "rollout server"
+        self.servers = [ServerHttp(url, f"{name} {i}", s.request_timeout_s) for i, url in enumerate(urls)]
+        self._pool = ThreadPoolExecutor(max_workers=s.max_concurrent_requests, thread_name_prefix="rollout-request")
+        workers = on_every_rank(self._workers_per_server)
+        address = s.transfer_address or (s.host if s.started_here else _this_host())
+        self.sender = ServerWeightSender([h.url for h in self.servers], workers, is_sender=current_rank() == 0,
+                                         backend=self.backend.server_weight_transfer, master_address=address,
+                                         timeout_s=s.request_timeout_s)
+        on_every_rank(lambda: self.sender.init() if current_rank() == 0 else None)
+        positions = self.vllm.max_model_len or getattr(policy.module.config, "max_position_embeddings", None) \
+            or PROBE_LENGTH + 1
+        self.probe = probe_ids(policy.module.config.vocab_size, probe_length(positions))
+        if not s.started_here:
+            self.model = on_every_rank(self._served_model)
+            self._push(policy, version=1)
+
+    def _workers_per_server(self) -> list[int]:
+        if self.settings.started_here:
+            return [self.settings.tensor_parallel_size] * len(self.servers)
+        sizes = []
+        for http in self.servers:
+            answer = http.request("/get_world_size", method="GET")
+            size = answer.get("world_size") if isinstance(answer, dict) else answer
+            if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+                raise ServerError(f"{http.name} ({http.url}) GET /get_world_size: expected a worker count, got "
+                                  f"{answer!r}")
+            sizes.append(size)
+        return sizes
+
+    def _served_model(self) -> str:
+        answer = self.servers[0].request("/v1/models", method="GET")
+        try:
+            return str(answer["data"][0]["id"])
+        except (KeyError, IndexError, TypeError):
+            raise ServerError(f"{self.servers[0].name} ({self.servers[0].url}) GET /v1/models: no model listed") \
+                from None
+
+    # ------------------------------------------------------------------ weights
+    def _push(self, policy, version: int) -> None:
+        """Stream the policy's weights to every server as ``version`` (collective)."""
+        buckets = self.buckets(policy.module, int(self.rollout.sync_bucket_mb * (1 << 20)), untie=True)
+
+        def send():
+            try:
+                self.last_sync_bytes = self.sender.push(buckets, version)
+            finally:
+                for _ in buckets:  # a failed send still joins the peers' remaining gathers
+                    pass
+
+        on_every_rank(send)
+
+    def _confirm_version(self) -> None:
+        """Every server must serve ``self.weight_version``: one that missed a sync stops the run."""
+        for http in self.servers:
+            answer = http.request("/weight_info", method="GET")
+            served = answer.get("weight_version") if isinstance(answer, dict) else None
+            if str(served) != str(self.weight_version):
+                raise ServerError(f"{http.name} ({http.url}) serves weight version {served!r}, the trainer pushed "
+                                  f"{self.weight_version}: it missed a sync (restarted, or another trainer pushed "
+                                  f"to it); nothing is sampled from it; restart the run (resume=auto)")
+
+    def update_weights(self, policy) -> None:
+        current = self._policy() if self._policy is not None else None
+        if self.servers and current is policy and self._policy_version == policy.weights_version:
+            return
+        t0 = time.perf_counter()
+        with policy.eval_mode():
+            if not self.servers:
+                self._start(policy)
+            else:
+                self._push(policy, self.weight_version + 1)
+        self.weight_version += 1
+        self.last_sync_s = time.perf_counter() - t0
+        self._policy, self._policy_version = weakref.ref(policy), policy.weights_version
+        on_every_rank(self._confirm_version)
+        if self.rollout.check_sync:
+            self.check(policy)
+
+    def check(self, policy) -> float:
+        """Server 0's vs the policy's log-probs of the probe; ServerError beyond ``rollout.check_sync_tol``."""
+        theirs = on_every_rank(lambda: prompt_log_probs(self.servers[0], self.model, self.probe))
+        ours = policy_probe_log_probs(policy, self.probe)
+        error = max(abs(a - b) for a, b in zip(theirs, ours))
+        self.last_sync_error = error
+        if not error <= self.rollout.check_sync_tol:
+            raise ServerError(f"rollout.check_sync: after weight sync {self.weight_version}, the rollout server's "
+                              f"log-probs of the probe differ from the policy's by {error:.3g} (rollout.check_sync_tol="
+                              f"{self.rollout.check_sync_tol:g}): the server is not serving the trained weights (a "
+                              f"missed or partial sync); raise the tolerance only if the two run at different "
+                              f"precisions")
+        return error
+
+    # ------------------------------------------------------------------ sampling
+    def generate(self, prompts: list[list[int]], params: SamplingParams, seeds: list[int] | None = None) -> Completions:
+        if not self.servers:
+            raise RuntimeError("rollout.engine=vllm_server: generate() before update_weights(policy) started the "
+                               "servers")
+        seeds = list(seeds) if seeds is not None else torch.randint(0, 2**31 - 1, (len(prompts),)).tolist()
+        for process in self.processes:
+            reason = process.died()
+            if reason is not None:
+                raise ServerError(reason)
+        # Spread this rank's rows from a different server than its peers start from.
+        first = (self._next_server + current_rank()) % len(self.servers)
+        # A server failing on one rank must stop every rank (what follows a rollout is collective).
+        tokens, log_probs = on_every_rank(lambda: sample_rows(self.servers, self.model, prompts, params, seeds,
+                                                              self._pool, first))
+        self._next_server += len(prompts)
+        return Completions(tokens, log_probs)
+
+    def close(self) -> None:
+        if self.sender is not None:
+            try:
+                self.sender.close()
+            except Exception as exc:  # noqa: BLE001 - closing must go on to stop the servers
+                logger.warning("rollout servers: closing the weight transfer failed: %s", exc)
+            self.sender = None
+        for process in self.processes:
+            process.stop()
+        self.processes, self.servers = [], []
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+            self._pool = None
+        if self.model_dir is not None:
+            shutil.rmtree(self.model_dir, ignore_errors=True)
+            self.model_dir = None
+
+
+def _this_host() -> str:
+    import socket
+
+    return socket.gethostbyname(socket.gethostname())

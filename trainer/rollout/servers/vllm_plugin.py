@@ -1,0 +1,15 @@
+"""vLLM general plugin (entry point group ``vllm.general_plugins``, see pyproject.toml): makes the
+"polyfsdp_cpu" weight-transfer backend known in every vLLM process, so a server started with
+``--weight-transfer-config '{"backend": "polyfsdp_cpu"}'`` finds it."""
+
+BACKEND = "polyfsdp_cpu"  # cpu_transfer.BACKEND; not imported from there, which would load the engine
+
+
+def register() -> None:
+    """Idempotent (vLLM may call plugins more than once per process). Registers by module path, so the
+    engine module is imported only in a worker that creates the engine."""
+    from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
+
+    if BACKEND not in WeightTransferEngineFactory._registry:
+        WeightTransferEngineFactory.register_engine(BACKEND, "polyfsdp.trainer.rollout.servers.cpu_transfer",
+                                                    "CpuWeightTransferEngine")
