@@ -1,0 +1,77 @@
+"""polyfsdp-train with ``rollout.engine=vllm_server`` end to end: every GRPO step's server
+log-probs equal the trainer's (the mismatch metric), the servers' logs land in the run
+directory; a trainer killed with SIGKILL leaves no server process behind (the keeper ends each
+server's process group), and the resumed run continues the uninterrupted run's records exactly
+(servers start afresh from the checkpoint's weights; each row draws with its own seed)."""
+import os
+import signal
+import subprocess
+import sys
+import time
+
+from polyfsdp.trainer.tracking.metrics import TIMING_KEYS, read_metrics
+from test_vllm_job import JOB
+from vllm_cases import require_vllm
+
+SERVER = ["rollout.engine=vllm_server", "rollout.vllm.kv_cache_mb=64", "trainer.rl_steps=4",
+          "trainer.checkpoint_interval=2", "trainer.export=false", "trainer.progress=lines"]
+
+
+def _servers() -> list[int]:
+    """The keepers, the vLLM API servers and every process of the API servers' groups (their
+    engine cores and workers) running now."""
+    rows = [line.split(None, 2) for line in
+            subprocess.run(["ps", "-eo", "pid,pgid,args"], capture_output=True, text=True).stdout.splitlines()[1:]]
+    servers = [(int(pid), int(pgid)) for pid, pgid, args in rows if "vllm.entrypoints.openai.api_server" in args]
+    groups = {pgid for _, pgid in servers}
+    return [int(pid) for pid, pgid, args in rows if int(pgid) in groups
+            or "polyfsdp.trainer.rollout.servers.supervisor" in args]
+
+
+def _wait_gone(pids, timeout=60.0) -> list[int]:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        alive = [p for p in pids if os.path.exists(f"/proc/{p}") and
+                 not open(f"/proc/{p}/stat").read().split(")")[-1].split()[0] == "Z"]
+        if not alive:
+            return []
+        time.sleep(0.5)
+    return alive
+
+
+def test_kill_leaves_no_server_and_resume_continues_the_same_records(tmp_path):
+    require_vllm()
+    before = set(_servers())
+    full = subprocess.run([sys.executable, "-m", "polyfsdp.trainer.train", *JOB, *SERVER,
+                           f"trainer.output_dir={tmp_path / 'full'}"], capture_output=True, text=True, timeout=900)
+    assert full.returncode == 0, full.stderr[-3000:]
+    reference = read_metrics(str(tmp_path / "full" / "metrics.jsonl"))
+    grpo = [r for r in reference if r["phase"] == "rl"]
+    assert len(grpo) == 4 and all(r["rollout_mismatch_abs_max"] < 1e-5 for r in grpo), grpo
+    assert (tmp_path / "full" / "rollout_servers" / "server_0.log").is_file()
+    assert set(_servers()) <= before  # a finished run stopped its servers
+
+    out = tmp_path / "killed"
+    command = [sys.executable, os.path.join(os.path.dirname(__file__), "cli_kill_child.py"), "rl", "2", *JOB,
+               *SERVER, f"trainer.output_dir={out}"]
+    proc = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                            text=True)
+    try:
+        for line in proc.stdout:
+            if line.startswith("checkpoint saved:") and "(phase rl, step 2," in line:
+                started = set(_servers()) - before
+                assert started  # the run's server (keeper, API server) is up while it trains
+                proc.send_signal(signal.SIGKILL)
+                break
+    finally:
+        proc.stdin.close()
+        proc.wait(timeout=300)
+    assert proc.returncode == -signal.SIGKILL
+    assert _wait_gone(started) == [], "a rollout server outlived its trainer"
+    resumed = subprocess.run([sys.executable, "-m", "polyfsdp.trainer.train", *JOB, *SERVER,
+                              f"trainer.output_dir={out}", "trainer.resume=auto"], capture_output=True, text=True,
+                             timeout=900)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resuming rl from" in resumed.stdout
+    comparable = lambda records: [{k: v for k, v in r.items() if k not in TIMING_KEYS} for r in records]  # noqa: E731
+    assert comparable(read_metrics(str(out / "metrics.jsonl"))) == comparable(reference)
