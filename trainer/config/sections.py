@@ -79,7 +79,7 @@ class RolloutSection:
     check_sync: bool = True
     check_sync_tol: float = 1e-3
     vllm: dict = field(default_factory=dict)
-    # Multi-turn (trainer/rollout/multi_turn.py): an environment plug-in and its limits.
+    # Multi-turn (trainer/rollout/drivers/multi_turn.py): an environment plug-in and its limits.
     env: str | None = None
     env_kwargs: dict = field(default_factory=dict)
     max_turns: int = 1
