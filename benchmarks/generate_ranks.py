@@ -19,6 +19,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_task  # noqa: E402
 from polyfsdp.backends.distributed import all_reduce_max, current_rank, current_world_size  # noqa: E402
 from polyfsdp.engines import EngineConfig, FSDPEngine, ModelConfig  # noqa: E402
+from polyfsdp.trainer.rollout.engines import SamplingParams  # noqa: E402
 from polyfsdp.trainer.rollout.generate import generate  # noqa: E402
 from polyfsdp.trainer.data.tokenizers import load_tokenizer  # noqa: E402
 
@@ -46,7 +47,7 @@ def main(argv=None) -> dict:
         for unshard in ((False, True) if rep % 2 == 0 else (True, False)):
             torch.manual_seed(rep)
             t = time.perf_counter()
-            generate(engine, tok, prompts, args.new_tokens, do_sample=True, unshard=unshard)
+            generate(engine, prompts, SamplingParams.for_tokenizer(tok, args.new_tokens), unshard=unshard)
             dt = all_reduce_max([time.perf_counter() - t], engine.device)[0]
             if rep > 0 or args.reps == 1:
                 times[unshard].append(dt)

@@ -9,7 +9,7 @@ from bench_task import addition_reward
 from polyfsdp.engines import EngineConfig, FSDPEngine, ModelConfig, OptimConfig
 from polyfsdp.trainer.rollout import generate as gen_mod
 from polyfsdp.trainer.algos import rl_step as rl_step_mod
-from polyfsdp.trainer.rollout import sampling
+from polyfsdp.trainer.rollout.drivers.single_turn import default_driver
 from polyfsdp.trainer.config.algo import AlgoSection, ActorSection
 from polyfsdp.trainer.rewards.reward_fn import Scorer
 from polyfsdp.trainer.data.example import Example
@@ -21,7 +21,7 @@ def _reward(data_source, solution_str, ground_truth, extra_info=None) -> float:
 
 
 class PhaseTimer:
-    """Wall seconds per phase: wraps rollout, the engine's infer_batch and train_batch."""
+    """Wall seconds per phase: wraps the driver's rollout, the engine's infer_batch and train_batch."""
 
     def __init__(self) -> None:
         self.times: dict[str, float] = {}
@@ -37,17 +37,15 @@ class PhaseTimer:
 
 
 @contextmanager
-def timed_phases(engine, timer: PhaseTimer):
+def timed_phases(engine, driver, timer: PhaseTimer):
     """Time rl_step's phases without editing trainer/algos/rl_step.py."""
-    saved = sampling.rollout, engine.infer_batch, engine.train_batch
-    sampling.rollout = timer.wrap("rollout", gen_mod.rollout)
+    driver.rollout = timer.wrap("rollout", driver.rollout)
     engine.infer_batch = timer.wrap("old_log_probs", engine.infer_batch)
     engine.train_batch = timer.wrap("train", engine.train_batch)
     try:
         yield timer
     finally:
-        sampling.rollout = saved[0]
-        del engine.infer_batch, engine.train_batch
+        del driver.rollout, engine.infer_batch, engine.train_batch
 
 
 @contextmanager
@@ -77,6 +75,7 @@ class PolyfsdpGRPO:
         self.loss = None  # built per step: the loss normalises over the step's prompt count
         self.scorer = Scorer(_reward, "addition")
         self.hf_generate = hf_generate  # sample with HF generate instead of trainer/rollout/decode.py
+        self.driver = default_driver()
 
     def step(self, prompts: list[dict], seed: int) -> dict:
         """One GRPO step on ``prompts`` (dicts with prompt/answer); returns its metrics."""
@@ -84,7 +83,8 @@ class PolyfsdpGRPO:
         loss = self.cfg.actor_loss(len(prompts))
         with hf_generate_only(self.hf_generate):
             return rl_step_mod.rl_step(self.engine, None, self.tokenizer, examples, self.cfg, loss, sample_seed=seed,
-                                       scorer=self.scorer, mini_batches=self.cfg.actor.mini_batches(len(prompts)))
+                                       scorer=self.scorer, mini_batches=self.cfg.actor.mini_batches(len(prompts)),
+                                       driver=self.driver)
 
     def run(self, batches: list[list[dict]], seed: int, warmup: int) -> tuple[list[float], list[float], dict]:
         """Step through ``batches``; per timed step its wall seconds and tokens, and the
@@ -94,7 +94,7 @@ class PolyfsdpGRPO:
         for i, prompts in enumerate(batches):
             if i == warmup:
                 timer.times.clear()
-            with timed_phases(self.engine, timer):
+            with timed_phases(self.engine, self.driver, timer):
                 t = time.perf_counter()
                 m = self.step(prompts, seed * 100_003 + i)
                 dt = time.perf_counter() - t

@@ -58,7 +58,7 @@ def main(argv=None) -> dict:
     timer = RangeTimer()
     py = cProfile.Profile() if args.python else None
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-        with timed_phases(runner.engine, timer):
+        with timed_phases(runner.engine, runner.driver, timer):
             if py:
                 py.enable()
             for i in range(args.warmup, args.warmup + args.steps):

@@ -15,6 +15,7 @@ import argparse
 import statistics
 import tempfile
 import time
+from dataclasses import replace
 
 import torch
 from transformers import AutoModelForCausalLM
@@ -23,14 +24,8 @@ from polyfsdp.backends.registry import get_backend
 from polyfsdp.engines import EngineConfig, FSDPEngine, ModelConfig
 from polyfsdp.engines.presets import preset_config
 from polyfsdp.trainer.config.job import RolloutSection
-from polyfsdp.trainer.rollout.engines import build_rollout_engine
-
-
-class _Ids:
-    """The token ids an engine needs from a tokenizer; ``eos`` is set to one never sampled."""
-
-    def __init__(self, eos: int, pad: int = 0) -> None:
-        self.eos_token_id, self.pad_token_id = eos, pad
+from polyfsdp.trainer.rollout.build import build_rollout_engine
+from polyfsdp.trainer.rollout.engines import SamplingParams
 
 
 def _policy(hidden: int, layers: int, seed: int = 0) -> FSDPEngine:
@@ -49,20 +44,22 @@ def compare_engines(names, rows: int, new_tokens: int, rounds: int) -> dict[str,
     """Median tokens/s of each engine over interleaved rounds."""
     policy = _policy(256, 4)
     vocab = policy.module.config.vocab_size
-    ids = _Ids(eos=vocab - 1)
+    # Sampled, stopping at a token never sampled (every row runs to the full length).
+    params = SamplingParams(new_tokens, stop_token_ids=(vocab - 1,), pad_token_id=0)
     prompts = [[1 + (7 * r + k) % (vocab - 2) for k in range(16)] for r in range(rows)]
     engines = {name: build_rollout_engine(RolloutSection(engine=name, vllm={"max_num_seqs": max(rows, 1)}),
                                           get_backend("cpu")) for name in names}
     speeds = {name: [] for name in names}
     try:
-        for name, engine in engines.items():  # warm-up (vLLM starts here)
-            engine.generate(policy, ids, prompts[:2], 2, do_sample=True)
+        for name, engine in engines.items():  # warm-up (vLLM starts at its first sync)
+            engine.update_weights(policy)
+            engine.generate(prompts[:2], replace(params, max_new_tokens=2))
         for r in range(rounds):
             order = names[r % len(names):] + names[:r % len(names)]
             for name in order:
                 torch.manual_seed(r)
                 t0 = time.perf_counter()
-                out = engines[name].generate(policy, ids, prompts, new_tokens, do_sample=True)
+                out = engines[name].generate(prompts, params).token_ids
                 speeds[name].append(sum(len(o) for o in out) / (time.perf_counter() - t0))
     finally:
         for engine in engines.values():
@@ -77,11 +74,11 @@ def sync_times(widths, layers: int, repeats: int) -> list[tuple[int, float]]:
         policy = _policy(hidden, layers)
         engine = build_rollout_engine(RolloutSection(engine="vllm", check_sync=False), get_backend("cpu"))
         try:
-            engine.sync(policy)  # start
+            engine.update_weights(policy)  # start
             times = []
             for _ in range(repeats):
                 policy.weights_version += 1  # as an optimizer step does
-                engine.sync(policy)
+                engine.update_weights(policy)
                 times.append(engine.last_sync_s)
         finally:
             engine.close()

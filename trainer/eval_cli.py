@@ -250,9 +250,9 @@ def evaluate_model(model_dir: Path, overrides: list[str], json_path: str | None,
                             rows=cfg.trainer.log_val_generations)
     try:
         result = evaluate(engine, job.tokenizer, job.source.eval_examples, job.eval_tokens, job.scorer, settings,
-                          sampler=job.sampler)
+                          driver=job.driver)
     finally:
-        job.sampler.close()
+        job.driver.engine.close()
     metrics = {"reward": result.reward, **result.metrics}
     report = {"model": str(model_dir), "evaluated": str(model.evaluated), "num_prompts": len(job.source.eval_examples),
               "data": cfg.raw["data"], "reward_fn": job.scorer.name,

@@ -7,6 +7,7 @@ import torch
 
 from polyfsdp.engines import EngineConfig, FSDPEngine, ModelConfig
 from polyfsdp.trainer.rollout.decode import _fsdp_free, _preallocated_cache, _ready_mask_ok, decode
+from polyfsdp.trainer.rollout.engines import SamplingParams
 from polyfsdp.trainer.rollout.generate import _hf_generate, _left_padded, generate
 from polyfsdp.trainer.rollout.row_seeds import RowSeeds
 from polyfsdp.trainer.data.tokenizers import CharTokenizer
@@ -52,7 +53,7 @@ def test_greedy_completions_equal_hf_generate(preset):
     # Through the rollout entry point too (the engine's eval mode, one rank).
     tok = CharTokenizer()
     tok.eos_token_id = eos
-    assert generate(engine, tok, PROMPTS, 12, do_sample=False) == hf
+    assert generate(engine, PROMPTS, SamplingParams.for_tokenizer(tok, 12, greedy=True)).token_ids == hf
 
 
 def test_max_new_tokens_bounds_and_zero():
@@ -129,4 +130,4 @@ def test_inference_mode_only_for_the_fsdp_free_model():
                          EngineConfig(shard_single_rank=True)).initialize()
     assert not _fsdp_free(sharded.module)
     torch.manual_seed(0)
-    assert generate(sharded, TOK, PROMPTS, 4, do_sample=True, unshard=True)  # sharded: plain no_grad path
+    assert generate(sharded, PROMPTS, SamplingParams.for_tokenizer(TOK, 4), unshard=True).token_ids  # sharded: no_grad

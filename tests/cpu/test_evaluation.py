@@ -11,6 +11,7 @@ import pytest
 from polyfsdp.engines import EngineConfig, FSDPEngine, ModelConfig
 from polyfsdp.trainer.config.job import ConfigError, load_config
 from polyfsdp.trainer.evaluation.held_out import EvalSettings, evaluate
+from polyfsdp.trainer.rollout.engines import SamplingParams
 from polyfsdp.trainer.rollout.generate import generate
 from polyfsdp.trainer.rewards.reward_fn import Scorer
 from polyfsdp.trainer.rollout.row_seeds import eval_row_seeds
@@ -43,8 +44,8 @@ def test_sampled_evaluation_matches_an_independent_count_of_the_same_completions
     # The same draw by hand: each row is seeded by its example's index and settings.seed.
     prompts = [[tok.bos_token_id] + tok.encode(ex.prompt) for ex in examples for _ in range(n)]
     seeds = eval_row_seeds(settings.seed, list(range(len(examples))), n)
-    texts = [tok.decode(r) for r in generate(engine, tok, prompts, 3, do_sample=True, temperature=1.0,
-                                             row_seeds=seeds)]
+    texts = [tok.decode(r) for r in generate(engine, prompts, SamplingParams.for_tokenizer(tok, 3, temperature=1.0),
+                                             row_seeds=seeds).token_ids]
     per_prompt = [texts[i * n:(i + 1) * n] for i in range(len(examples))]
     rewards = [[first_letter_in_answer("", t, ex.answer)["score"] for t in group]
                for ex, group in zip(examples, per_prompt)]

@@ -5,11 +5,11 @@ record and the field."""
 import json
 
 import pytest
-from test_multi_turn import ScriptedSampler
+from test_multi_turn import ScriptedEngine
 from test_tool_sft import TOKENIZERS
 
 from polyfsdp.trainer.data.sources import DataError, read_files
-from polyfsdp.trainer.rollout.multi_turn import MultiTurnRollout, MultiTurnSettings
+from polyfsdp.trainer.rollout.drivers.multi_turn import MultiTurnDriver, MultiTurnSettings
 from polyfsdp.trainer.data.example import Example
 from polyfsdp.trainer.algos.tool_sft import conversation_sequences
 from polyfsdp.trainer.rollout.tool_task import CalculatorTask
@@ -42,8 +42,8 @@ def _read(path):
 
 
 def _calculator():
-    return MultiTurnRollout(ScriptedSampler(None, []), MultiTurnSettings("calculator", {}, 2, None, False),
-                            max_positions=None)
+    return MultiTurnDriver(ScriptedEngine(None, []), MultiTurnSettings("calculator", {}, 2, None, False),
+                           max_positions=None)
 
 
 def test_a_record_carries_its_conversation_and_takes_prompt_and_answer_from_it(tmp_path):

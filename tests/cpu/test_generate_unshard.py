@@ -7,6 +7,7 @@ from torch.distributed.tensor import DTensor
 
 from polyfsdp.engines import EngineConfig, FSDPEngine, ModelConfig
 from polyfsdp.trainer.config.job import ConfigError, load_config
+from polyfsdp.trainer.rollout.engines import SamplingParams
 from polyfsdp.trainer.rollout.generate import generate, use_gather_once
 from polyfsdp.trainer.data.tokenizers import CharTokenizer
 
@@ -20,7 +21,8 @@ def test_gather_once_samples_the_same_completions(policy):
     out = {}
     for unshard in (False, True, False):
         torch.manual_seed(7)
-        out.setdefault(unshard, []).append(generate(engine, tok, prompts, 6, do_sample=True, unshard=unshard))
+        sampled = generate(engine, prompts, SamplingParams.for_tokenizer(tok, 6), unshard=unshard)
+        out.setdefault(unshard, []).append(sampled.token_ids)
         if unshard:  # resharded on the way out, whatever the policy keeps after a forward
             assert all(isinstance(p, DTensor) for p in engine.module.parameters())
     assert out[True][0] == out[False][0] == out[False][1]
@@ -45,6 +47,6 @@ def test_plain_one_rank_engine_samples_what_the_sharded_one_does():
                             EngineConfig(shard_single_rank=sharded)).initialize()
         assert any(isinstance(p, DTensor) for p in engine.module.parameters()) == sharded
         torch.manual_seed(7)
-        out.append(generate(engine, tok, prompts, 6, do_sample=True, unshard=True))
+        out.append(generate(engine, prompts, SamplingParams.for_tokenizer(tok, 6), unshard=True).token_ids)
     assert out[0] == out[1]
     assert out[0] != [[] for _ in prompts]

@@ -4,8 +4,9 @@ import pytest
 
 from polyfsdp.trainer.rollout import sampling
 from polyfsdp.trainer.config.job import ConfigError, load_config
-from polyfsdp.trainer.rollout.generate import Rollout
+from polyfsdp.trainer.rollout.drivers.result import Rollout
 from polyfsdp.trainer.data.example import Example
+from polyfsdp.trainer.data.tokenizers import CharTokenizer
 
 
 @pytest.mark.parametrize("overrides,world,expected", [
@@ -64,37 +65,36 @@ class _Policy:
     device = "cpu"
 
 
-def _fake_rollouts(monkeypatch, rounds):
-    """Replace sampling by fixed rewards per round; returns the prompt batches it was given."""
-    calls = []
+class _FixedRewards:
+    """A rollout driver whose rounds carry fixed rewards; ``calls``: the prompt batches it was given."""
 
-    def fake(engine, tokenizer, examples, n, *args, **kwargs):
-        rewards = rounds[len(calls)]
-        calls.append([e.prompt for e in examples])
+    def __init__(self, rounds):
+        self.rounds, self.calls = rounds, []
+
+    def rollout(self, tokenizer, examples, n, params, **kwargs):
+        rewards = self.rounds[len(self.calls)]
+        self.calls.append([e.prompt for e in examples])
         rows = [e.prompt for e in examples for _ in range(n)]
         return Rollout([[1]] * len(rows), [[2]] * len(rows), rows, rewards, {"x": list(rewards)}, None)
 
-    monkeypatch.setattr(sampling, "rollout", fake)
-    return calls
 
-
-def test_filter_groups_drops_constant_groups_and_resamples_until_enough(monkeypatch):
+def test_filter_groups_drops_constant_groups_and_resamples_until_enough():
     examples = [Example(f"p{i}", "a") for i in range(3)]
     # Round 1: only group 1 informative. Round 2: groups 0 and 2 informative (one is enough).
-    calls = _fake_rollouts(monkeypatch, [[1, 1, 0, 1, 0, 0], [0, 1, 1, 1, 1, 0]])
+    driver = _FixedRewards([[1, 1, 0, 1, 0, 0], [0, 1, 1, 1, 1, 0]])
     more = lambda k: [Example(f"q{k}{i}", "a") for i in range(3)]  # noqa: E731
-    out = sampling.sample_groups(_Policy(), None, examples, _Grpo, False, None, more)
-    assert calls == [["p0", "p1", "p2"], ["q10", "q11", "q12"]]
+    out = sampling.sample_groups(_Policy(), CharTokenizer(), examples, _Grpo, False, None, more, driver)
+    assert driver.calls == [["p0", "p1", "p2"], ["q10", "q11", "q12"]]
     assert out.kept.texts == ["p1", "p1", "q10", "q10", "q12", "q12"]
     assert out.kept.rewards == [0, 1, 0, 1, 1, 0] and out.first.rewards == [1, 1, 0, 1, 0, 0]
     assert out.metrics == {"filter/groups": 3.0, "filter/sample_rounds": 2.0, "filter/short": 0.0}
 
 
-def test_filter_groups_trains_on_what_there_is_after_max_sample_batches(monkeypatch, caplog):
+def test_filter_groups_trains_on_what_there_is_after_max_sample_batches(caplog):
     examples = [Example(f"p{i}", "a") for i in range(2)]
-    _fake_rollouts(monkeypatch, [[1, 1, 0, 1], [0, 0, 1, 1], [1, 1, 1, 1]])
-    out = sampling.sample_groups(_Policy(), None, examples, _Grpo, False, None,
-                                      lambda k: [Example(f"q{k}{i}", "a") for i in range(2)])
+    driver = _FixedRewards([[1, 1, 0, 1], [0, 0, 1, 1], [1, 1, 1, 1]])
+    out = sampling.sample_groups(_Policy(), CharTokenizer(), examples, _Grpo, False, None,
+                                 lambda k: [Example(f"q{k}{i}", "a") for i in range(2)], driver)
     assert out.kept.texts == ["p1", "p1"] and out.metrics["filter/short"] == 1.0
     assert out.metrics["filter/sample_rounds"] == 3.0
     assert any("1 of 2 groups per rank" in r.getMessage() for r in caplog.records)

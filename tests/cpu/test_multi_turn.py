@@ -1,5 +1,5 @@
-"""Multi-turn rollouts (trainer/rollout/multi_turn.py): exact token bookkeeping (sampled tokens kept as
-drawn with loss_mask 1, environment turns from the chat template with 0), the engine's
+"""Multi-turn rollouts (trainer/rollout/drivers/multi_turn.py): exact token bookkeeping (sampled
+tokens kept as drawn with loss_mask 1, environment turns from the chat template with 0), the engine's
 recomputed log-probs equal the sampler's in both pad modes, one-line environment errors, and a
 user environment from a test file training through polyfsdp-train."""
 import math
@@ -10,7 +10,8 @@ import torch
 
 from polyfsdp.trainer.data.batch import build_batch, per_sequence, response_mask
 from polyfsdp.trainer.rollout.environments import EnvStep, parse_tool_calls
-from polyfsdp.trainer.rollout.multi_turn import ChatTurns, MultiTurnRollout, MultiTurnSettings
+from polyfsdp.trainer.rollout.engines import Completions, RolloutEngine, SamplingParams
+from polyfsdp.trainer.rollout.drivers.multi_turn import ChatTurns, MultiTurnDriver, MultiTurnSettings
 from polyfsdp.trainer.rewards.reward_fn import RewardError
 from polyfsdp.trainer.rollout.row_seeds import turn_seed
 from polyfsdp.trainer.data.tokenizers import CharTokenizer
@@ -21,7 +22,7 @@ HERE = os.path.dirname(__file__)
 GUESS_ENV = os.path.join(HERE, "envs", "guess_env.py") + ":GuessEnv"
 
 
-class ScriptedSampler:
+class ScriptedEngine(RolloutEngine):
     """A rollout engine that answers each turn with the next scripted text (+ <eos>)."""
 
     name = "scripted"
@@ -29,31 +30,30 @@ class ScriptedSampler:
     def __init__(self, tokenizer, turns):
         self.tokenizer, self.turns, self.calls, self.prompts, self.seeds = tokenizer, list(turns), 0, [], []
 
-    def generate(self, policy, tokenizer, prompts, max_new_tokens, do_sample, temperature=1.0,
-                 return_log_probs=False, row_seeds=None):
+    def generate(self, prompts, params, seeds=None):
         self.prompts.append([list(p) for p in prompts])
-        self.seeds.append(row_seeds)
+        self.seeds.append(seeds)
         text = self.turns[self.calls]
         self.calls += 1
-        out = [self.tokenizer.encode(text)[:max_new_tokens - 1] + [self.tokenizer.eos_token_id] for _ in prompts]
-        return out, [[-0.5] * len(o) for o in out]
-
-    def close(self):
-        pass
+        out = [self.tokenizer.encode(text)[:params.max_new_tokens - 1] + [self.tokenizer.eos_token_id]
+               for _ in prompts]
+        return Completions(out, [[-0.5] * len(o) for o in out])
 
 
-class _Policy:
-    device = torch.device("cpu")
+def _params(tok, max_new_tokens, temperature=1.0, return_log_probs=False):
+    """Sampling at ``temperature``, stopping at the tokenizer's <eos> (what a rollout asks)."""
+    return SamplingParams.for_tokenizer(tok, max_new_tokens, temperature=temperature,
+                                        return_log_probs=return_log_probs)
 
 
-def _multi_turn(sampler, env=GUESS_ENV, max_turns=4, max_total=None, **kwargs):
-    return MultiTurnRollout(sampler, MultiTurnSettings(env, kwargs, max_turns, max_total, False), max_positions=None)
+def _multi_turn(engine, env=GUESS_ENV, max_turns=4, max_total=None, **kwargs):
+    return MultiTurnDriver(engine, MultiTurnSettings(env, kwargs, max_turns, max_total, False), max_positions=None)
 
 
 def test_sampled_tokens_carry_loss_mask_1_and_environment_turns_0():
     tok = CharTokenizer()
-    sampler = ScriptedSampler(tok, ["a", "z", "e"])
-    roll = _multi_turn(sampler).rollout(_Policy(), tok, [Example("p", "")], 1, 8, True, 1.0, None, True)
+    engine = ScriptedEngine(tok, ["a", "z", "e"])
+    roll = _multi_turn(engine).rollout(tok, [Example("p", "")], 1, _params(tok, 8, return_log_probs=True))
     turns = ChatTurns(tok, None)
     prompt = turns.prompt([{"role": "user", "content": "guess a letter"}])
     a, z, e = ([*tok.encode(t), tok.eos_token_id] for t in "aze")
@@ -66,7 +66,7 @@ def test_sampled_tokens_carry_loss_mask_1_and_environment_turns_0():
                               + [-0.5] * len(e)]
     assert roll.rewards == [1.0] and roll.rollout_metrics["turns"] == [3.0]
     # Each turn's prompt is the conversation's tokens so far, exactly.
-    assert sampler.prompts[2] == [prompt + a + higher + z + lower]
+    assert engine.prompts[2] == [prompt + a + higher + z + lower]
     # The engine's response mask marks exactly the sampled tokens (position t predicts t + 1).
     mask = response_mask(*roll.pairs()[0])
     sampled = [i - 1 for i, m in enumerate([0] * len(prompt) + roll.loss_masks[0]) if m]
@@ -75,27 +75,27 @@ def test_sampled_tokens_carry_loss_mask_1_and_environment_turns_0():
 
 def test_turn_and_token_limits_end_a_conversation_and_count_it():
     tok = CharTokenizer()
-    roll = _multi_turn(ScriptedSampler(tok, ["a", "b", "c", "d"]), max_turns=2).rollout(
-        _Policy(), tok, [Example("p", "")], 2, 8, True, 1.0, None, False)
+    roll = _multi_turn(ScriptedEngine(tok, ["a", "b", "c", "d"]), max_turns=2).rollout(
+        tok, [Example("p", "")], 2, _params(tok, 8))
     assert roll.rollout_metrics["turns"] == [2.0, 2.0] and roll.rewards == [0.0, 0.0]
     assert roll.log_probs is None and roll.response_ids[0][-1] == tok.eos_token_id
     # A budget that fits the first turn only: the second would overflow, so the conversation ends.
     prompt_len = len(ChatTurns(tok, None).prompt([{"role": "user", "content": "guess a letter"}]))
-    roll = _multi_turn(ScriptedSampler(tok, ["a", "b"]), max_total=prompt_len + 8 + 3).rollout(
-        _Policy(), tok, [Example("p", "")], 1, 8, True, 1.0, None, False)
+    roll = _multi_turn(ScriptedEngine(tok, ["a", "b"]), max_total=prompt_len + 8 + 3).rollout(
+        tok, [Example("p", "")], 1, _params(tok, 8))
     assert roll.rollout_metrics["turns"] == [1.0] and roll.rollout_metrics["truncated"] == [1.0]
     assert len(roll.prompt_ids[0]) + len(roll.response_ids[0]) <= prompt_len + 8 + 3
 
 
 def test_each_turn_samples_with_its_conversations_turn_seeds():
     tok = CharTokenizer()
-    sampler = ScriptedSampler(tok, ["a", "b"])
-    _multi_turn(sampler, max_turns=2).rollout(_Policy(), tok, [Example("p", "")], 2, 8, True, 1.0, None, False,
+    engine = ScriptedEngine(tok, ["a", "b"])
+    _multi_turn(engine, max_turns=2).rollout(tok, [Example("p", "")], 2, _params(tok, 8),
                                               row_seeds=[11, 12])
-    assert sampler.seeds == [[turn_seed(11, 1), turn_seed(12, 1)], [turn_seed(11, 2), turn_seed(12, 2)]]
-    assert len({seed for turn in sampler.seeds for seed in turn} | {11, 12}) == 6
-    unseeded = ScriptedSampler(tok, ["a"])
-    _multi_turn(unseeded, max_turns=1).rollout(_Policy(), tok, [Example("p", "")], 2, 8, True, 1.0, None, False)
+    assert engine.seeds == [[turn_seed(11, 1), turn_seed(12, 1)], [turn_seed(11, 2), turn_seed(12, 2)]]
+    assert len({seed for turn in engine.seeds for seed in turn} | {11, 12}) == 6
+    unseeded = ScriptedEngine(tok, ["a"])
+    _multi_turn(unseeded, max_turns=1).rollout(tok, [Example("p", "")], 2, _params(tok, 8))
     assert unseeded.seeds == [None]
 
 
@@ -117,13 +117,13 @@ class _Malformed(_Raises):
 @pytest.mark.parametrize("env,expected", [(_Raises, f"step() raised KeyError: 'boom' at {__file__}:"),
                                           (_Malformed, "step() returned the message {'role': 'user'}")])
 def test_a_failing_environment_is_one_line_naming_it_the_record_and_the_turn(env, expected, monkeypatch):
-    import polyfsdp.trainer.rollout.multi_turn as multi_turn
+    import polyfsdp.trainer.rollout.drivers.multi_turn as multi_turn
 
     monkeypatch.setattr(multi_turn, "load_environment", lambda spec: env)
     tok = CharTokenizer()
     with pytest.raises(RewardError) as info:
-        _multi_turn(ScriptedSampler(tok, ["a"]), env="mine").rollout(
-            _Policy(), tok, [Example("p", "", where="r7")], 1, 8, True, 1.0, None, False)
+        _multi_turn(ScriptedEngine(tok, ["a"]), env="mine").rollout(
+            tok, [Example("p", "", where="r7")], 1, _params(tok, 8))
     assert expected in str(info.value) and "rollout.env=mine" in str(info.value) and "\n" not in str(info.value)
     assert str(info.value).endswith("(record r7, turn 1)"), str(info.value)
 
@@ -153,9 +153,11 @@ def test_recomputed_log_probs_of_multi_turn_trajectories_equal_the_samplers(pad_
     engine = FSDPEngine(ModelConfig(preset="qwen2-tiny", vocab_size=tok.vocab_size),
                         EngineConfig(pad_mode=pad_mode, use_remove_padding=pad_mode == "no_padding"),
                         OptimConfig(lr=1e-3)).initialize()
-    rollout = _multi_turn(PolicyDecoding("builtin"), max_turns=3)
+    decoding = PolicyDecoding("builtin")
+    decoding.update_weights(engine)
+    rollout = _multi_turn(decoding, max_turns=3)
     torch.manual_seed(0)
-    roll = rollout.rollout(engine, tok, [Example("p", ""), Example("q", "")], 2, 6, True, 0.7, None, True)
+    roll = rollout.rollout(tok, [Example("p", ""), Example("q", "")], 2, _params(tok, 6, 0.7, return_log_probs=True))
     assert any(0 in m for m in roll.loss_masks), "no environment turn happened: the test would prove nothing"
     batch = build_batch(roll.pairs(), pad_mode, tok.pad_token_id)
     out = engine.infer_batch(batch, temperature=0.7)
@@ -210,14 +212,14 @@ class _Hangs(_Raises):
 
 
 def test_an_environment_that_hangs_stops_after_env_timeout_s(monkeypatch):
-    import polyfsdp.trainer.rollout.multi_turn as multi_turn
+    import polyfsdp.trainer.rollout.drivers.multi_turn as multi_turn
 
     monkeypatch.setattr(multi_turn, "load_environment", lambda spec: _Hangs)
     tok = CharTokenizer()
-    rollout = MultiTurnRollout(ScriptedSampler(tok, ["a"]), MultiTurnSettings("mine", {}, 2, None, False, 0.5),
-                               max_positions=None)
+    rollout = MultiTurnDriver(ScriptedEngine(tok, ["a"]), MultiTurnSettings("mine", {}, 2, None, False, 0.5),
+                              max_positions=None)
     with pytest.raises(RewardError, match=r"step\(\) took longer than rollout.env_timeout_s=0.5 s \(record r1, turn 1\)"):
-        rollout.rollout(_Policy(), tok, [Example("p", "", where="r1")], 1, 8, True, 1.0, None, False)
+        rollout.rollout(tok, [Example("p", "", where="r1")], 1, _params(tok, 8))
 
 
 def test_resume_refuses_a_changed_environment(tmp_path, capsys):

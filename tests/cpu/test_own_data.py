@@ -204,9 +204,9 @@ def test_grpo_on_verl_files_with_a_bpe_chat_model_and_a_reward_file(tmp_path, mo
     seen_prompts = []
     real_generate = generate_module.generate
 
-    def spy(engine, tokenizer, prompts, *args, **kwargs):
+    def spy(engine, prompts, *args, **kwargs):
         seen_prompts.extend(prompts)
-        return real_generate(engine, tokenizer, prompts, *args, **kwargs)
+        return real_generate(engine, prompts, *args, **kwargs)
 
     monkeypatch.setattr(generate_module, "generate", spy)
     out = tmp_path / "run"

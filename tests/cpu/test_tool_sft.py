@@ -5,10 +5,10 @@ import random
 import pytest
 import torch
 from own_data_cases import bpe_tokenizer
-from test_multi_turn import ScriptedSampler, _Policy
+from test_multi_turn import ScriptedEngine, _params
 
 from polyfsdp.trainer.data.batch import build_batch
-from polyfsdp.trainer.rollout.multi_turn import MultiTurnRollout, MultiTurnSettings
+from polyfsdp.trainer.rollout.drivers.multi_turn import MultiTurnDriver, MultiTurnSettings
 from polyfsdp.trainer.data.tokenizers import CharTokenizer, HFTokenizerAdapter
 from polyfsdp.trainer.data.example import Example
 from polyfsdp.trainer.algos.tool_sft import conversation_sequences, demonstration
@@ -35,10 +35,10 @@ def _examples(count=3):
     return [CalculatorTask().sample(rng) for _ in range(count)]
 
 
-def _calculator(sampler=None, max_turns=2):
-    """The multi-turn rollout engine over the calculator; SFT only asks it to start conversations."""
-    sampler = sampler or ScriptedSampler(None, [])
-    return MultiTurnRollout(sampler, MultiTurnSettings("calculator", {}, max_turns, None, False), max_positions=None)
+def _calculator(engine=None, max_turns=2):
+    """The multi-turn driver over the calculator; SFT only asks it to start conversations."""
+    engine = engine or ScriptedEngine(None, [])
+    return MultiTurnDriver(engine, MultiTurnSettings("calculator", {}, max_turns, None, False), max_positions=None)
 
 
 @pytest.mark.parametrize("name", sorted(TOKENIZERS))
@@ -46,9 +46,9 @@ def test_sft_sequence_equals_what_the_rollout_holds_for_the_same_conversation(na
     tok = TOKENIZERS[name]()
     for example in _examples():
         call, answer = (m["content"] for m in example.conversation if m["role"] == "assistant")
-        # The sampler writes the demonstration's turns; the calculator answers the call itself.
-        sampler = ScriptedSampler(tok, [call, answer])
-        roll = _calculator(sampler).rollout(_Policy(), tok, [example], 1, 200, True, 1.0, None, True)
+        # The engine writes the demonstration's turns; the calculator answers the call itself.
+        engine = ScriptedEngine(tok, [call, answer])
+        roll = _calculator(engine).rollout(tok, [example], 1, _params(tok, 200, return_log_probs=True))
         assert roll.rewards == [1.0] and roll.rollout_metrics["tool_calls"] == [1.0]
         sft = conversation_sequences(_calculator(), tok, [example])
         assert sft == roll.pairs()

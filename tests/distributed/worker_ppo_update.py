@@ -14,7 +14,7 @@ from polyfsdp.backends import destroy_distributed  # noqa: E402
 from polyfsdp.engines.config import EngineConfig, ModelConfig  # noqa: E402
 from polyfsdp.engines.engine import FSDPEngine  # noqa: E402
 from polyfsdp.trainer.config.job import load_config  # noqa: E402
-from polyfsdp.trainer.rollout.generate import Rollout  # noqa: E402
+from polyfsdp.trainer.rollout.drivers.result import Rollout  # noqa: E402
 from polyfsdp.trainer.algos.rl_step import train_on_rollout  # noqa: E402
 
 PROMPTS = 4

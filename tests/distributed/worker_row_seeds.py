@@ -19,6 +19,7 @@ from polyfsdp.backends.topology import topology  # noqa: E402
 from polyfsdp.engines.config import EngineConfig, ModelConfig  # noqa: E402
 from polyfsdp.engines.engine import FSDPEngine  # noqa: E402
 from polyfsdp.trainer.config.algo import ActorSection  # noqa: E402
+from polyfsdp.trainer.rollout.drivers.single_turn import SingleTurnDriver  # noqa: E402
 from polyfsdp.trainer.rollout.engines import PolicyDecoding  # noqa: E402
 from polyfsdp.trainer.rollout.row_seeds import RowSeeds  # noqa: E402
 from polyfsdp.trainer.rollout.sampling import sample_groups  # noqa: E402
@@ -38,12 +39,14 @@ def main(out: Path) -> None:
     actor = ActorSection(group_size=4, max_new_tokens=8, temperature=1.0)
     row_seeds = RowSeeds(SEED, STEP, first_prompt=topo.share_start(PROMPTS))
     results = {}
-    for name, sampler, seeds in (("default", PolicyDecoding(), row_seeds),
-                                 ("hf", PolicyDecoding("hf", unshard=False), row_seeds),
-                                 ("per_replica", PolicyDecoding(), None)):
+    for name, engine, seeds in (("default", PolicyDecoding(), row_seeds),
+                                ("hf", PolicyDecoding("hf", unshard=False), row_seeds),
+                                ("per_replica", PolicyDecoding(), None)):
+        engine.update_weights(policy)
         # The old formula seeded each replica's one generator: (seed * 1_000_003 + step) * 1024 + replica.
         policy.backend.manual_seed((SEED * 1_000_003 + STEP) * 1024 + topo.replica)
-        rows = sample_groups(policy, tok, share, actor, False, None, None, sampler, seeds).kept.response_ids
+        rows = sample_groups(policy, tok, share, actor, False, None, None, SingleTurnDriver(engine),
+                             seeds).kept.response_ids
         results[name] = [row for part in all_gather_object(rows) for row in part]
     if topo.rank == 0:
         torch.save(results, out / f"completions_world{current_world_size()}.pt")

@@ -16,7 +16,8 @@ from polyfsdp.backends.registry import get_backend  # noqa: E402
 from polyfsdp.engines import EngineConfig, FSDPEngine, ModelConfig, OptimConfig, SFTLoss  # noqa: E402
 from polyfsdp.trainer.data.batch import build_batch  # noqa: E402
 from polyfsdp.trainer.config.job import RolloutSection  # noqa: E402
-from polyfsdp.trainer.rollout.engines import PolicyDecoding, build_rollout_engine  # noqa: E402
+from polyfsdp.trainer.rollout.build import build_rollout_engine  # noqa: E402
+from polyfsdp.trainer.rollout.engines import PolicyDecoding, SamplingParams  # noqa: E402
 from polyfsdp.trainer.data.tokenizers import CharTokenizer  # noqa: E402
 
 
@@ -31,18 +32,20 @@ def main(out_dir):
     policy = FSDPEngine(ModelConfig(path=path), EngineConfig(), OptimConfig(lr=1e-2)).initialize()
     prompts = [[tok.bos_token_id] + tok.encode(s) for s in (("abc=", "ba=") if rank == 0 else ("hgfe=", "a="))]
     builtin = PolicyDecoding("builtin")
-    sampler = build_rollout_engine(RolloutSection(engine="vllm", check_sync_tol=1e-5), get_backend())
+    vllm = build_rollout_engine(RolloutSection(engine="vllm", check_sync_tol=1e-5), get_backend())
+    greedy = SamplingParams.for_tokenizer(tok, 8, greedy=True)
     seen = {"sharded": any(type(p).__name__ == "DTensor" for p in policy.module.parameters())}
     try:
         for stage in ("before", "after"):
-            seen[stage] = (sampler.generate(policy, tok, prompts, 8, do_sample=False),
-                           builtin.generate(policy, tok, prompts, 8, do_sample=False))
+            vllm.update_weights(policy)  # the weight-sync phase: starts vLLM, then follows the step
+            builtin.update_weights(policy)
+            seen[stage] = (vllm.generate(prompts, greedy).token_ids, builtin.generate(prompts, greedy).token_ids)
             if stage == "before":
                 pairs = [(p, [tok.encode("x")[0]] * 3) for p in prompts]
                 policy.train_batch(build_batch(pairs, "no_padding", tok.pad_token_id), SFTLoss())
-        seen.update(weight_version=sampler.weight_version, sync_error=sampler.last_sync_error)
+        seen.update(weight_version=vllm.weight_version, sync_error=vllm.last_sync_error)
     finally:
-        sampler.close()
+        vllm.close()
     torch.save(seen, os.path.join(out_dir, f"rank{rank}.pt"))
     destroy_distributed()
 

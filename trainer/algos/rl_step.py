@@ -1,6 +1,8 @@
 """One RL step, for every advantage estimator and policy loss (verl's order)::
 
-    sample_groups (sampling.py)      generate + score (DAPO's group filtering when asked)
+    update_weights (rollout engine)  the engine takes the policy's weights (a sync when it holds a copy)
+    sample_groups (sampling.py)      generate + score (DAPO's group filtering when asked); the
+                                     engine then sleeps (frees its device memory for training)
     old log-probs, ref log-probs     policy / reference infer_batch: old ones when the loss is off
                                      policy (several updates per rollout), the estimator reads them
                                      or puts the KL into the reward; ref ones whenever there is a
@@ -28,7 +30,8 @@ from ..data.batch import build_batch, per_sequence, response_field, response_mas
 from ..errors import ConfigError, RewardError
 from .estimators import ESTIMATORS, AdvantageInputs, Advantages
 from .gae import explained_variance
-from ..rollout.multi_turn import rollout_metrics
+from ..rollout.drivers.single_turn import default_driver
+from ..rollout.drivers.multi_turn import rollout_metrics
 from ..rewards.reward_fn import call_user_code, mean_over_ranks
 from ..rollout.row_seeds import RowSeeds
 from ..rollout.sampling import sample_groups
@@ -41,24 +44,30 @@ CRITIC_PREFIX = "vf_"
 
 def rl_step(policy, ref, tokenizer, examples: list[Example], algo, actor_loss, sample_seed: int,
             shuffle_seed: int = 0, mini_batches: int = 1, scorer=None,
-            more_examples: Callable[[int], list[Example]] | None = None, sampler=None, critic=None,
+            more_examples: Callable[[int], list[Example]] | None = None, driver=None, critic=None,
             value_loss=None, train_actor: bool = True, row_seeds: RowSeeds | None = None) -> dict:
     """Train one RL step on this rank's prompts ``examples``; ``algo`` is the AlgoSection.
     ``row_seeds`` seeds each completion (trainer/rollout/row_seeds.py), ``sample_seed`` the process's
     generators (what else draws: dropout; the sampling too without ``row_seeds``) and
     ``shuffle_seed`` the mini-batch order, so a resumed run draws the same completions and
     updates; ``mini_batches`` optimizer steps per epoch.
-    ``more_examples(k)`` gives the k-th extra prompt batch for group filtering; ``sampler`` is
-    the rollout engine (trainer/rollout/engines.py). ``critic``/``value_loss``: the critic
-    estimator's value model and loss (None otherwise); ``train_actor=False`` trains only the
-    critic (its warm-up)."""
+    ``more_examples(k)`` gives the k-th extra prompt batch for group filtering; ``driver`` runs
+    the rollout (trainer/rollout/drivers/; default ``rollout.engine=auto``). ``critic``/``value_loss``:
+    the critic estimator's value model and loss (None otherwise); ``train_actor=False`` trains only
+    the critic (its warm-up)."""
     t0 = time.perf_counter()
     g = algo.actor
+    driver = driver or default_driver()
+    # The weight sync is a phase of its own, before the step's generators are seeded: what it
+    # does (vLLM's start, or nothing) cannot move what the sampling draws.
+    driver.engine.update_weights(policy)
+    t_sync = time.perf_counter() - t0
     policy.backend.manual_seed(sample_seed)
     sampled = sample_groups(policy, tokenizer, examples, g, algo.rollout_correction.needs_rollout_log_probs,
-                            scorer, more_examples, sampler, row_seeds)
+                            scorer, more_examples, driver, row_seeds)
+    driver.engine.sleep()  # its device memory goes to the updates until the next rollout
     roll, first = sampled.kept, sampled.first
-    t_gen = time.perf_counter() - t0
+    t_gen = time.perf_counter() - t0 - t_sync
     metrics = reward_metrics(first, policy.device)
     metrics.update(sampled.metrics)
     pairs = roll.pairs()
@@ -68,7 +77,7 @@ def rl_step(policy, ref, tokenizer, examples: list[Example], algo, actor_loss, s
                                             value_loss, mini_batches, shuffle_seed, train_actor)
         metrics.update(trained)
     metrics.update({"tokens": float(sum(len(pair[0]) + len(pair[1]) for pair in pairs)), "gen_time_s": t_gen,
-                    "step_time_s": time.perf_counter() - t0})
+                    "weight_sync_time_s": t_sync, "step_time_s": time.perf_counter() - t0})
     if critic is not None:
         metrics["actor_trained"] = float(train_actor)
     metrics.update(mean_over_ranks(first.reward_metrics))

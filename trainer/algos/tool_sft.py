@@ -1,7 +1,7 @@
 """Multi-turn SFT: demonstration conversations tokenized exactly as the rollout tokenizes them.
 
 With ``rollout.env`` set, the SFT phase trains each record on a conversation instead of
-prompt -> answer. It starts where a rollout starts (``MultiTurnRollout.start``: the
+prompt -> answer. It starts where a rollout starts (``MultiTurnDriver.start``: the
 environment's ``reset(example)`` rendered by the chat template with the environment's tools);
 each assistant turn is its text's tokens and ``<eos>`` (how the sampler ends a turn) with
 ``loss_mask = 1``; the tool or user messages between two assistant turns are
@@ -34,7 +34,7 @@ def demonstration(example, max_turns: int) -> list[dict]:
 
 def conversation_sequences(rollout, tokenizer, examples) -> list[tuple[list[int], list[int], list[int]]]:
     """``(prompt, response, loss_mask)`` per example for ``batch.build_batch``, through the
-    multi-turn rollout engine ``rollout`` (trainer/rollout/multi_turn.py) the RL phase samples with."""
+    multi-turn driver ``rollout`` (trainer/rollout/drivers/multi_turn.py) the RL phase samples with."""
     trajectories, turns = on_every_rank(lambda: rollout.start(examples, 1, tokenizer))
     eos = tokenizer.eos_token_id
     for t in trajectories:

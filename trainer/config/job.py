@@ -24,7 +24,7 @@ from .bounds import check_bounds
 from .sections import (DataSection, EvalSection, JobConfig, ModelSection,  # noqa: F401 (re-exported)
                               RewardSection, RolloutSection, TrainerSection)
 from ..errors import ConfigError
-from ..rollout.engines import check_rollout
+from .rollout_check import check_rollout
 from ..tracking import check_loggers
 
 logger = logging.getLogger(__name__)

@@ -81,7 +81,7 @@ class RolloutSection:
     vllm: dict = field(default_factory=dict)
     # rollout.engine=vllm_server: where the servers run (trainer/rollout/servers/settings.py).
     server: dict = field(default_factory=dict)
-    # Multi-turn (trainer/rollout/multi_turn.py): an environment plug-in and its limits.
+    # Multi-turn (trainer/rollout/drivers/multi_turn.py): an environment plug-in and its limits.
     env: str | None = None
     env_kwargs: dict = field(default_factory=dict)
     max_turns: int = 1

@@ -9,7 +9,8 @@ from dataclasses import dataclass, field
 from polyfsdp.backends.distributed import all_gather_object, current_rank, current_world_size
 
 from .metrics import PromptSamples, evaluation_metrics
-from ..rollout.generate import rollout
+from ..rollout.drivers.single_turn import default_driver
+from ..rollout.engines import SamplingParams
 from ..rollout.row_seeds import eval_row_seeds
 from ..data.example import Example
 
@@ -42,14 +43,16 @@ class EvalResult:
 
 
 def evaluate(engine, tokenizer, examples: list[Example], max_new_tokens: int, scorer, settings: EvalSettings,
-             sampler=None) -> EvalResult:
-    """Evaluate ``engine`` on ``examples`` (each rank takes every world-th one) with the rollout
-    engine ``sampler`` (trainer/rollout/engines.py; default ``auto``); every rank gets the same
-    result."""
+             driver=None) -> EvalResult:
+    """Evaluate ``engine`` on ``examples`` (each rank takes every world-th one) through the rollout
+    ``driver`` (trainer/rollout/drivers/; default ``rollout.engine=auto``); every rank gets the
+    same result."""
     from ..rewards.reward_fn import mean_over_ranks
 
     rank, world, n = current_rank(), current_world_size(), settings.n_samples
     sampled = settings.temperature > 0
+    driver = driver or default_driver()
+    driver.engine.update_weights(engine)  # the weight sync, before the sampling is seeded
     if sampled:
         # Each row samples with its own seed (its example's index: the same on any world size);
         # the process generators are seeded for what else draws: a function of the step.
@@ -58,14 +61,16 @@ def evaluate(engine, tokenizer, examples: list[Example], max_new_tokens: int, sc
     per_call = max(1, COMPLETIONS_PER_CALL // n)
     # Every rank runs the same number of generate calls, as synced generation needs.
     calls = max(1, -(-len(examples) // (world * per_call)))
+    params = SamplingParams.for_tokenizer(tokenizer, max_new_tokens, greedy=not sampled,
+                                          temperature=settings.temperature if sampled else 1.0)
     prompts, extras = [], {}
     for c in range(calls):
         indices = mine[c * per_call:(c + 1) * per_call]
         chosen = indices or [mine[0]]
         part = [examples[i] for i in chosen]
-        result = rollout(engine, tokenizer, part, n, max_new_tokens, do_sample=sampled,
-                         temperature=settings.temperature if sampled else 1.0, scorer=scorer, sampler=sampler,
-                         with_answers=True, row_seeds=eval_row_seeds(settings.seed, chosen, n) if sampled else None)
+        result = driver.rollout(tokenizer, part, n, params, scorer=scorer, with_answers=True,
+                                row_seeds=eval_row_seeds(settings.seed, chosen, n) if sampled else None,
+                                device=engine.device)
         for j, index in enumerate(indices):
             rows = slice(j * n, (j + 1) * n)
             prompts.append((PromptSamples(index, examples[index].data_source, result.rewards[rows],
@@ -74,6 +79,7 @@ def evaluate(engine, tokenizer, examples: list[Example], max_new_tokens: int, sc
         if indices:
             for key, values in result.reward_metrics.items():
                 extras.setdefault(key, []).extend(values)
+    driver.engine.sleep()  # its device memory goes back to training
     if world > 1:
         prompts = [p for part in all_gather_object(prompts) for p in part]
     prompts.sort(key=lambda p: p[0].index)

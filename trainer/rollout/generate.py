@@ -1,49 +1,19 @@
 """Sampling completions from the FSDP policy (our decoding loop, or Hugging Face ``generate``
-when ranks must decode in lockstep), and scoring completions from any rollout engine
+when ranks must decode in lockstep): what the ``PolicyDecoding`` rollout engine runs
 (trainer/rollout/engines.py)."""
 from __future__ import annotations
 
 import logging
 from contextlib import nullcontext
-from dataclasses import dataclass, field
 
 import torch
 
 from polyfsdp.backends.distributed import all_reduce_sum, current_world_size
 
-from ..data.chat import example_prompt_tokens
-from ..rank_errors import on_every_rank
-from .engines import check_unshard
-from ..data.example import Example
+from ..config.rollout_check import check_unshard
+from .engines import Completions, SamplingParams
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class Rollout:
-    """Completions of a list of prompts: token lists, decoded text and rewards."""
-
-    prompt_ids: list[list[int]]
-    response_ids: list[list[int]]
-    texts: list[str]
-    rewards: list[float]
-    reward_metrics: dict[str, list[float]] = field(default_factory=dict)
-    # The sampler's log-prob of each response token (at the sampling temperature), when asked.
-    log_probs: list[list[float]] | None = None
-    # Each completion's answer for majority votes (rewards.Scorer.score_with_answer), when asked.
-    answers: list[str | None] | None = None
-    # Multi-turn (trainer/rollout/multi_turn.py): 1 for the response tokens the policy sampled, 0 for the
-    # environment's; None: every response token was sampled.
-    loss_masks: list[list[int]] | None = None
-    # Per-trajectory values of the rollout itself (multi-turn: turns, tool calls, truncations).
-    rollout_metrics: dict[str, list[float]] = field(default_factory=dict)
-
-    def pairs(self) -> list[tuple]:
-        """(prompt, response) per row, with the row's loss mask as a third item when there is one
-        (what trainer/data/batch.py builds batches from)."""
-        if self.loss_masks is None:
-            return list(zip(self.prompt_ids, self.response_ids))
-        return list(zip(self.prompt_ids, self.response_ids, self.loss_masks))
 
 
 def use_gather_once(engine, unshard) -> bool:
@@ -122,12 +92,12 @@ def _hf_generate(model, ids, mask, width, pad, eos, max_new_tokens, do_sample, t
 
 
 @torch.no_grad()
-def generate(engine, tokenizer, prompts: list[list[int]], max_new_tokens: int, do_sample: bool,
-             temperature: float = 1.0, return_log_probs: bool = False, unshard="auto", loop: str = "auto",
-             row_seeds: list[int] | None = None):
-    """Completions (ending at and including ``<eos>`` when produced) for left-padded prompts;
-    with ``return_log_probs``, also each completion token's log-prob under the distribution
-    it was drawn from (logits / temperature, as ``generate``'s processed scores).
+def generate(engine, prompts: list[list[int]], params: SamplingParams, unshard="auto", loop: str = "auto",
+             row_seeds: list[int] | None = None) -> Completions:
+    """Completions (ending at and including the stop token when produced) of ``prompts``, left-padded
+    with ``params.pad_token_id``; with ``params.return_log_probs``, also each completion token's
+    log-prob under the distribution it was drawn from (logits / temperature, as ``generate``'s
+    processed scores).
 
     Gathered once (``unshard``, see :func:`use_gather_once`) or on one rank, our decoding
     loop runs (trainer/rollout/decode.py: finished rows leave the batch) and each rank stops when its
@@ -138,7 +108,12 @@ def generate(engine, tokenizer, prompts: list[list[int]], max_new_tokens: int, d
     """
     from .decode import decode
 
-    pad, eos = tokenizer.pad_token_id, tokenizer.eos_token_id
+    if len(params.stop_token_ids) != 1 or params.pad_token_id is None:
+        raise ValueError(f"decoding with the policy needs one stop token and a pad token: got stop_token_ids="
+                         f"{params.stop_token_ids!r}, pad_token_id={params.pad_token_id!r}")
+    pad, (eos,) = params.pad_token_id, params.stop_token_ids
+    max_new_tokens, do_sample, temperature = params.max_new_tokens, not params.greedy, params.temperature
+    return_log_probs = params.return_log_probs
     ids, mask = _left_padded(prompts, pad)
     device = engine.device
     once = use_gather_once(engine, unshard)
@@ -149,40 +124,10 @@ def generate(engine, tokenizer, prompts: list[list[int]], max_new_tokens: int, d
             raise ValueError("rollout.engine=builtin: on several ranks our decoding loop needs the model gathered "
                              "once, and rollout.unshard decided against it; set rollout.engine=hf or auto")
         if own_loop:
-            return decode(engine.module, ids, mask, max_new_tokens, eos, do_sample, temperature, return_log_probs,
-                          row_seeds)
-        return _hf_generate(engine.module, ids, mask, ids.shape[1], pad, eos, max_new_tokens, do_sample,
-                            temperature, return_log_probs, synced=current_world_size() > 1 and not once,
-                            row_seeds=row_seeds)
-
-
-def _default_scorer():
-    from ..rewards.reward_fn import Scorer, load_reward_fn
-
-    return Scorer(load_reward_fn("char_match"), "char_match")
-
-
-def rollout(engine, tokenizer, examples: list[Example], n: int, max_new_tokens: int, do_sample: bool,
-            temperature: float = 1.0, scorer=None, return_log_probs: bool = False, sampler=None,
-            with_answers: bool = False, row_seeds: list[int] | None = None) -> Rollout:
-    """``n`` completions per example (grouped: example i owns rows i*n .. i*n+n-1), scored
-    by ``scorer`` (a rewards.Scorer; default the built-in ``char_match``); ``sampler`` is the
-    rollout engine (trainer/rollout/engines.py; default ``auto``); ``row_seeds``: one sampling
-    seed per row (trainer/rollout/row_seeds.py), else the process's generator draws."""
-    from .engines import PolicyDecoding
-
-    if getattr(sampler, "multi_turn", False):
-        return sampler.rollout(engine, tokenizer, examples, n, max_new_tokens, do_sample, temperature, scorer,
-                               return_log_probs, with_answers, row_seeds=row_seeds)
-    prompts = [example_prompt_tokens(tokenizer, ex) for ex in examples for _ in range(n)]
-    responses = (sampler or PolicyDecoding()).generate(engine, tokenizer, prompts, max_new_tokens, do_sample,
-                                                       temperature, return_log_probs, row_seeds=row_seeds)
-    log_probs = None
-    if return_log_probs:
-        responses, log_probs = responses
-    texts = [tokenizer.decode(r) for r in responses]
-    # A reward that raises on this rank's records must stop every rank (the next step is a collective).
-    answers = [] if with_answers else None
-    rewards, extras = on_every_rank(lambda: (scorer or _default_scorer()).score_all(examples, texts, responses,
-                                                                                     group=n, answers=answers))
-    return Rollout(prompts, responses, texts, rewards, extras, log_probs, answers)
+            out = decode(engine.module, ids, mask, max_new_tokens, eos, do_sample, temperature, return_log_probs,
+                         row_seeds)
+        else:
+            out = _hf_generate(engine.module, ids, mask, ids.shape[1], pad, eos, max_new_tokens, do_sample,
+                               temperature, return_log_probs, synced=current_world_size() > 1 and not once,
+                               row_seeds=row_seeds)
+    return Completions(*out) if return_log_probs else Completions(out)

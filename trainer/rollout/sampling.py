@@ -11,7 +11,8 @@ from typing import Callable
 
 from polyfsdp.backends.distributed import all_reduce_max, all_reduce_sum
 
-from .generate import Rollout, rollout
+from .engines import SamplingParams
+from .drivers.result import Rollout
 from .row_seeds import RowSeeds
 from ..data.example import Example
 
@@ -55,18 +56,20 @@ def _concat(parts: list[Rollout]) -> Rollout:
 
 
 def sample_groups(policy, tokenizer, examples: list[Example], g, log_probs: bool, scorer,
-                  more_examples: Callable[[int], list[Example]] | None, sampler=None,
+                  more_examples: Callable[[int], list[Example]] | None, driver,
                   row_seeds: RowSeeds | None = None) -> SampledGroups:
     """Sample ``g.group_size`` completions per prompt of ``examples`` (this rank's share);
     with ``g.filter_groups``, keep only informative groups, resampling as described above.
-    ``sampler`` is the rollout engine (trainer/rollout/engines.py); ``row_seeds``: the step's
-    per-row sampling seeds (round k's rows get round k's), else the process's generator draws."""
+    ``driver`` runs the rollouts (trainer/rollout/drivers/), its engine already at the policy's
+    weights (``update_weights``); ``row_seeds``: the step's per-row sampling seeds (round k's rows
+    get round k's), else the process's generator draws."""
     n = g.group_size
+    params = SamplingParams.for_tokenizer(tokenizer, g.max_new_tokens, temperature=g.temperature,
+                                          return_log_probs=log_probs)
 
     def draw(batch, sampling_round):
         seeds = None if row_seeds is None else row_seeds.rows(sampling_round, len(batch), n)
-        return rollout(policy, tokenizer, batch, n, g.max_new_tokens, do_sample=True, temperature=g.temperature,
-                       scorer=scorer, return_log_probs=log_probs, sampler=sampler, row_seeds=seeds)
+        return driver.rollout(tokenizer, batch, n, params, scorer=scorer, row_seeds=seeds, device=policy.device)
 
     first = draw(examples, 0)
     if not g.filter_groups:

@@ -3,18 +3,20 @@ engine per rank (tensor parallel 1) holding a copy of the policy's weights.
 
 - Start: at the first rollout, from the policy's own config and weights (streamed from the
   FSDP2 shards, engines/model/weight_stream.py) written to a local temporary directory; never a hub.
-- Sync: before a rollout, when the policy's ``weights_version`` moved (an applied optimizer
+- Sync (``update_weights``, called before a rollout): when the policy's ``weights_version`` moved (an applied optimizer
   step, a checkpoint load) or the engine is a different one (the next phase), every rank
   streams the full weights in buckets of ``rollout.sync_bucket_mb`` into vLLM, which resets
   its prefix cache; ``weight_version`` counts the syncs. ``rollout.check_sync`` then compares
   vLLM's log-probs of a fixed probe sequence with the policy's and stops beyond
   ``rollout.check_sync_tol`` (a missed or partial sync is the usual failure of this design).
+  ``generate`` never syncs: it samples with the weights of the last sync.
 - Sampling: the same stop token (``<eos>``, kept in the completion), temperature, top-k 0
   and top-p 1 as our loop; each request has its own seed: its row seed (trainer/rollout/row_seeds.py:
   trainer.seed, step, global row) in RL rollouts, so the same prompts draw the same completions
   whatever the world size, else one drawn from the process's seeded generator.
-- Sleep (GPU/NPU, backends' ``rollout_sleep_level``): between rollouts vLLM frees its device
-  memory for training; the weights are woken before a sync and the KV cache after it.
+- Sleep (GPU/NPU, backends' ``rollout_sleep_level``): after a rollout (the caller's ``sleep``) vLLM
+  frees its device memory for training; the weights are woken before a sync (a level-2 sleep
+  dropped them: they come back by one) and the KV cache after it.
 
 Every vLLM call is in trainer/rollout/vllm_adapter.py.
 """
@@ -36,7 +38,7 @@ from polyfsdp.engines.model.weight_stream import full_weights, weight_buckets
 from . import vllm_adapter
 from ..data.batch import build_batch, per_sequence
 from ..errors import ConfigError
-from .engines import RolloutEngine
+from .engines import Completions, RolloutEngine, SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -102,6 +104,7 @@ class VllmRolloutEngine(RolloutEngine):
     """``rollout.engine=vllm`` (module docstring); ``rollout`` is the RolloutSection."""
 
     name = "vllm"
+    holds_weights = True
 
     def __init__(self, rollout, backend, lora: bool = False) -> None:
         self.rollout, self.backend = rollout, backend
@@ -175,8 +178,9 @@ class VllmRolloutEngine(RolloutEngine):
             vllm_adapter.wake_up(self.llm, ["kv_cache"])
             self._asleep = False
 
-    def sync(self, policy) -> None:
-        """Bring vLLM's weights to the policy's if they changed (collective; every rank calls it)."""
+    def update_weights(self, policy) -> None:
+        """Bring vLLM's weights to the policy's if they changed, starting vLLM at the first call,
+        and wake its KV cache for sampling (collective; every rank calls it)."""
         current = self._policy() if self._policy is not None else None
         # Level-2 sleep drops the weights: they come back only by a sync.
         stale = current is not policy or self._policy_version != policy.weights_version or \
@@ -213,20 +217,29 @@ class VllmRolloutEngine(RolloutEngine):
         return error
 
     # ------------------------------------------------------------------ sampling
-    def generate(self, policy, tokenizer, prompts, max_new_tokens, do_sample, temperature=1.0,
-                 return_log_probs=False, row_seeds=None):
+    def generate(self, prompts: list[list[int]], params: SamplingParams, seeds: list[int] | None = None) -> Completions:
+        if self.llm is None:
+            raise RuntimeError("rollout.engine=vllm: generate before update_weights (vLLM holds no weights yet)")
         # One seed per request, never depending on vLLM's scheduling: the row's own, else one from
-        # the process's seeded generator, drawn before the sync, whose work (a start after a
-        # resume, or not) must not move the generator.
-        seeds = list(row_seeds) if row_seeds is not None else torch.randint(0, 2**31 - 1, (len(prompts),)).tolist()
-        self.sync(policy)
+        # the process's seeded generator (vLLM's start, in the sync before, leaves it as it was).
+        seeds = list(seeds) if seeds is not None else torch.randint(0, 2**31 - 1, (len(prompts),)).tolist()
+        self.wake()
         completions, log_probs = vllm_adapter.sample(
-            self.llm, prompts, max_new_tokens, temperature if do_sample else 0.0, seeds,
-            [tokenizer.eos_token_id], return_log_probs)
-        if self.sleep_level > 0:
+            self.llm, prompts, params.max_new_tokens, 0.0 if params.greedy else params.temperature, seeds,
+            list(params.stop_token_ids), params.return_log_probs)
+        return Completions(completions, log_probs)
+
+    def sleep(self) -> None:
+        """Free vLLM's device memory (``sleep_level``; none on CPU) until the next rollout."""
+        if self.sleep_level > 0 and self.llm is not None and not self._asleep:
             vllm_adapter.sleep(self.llm, self.sleep_level)
             self._asleep = True
-        return (completions, log_probs) if return_log_probs else completions
+
+    def wake(self) -> None:
+        """Take back the KV cache; weights a level-2 sleep dropped come back only by :meth:`update_weights`."""
+        if self._asleep and self.sleep_level == 2:
+            raise RuntimeError("rollout.engine=vllm: asleep at level 2 (its weights dropped): update_weights first")
+        self._wake_cache()
 
     def close(self) -> None:
         if self.llm is not None:

@@ -6,23 +6,21 @@
 - A conversation the rollout (or the held-out evaluation) samples is bounded by its prompt,
   ``rollout.max_turns`` turns of ``algo.actor.max_new_tokens`` and the environment's turns
   between them, and capped by the total token budget (``rollout.max_total_tokens``, default the
-  model's ``max_position_embeddings``), which trainer/rollout/multi_turn.py enforces. An environment turn
-  is counted at the longest one in the records' demonstrations; without demonstrations its
-  length cannot be known before the run, and the cap alone bounds the conversation.
+  model's ``max_position_embeddings``), which trainer/rollout/drivers/multi_turn.py enforces. An
+  environment turn is counted at the longest one in the records' demonstrations; without
+  demonstrations its length cannot be known before the run, and the cap alone bounds the conversation.
 """
 from __future__ import annotations
 
-from ..rollout.engines import multi_turn_engine
+from ..rollout.build import multi_turn_driver
+from ..rollout.engines import RolloutEngine
 from ..algos.tool_sft import conversation_sequences
 
 
-class _NoSampler:
-    """The rollout engine under the multi-turn one: the estimate starts conversations, never samples."""
+class _NoEngine(RolloutEngine):
+    """The engine under the multi-turn driver: the estimate starts conversations, never samples."""
 
     name = "estimate"
-
-    def close(self) -> None:
-        pass
 
 
 def _longest_unmasked_run(mask: list[int]) -> int:
@@ -39,7 +37,7 @@ class TurnLengths:
 
     def __init__(self, cfg, tokenizer, demonstrated: list, max_positions: int | None, new_tokens: int) -> None:
         self.tokenizer, self.new, self.turns = tokenizer, new_tokens, cfg.rollout.max_turns
-        self.rollout = multi_turn_engine(cfg.rollout, _NoSampler(), max_positions)
+        self.rollout = multi_turn_driver(cfg.rollout, _NoEngine(), max_positions)
         self.cap = self.rollout.max_total
         with_conversation = [ex for ex in demonstrated if ex.conversation]
         self.env_turn = max((_longest_unmasked_run(mask) for _, _, mask in self.sft(with_conversation, full=True)),

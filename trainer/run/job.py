@@ -60,7 +60,7 @@ from .progress import Progress
 from ..rank_errors import on_every_rank
 from ..rewards.reward_fn import build_scorer
 from ..algos.rl_step import rl_step
-from ..rollout.engines import build_rollout_engine
+from ..rollout.build import build_rollout_driver, build_rollout_engine
 from .resume import RL_PHASE, STATE_FILE, ResumePoint, check_no_linked_run_files, check_same_run, find_resume
 from .state import PhaseState, TrainerPosition
 from ..rollout.row_seeds import RowSeeds, replica_seed, step_seed
@@ -101,9 +101,9 @@ class Job:
         self.scorer = build_scorer(cfg.reward, cfg.data)  # a missing reward file fails before any model
         self.tokenizer, self.source, self.eval_tokens = load_job_data(cfg, self.out, self.rank, say=_say)
         self.critic: FSDPEngine | None = None  # a critic estimator's value model, during the RL phase
-        # One rollout engine for the whole job (a vLLM engine follows the policy across phases).
-        self.sampler = build_rollout_engine(cfg.rollout, self.backend, lora=cfg.model.model_config().lora.enabled,
-                                            max_positions=model_max_positions(cfg.model))
+        # One rollout engine for the job (vLLM's follows the policy across phases), and its driver.
+        rollout_engine = build_rollout_engine(cfg.rollout, self.backend, lora=cfg.model.model_config().lora.enabled)
+        self.driver = build_rollout_driver(cfg.rollout, rollout_engine, max_positions=model_max_positions(cfg.model))
         self.t0 = time.perf_counter()
         self.stop = StopRequest()       # train.main installs it around run()
         self.position: tuple[str, int] | None = None  # (phase, steps done) of the last finished step
@@ -152,7 +152,7 @@ class Job:
                                 seed=step_seed(self.cfg.trainer.seed, global_step),
                                 rows=self.cfg.trainer.log_val_generations)
         result = evaluate(engine, self.tokenizer, self.source.eval_examples, self.eval_tokens, self.scorer, settings,
-                          sampler=self.sampler)
+                          driver=self.driver)
         self.metrics.log({"phase": "eval", "tag": tag, "global_step": global_step, "reward": result.reward,
                           **result.metrics, "num_prompts": len(self.source.eval_examples),
                           "time_s": time.perf_counter() - self.t0})
@@ -206,7 +206,7 @@ class Job:
             with hold_output_dir(self.out, say=_say):  # before anything is written, until any exit
                 return self._run()
         finally:
-            self.sampler.close()  # before the process group goes: a vLLM engine's groups hang off it
+            self.driver.engine.close()  # before the process group goes: a vLLM engine's groups hang off it
 
     def _run(self) -> dict:
         cfg, out = self.cfg, self.out
@@ -300,7 +300,7 @@ class Job:
         if phase.name == "sft":
             sft_loss = SFTLoss(agg_mode=cfg.algo.sft.agg_mode)
             # rollout.env: demonstrations are conversations, tokenized as the rollout will (tool_sft.py).
-            conversations = self.sampler if getattr(self.sampler, "multi_turn", False) else None
+            conversations = self.driver if cfg.rollout.env is not None else None
 
             def sft_fn(step: int, examples: list) -> dict:
                 # What draws from the generators (LoRA's dropout) is seeded per step: the same in
@@ -332,7 +332,7 @@ class Job:
             return rl_step(engine, ref, self.tokenizer, examples, cfg.algo, actor_loss, row_seeds=row_seeds,
                            sample_seed=replica_seed(cfg.trainer.seed, step, self.topo.replica),
                            shuffle_seed=shuffle_seed,
-                           mini_batches=mini_batches, scorer=self.scorer, more_examples=more, sampler=self.sampler,
+                           mini_batches=mini_batches, scorer=self.scorer, more_examples=more, driver=self.driver,
                            critic=self.critic, value_loss=value_loss, train_actor=step >= warmup)
         return step_fn
 

@@ -18,16 +18,18 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from polyfsdp.backends.distributed import all_reduce_max, current_world_size
 
-from .environments import as_env_step, check_messages, load_environment, parse_tool_calls
-from ..errors import RewardError
-from ..rank_errors import on_every_rank
-from ..rewards.timeout import CallDeadline
-from .row_seeds import turn_seed
-from ..rewards.reward_fn import MAX_ABS_REWARD, call_user_code
+from ..engines import RolloutEngine, SamplingParams
+from ..environments import as_env_step, check_messages, load_environment, parse_tool_calls
+from ...errors import RewardError
+from ...rank_errors import on_every_rank
+from ...rewards.timeout import CallDeadline
+from ..row_seeds import turn_seed
+from ...rewards.reward_fn import MAX_ABS_REWARD, call_user_code
+from .result import Rollout
 
 # A placeholder exchange: the tokens the template puts around an environment turn are the
 # difference between rendering it after this exchange and rendering the exchange alone.
@@ -97,21 +99,16 @@ class MultiTurnSettings:
     timeout_s: float | None = 60.0
 
 
-class MultiTurnRollout:
-    """A rollout engine wrapper (trainer/rollout/engines.py) that runs conversations with an
-    environment; ``base`` samples each turn."""
+class MultiTurnDriver:
+    """The rollout driver (trainer/rollout/drivers/) that runs conversations with an environment;
+    ``engine`` samples each turn."""
 
-    multi_turn = True
-
-    def __init__(self, base, settings: MultiTurnSettings, max_positions: int | None) -> None:
-        self.base, self.settings = base, settings
+    def __init__(self, engine: RolloutEngine, settings: MultiTurnSettings, max_positions: int | None) -> None:
+        self.engine, self.settings = engine, settings
         self.env_class = load_environment(settings.env)
         self.max_total = settings.max_total_tokens or max_positions
-        self.name = f"{base.name} + {settings.env}"
+        self.name = f"{engine.name} + {settings.env}"
         self._deadline = CallDeadline(settings.timeout_s) if settings.timeout_s is not None else None
-
-    def close(self) -> None:
-        self.base.close()
 
     def _env_call(self, trajectory, method: str, turn: int, call, check):
         """``check(call())``: the environment's ``method`` under ``rollout.env_timeout_s``, its
@@ -158,15 +155,15 @@ class MultiTurnRollout:
                 trajectories.append(holder)
         return trajectories, turns
 
-    def rollout(self, policy, tokenizer, examples, n: int, max_new_tokens: int, do_sample: bool,
-                temperature: float, scorer, return_log_probs: bool, with_answers: bool = False,
-                row_seeds: list[int] | None = None):
-        """``n`` conversations per example (grouped as :func:`~polyfsdp.trainer.rollout.generate.rollout`'s);
-        ``with_answers``: no answer to vote on (None each), the environment judges; ``row_seeds``
-        (one per conversation): turn ``t`` of each samples with ``turn_seed(its seed, t)``."""
-        from .generate import Rollout
-
-        eos = tokenizer.eos_token_id
+    def rollout(self, tokenizer, examples, n: int, params: SamplingParams, scorer=None, with_answers: bool = False,
+                row_seeds: list[int] | None = None, device=None) -> Rollout:
+        """``n`` conversations per example (grouped as every driver's rows, trainer/rollout/drivers/),
+        ``params.max_new_tokens`` per turn; ``with_answers``: no answer to vote on (None each), the
+        environment judges; ``row_seeds`` (one per conversation): turn ``t`` of each samples with
+        ``turn_seed(its seed, t)``; ``device``: the policy's, where ranks agree on taking a turn."""
+        eos, max_new_tokens = tokenizer.eos_token_id, params.max_new_tokens
+        # Every turn keeps its tokens' log-probs (the trajectory's); the rollout returns them when asked.
+        turn_params = replace(params, return_log_probs=True)
         started = time.perf_counter()
         trajectories, turns = on_every_rank(lambda: self.start(examples, n, tokenizer))
         env_time = time.perf_counter() - started
@@ -182,13 +179,13 @@ class MultiTurnRollout:
             # Sampling may be collective (synced decoding): every rank takes the turn while any
             # rank has a conversation going; one with none samples a stand-in row and drops it.
             if current_world_size() > 1:
-                if all_reduce_max([float(len(active))], policy.device)[0] == 0:
+                if all_reduce_max([float(len(active))], device)[0] == 0:
                     break
             elif not active:
                 break
             contexts = [t.prompt + t.tokens for t in active] or [trajectories[0].prompt]
-            completions, log_probs = self.base.generate(policy, tokenizer, contexts, max_new_tokens, do_sample,
-                                                        temperature, return_log_probs=True, row_seeds=seeds)
+            out = self.engine.generate(contexts, turn_params, seeds)
+            completions, log_probs = out.token_ids, out.log_probs
             started = time.perf_counter()
 
             def answer(active=active, completions=completions, log_probs=log_probs, turn=turn):
@@ -225,9 +222,9 @@ class MultiTurnRollout:
                    "tool_calls": [float(t.tool_calls) for t in trajectories],
                    "truncated": [float(t.truncated) for t in trajectories]}
         return Rollout([t.prompt for t in trajectories], [t.tokens for t in trajectories],
-                       [t.last_text for t in trajectories],
-                       [t.reward for t in trajectories], {}, [t.log_probs for t in trajectories] if return_log_probs
-                       else None, answers=[None] * len(trajectories) if with_answers else None,
+                       [t.last_text for t in trajectories], [t.reward for t in trajectories], {},
+                       [t.log_probs for t in trajectories] if params.return_log_probs else None,
+                       answers=[None] * len(trajectories) if with_answers else None,
                        loss_masks=[t.loss_mask for t in trajectories],
                        rollout_metrics={**metrics, "env_time_s": [env_time]})
 
@@ -236,7 +233,7 @@ def rollout_metrics(values: dict[str, list[float]]) -> dict[str, float]:
     """Record entries for a rollout's own per-trajectory values, averaged over every rank's:
     ``multi_turn/turns_mean``, ``multi_turn/tool_calls_mean``, ``multi_turn/truncated_mean``
     (the share that hit a limit), ``multi_turn/env_time_s_mean``. Every rank must call it."""
-    from ..rewards.reward_fn import mean_over_ranks
+    from ...rewards.reward_fn import mean_over_ranks
 
     if not values:
         return {}

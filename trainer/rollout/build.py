@@ -1,0 +1,43 @@
+"""The job's rollout engine and driver, from the ``rollout`` config section (checked by
+trainer/config/rollout_check.py). Implementations are imported only when chosen: vLLM's and the
+servers' need packages a default job does not."""
+from __future__ import annotations
+
+from ..errors import ConfigError
+from .drivers.single_turn import SingleTurnDriver
+from .engines import PolicyDecoding, RolloutEngine
+from .drivers.multi_turn import MultiTurnDriver, MultiTurnSettings
+
+
+def build_rollout_engine(rollout, backend, lora: bool = False) -> RolloutEngine:
+    """The rollout engine ``rollout.engine`` names."""
+    if rollout.engine == "vllm":
+        from .vllm import VllmRolloutEngine
+
+        return VllmRolloutEngine(rollout, backend, lora=lora)
+    if rollout.engine == "vllm_server":
+        # rollout.engine=vllm_server: vLLM servers beside the trainer (trainer/rollout/servers/, written
+        # separately; ROLLOUT_ENGINES gains the name with it).
+        try:
+            from .servers.engine import ServerRolloutEngine
+        except ModuleNotFoundError as exc:
+            if not (exc.name or "").startswith(f"{__package__}.servers"):
+                raise  # a package the servers' engine needs: its own message
+            raise ConfigError("rollout.engine=vllm_server: not built yet") from None
+        return ServerRolloutEngine(rollout, backend, lora=lora)
+    return PolicyDecoding(rollout.engine, rollout.unshard)
+
+
+def build_rollout_driver(rollout, engine: RolloutEngine, max_positions: int | None = None):
+    """What runs examples through ``engine``: conversations with ``rollout.env`` when one is set,
+    else one completion per row."""
+    if rollout.env is None:
+        return SingleTurnDriver(engine)
+    return multi_turn_driver(rollout, engine, max_positions)
+
+
+def multi_turn_driver(rollout, engine: RolloutEngine, max_positions: int | None):
+    """The multi-turn driver (trainer/rollout/drivers/multi_turn.py) of ``rollout.env`` over ``engine``."""
+    settings = MultiTurnSettings(rollout.env, dict(rollout.env_kwargs or {}), rollout.max_turns,
+                                 rollout.max_total_tokens, rollout.env_add_reward_fn, rollout.env_timeout_s)
+    return MultiTurnDriver(engine, settings, max_positions)

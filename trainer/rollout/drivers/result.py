@@ -1,0 +1,31 @@
+"""What a rollout driver returns: a rollout's rows (trainer/rollout/drivers/__init__.py)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class Rollout:
+    """Completions of a list of prompts: token lists, decoded text and rewards."""
+
+    prompt_ids: list[list[int]]
+    response_ids: list[list[int]]
+    texts: list[str]
+    rewards: list[float]
+    reward_metrics: dict[str, list[float]] = field(default_factory=dict)
+    # The sampler's log-prob of each response token (at the sampling temperature), when asked.
+    log_probs: list[list[float]] | None = None
+    # Each completion's answer for majority votes (rewards.Scorer.score_with_answer), when asked.
+    answers: list[str | None] | None = None
+    # Multi-turn (trainer/rollout/drivers/multi_turn.py): 1 for the response tokens the policy sampled, 0 for the
+    # environment's; None: every response token was sampled.
+    loss_masks: list[list[int]] | None = None
+    # Per-trajectory values of the rollout itself (multi-turn: turns, tool calls, truncations).
+    rollout_metrics: dict[str, list[float]] = field(default_factory=dict)
+
+    def pairs(self) -> list[tuple]:
+        """(prompt, response) per row, with the row's loss mask as a third item when there is one
+        (what trainer/data/batch.py builds batches from)."""
+        if self.loss_masks is None:
+            return list(zip(self.prompt_ids, self.response_ids))
+        return list(zip(self.prompt_ids, self.response_ids, self.loss_masks))

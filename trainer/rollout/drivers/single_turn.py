@@ -1,0 +1,43 @@
+"""The single-turn rollout driver (trainer/rollout/drivers/__init__.py): each row is one
+completion of its example's prompt, scored by the run's reward function."""
+from __future__ import annotations
+
+from ...data.chat import example_prompt_tokens
+from ...data.example import Example
+from ...rank_errors import on_every_rank
+from ..engines import PolicyDecoding, RolloutEngine, SamplingParams
+from .result import Rollout
+
+
+def default_scorer():
+    """The built-in ``char_match`` reward (a driver's scorer when none is given)."""
+    from ...rewards.reward_fn import Scorer, load_reward_fn
+
+    return Scorer(load_reward_fn("char_match"), "char_match")
+
+
+class SingleTurnDriver:
+    """One completion per row: the example's prompt tokens through ``engine``, then the scorer."""
+
+    def __init__(self, engine: RolloutEngine) -> None:
+        self.engine, self.name = engine, engine.name
+
+    def rollout(self, tokenizer, examples: list[Example], n: int, params: SamplingParams, scorer=None,
+                with_answers: bool = False, row_seeds: list[int] | None = None, device=None) -> Rollout:
+        """``n`` completions per example scored by ``scorer`` (a rewards.Scorer; default
+        :func:`default_scorer`); ``with_answers``: each completion's answer for majority votes."""
+        prompts = [example_prompt_tokens(tokenizer, ex) for ex in examples for _ in range(n)]
+        out = self.engine.generate(prompts, params, row_seeds)
+        responses = out.token_ids
+        texts = [tokenizer.decode(r) for r in responses]
+        # A reward that raises on this rank's records must stop every rank (the next step is a collective).
+        answers = [] if with_answers else None
+        rewards, extras = on_every_rank(lambda: (scorer or default_scorer()).score_all(examples, texts, responses,
+                                                                                        group=n, answers=answers))
+        return Rollout(prompts, responses, texts, rewards, extras, out.log_probs if params.return_log_probs else None,
+                       answers)
+
+
+def default_driver() -> SingleTurnDriver:
+    """What a rollout runs through when the caller names no driver: ``rollout.engine=auto``."""
+    return SingleTurnDriver(PolicyDecoding())
