@@ -3,8 +3,10 @@ builds (engine and driver), HF generate through the interface against our loop, 
 the weight-sync phase refused, the one-line error when vLLM
 does not import, the CI switch that turns a vLLM skip into a failure, and the weight stream
 (engines/model/weight_stream.py) against the model's own state dict and peft's merge."""
+import contextlib
 import copy
 import sys
+import weakref
 
 import pytest
 import torch
@@ -159,3 +161,41 @@ def test_vllm_refusing_a_length_names_the_length_not_the_architecture():
                          "longer than the maximum model length of 32.")
     message = str(start_error(refused))
     assert "longer than the model holds" in message and "architecture" not in message and "\n" not in message
+
+
+@pytest.mark.parametrize("level, changed, expected", [
+    (1, False, [("wake_up", ["weights"]), ("wake_up", ["kv_cache"])]),   # weights on the host, current
+    (1, True, [("wake_up", ["weights"]), ("load_weights",), ("wake_up", ["kv_cache"])]),
+    (2, False, [("wake_up", ["weights"]), ("load_weights",), ("wake_up", ["kv_cache"])]),  # dropped: re-synced
+])
+def test_a_sleeping_vllm_engine_wakes_what_sampling_needs(monkeypatch, level, changed, expected):
+    """Which vLLM calls waking for a rollout makes after a sleep (vLLM's sleep frees nothing on
+    CPU, so the calls are recorded by a stand-in adapter): at level 1 the weights come back from
+    the host even when no optimizer step moved them (they were left offloaded before)."""
+    from polyfsdp.trainer.rollout import vllm_adapter
+
+    calls = []
+    monkeypatch.setattr(vllm_adapter, "sleep", lambda llm, lvl: calls.append(("sleep", lvl)))
+    monkeypatch.setattr(vllm_adapter, "wake_up", lambda llm, tags: calls.append(("wake_up", tags)))
+    monkeypatch.setattr(vllm_adapter, "load_weights", lambda llm, bucket: calls.append(("load_weights",)))
+    monkeypatch.setattr(vllm_adapter, "reset_prefix_cache", lambda llm: None)
+
+    class Policy:
+        weights_version, module = 0, None
+
+        @contextlib.contextmanager
+        def eval_mode(self):
+            yield
+
+    engine = VllmRolloutEngine(RolloutSection(engine="vllm", check_sync=False, vllm={"sleep_level": level}),
+                               get_backend("cpu"))
+    monkeypatch.setattr(engine, "buckets", lambda module, size, untie: iter([[("w", torch.zeros(1))]]))
+    policy = Policy()
+    engine.llm = object()  # started
+    engine._policy, engine._policy_version = weakref.ref(policy), 0
+    engine.sleep()
+    assert calls == [("sleep", level)]
+    calls.clear()
+    policy.weights_version += int(changed)
+    engine.update_weights(policy)
+    assert calls == expected

@@ -186,6 +186,8 @@ class VllmRolloutEngine(RolloutEngine):
         stale = current is not policy or self._policy_version != policy.weights_version or \
             (self._asleep and self.sleep_level == 2)
         if self.llm is not None and not stale:
+            if self._asleep and self.sleep_level == 1:  # the weights wait on the host; they are current
+                vllm_adapter.wake_up(self.llm, ["weights"])
             self._wake_cache()
             return
         t0 = time.perf_counter()
