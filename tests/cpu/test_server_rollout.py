@@ -7,7 +7,12 @@ tied embeddings, then a LoRA policy, through the same servers); a multi-turn env
 through the driver as with the decoding loop; a bucket left out of a sync stops the run; a
 server that dies or cannot be reached is one line naming it. Two engines (1 and 2 servers) for
 the whole module: a server starts in ~30 s."""
+import os
 import random
+import signal
+import subprocess
+import sys
+import time
 
 import pytest
 
@@ -23,7 +28,9 @@ from polyfsdp.trainer.rollout.build import build_rollout_driver, build_rollout_e
 from polyfsdp.trainer.rollout.drivers.single_turn import SingleTurnDriver
 from polyfsdp.trainer.rollout.engines import PolicyDecoding, SamplingParams
 from polyfsdp.trainer.rollout.row_seeds import RowSeeds
+from polyfsdp.trainer.rollout.servers.http import ServerHttp
 from vllm_cases import require_vllm, write_checkpoint
+from vllm_server import free_port
 
 TOK = CharTokenizer()
 PROMPTS = [[TOK.bos_token_id] + TOK.encode(s) for s in ("abc=", "ba=", "hgfe=", "a=", "dcba+ab=")]
@@ -125,18 +132,26 @@ def test_sampled_log_probs_match_the_policy_after_every_rl_step(servers, tmp_pat
 
 
 def test_a_multi_turn_environment_runs_through_the_driver_as_with_our_loop(servers, policy):
+    """Greedy (sampled rows are drawn by different generators in the two engines); the stop token
+    is one the model emits often, so turns end and the environment answers."""
     from test_multi_turn import GUESS_ENV
 
-    section = RolloutSection(env=GUESS_ENV, max_turns=3)
-    examples = [Example("p", ""), Example("q", "")]
-    seeds = RowSeeds(9, 1).rows(0, 4, 1)
-    params = _params(5, temperature=1.0, return_log_probs=True)
-    engine = servers(1)
-    engine.update_weights(policy)
     builtin = PolicyDecoding("builtin")
     builtin.update_weights(policy)
-    theirs = build_rollout_driver(section, engine).rollout(TOK, examples, 2, params, row_seeds=seeds)
-    ours = build_rollout_driver(section, builtin).rollout(TOK, examples, 2, params, row_seeds=seeds)
+    counts = {}
+    for row in builtin.generate(PROMPTS, _params(12, greedy=True)).token_ids:
+        for tok in row:
+            counts[tok] = counts.get(tok, 0) + 1
+    tok = CharTokenizer()
+    tok.eos_token_id = max(counts, key=counts.get)
+    section = RolloutSection(env=GUESS_ENV, max_turns=3)
+    examples = [Example("p", ""), Example("q", "")]
+    params = SamplingParams(6, greedy=True, stop_token_ids=(tok.eos_token_id,), pad_token_id=tok.pad_token_id,
+                            return_log_probs=True)
+    engine = servers(1)
+    engine.update_weights(policy)
+    theirs = build_rollout_driver(section, engine).rollout(tok, examples, 2, params)
+    ours = build_rollout_driver(section, builtin).rollout(tok, examples, 2, params)
     assert theirs.response_ids == ours.response_ids and theirs.loss_masks == ours.loss_masks
     assert theirs.rewards == ours.rewards and max(theirs.rollout_metrics["turns"]) > 1
     flat = lambda r: [x for row in r.log_probs for x in row]  # noqa: E731
@@ -165,9 +180,43 @@ def test_a_bucket_left_out_of_the_sync_stops_the_run(servers, policy, monkeypatc
     assert engine.last_sync_error < 1e-5
 
 
-def test_a_server_that_cannot_be_reached_is_one_line_naming_it(policy):
-    from vllm_server import free_port
+def test_a_server_started_by_hand_with_the_launcher_takes_the_policy_at_the_first_sync(tmp_path):
+    """rollout.server.urls (the two-node recipe): a server from another checkpoint of the same
+    architecture, started with ``python -m polyfsdp.trainer.rollout.servers.launch``; the first sync
+    pushes the policy over the transfer group, and its greedy rows are then our loop's. Both tie
+    their embeddings, as SmolLM2 does (the head follows the pushed input embedding)."""
+    policy = _policy(tmp_path / "policy", seed=5, tie_word_embeddings=True)
+    other = write_checkpoint(tmp_path / "other", "qwen2-tiny", TOK, seed=11, tie_word_embeddings=True)
+    port = free_port()
+    with open(tmp_path / "server.log", "wb") as log:
+        server = subprocess.Popen([sys.executable, "-m", "polyfsdp.trainer.rollout.servers.launch", "--model", other,
+                                   "--port", str(port), "--host", "127.0.0.1", "--dtype", "float32",
+                                   "--kv-cache-mb", "64"], stdout=log, stderr=subprocess.STDOUT,
+                                  start_new_session=True, env={**os.environ, "VLLM_SERVER_DEV_MODE": "1"})
+    engine = build_rollout_engine(RolloutSection(engine="vllm_server", check_sync_tol=1e-5,
+                                                 server={"urls": [f"http://127.0.0.1:{port}"]}), get_backend())
+    try:
+        deadline = time.monotonic() + 300
+        while not ServerHttp(f"http://127.0.0.1:{port}", "s", 5).healthy():
+            assert server.poll() is None and time.monotonic() < deadline, (tmp_path / "server.log").read_text()[-2000:]
+            time.sleep(1)
+        engine.update_weights(policy)
+        assert engine.last_sync_error < 1e-5 and engine.last_sync_bytes > 0 and engine.model == "polyfsdp-policy"
+        builtin = PolicyDecoding("builtin")
+        builtin.update_weights(policy)
+        params = _params(8, greedy=True)
+        assert engine.generate(PROMPTS, params).token_ids == builtin.generate(PROMPTS, params).token_ids
+    finally:
+        engine.close()
+        os.killpg(server.pid, signal.SIGTERM)
+        try:
+            server.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(server.pid, signal.SIGKILL)
+            server.wait()
 
+
+def test_a_server_that_cannot_be_reached_is_one_line_naming_it(policy):
     url = f"http://127.0.0.1:{free_port()}"
     engine = build_rollout_engine(RolloutSection(engine="vllm_server", server={"urls": [url],
                                                                                 "request_timeout_s": 10}),

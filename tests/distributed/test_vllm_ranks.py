@@ -1,9 +1,11 @@
-"""rollout.engine=vllm on 2 gloo ranks (torchrun) with a sharded FSDP2 policy: on every rank
-vLLM's greedy completions equal our decoding loop's, before and after an optimizer step (the
-sync gathers every shard; check_sync holds vLLM to the policy at 1e-5)."""
+"""rollout.engine=vllm, and vllm_server with 2 servers, on 2 gloo ranks (torchrun) with a sharded
+FSDP2 policy: on every rank vLLM's greedy completions equal our decoding loop's, before and
+after an optimizer step (the sync gathers every shard; check_sync holds vLLM to the policy at
+1e-5)."""
 import os
 import sys
 
+import pytest
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "cpu"))
@@ -13,9 +15,10 @@ from vllm_cases import require_vllm  # noqa: E402
 HERE = os.path.dirname(__file__)
 
 
-def test_vllm_on_two_ranks_follows_the_sharded_policy(tmp_path):
+@pytest.mark.parametrize("engine", [(), ("vllm_server", "2")], ids=["vllm", "vllm_server"])
+def test_vllm_on_two_ranks_follows_the_sharded_policy(tmp_path, engine):
     require_vllm()
-    run_and_load(os.path.join(HERE, "worker_vllm.py"), tmp_path, 2, (), "rank0.pt")
+    run_and_load(os.path.join(HERE, "worker_vllm.py"), tmp_path, 2, engine, "rank0.pt")
     for rank in (0, 1):
         seen = torch.load(tmp_path / f"rank{rank}.pt")
         assert seen["sharded"]

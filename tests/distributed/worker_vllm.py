@@ -1,5 +1,7 @@
-"""torchrun worker: rollout.engine=vllm on a sharded FSDP2 policy, one vLLM engine per rank.
-Each rank compares vLLM's greedy completions with our decoding loop's before and after an
+"""torchrun worker: rollout.engine=vllm (one vLLM engine per rank) or, with arguments
+``vllm_server COUNT``, rollout.engine=vllm_server (COUNT servers rank 0 starts, every rank
+samples from, rank 0 pushes the gathered weights to) on a sharded FSDP2 policy.
+Each rank compares the engine's greedy completions with our decoding loop's before and after an
 optimizer step (the sync gathers every shard on all ranks; check_sync at 1e-5 stops a stale
 one) and saves what it saw as rank<R>.pt."""
 import os
@@ -21,7 +23,7 @@ from polyfsdp.trainer.rollout.engines import PolicyDecoding, SamplingParams  # n
 from polyfsdp.trainer.data.tokenizers import CharTokenizer  # noqa: E402
 
 
-def main(out_dir):
+def main(out_dir, engine="vllm", count="1"):
     rank = int(os.environ["RANK"])
     init_distributed(get_backend())
     tok = CharTokenizer()
@@ -32,7 +34,9 @@ def main(out_dir):
     policy = FSDPEngine(ModelConfig(path=path), EngineConfig(), OptimConfig(lr=1e-2)).initialize()
     prompts = [[tok.bos_token_id] + tok.encode(s) for s in (("abc=", "ba=") if rank == 0 else ("hgfe=", "a="))]
     builtin = PolicyDecoding("builtin")
-    vllm = build_rollout_engine(RolloutSection(engine="vllm", check_sync_tol=1e-5), get_backend())
+    section = RolloutSection(engine=engine, check_sync_tol=1e-5, server={"count": int(count)},
+                             vllm={"kv_cache_mb": 64})
+    vllm = build_rollout_engine(section, get_backend(), log_dir=os.path.join(out_dir, "server_logs"))
     greedy = SamplingParams.for_tokenizer(tok, 8, greedy=True)
     seen = {"sharded": any(type(p).__name__ == "DTensor" for p in policy.module.parameters())}
     try:
@@ -51,4 +55,4 @@ def main(out_dir):
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main(*sys.argv[1:])

@@ -24,7 +24,7 @@ from .bounds import check_bounds
 from .sections import (DataSection, EvalSection, JobConfig, ModelSection,  # noqa: F401 (re-exported)
                               RewardSection, RolloutSection, TrainerSection)
 from ..errors import ConfigError
-from .rollout_check import check_rollout
+from .rollout_check import SEPARATE_SAMPLERS, check_rollout
 from ..tracking import check_loggers
 
 logger = logging.getLogger(__name__)
@@ -289,7 +289,7 @@ def build_job_config(raw: dict, world_size: int = 1) -> JobConfig:
     rollout = _section(RolloutSection, "rollout", raw.get("rollout") or {})
     check_rollout(rollout, world_size)
     if algo.rollout_correction is not None:
-        algo.rollout_correction.resolve("algo.rollout_correction", separate_sampler=rollout.engine == "vllm")
+        algo.rollout_correction.resolve("algo.rollout_correction", separate_sampler=rollout.engine in SEPARATE_SAMPLERS)
     if algo.rl:
         if algo.actor is None:
             raise ConfigError(f"algo.actor: algo={algo.name} needs its actor section")

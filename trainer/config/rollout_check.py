@@ -8,7 +8,9 @@ from __future__ import annotations
 from ..errors import ConfigError
 
 # rollout.engine's values; trainer/rollout/build.py constructs each.
-ROLLOUT_ENGINES = ("auto", "builtin", "hf", "vllm")
+ROLLOUT_ENGINES = ("auto", "builtin", "hf", "vllm", "vllm_server")
+# The engines that sample with a copy of the weights of their own (synced after every step).
+SEPARATE_SAMPLERS = ("vllm", "vllm_server")
 # rollout.unshard (trainer/rollout/generate.py: use_gather_once).
 UNSHARD_CHOICES = ("auto", True, False)
 
@@ -38,6 +40,9 @@ def check_rollout(rollout, world_size: int = 1) -> None:
     from ..rollout.vllm import VllmSettings
 
     VllmSettings.from_section(rollout.vllm)
+    from ..rollout.servers.settings import ServerSettings
+
+    ServerSettings.from_section(rollout.server)
     if isinstance(rollout.max_turns, bool) or not isinstance(rollout.max_turns, int) or rollout.max_turns < 1:
         raise ConfigError(f"rollout.max_turns: expected an int >= 1, got {rollout.max_turns!r}")
     if rollout.env is None and rollout.max_turns > 1:

@@ -3,28 +3,22 @@ trainer/config/rollout_check.py). Implementations are imported only when chosen:
 servers' need packages a default job does not."""
 from __future__ import annotations
 
-from ..errors import ConfigError
 from .drivers.single_turn import SingleTurnDriver
 from .engines import PolicyDecoding, RolloutEngine
 from .drivers.multi_turn import MultiTurnDriver, MultiTurnSettings
 
 
-def build_rollout_engine(rollout, backend, lora: bool = False) -> RolloutEngine:
-    """The rollout engine ``rollout.engine`` names."""
+def build_rollout_engine(rollout, backend, lora: bool = False, log_dir: str | None = None) -> RolloutEngine:
+    """The rollout engine ``rollout.engine`` names; ``log_dir``: where started rollout servers
+    write their logs (default: a temporary directory)."""
     if rollout.engine == "vllm":
         from .vllm import VllmRolloutEngine
 
         return VllmRolloutEngine(rollout, backend, lora=lora)
     if rollout.engine == "vllm_server":
-        # rollout.engine=vllm_server: vLLM servers beside the trainer (trainer/rollout/servers/, written
-        # separately; ROLLOUT_ENGINES gains the name with it).
-        try:
-            from .servers.engine import ServerRolloutEngine
-        except ModuleNotFoundError as exc:
-            if not (exc.name or "").startswith(f"{__package__}.servers"):
-                raise  # a package the servers' engine needs: its own message
-            raise ConfigError("rollout.engine=vllm_server: not built yet") from None
-        return ServerRolloutEngine(rollout, backend, lora=lora)
+        from .servers.engine import ServerRolloutEngine
+
+        return ServerRolloutEngine(rollout, backend, lora=lora, log_dir=log_dir)
     return PolicyDecoding(rollout.engine, rollout.unshard)
 
 

@@ -22,6 +22,7 @@ from polyfsdp.engines.memory import MIB, ModelMemory, hf_config_of, kv_cache_byt
 from polyfsdp.engines.batch.micro import plan_micro_batches
 from polyfsdp.engines.presets import preset_config
 
+from ..config.rollout_check import SEPARATE_SAMPLERS
 from ..errors import ConfigError
 from ..data.sources import RL_DATA_STREAM
 
@@ -317,7 +318,7 @@ def check_fits(cfg, world_size: int) -> None:
             raise ConfigError(f"trainer.cpu_threads: expected at most {cpus} (the CPUs this process may run on), "
                               f"got {threads}")
     # vLLM pages its cache and admits what fits, so only the built-in samplers hold every row.
-    if not cfg.algo.rl or cfg.trainer.rl_steps < 1 or cfg.rollout.engine == "vllm":
+    if not cfg.algo.rl or cfg.trainer.rl_steps < 1 or cfg.rollout.engine in SEPARATE_SAMPLERS:
         return
     from polyfsdp.backends import get_backend
 

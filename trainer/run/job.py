@@ -102,7 +102,8 @@ class Job:
         self.tokenizer, self.source, self.eval_tokens = load_job_data(cfg, self.out, self.rank, say=_say)
         self.critic: FSDPEngine | None = None  # a critic estimator's value model, during the RL phase
         # One rollout engine for the job (vLLM's follows the policy across phases), and its driver.
-        rollout_engine = build_rollout_engine(cfg.rollout, self.backend, lora=cfg.model.model_config().lora.enabled)
+        rollout_engine = build_rollout_engine(cfg.rollout, self.backend, lora=cfg.model.model_config().lora.enabled,
+                                              log_dir=str(self.out / "rollout_servers"))
         self.driver = build_rollout_driver(cfg.rollout, rollout_engine, max_positions=model_max_positions(cfg.model))
         self.t0 = time.perf_counter()
         self.stop = StopRequest()       # train.main installs it around run()

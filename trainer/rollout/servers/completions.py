@@ -17,7 +17,9 @@ def completion_request(model: str, prompt: list[int], params, seed: int) -> dict
     return {"model": model, "prompt": list(prompt), "max_tokens": params.max_new_tokens,
             "temperature": 0.0 if params.greedy else float(params.temperature), "top_p": 1.0, "top_k": 0,
             "seed": int(seed), "stop_token_ids": list(params.stop_token_ids), "skip_special_tokens": False,
-            "return_token_ids": True, "logprobs": 0 if params.return_log_probs else None}
+            "return_token_ids": True, "logprobs": 0 if params.return_log_probs else None,
+            # without a tokenizer on the server, log-probs need their tokens named by id
+            "return_tokens_as_token_ids": True}
 
 
 def parse_completion(answer, want_log_probs: bool, where: str) -> tuple[list[int], list[float] | None]:

@@ -36,7 +36,7 @@ from ..engines import Completions, RolloutEngine, SamplingParams
 from ..vllm import PROBE_LENGTH, VllmSettings, policy_probe_log_probs, probe_ids, probe_length
 from .completions import prompt_log_probs, sample_rows
 from .http import ServerError, ServerHttp
-from .launch import SERVED_MODEL_NAME, ServerLaunch, ServerProcess, free_ports, server_environment
+from .launch import SERVED_MODEL_NAME, ServerLaunch, ServerProcess, free_ports, host_memory_share, server_environment
 from .settings import ServerSettings
 from .weight_sender import ServerWeightSender
 
@@ -118,16 +118,11 @@ class ServerRolloutEngine(RolloutEngine):
         return [p.url for p in self.processes]
 
     def _memory_share(self, kv_mb: int | None) -> float:
-        """``--gpu-memory-utilization``: ``rollout.vllm.gpu_memory_utilization`` on a device; where
-        device memory is host memory vLLM reserves that share of the host at start-up and refuses
-        to start when it is not free, so there the share is what the server needs: its weights
-        (twice: loading), its KV cache and 1 GiB of working memory."""
+        """``--gpu-memory-utilization``: ``rollout.vllm.gpu_memory_utilization`` on a device, what
+        the server needs where device memory is host memory (launch.py: host_memory_share)."""
         if not self.backend.memory_is_host:
             return self.vllm.gpu_memory_utilization
-        weights = os.path.getsize(os.path.join(self.model_dir, "model.safetensors"))
-        need = 2 * weights + ((kv_mb or 512) << 20) + (1 << 30)
-        total = self.backend.memory_capacity_bytes() or need * 10
-        return round(min(0.9, max(0.01, need / total)), 4)
+        return host_memory_share(self.model_dir, kv_mb or 512, self.backend.memory_capacity_bytes())
 
     def _start(self, policy) -> None:
         s = self.settings

@@ -84,6 +84,17 @@ def log_excerpt(path: str) -> str:
     return " ".join(lines[-1].split())[:400] if lines else "empty log"
 
 
+def host_memory_share(model_dir: str, kv_cache_mb: int, host_bytes: int | None) -> float:
+    """``--gpu-memory-utilization`` where device memory is host memory (CPU): vLLM reserves that
+    share of the host at start-up and refuses to start when it is not free, so ask for what the
+    server needs: its weights (twice: loading), its KV cache and 1 GiB of working memory."""
+    weights = sum(os.path.getsize(os.path.join(model_dir, name)) for name in os.listdir(model_dir)
+                  if name.endswith((".safetensors", ".bin", ".pt")))
+    need = 2 * weights + (kv_cache_mb << 20) + (1 << 30)
+    total = host_bytes or need * 10
+    return round(min(0.9, max(0.01, need / total)), 4)
+
+
 def free_ports(count: int) -> list[int]:
     """``count`` TCP ports free on this host now (the OS's choice)."""
     import socket
@@ -165,16 +176,23 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tensor-parallel-size", type=int, default=1)
     parser.add_argument("--weight-transfer", default=None,
                         help="nccl on GPUs; polyfsdp_cpu (default on CPU and where nothing else is set)")
-    parser.add_argument("--gpu-memory-utilization", type=float, default=None)
+    parser.add_argument("--gpu-memory-utilization", type=float, default=None,
+                        help="vLLM's share of device memory (default: vLLM's; on CPU what the server needs)")
+    parser.add_argument("--kv-cache-mb", type=int, default=None, help="KV cache size (default on CPU: 512)")
     args, extra = parser.parse_known_args(argv)
     if extra and extra[0] == "--":
         extra = extra[1:]
     from polyfsdp.backends import get_backend
 
     backend = get_backend("auto")
-    launch = ServerLaunch(args.model, args.port, args.host, args.dtype, args.tensor_parallel_size,
-                          args.weight_transfer or backend.server_weight_transfer,
-                          gpu_memory_utilization=args.gpu_memory_utilization, extra_args=extra)
+    kv_mb = args.kv_cache_mb or (512 if backend.memory_is_host else None)
+    model_dir = args.model
+    share = args.gpu_memory_utilization
+    if share is None and backend.memory_is_host:
+        share = host_memory_share(model_dir, kv_mb, backend.memory_capacity_bytes())
+    launch = ServerLaunch(model_dir, args.port, args.host, args.dtype, args.tensor_parallel_size,
+                          args.weight_transfer or backend.server_weight_transfer, gpu_memory_utilization=share,
+                          kv_cache_bytes=kv_mb << 20 if kv_mb else None, extra_args=extra)
     env = {**os.environ, **server_environment(None, None)}
     cmd = launch.command()
     print(" ".join(cmd), flush=True)
