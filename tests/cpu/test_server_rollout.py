@@ -185,6 +185,7 @@ def test_a_server_started_by_hand_with_the_launcher_takes_the_policy_at_the_firs
     architecture, started with ``python -m polyfsdp.trainer.rollout.servers.launch``; the first sync
     pushes the policy over the transfer group, and its greedy rows are then our loop's. Both tie
     their embeddings, as SmolLM2 does (the head follows the pushed input embedding)."""
+    require_vllm()
     policy = _policy(tmp_path / "policy", seed=5, tie_word_embeddings=True)
     other = write_checkpoint(tmp_path / "other", "qwen2-tiny", TOK, seed=11, tie_word_embeddings=True)
     port = free_port()
