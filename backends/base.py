@@ -76,6 +76,12 @@ class Backend(ABC):
     server_devices_variable: str | None = None
     server_weight_transfer: str = "polyfsdp_cpu"
 
+    def weight_transfer_sender(self, master_address: str, master_port: int, world_size: int):
+        """The trainer's end of ``server_weight_transfer`` when that is this device's own (rank 0 of
+        its transfer group: ``worker_init_info(rank_offset)``, ``connect()``, ``send(tensors,
+        requests)``, ``close()``); None where it is polyfsdp_cpu, whose sender is polyfsdp's."""
+        return None
+
     def rollout_sleep_level(self, lora: bool) -> int | None:
         """How deep a colocated vLLM sleeps while the trainer steps: 2 frees its weights and KV
         cache, 1 offloads the weights to the host and frees the KV cache (what LoRA runs need,

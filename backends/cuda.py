@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import importlib.util
+import socket
 
 import torch
 
@@ -42,3 +43,63 @@ class CUDABackend(Backend):
         if importlib.util.find_spec("triton") is None:
             return "torch.compile on CUDA needs triton (pip install triton)"
         return None
+
+    def weight_transfer_sender(self, master_address: str, master_port: int, world_size: int):
+        return VllmNcclSender(master_address, master_port, world_size)
+
+
+def _free_port(address: str) -> int:
+    # vLLM's rendezvous takes a fixed port (it cannot report one it picked), so pick it here.
+    with socket.socket() as sock:
+        sock.bind((address, 0))
+        return sock.getsockname()[1]
+
+
+class VllmNcclSender:
+    """The trainer's end of vLLM's built-in "nccl" weight-transfer backend, for rollout servers on
+    GPUs (trainer/rollout/servers/weight_sender.py): rank 0 of vLLM's NCCL transfer group, the
+    servers' workers the other ranks. UNTESTED: written against vLLM 0.32's ``nccl_common`` but never
+    run (no GPU where it was written). vLLM's own trainer endpoint (``nccl_common.trainer_init``, a
+    PyNccl communicator over a stateless TCPStore rendezvous) in the unpacked wire mode: one NCCL
+    broadcast per tensor, in the order of the bucket's update info."""
+
+    def __init__(self, master_address: str, master_port: int, world_size: int):
+        self.address, self.world_size = master_address, world_size
+        self.port = master_port or _free_port(master_address)
+        # Read here, on the caller's thread: connect() runs on another, whose current device is 0.
+        self.device = torch.device("cuda", torch.cuda.current_device())
+        self.group = None
+
+    def worker_init_info(self, rank_offset: int) -> dict:
+        from vllm.distributed.weight_transfer.nccl_common import NCCLWeightTransferInitInfo, worker_init_payload
+
+        return worker_init_payload(NCCLWeightTransferInitInfo(
+            master_address=self.address, master_port=self.port, rank_offset=rank_offset,
+            world_size=self.world_size, packed=False))
+
+    def connect(self) -> None:
+        from vllm.distributed.weight_transfer.nccl_common import trainer_init
+
+        torch.cuda.set_device(self.device)
+        self.group = trainer_init(dict(master_address=self.address, master_port=self.port,
+                                       world_size=self.world_size), rank=0)
+
+    def send(self, tensors: list[torch.Tensor], requests: list) -> int:
+        """Broadcast ``tensors`` to the workers of the servers' ``requests`` (/update_weights, in
+        flight), then wait for those answers (a server's error raises here)."""
+        stream = torch.cuda.current_stream()
+        sent = 0
+        for tensor in tensors:
+            # NCCL reads numel elements from data_ptr(): a non-contiguous view would send other bytes.
+            data = tensor.detach().to(self.device).contiguous()
+            self.group.broadcast(data, src=0, stream=stream)
+            sent += data.numel() * data.element_size()
+        stream.synchronize()
+        for request in requests:
+            request.result()
+        return sent
+
+    def close(self) -> None:
+        if self.group is not None:
+            self.group.destroy()
+            self.group = None

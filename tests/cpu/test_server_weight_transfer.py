@@ -200,9 +200,9 @@ def test_nccl_sender_speaks_vllms_nccl_init_info(monkeypatch):
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     from vllm.distributed.weight_transfer.nccl_engine import NCCLWeightTransferEngine
 
-    from polyfsdp.trainer.rollout.servers.nccl_sender import NcclSender
+    from polyfsdp.backends.cuda import VllmNcclSender
 
-    info = NCCLWeightTransferEngine.init_info_cls(**NcclSender("127.0.0.1", 0, 3).worker_init_info(2))
+    info = NCCLWeightTransferEngine.init_info_cls(**VllmNcclSender("127.0.0.1", 0, 3).worker_init_info(2))
     assert (info.rank_offset, info.world_size, info.packed) == (2, 3, False) and info.master_port > 0
 
 

@@ -8,6 +8,7 @@ Output directory layout::
                          config.yaml's relative data paths from it (trainer/config/run_start.py)
     metrics.jsonl        one record per step / evaluation (rank 0)
     generations.jsonl    trainer.log_val_generations: the first prompts' completions at each evaluation
+    rollout_servers/     rollout.engine=vllm_server: the logs of the servers the run started
     init_model/          the preset's starting weights + tokenizer (presets only)
     checkpoints/sft/     engine checkpoints of the SFT phase (step_*/, latest)
     checkpoints/rl/      engine checkpoints of the RL phase; with a critic estimator (algo=ppo) each
@@ -101,7 +102,7 @@ class Job:
         self.scorer = build_scorer(cfg.reward, cfg.data)  # a missing reward file fails before any model
         self.tokenizer, self.source, self.eval_tokens = load_job_data(cfg, self.out, self.rank, say=_say)
         self.critic: FSDPEngine | None = None  # a critic estimator's value model, during the RL phase
-        # One rollout engine for the job (vLLM's follows the policy across phases), and its driver.
+        # One rollout engine for the job (vLLM's follows the policy across phases; servers log to the run), its driver.
         rollout_engine = build_rollout_engine(cfg.rollout, self.backend, lora=cfg.model.model_config().lora.enabled,
                                               log_dir=str(self.out / "rollout_servers"))
         self.driver = build_rollout_driver(cfg.rollout, rollout_engine, max_positions=model_max_positions(cfg.model))
@@ -337,13 +338,6 @@ class Job:
                            critic=self.critic, value_loss=value_loss, train_actor=step >= warmup)
         return step_fn
 
-    def _warn_if_sampling_is_flat(self, engine: FSDPEngine, metrics: dict) -> None:
-        """One line when the RL phase's first rollout was sampled near uniform (flat_sampling.py)."""
-        vocab = getattr(engine.module.config, "vocab_size", 0)
-        warning = flat_sampling_warning(metrics.get("entropy"), vocab, self.cfg.trainer.sft_steps)
-        if warning is not None:
-            _say(warning)
-
     def _run_phase(self, phase: Phase, resume: ResumePoint | None, fresh_metrics: bool) -> None:
         """Train ``phase`` from its start (or ``resume``), with evaluations, checkpoints, export."""
         engine = self._engine(phase.name, phase.start_dir)
@@ -357,7 +351,11 @@ class Job:
             global_step = phase.step_offset + step + 1
             metrics = step_fn(step, examples)
             if phase.name == RL_PHASE and step == start:
-                self._warn_if_sampling_is_flat(engine, metrics)
+                # One line when the RL phase's first rollout was sampled near uniform.
+                warning = flat_sampling_warning(metrics.get("entropy"), getattr(engine.module.config, "vocab_size", 0),
+                                                self.cfg.trainer.sft_steps)
+                if warning is not None:
+                    _say(warning)
             self._record(phase.name, step + 1, global_step, metrics, progress)
             if every and (step + 1) % every == 0 and step + 1 != phase.steps:
                 self._evaluate(engine, "step", global_step, where=f"{phase.name} step {step + 1}")

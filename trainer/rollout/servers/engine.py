@@ -38,7 +38,7 @@ from .completions import prompt_log_probs, sample_rows
 from .http import ServerError, ServerHttp
 from .launch import SERVED_MODEL_NAME, ServerLaunch, ServerProcess, free_ports, host_memory_share, server_environment
 from .settings import ServerSettings
-from .weight_sender import ServerWeightSender
+from .weight_sender import CPU_TRANSFER, ServerWeightSender
 
 logger = logging.getLogger(__name__)
 
@@ -140,9 +140,11 @@ class ServerRolloutEngine(RolloutEngine):
         self._pool = ThreadPoolExecutor(max_workers=s.max_concurrent_requests, thread_name_prefix="rollout-request")
         workers = on_every_rank(self._workers_per_server)
         address = s.transfer_address or (s.host if s.started_here else _this_host())
+        transfer = self.backend.server_weight_transfer
         self.sender = ServerWeightSender([h.url for h in self.servers], workers, is_sender=current_rank() == 0,
-                                         backend=self.backend.server_weight_transfer, master_address=address,
-                                         timeout_s=s.request_timeout_s)
+                                         backend=transfer, master_address=address, timeout_s=s.request_timeout_s,
+                                         device_sender=None if transfer == CPU_TRANSFER
+                                         else self.backend.weight_transfer_sender)
         on_every_rank(lambda: self.sender.init() if current_rank() == 0 else None)
         positions = self.vllm.max_model_len or getattr(policy.module.config, "max_position_embeddings", None) \
             or PROBE_LENGTH + 1

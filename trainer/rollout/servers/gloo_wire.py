@@ -11,6 +11,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+BACKEND = "polyfsdp_cpu"  # the name servers and trainer know this backend by (--weight-transfer-config)
 ALIGN = 16  # >= the largest element size (complex128), so every slice is viewable as its dtype
 
 

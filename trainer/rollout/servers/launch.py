@@ -19,6 +19,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 
+from . import gloo_wire
 from .http import ServerError, ServerHttp
 
 SERVED_MODEL_NAME = "polyfsdp-policy"
@@ -34,7 +35,7 @@ class ServerLaunch:
     host: str = "127.0.0.1"
     dtype: str = "float32"
     tensor_parallel_size: int = 1
-    weight_transfer: str | None = "polyfsdp_cpu"   # None: a server without the weight-transfer routes
+    weight_transfer: str | None = gloo_wire.BACKEND   # None: a server without the weight-transfer routes
     gpu_memory_utilization: float | None = None
     kv_cache_bytes: int | None = None
     max_model_len: int | None = None
@@ -175,7 +176,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--tensor-parallel-size", type=int, default=1)
     parser.add_argument("--weight-transfer", default=None,
-                        help="nccl on GPUs; polyfsdp_cpu (default on CPU and where nothing else is set)")
+                        help="the trainer's device backend's (backends/: server_weight_transfer); default: this "
+                             "machine's")
     parser.add_argument("--gpu-memory-utilization", type=float, default=None,
                         help="vLLM's share of device memory (default: vLLM's; on CPU what the server needs)")
     parser.add_argument("--kv-cache-mb", type=int, default=None, help="KV cache size (default on CPU: 512)")

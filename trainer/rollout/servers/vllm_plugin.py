@@ -2,7 +2,7 @@
 "polyfsdp_cpu" weight-transfer backend known in every vLLM process, so a server started with
 ``--weight-transfer-config '{"backend": "polyfsdp_cpu"}'`` finds it."""
 
-BACKEND = "polyfsdp_cpu"  # cpu_transfer.BACKEND; not imported from there, which would load the engine
+from .gloo_wire import BACKEND  # not from cpu_transfer, which would load the engine at start-up
 
 
 def register() -> None:

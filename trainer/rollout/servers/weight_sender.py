@@ -16,6 +16,8 @@ import torch
 from polyfsdp.trainer.rollout.servers import gloo_wire
 from polyfsdp.trainer.rollout.servers.http import Fanout, ServerError, wait_all
 
+CPU_TRANSFER = gloo_wire.BACKEND  # the backend trainer/rollout/servers/cpu_transfer.py registers in vLLM
+
 Bucket = list[tuple[str, torch.Tensor]]
 
 
@@ -68,17 +70,19 @@ class ServerWeightSender:
 
     ``urls[i]`` is a server with ``workers_per_server[i]`` workers (its tensor x pipeline parallel
     size); the servers run with ``VLLM_SERVER_DEV_MODE=1`` and ``--weight-transfer-config
-    '{"backend": BACKEND}'``. ``backend="nccl"`` uses vLLM's own NCCL trainer side (``nccl_sender``).
+    '{"backend": BACKEND}'``. ``device_sender``: for a device's own backend (vLLM's NCCL on
+    GPUs), the backend's ``weight_transfer_sender`` (backends/), which makes the trainer's end;
+    None for ``polyfsdp_cpu`` (default), whose end is :class:`GlooSender`.
     """
 
     def __init__(self, urls: list[str], workers_per_server: list[int], *, is_sender: bool,
-                 backend: str = "polyfsdp_cpu", master_address: str = "127.0.0.1", master_port: int = 0,
-                 timeout_s: float = 600.0):
+                 backend: str = CPU_TRANSFER, master_address: str = "127.0.0.1", master_port: int = 0,
+                 timeout_s: float = 600.0, device_sender=None):
         if len(urls) != len(workers_per_server) or not urls or min(workers_per_server) < 1:
             raise ValueError(f"need one worker count >= 1 per server URL: {urls} and {workers_per_server}")
-        if backend not in ("polyfsdp_cpu", "nccl"):
-            raise ValueError(f"backend must be 'polyfsdp_cpu' or 'nccl', not {backend!r}")
-        self.urls, self.is_sender, self.backend = list(urls), is_sender, backend
+        if (backend == CPU_TRANSFER) != (device_sender is None):
+            raise ValueError(f"backend {backend!r}: {CPU_TRANSFER} takes no device sender, any other needs one")
+        self.urls, self.is_sender, self.backend, self.device_sender = list(urls), is_sender, backend, device_sender
         self.master_address, self.master_port, self.timeout_s = master_address, master_port, timeout_s
         self.world_size = 1 + sum(workers_per_server)
         # Server i's workers follow the sender and the workers of servers 0..i-1.
@@ -93,10 +97,8 @@ class ServerWeightSender:
             return
         if self._transport is not None:
             raise RuntimeError("ServerWeightSender.init() called twice; close() first")
-        if self.backend == "nccl":
-            from polyfsdp.trainer.rollout.servers.nccl_sender import NcclSender
-
-            transport = NcclSender(self.master_address, self.master_port, self.world_size)
+        if self.device_sender is not None:
+            transport = self.device_sender(self.master_address, self.master_port, self.world_size)
         else:
             transport = GlooSender(self.master_address, self.master_port, self.world_size, self.timeout_s)
         http = Fanout(self.urls, self.timeout_s)
