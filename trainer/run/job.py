@@ -338,6 +338,13 @@ class Job:
                            critic=self.critic, value_loss=value_loss, train_actor=step >= warmup)
         return step_fn
 
+    def _warn_if_sampling_is_flat(self, engine: FSDPEngine, metrics: dict) -> None:
+        """One line when the RL phase's first rollout was sampled near uniform (flat_sampling.py)."""
+        vocab = getattr(engine.module.config, "vocab_size", 0)
+        warning = flat_sampling_warning(metrics.get("entropy"), vocab, self.cfg.trainer.sft_steps)
+        if warning is not None:
+            _say(warning)
+
     def _run_phase(self, phase: Phase, resume: ResumePoint | None, fresh_metrics: bool) -> None:
         """Train ``phase`` from its start (or ``resume``), with evaluations, checkpoints, export."""
         engine = self._engine(phase.name, phase.start_dir)
@@ -351,11 +358,7 @@ class Job:
             global_step = phase.step_offset + step + 1
             metrics = step_fn(step, examples)
             if phase.name == RL_PHASE and step == start:
-                # One line when the RL phase's first rollout was sampled near uniform.
-                warning = flat_sampling_warning(metrics.get("entropy"), getattr(engine.module.config, "vocab_size", 0),
-                                                self.cfg.trainer.sft_steps)
-                if warning is not None:
-                    _say(warning)
+                self._warn_if_sampling_is_flat(engine, metrics)
             self._record(phase.name, step + 1, global_step, metrics, progress)
             if every and (step + 1) % every == 0 and step + 1 != phase.steps:
                 self._evaluate(engine, "step", global_step, where=f"{phase.name} step {step + 1}")
