@@ -23,6 +23,7 @@ import bench_task  # noqa: E402
 from polyfsdp.engines import EngineConfig, FSDPEngine, ModelConfig  # noqa: E402
 from polyfsdp.trainer.rollout import decode as decode_mod  # noqa: E402
 from polyfsdp.trainer.data.chat import example_prompt_tokens  # noqa: E402
+from polyfsdp.trainer.rollout.engines import SamplingParams  # noqa: E402
 from polyfsdp.trainer.rollout.generate import _hf_generate, _left_padded  # noqa: E402
 from polyfsdp.trainer.rollout.row_seeds import RowSeeds  # noqa: E402
 from polyfsdp.trainer.data.example import Example
@@ -36,7 +37,8 @@ def _loop(model, ids, mask, new_tokens, eos, prealloc: bool, ready_mask: bool, r
     if not ready_mask:
         decode_mod._ready_mask_ok = lambda m, cache: False
     try:
-        return decode_mod.decode(model, ids, mask, new_tokens, eos, True, 1.0, True, row_seeds)
+        params = SamplingParams(new_tokens, stop_token_ids=(eos,), return_log_probs=True, pad_token_id=0)
+        return decode_mod.decode(model, ids, mask, params, row_seeds)
     finally:
         decode_mod._preallocated_cache, decode_mod._ready_mask_ok = saved
 
@@ -59,8 +61,9 @@ def main(argv=None) -> dict:
                              tok.pad_token_id)
     pad, eos, n = tok.pad_token_id, tok.eos_token_id, args.new_tokens
     seeds = RowSeeds(seed=0, step=0).rows(0, args.prompts, args.group)
+    hf_params = SamplingParams(n, stop_token_ids=(eos,), return_log_probs=True, pad_token_id=pad)
     variants = {
-        "HF generate": lambda: _hf_generate(model, ids, mask, ids.shape[1], pad, eos, n, True, 1.0, True, False),
+        "HF generate": lambda: _hf_generate(model, ids, mask, hf_params, False),
         "loop": lambda: _loop(model, ids, mask, n, eos, True, True),
         "loop, per-row seeds (the job's)": lambda: _loop(model, ids, mask, n, eos, True, True, seeds),
         "loop, HF step masks": lambda: _loop(model, ids, mask, n, eos, True, False),

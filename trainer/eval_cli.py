@@ -246,8 +246,7 @@ def evaluate_model(model_dir: Path, overrides: list[str], json_path: str | None,
     if model.checkpoint is not None:
         load_resume_checkpoint(engine, model.checkpoint)
     e = cfg.eval
-    settings = EvalSettings(e.n_samples, e.temperature, e.pass_threshold, seed=step_seed(cfg.trainer.seed, 0),
-                            rows=cfg.trainer.log_val_generations)
+    settings = EvalSettings.of(e, seed=step_seed(cfg.trainer.seed, 0), rows=cfg.trainer.log_val_generations)
     try:
         result = evaluate(engine, job.tokenizer, job.source.eval_examples, job.eval_tokens, job.scorer, settings,
                           driver=job.driver)

@@ -19,6 +19,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from polyfsdp.backends.distributed import barrier, current_rank
 
 from ..config import ADAPTER_EXPORTS, LoraConfig
+from .tokenizer_files import strip_loader_keys
 
 logger = logging.getLogger(__name__)
 
@@ -91,6 +92,7 @@ def export_hf(
         fresh.save_pretrained(directory)
         if tokenizer is not None:
             tokenizer.save_pretrained(directory)
+            strip_loader_keys(directory)
         logger.info("exported Hugging Face checkpoint to %s", directory)
     barrier()
     return directory

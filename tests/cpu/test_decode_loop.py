@@ -16,6 +16,13 @@ TOK = CharTokenizer()
 PROMPTS = [[TOK.bos_token_id] + TOK.encode(s) for s in ("abc=", "ba=", "hgfe=", "a=", "dcba+ab=")]
 
 
+def _params(max_new_tokens: int, eos: int, greedy: bool = False, temperature: float = 1.0,
+            log_probs: bool = False, **controls) -> SamplingParams:
+    """The decoding loop's parameters: one stop token, the character tokenizer's pad."""
+    return SamplingParams(max_new_tokens, greedy=greedy, temperature=temperature, stop_token_ids=(eos,),
+                          return_log_probs=log_probs, pad_token_id=TOK.pad_token_id, detokenize=TOK.decode, **controls)
+
+
 def _engine(preset: str, seed: int = 3):
     return FSDPEngine(ModelConfig(preset=preset, seed=seed, vocab_size=TOK.vocab_size), EngineConfig()).initialize()
 
@@ -40,11 +47,10 @@ def test_greedy_completions_equal_hf_generate(preset):
     # own mask building (gemma2: sliding-window layers, eager attention for its softcap).
     assert _ready_mask_ok(model, _preallocated_cache(model, 8)) == (preset != "gemma2-tiny")
     ids, mask = _left_padded(PROMPTS, TOK.pad_token_id)
-    width = ids.shape[1]
-    free = _hf_generate(model, ids, mask, width, TOK.pad_token_id, TOK.unk_token_id, 12, False, 1.0, False, False)
+    free = _hf_generate(model, ids, mask, _params(12, TOK.unk_token_id, greedy=True), False)
     eos = _mid_sequence_token(free)
-    hf = _hf_generate(model, ids, mask, width, TOK.pad_token_id, eos, 12, False, 1.0, False, False)
-    ours = decode(model, ids, mask, 12, eos, do_sample=False)
+    hf = _hf_generate(model, ids, mask, _params(12, eos, greedy=True), False)
+    ours = decode(model, ids, mask, _params(12, eos, greedy=True))
     assert ours == hf
     ended = [row for row in ours if row[-1] == eos]
     assert ended and len(ended) < len(ours)  # some rows stopped at EOS, others ran on
@@ -60,10 +66,10 @@ def test_max_new_tokens_bounds_and_zero():
     model = _engine("qwen2-tiny").module.eval()
     ids, mask = _left_padded(PROMPTS, TOK.pad_token_id)
     for n in (1, 5):
-        out = decode(model, ids, mask, n, TOK.eos_token_id, do_sample=True)
+        out = decode(model, ids, mask, _params(n, TOK.eos_token_id))
         assert all(1 <= len(row) <= n for row in out)
         assert all(len(row) == n for row in out if row[-1] != TOK.eos_token_id)
-    assert decode(model, ids, mask, 0, TOK.eos_token_id, do_sample=True) == [[] for _ in PROMPTS]
+    assert decode(model, ids, mask, _params(0, TOK.eos_token_id)) == [[] for _ in PROMPTS]
 
 
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
@@ -72,8 +78,7 @@ def test_sampled_log_probs_match_a_plain_forward_per_sequence(temperature):
     ids, mask = _left_padded(PROMPTS * 3, TOK.pad_token_id)
     torch.manual_seed(0)
     eos = TOK.encode("a")[0]  # frequent: rows end at many different steps
-    rows, log_probs = decode(model, ids, mask, 10, eos, do_sample=True, temperature=temperature,
-                             return_log_probs=True)
+    rows, log_probs = decode(model, ids, mask, _params(10, eos, temperature=temperature, log_probs=True))
     assert len({len(r) for r in rows}) > 2
     for prompt, row, lp in zip(PROMPTS * 3, rows, log_probs):
         seq = torch.tensor([prompt + row])
@@ -106,10 +111,9 @@ def test_sampling_follows_the_model_distribution_after_rows_leave(draw):
     torch.manual_seed(1)
     seeds = None if draw == "process_generator" else RowSeeds(1, 0).rows(0, n, 1)
     if draw == "hf_row_seeds":
-        rows = _hf_generate(model, ids, mask, ids.shape[1], TOK.pad_token_id, eos, 2, True, temperature, False,
-                            False, row_seeds=seeds)
+        rows = _hf_generate(model, ids, mask, _params(2, eos, temperature=temperature), False, row_seeds=seeds)
     else:
-        rows = decode(model, ids, mask, 2, eos, do_sample=True, temperature=temperature, row_seeds=seeds)
+        rows = decode(model, ids, mask, _params(2, eos, temperature=temperature), row_seeds=seeds)
     seen_first = torch.bincount(torch.tensor([r[0] for r in rows]), minlength=TOK.vocab_size).float() / n
     later = [r[1] for r in rows if len(r) == 2]
     assert 0 < len(later) < n

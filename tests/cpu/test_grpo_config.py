@@ -4,6 +4,7 @@ import pytest
 
 from polyfsdp.trainer.rollout import sampling
 from polyfsdp.trainer.config.job import ConfigError, load_config
+from polyfsdp.trainer.config.sampling import SamplingControls
 from polyfsdp.trainer.rollout.drivers.result import Rollout
 from polyfsdp.trainer.data.example import Example
 from polyfsdp.trainer.data.tokenizers import CharTokenizer
@@ -59,6 +60,7 @@ def test_estimators_shape_the_loss():
 
 class _Grpo:
     group_size, max_new_tokens, temperature, filter_groups, max_sample_batches = 2, 4, 1.0, True, 3
+    sampling_options = staticmethod(SamplingControls().sampling_options)  # the controls at their defaults
 
 
 class _Policy:

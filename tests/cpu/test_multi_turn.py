@@ -23,7 +23,8 @@ GUESS_ENV = os.path.join(HERE, "envs", "guess_env.py") + ":GuessEnv"
 
 
 class ScriptedEngine(RolloutEngine):
-    """A rollout engine that answers each turn with the next scripted text (+ <eos>)."""
+    """A rollout engine that answers each turn with the next scripted text (+ the last stop
+    token: the chat template's end-of-turn token when it has one besides <eos>)."""
 
     name = "scripted"
 
@@ -35,7 +36,7 @@ class ScriptedEngine(RolloutEngine):
         self.seeds.append(seeds)
         text = self.turns[self.calls]
         self.calls += 1
-        out = [self.tokenizer.encode(text)[:params.max_new_tokens - 1] + [self.tokenizer.eos_token_id]
+        out = [self.tokenizer.encode(text)[:params.max_new_tokens - 1] + [params.stop_token_ids[-1]]
                for _ in prompts]
         return Completions(out, [[-0.5] * len(o) for o in out])
 

@@ -12,7 +12,7 @@ from polyfsdp.trainer.rollout.decode import decode
 from polyfsdp.trainer.rollout.generate import _hf_generate, _left_padded
 from polyfsdp.trainer.rollout.row_seeds import RowSeeds, mix_seed, row_seed, turn_seed
 
-from test_decode_loop import PROMPTS, TOK, _engine
+from test_decode_loop import PROMPTS, TOK, _engine, _params
 
 
 def test_distinct_rows_rounds_steps_and_seeds_get_distinct_63_bit_seeds():
@@ -43,11 +43,10 @@ def test_replica_shares_hold_the_global_rows_seeds(dp):
 def _sampled(model, prompts, seeds, loop):
     ids, mask = _left_padded(prompts, TOK.pad_token_id)
     eos = TOK.encode("a")[0]  # frequent: rows end (and leave our loop's batch) at many steps
+    params = _params(10, eos, temperature=0.9, log_probs=True)
     if loop == "builtin":
-        return decode(model, ids, mask, 10, eos, do_sample=True, temperature=0.9, return_log_probs=True,
-                      row_seeds=seeds)
-    return _hf_generate(model, ids, mask, ids.shape[1], TOK.pad_token_id, eos, 10, True, 0.9, True, False,
-                        row_seeds=seeds)
+        return decode(model, ids, mask, params, row_seeds=seeds)
+    return _hf_generate(model, ids, mask, params, False, row_seeds=seeds)
 
 
 @pytest.mark.parametrize("loop", ["builtin", "hf"])

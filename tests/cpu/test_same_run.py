@@ -97,3 +97,14 @@ def test_a_refused_continuation_leaves_config_yaml_as_the_run_wrote_it(tmp_path,
     err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
     assert len(err) == 1 and "but no config.yaml" in err[0], err
     assert not (out / "config.yaml").exists()
+
+
+def test_a_run_saved_before_the_sampling_controls_existed_continues_with_their_defaults(tmp_path):
+    run = _run_dir(tmp_path)
+    saved = OmegaConf.to_container(OmegaConf.load(run / "config.yaml"))
+    for key in ("top_p", "top_k", "repetition_penalty", "stop"):
+        del saved["algo"]["actor"][key]
+    OmegaConf.save(OmegaConf.create(saved), run / "config.yaml")
+    check_same_run(load_config([]), run)
+    with pytest.raises(ConfigError, match=r"algo.actor.top_p=1.0, but this run asks for algo.actor.top_p=0.9;"):
+        check_same_run(load_config(["algo.actor.top_p=0.9"]), run)

@@ -28,6 +28,7 @@ from polyfsdp.trainer.rollout.build import build_rollout_driver, build_rollout_e
 from polyfsdp.trainer.rollout.drivers.single_turn import SingleTurnDriver
 from polyfsdp.trainer.rollout.engines import PolicyDecoding, SamplingParams
 from polyfsdp.trainer.rollout.row_seeds import RowSeeds
+from polyfsdp.trainer.rollout.servers.completions import completion_request
 from polyfsdp.trainer.rollout.servers.http import ServerHttp
 from vllm_cases import require_vllm, write_checkpoint
 from vllm_server import free_port
@@ -88,6 +89,31 @@ def test_greedy_completions_equal_the_builtin_loop(servers, policy):
     assert ended and len(ended) < len(PROMPTS)  # the stop token is kept, as our loop keeps it
     assert max(abs(a - b) for x, y in zip(ours.log_probs, theirs.log_probs) for a, b in zip(x, y)) < 1e-5
     assert engine.last_sync_error < 1e-5 and engine.weight_version == 1
+
+
+def test_the_request_carries_the_sampling_controls_and_leaves_stop_strings_to_the_engine():
+    params = _params(5, temperature=0.7, top_p=0.9, top_k=7, repetition_penalty=1.2, stop=("xy",),
+                     detokenize=TOK.decode)
+    body = completion_request("m", [1, 2], params, seed=3)
+    assert (body["top_p"], body["top_k"], body["repetition_penalty"], body["temperature"]) == (0.9, 7, 1.2, 0.7)
+    assert "stop" not in body  # the servers have no tokenizer (--skip-tokenizer-init): the engine cuts
+
+
+def test_greedy_with_a_repetition_penalty_and_a_stop_string_equals_the_builtin_loop(servers, policy):
+    engine = servers(1)
+    builtin = PolicyDecoding("builtin")
+    builtin.update_weights(policy)
+    penalized = _params(12, greedy=True, return_log_probs=True, repetition_penalty=1.8)
+    ours = builtin.generate(PROMPTS, penalized)
+    assert ours.token_ids != builtin.generate(PROMPTS, _params(12, greedy=True)).token_ids
+    engine.update_weights(policy)
+    theirs = engine.generate(PROMPTS, penalized)
+    assert theirs.token_ids == ours.token_ids
+    assert max(abs(a - b) for x, y in zip(ours.log_probs, theirs.log_probs) for a, b in zip(x, y)) < 1e-5
+    stopped = _params(12, greedy=True, repetition_penalty=1.8, stop=(TOK.decode(ours.token_ids[0])[3:5],),
+                      detokenize=TOK.decode)
+    cut = builtin.generate(PROMPTS, stopped).token_ids
+    assert cut[0] != ours.token_ids[0] and engine.generate(PROMPTS, stopped).token_ids == cut
 
 
 def test_sampled_rows_draw_the_same_tokens_from_one_server_and_from_two(servers, policy):

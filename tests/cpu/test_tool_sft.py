@@ -4,11 +4,13 @@ import random
 
 import pytest
 import torch
+from chatml_tokenizer import chatml_tokenizer
 from own_data_cases import bpe_tokenizer
 from test_multi_turn import ScriptedEngine, _params
 
 from polyfsdp.trainer.data.batch import build_batch
 from polyfsdp.trainer.rollout.drivers.multi_turn import MultiTurnDriver, MultiTurnSettings
+from polyfsdp.trainer.rollout.engines import SamplingParams
 from polyfsdp.trainer.data.tokenizers import CharTokenizer, HFTokenizerAdapter
 from polyfsdp.trainer.data.example import Example
 from polyfsdp.trainer.algos.tool_sft import conversation_sequences, demonstration
@@ -27,7 +29,9 @@ def _char_tokenizer():
     return tok
 
 
-TOKENIZERS = {"char": _char_tokenizer, "bpe_with_tools": lambda: HFTokenizerAdapter(bpe_tokenizer(TOOLS_TEMPLATE))}
+TOKENIZERS = {"char": _char_tokenizer, "bpe_with_tools": lambda: HFTokenizerAdapter(bpe_tokenizer(TOOLS_TEMPLATE)),
+              # eos <|endoftext|>, turns closed by <|im_end|> (a base Qwen tokenizer's layout)
+              "chatml_eos_apart": lambda: HFTokenizerAdapter(chatml_tokenizer(template=TOOLS_TEMPLATE))}
 
 
 def _examples(count=3):
@@ -54,10 +58,11 @@ def test_sft_sequence_equals_what_the_rollout_holds_for_the_same_conversation(na
         assert sft == roll.pairs()
 
 
-def test_the_bpe_sequence_is_the_templates_rendering_of_the_whole_conversation():
+@pytest.mark.parametrize("name", ["bpe_with_tools", "chatml_eos_apart"])
+def test_the_bpe_sequence_is_the_templates_rendering_of_the_whole_conversation(name):
     # Independent of ChatTurns: the template renders the demonstration in one call; the trained
     # sequence is that text, less the closing newline after the last <|im_end|>.
-    tok = TOKENIZERS["bpe_with_tools"]()
+    tok = TOKENIZERS[name]()
     example = _examples(1)[0]
     prompt, response, _ = conversation_sequences(_calculator(), tok, [example])[0]
     whole = tok.tok.apply_chat_template(list(example.conversation), tools=[CALCULATOR_TOOL], tokenize=False)
@@ -71,8 +76,8 @@ def test_only_the_assistant_tokens_carry_the_loss_mask(name):
     prompt, response, loss_mask = conversation_sequences(_calculator(), tok, [example])[0]
     trained = [t for t, m in zip(response, loss_mask) if m]
     assistant = [m["content"] for m in example.conversation if m["role"] == "assistant"]
-    eos = tok.eos_token_id
-    assert trained == [t for text in assistant for t in tok.encode(text) + [eos]]
+    turn_end = SamplingParams.for_tokenizer(tok, 1).stop_token_ids[-1]  # <eos>, or <|im_end|> apart from it
+    assert trained == [t for text in assistant for t in tok.encode(text) + [turn_end]]
     untrained = [t for t, m in zip(response, loss_mask) if not m]
     assert "[tool]" in tok.decode(untrained) if name == "char" else "tool" in tok.tok.decode(untrained)
     # The engine's response mask marks exactly those tokens (position t predicts token t + 1).

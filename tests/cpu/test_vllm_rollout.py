@@ -139,6 +139,45 @@ def test_a_row_seed_draws_the_same_completion_in_any_batch(engines):
     assert first + second[::-1] == rows
 
 
+def test_greedy_with_a_repetition_penalty_and_a_stop_string_equals_the_builtin_loop(engines):
+    """vLLM's own repetition penalty (defined as ours, trainer/rollout/controls/logits_shaping.py) picks
+    the same greedy tokens; a stop string (vLLM runs without a tokenizer) cuts at the same one."""
+    policy, vllm = engines("qwen2-tiny")
+    builtin = PolicyDecoding("builtin")
+    plain = _synced_generate(builtin, policy, PROMPTS, _greedy(12)).token_ids
+    penalized = SamplingParams.for_tokenizer(TOK, 12, greedy=True, return_log_probs=True, repetition_penalty=1.8)
+    ours = _synced_generate(builtin, policy, PROMPTS, penalized)
+    theirs = _synced_generate(vllm, policy, PROMPTS, penalized)
+    assert ours.token_ids != plain and theirs.token_ids == ours.token_ids
+    assert max(abs(a - b) for x, y in zip(ours.log_probs, theirs.log_probs) for a, b in zip(x, y)) < 1e-5
+    stop = TOK.decode(ours.token_ids[0])[3:5]
+    stopped = SamplingParams.for_tokenizer(TOK, 12, greedy=True, repetition_penalty=1.8, stop=(stop,))
+    ours_cut = builtin.generate(PROMPTS, stopped).token_ids
+    assert ours_cut[0] != ours.token_ids[0] and vllm.generate(PROMPTS, stopped).token_ids == ours_cut
+
+
+def test_sampled_log_probs_are_those_of_the_filtered_distribution_as_in_our_loop(engines):
+    """vLLM draws with its own generator (not ours), so the tokens differ from our loop's; what
+    must agree is the law: every token vLLM drew has, under top-k, top-p and the penalty as our
+    loop applies them to the policy's logits, the log-prob vLLM recorded (finite: inside the filter)."""
+    from polyfsdp.trainer.rollout.controls.logits_shaping import shape_logits
+
+    policy, vllm = engines("qwen2-tiny")
+    params = SamplingParams.for_tokenizer(TOK, 8, temperature=0.9, return_log_probs=True, top_k=6, top_p=0.8,
+                                          repetition_penalty=1.3)
+    prompts = PROMPTS * 2
+    out = _synced_generate(vllm, policy, prompts, params, RowSeeds(3, 2).rows(0, len(prompts), 1))
+    model = policy.module.eval()
+    for prompt, row, lp in zip(prompts, out.token_ids, out.log_probs):
+        with torch.no_grad():
+            logits = model(input_ids=torch.tensor([prompt + row])).logits[0, len(prompt) - 1:-1]
+        for t, tok in enumerate(row):
+            seen = torch.zeros(1, logits.shape[-1], dtype=torch.bool)
+            seen[0, prompt + row[:t]] = True
+            ref = float(torch.log_softmax(shape_logits(logits[t:t + 1], params, seen), -1)[0, tok])
+            assert abs(ref - lp[t]) < 1e-4, (prompt, row, t, ref, lp[t])
+
+
 def test_a_parameter_left_out_of_the_sync_stops_the_run(engines, monkeypatch):
     algo, loss, examples = _grpo()
     policy, vllm = engines("qwen2-tiny")

@@ -45,7 +45,8 @@ CRITIC_PREFIX = "vf_"
 def rl_step(policy, ref, tokenizer, examples: list[Example], algo, actor_loss, sample_seed: int,
             shuffle_seed: int = 0, mini_batches: int = 1, scorer=None,
             more_examples: Callable[[int], list[Example]] | None = None, driver=None, critic=None,
-            value_loss=None, train_actor: bool = True, row_seeds: RowSeeds | None = None) -> dict:
+            value_loss=None, train_actor: bool = True, row_seeds: RowSeeds | None = None,
+            samples: int = 0) -> dict:
     """Train one RL step on this rank's prompts ``examples``; ``algo`` is the AlgoSection.
     ``row_seeds`` seeds each completion (trainer/rollout/row_seeds.py), ``sample_seed`` the process's
     generators (what else draws: dropout; the sampling too without ``row_seeds``) and
@@ -54,7 +55,8 @@ def rl_step(policy, ref, tokenizer, examples: list[Example], algo, actor_loss, s
     ``more_examples(k)`` gives the k-th extra prompt batch for group filtering; ``driver`` runs
     the rollout (trainer/rollout/drivers/; default ``rollout.engine=auto``). ``critic``/``value_loss``:
     the critic estimator's value model and loss (None otherwise); ``train_actor=False`` trains only
-    the critic (its warm-up)."""
+    the critic (its warm-up). ``samples``: this rank's first ``samples`` prompts' first
+    completions go into the metrics as ``rollout_samples`` rows (:func:`rollout_sample_rows`)."""
     t0 = time.perf_counter()
     g = algo.actor
     driver = driver or default_driver()
@@ -84,7 +86,16 @@ def rl_step(policy, ref, tokenizer, examples: list[Example], algo, actor_loss, s
     metrics.update(rollout_metrics(first.rollout_metrics))
     if len(updates) > 1:
         metrics["update_metrics"] = updates
+    if samples > 0:
+        metrics["rollout_samples"] = rollout_sample_rows(examples, first, g.group_size, samples)
     return metrics
+
+
+def rollout_sample_rows(examples: list[Example], roll, n: int, count: int) -> list[list]:
+    """``[prompt, completion, ground truth, reward]`` (the validation generations' columns) of
+    the first completion of each of the first ``count`` prompts of a rollout with ``n`` per prompt."""
+    return [[examples[i].prompt, roll.texts[i * n], examples[i].answer, roll.rewards[i * n]]
+            for i in range(min(count, len(examples)))]
 
 
 def train_on_rollout(policy, critic, ref, tokenizer, roll, pairs, algo, actor_loss, value_loss, mini_batches: int,

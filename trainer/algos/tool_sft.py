@@ -3,7 +3,8 @@
 With ``rollout.env`` set, the SFT phase trains each record on a conversation instead of
 prompt -> answer. It starts where a rollout starts (``MultiTurnDriver.start``: the
 environment's ``reset(example)`` rendered by the chat template with the environment's tools);
-each assistant turn is its text's tokens and ``<eos>`` (how the sampler ends a turn) with
+each assistant turn is its text's tokens and the token that ends a turn (the chat template's
+end-of-turn token, e.g. ChatML's ``<|im_end|>``, else ``<eos>``: where the sampler stops) with
 ``loss_mask = 1``; the tool or user messages between two assistant turns are
 ``ChatTurns.after_assistant``'s tokens with ``loss_mask = 0``. A rollout that samples the same
 texts from the same environment therefore holds the same tokens and masks, and only the
@@ -16,6 +17,7 @@ on; its own opening messages give way to the environment's ``reset``) when it ha
 """
 from __future__ import annotations
 
+from ..data.chat import end_of_turn_token_id
 from ..rank_errors import on_every_rank
 
 
@@ -36,7 +38,9 @@ def conversation_sequences(rollout, tokenizer, examples) -> list[tuple[list[int]
     """``(prompt, response, loss_mask)`` per example for ``batch.build_batch``, through the
     multi-turn driver ``rollout`` (trainer/rollout/drivers/multi_turn.py) the RL phase samples with."""
     trajectories, turns = on_every_rank(lambda: rollout.start(examples, 1, tokenizer))
-    eos = tokenizer.eos_token_id
+    # The template's end-of-turn token (ChatTurns closes the turn after it), else eos.
+    turn_end = end_of_turn_token_id(tokenizer)
+    eos = turn_end if turn_end is not None else tokenizer.eos_token_id
     for t in trajectories:
         between: list[dict] = []
         for message in demonstration(t.example, rollout.settings.max_turns):

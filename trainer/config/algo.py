@@ -14,6 +14,7 @@ from polyfsdp.engines.losses.value import ValueLoss
 
 from ..errors import ConfigError
 from .plugins import first_line
+from .sampling import SamplingControls
 from ..algos.estimators import Estimator, resolve_estimator
 from ..algos.policy_losses import POLICY_LOSSES, UserLoss, check_on_a_made_up_batch, policy_loss_entry, \
     wrap_user_loss
@@ -46,9 +47,10 @@ class SFTSection:
 
 
 @dataclass
-class ActorSection:
-    """The RL phase's policy: its optimizer (``optim``), sampling, advantage normalisation,
-    the policy loss and its terms, and how one rollout is split into optimizer steps."""
+class ActorSection(SamplingControls):
+    """The RL phase's policy: its optimizer (``optim``), sampling (temperature and the
+    controls of :class:`SamplingControls`), advantage normalisation, the policy loss and its
+    terms, and how one rollout is split into optimizer steps."""
 
     optim: OptimConfig = field(default_factory=OptimConfig)
     group_size: int = 8
@@ -83,6 +85,7 @@ class ActorSection:
         check_min(f"{where}.max_sample_batches", self.max_sample_batches, 1)
         if not self.temperature > 0:
             raise ConfigError(f"{where}.temperature: expected > 0, got {self.temperature}")
+        self.validate_sampling(where)
         check_choice(f"{where}.agg_mode", self.agg_mode, PPO_AGG_MODES)
         policy_loss_entry(self.policy_loss, f"{where}.policy_loss")
         check_choice(f"{where}.kl_type", self.kl_type, KL_TYPES)

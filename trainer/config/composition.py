@@ -19,6 +19,14 @@ PRESET_GROUPS = ("task",)
 # Keys renamed when the RL phase stopped being named after GRPO (old -> new). A user's old key
 # is one line naming the new one; a run's saved config.yaml is read with the new names.
 RENAMED_KEYS = {"trainer.grpo_steps": "trainer.rl_steps", "algo.grpo": "algo.actor", "algo.ppo": "algo.critic"}
+# verl's keys for what one key does here (data.max_prompt_length is the same in both): the
+# unknown-key line names ours.
+VERL_EQUIVALENTS = {
+    "data.filter_overlong_prompts": "data.overlong=filter (the default: prompts over data.max_prompt_length are "
+                                    "dropped and counted)",
+    "data.truncation": "data.overlong=error (verl's truncation=error) or data.overlong=truncate (verl's "
+                       "truncation=left: keep the last tokens)",
+}
 
 
 def _renamed_prefix(key: str) -> str | None:
@@ -109,6 +117,8 @@ def _hydra_error(exc: Exception, overrides: list[str]) -> ConfigError:
             unknown_too = new_key != RENAMED_KEYS.get(key.lstrip("+~")) and known is not None and new_key not in known
             hint = _did_you_mean(new_key, known) if unknown_too else ""
             return ConfigError(f"{key}: {renamed_key(key)}" + (f", which is unknown too; {hint}" if hint else ""))
+        if key.lstrip("+~") in VERL_EQUIVALENTS:
+            return ConfigError(f"{key}: verl's key; here it is {VERL_EQUIVALENTS[key.lstrip('+~')]}")
         hint = _did_you_mean(key, known)
         return ConfigError(f"{key}: unknown key; {hint or 'check the spelling'} "
                            f"(`polyfsdp-train --cfg` prints every key)")

@@ -19,7 +19,7 @@ from polyfsdp.engines.model.lora import require_peft
 
 from .algo import (RL_ALGOS, ActorSection, AlgoSection, CriticSection,  # noqa: F401 (re-exported)
                           RolloutCorrectionSection, SFTSection, check_choice, check_min)
-from .composition import GROUPS, available_options, compose, renamed_key, to_container
+from .composition import GROUPS, VERL_EQUIVALENTS, available_options, compose, renamed_key, to_container
 from .bounds import check_bounds
 from .sections import (DataSection, EvalSection, JobConfig, ModelSection,  # noqa: F401 (re-exported)
                               RewardSection, RolloutSection, TrainerSection)
@@ -74,6 +74,8 @@ def _section(cls, where: str, data: Any, nested: dict | None = None):
         if key not in known:
             if renamed_key(f"{where}.{key}"):
                 raise ConfigError(f"{where}.{key}: {renamed_key(f'{where}.{key}')}")
+            if f"{where}.{key}" in VERL_EQUIVALENTS:
+                raise ConfigError(f"{where}.{key}: verl's key; here it is {VERL_EQUIVALENTS[f'{where}.{key}']}")
             raise ConfigError(f"{where}.{key}: unknown key; known keys: {', '.join(known)}")
     kwargs = {}
     for key, value in data.items():
@@ -131,6 +133,7 @@ def _validate_trainer(t: TrainerSection, algo: AlgoSection) -> None:
     check_choice("trainer.export_lora", t.export_lora, ADAPTER_EXPORTS)
     t.logger = check_loggers(t.logger)
     check_min("trainer.log_val_generations", t.log_val_generations, 0)
+    check_min("trainer.log_rollout_samples", t.log_rollout_samples, 0)
     if not isinstance(t.tags, list) or not all(isinstance(tag, str) and tag for tag in t.tags):
         raise ConfigError(f"trainer.tags: expected a list of names, e.g. trainer.tags=[baseline,lr1e-6], "
                           f"got {t.tags!r}")
@@ -201,6 +204,9 @@ def _validate_eval(e: EvalSection) -> None:
     if e.n_samples > 1 and e.temperature == 0:
         raise ConfigError(f"eval.n_samples={e.n_samples}: greedy completions (eval.temperature=0) are all the same; "
                           f"set eval.temperature>0 (e.g. 1.0) or eval.n_samples=1")
+    e.validate_sampling("eval")
+    if not isinstance(e.initial, bool):
+        raise ConfigError(f"eval.initial: expected true or false, got {e.initial!r}")
 
 
 def _check_preset_overrides(model: ModelSection) -> None:

@@ -13,6 +13,7 @@ from typing import Any
 from polyfsdp.engines.config import EngineConfig, ModelConfig
 
 from .algo import AlgoSection
+from .sampling import SamplingControls
 
 
 @dataclass
@@ -98,14 +99,16 @@ class RolloutSection:
 
 
 @dataclass
-class EvalSection:
+class EvalSection(SamplingControls):
     """Held-out evaluation (trainer/evaluation/held_out.py): ``n_samples`` completions per prompt at
-    ``temperature`` (0: greedy); with n_samples > 1 also mean@n, pass@k and maj@n, where a
-    sample passes when its reward >= ``pass_threshold``."""
+    ``temperature`` (0: greedy) with the controls of SamplingControls; with n_samples > 1 also
+    mean@n, pass@k and maj@n, where a sample passes when its reward >= ``pass_threshold``.
+    ``initial``: evaluate the starting model before training (a resumed run never does)."""
 
     n_samples: int = 1
     temperature: float = 0.0
     pass_threshold: float = 1.0
+    initial: bool = True
 
 
 @dataclass
@@ -137,6 +140,7 @@ class TrainerSection:
     experiment_name: str | None = None  # null: the output directory's name
     tags: list = field(default_factory=list)
     log_val_generations: int = 0  # per evaluation, this many prompts' completions as a table
+    log_rollout_samples: int = 0  # per logged RL step, this many prompts' first completions as a table
 
 
 @dataclass

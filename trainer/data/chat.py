@@ -133,3 +133,34 @@ def check_position_budget(source, max_positions: int | None, new_tokens: int, ne
         raise DataError(f"{longest.where or 'a prompt'}: prompt of {len(longest.prompt_ids)} tokens + "
                         f"{new_tokens_key}={new_tokens} needs {need} positions, but the model has "
                         f"max_position_embeddings={max_positions}; {hint}")
+
+
+# What the probe conversation's assistant says: text no template adds or rewrites.
+_TURN_PROBE = "polyfsdp end of turn probe"
+
+
+def end_of_turn_token_id(tokenizer) -> int | None:
+    """The special token the tokenizer's chat template closes an assistant turn with, when it
+    is not ``<eos>`` (ChatML's ``<|im_end|>`` where eos is ``<|endoftext|>``, Llama 3's
+    ``<|eot_id|>``, Gemma's ``<end_of_turn>``): a model tuned on the template ends its answers
+    with it, so sampling must stop there too. Found by rendering a one-exchange conversation
+    and taking the first token after the assistant's text (whitespace skipped); None without a
+    chat template, or when that token is eos or no special token."""
+    hf = getattr(tokenizer, "tok", tokenizer)  # HFTokenizerAdapter wraps the Hugging Face tokenizer
+    if not getattr(hf, "chat_template", None) or not hasattr(hf, "all_special_ids"):
+        return None
+    exchange = [{"role": "user", "content": "x"}, {"role": "assistant", "content": _TURN_PROBE}]
+    try:
+        text = hf.apply_chat_template(exchange, tokenize=False)
+    except Exception:  # noqa: BLE001 - a template that refuses the probe: no end-of-turn token known
+        return None
+    if not isinstance(text, str) or _TURN_PROBE not in text:
+        return None
+    special = set(hf.all_special_ids) | {i for i, t in getattr(hf, "added_tokens_decoder", {}).items()
+                                         if getattr(t, "special", False)}
+    for token in hf.encode(text[text.rindex(_TURN_PROBE) + len(_TURN_PROBE):], add_special_tokens=False):
+        if token in special:
+            return None if token == tokenizer.eos_token_id else int(token)
+        if hf.decode([token]).strip():
+            return None  # text, not a special token, closes the turn
+    return None

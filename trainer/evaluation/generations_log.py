@@ -1,5 +1,6 @@
 """``generations.jsonl``: the validation completions ``trainer.log_val_generations`` keeps,
-one JSON line per (evaluation, prompt), on rank 0. A resumed run first drops the lines from
+one JSON line per (evaluation, prompt), and the RL rollouts' ``trainer.log_rollout_samples``
+(tag ``rollout``), on rank 0. A resumed run first drops the lines from
 the global step it continues at (an earlier process wrote them after the checkpoint)."""
 from __future__ import annotations
 

@@ -30,6 +30,13 @@ class EvalSettings:
     pass_threshold: float = 1.0
     seed: int = 0
     rows: int = 0
+    sampling: dict = field(default_factory=dict)  # top_p, top_k, repetition_penalty, stop (SamplingParams')
+
+    @classmethod
+    def of(cls, section, seed: int, rows: int) -> "EvalSettings":
+        """The settings of the job's ``eval`` section (trainer/config/sections.py: EvalSection)."""
+        return cls(section.n_samples, section.temperature, section.pass_threshold, seed=seed, rows=rows,
+                   sampling=section.sampling_options())
 
     def describe(self) -> str:
         return "greedy" if self.temperature == 0 else f"{self.n_samples} sample(s) at temperature {self.temperature:g}"
@@ -62,7 +69,7 @@ def evaluate(engine, tokenizer, examples: list[Example], max_new_tokens: int, sc
     # Every rank runs the same number of generate calls, as synced generation needs.
     calls = max(1, -(-len(examples) // (world * per_call)))
     params = SamplingParams.for_tokenizer(tokenizer, max_new_tokens, greedy=not sampled,
-                                          temperature=settings.temperature if sampled else 1.0)
+                                          temperature=settings.temperature if sampled else 1.0, **settings.sampling)
     prompts, extras = [], {}
     for c in range(calls):
         indices = mine[c * per_call:(c + 1) * per_call]

@@ -1,14 +1,17 @@
 """A lean KV-cached decoding loop for rollouts: the model's own forward, one token per step,
-and rows that hit ``<eos>`` leave the batch (their cache rows are dropped), so the tail of
+and rows that hit a stop token leave the batch (their cache rows are dropped), so the tail of
 long, widely varying completions runs on the few rows still going.
 
-What is sampled is what Hugging Face ``generate`` samples with ``top_k=0, top_p=1``: each
-row's next token is drawn from ``softmax(logits / temperature)`` (float32 logits, as
-``generate`` takes them) or is the argmax when greedy; a row's distribution depends only on
-its own prefix, so dropping finished rows changes no row's distribution. With one seed per row
-(trainer/rollout/row_sampler.py) each row draws from its own generator: its tokens do not depend on
-the other rows, and equal those HF ``generate`` draws with the same seeds (trainer/rollout/generate.py);
-from the process's generator the stream is consumed differently from ``generate``'s.
+What is sampled is what Hugging Face ``generate`` samples: each row's next token is drawn
+from the softmax of its float32 logits (as ``generate`` takes them) after the repetition
+penalty, temperature, top-k and top-p of trainer/rollout/controls/logits_shaping.py (by default
+``softmax(logits / temperature)``), or is the argmax when greedy; a row's distribution depends
+only on its own prefix, so dropping finished rows changes no row's distribution. A row ends at
+any of the stop tokens, or once its text holds a stop string (trainer/rollout/controls/stop_strings.py).
+With one seed per row (trainer/rollout/row_sampler.py) each row draws from its own generator:
+its tokens do not depend on the other rows, and equal those HF ``generate`` draws with the same
+seeds (trainer/rollout/generate.py); from the process's generator the stream is consumed
+differently from ``generate``'s.
 Positions follow ``generate``'s rule for left-padded prompts (count of real tokens before).
 """
 from __future__ import annotations
@@ -20,7 +23,9 @@ from transformers.cache_utils import DynamicCache, DynamicLayer
 
 from polyfsdp.engines.attention import VARLEN_SDPA
 
+from .controls.logits_shaping import penalized, shape_logits
 from .row_sampler import RowSampler
+from .controls.stop_strings import StopStrings
 
 
 class _PreallocatedLayer(DynamicLayer):
@@ -71,20 +76,26 @@ def _ready_mask_ok(model, cache: DynamicCache) -> bool:
     return attn in ("sdpa", VARLEN_SDPA) and bool(cache.layers) and all(isinstance(layer, _PreallocatedLayer) for layer in cache.layers)
 
 
-def _next_tokens(logits: torch.Tensor, do_sample: bool, temperature: float, want_log_probs: bool,
-                 sampler: RowSampler | None = None, rows: list[int] | None = None,
+def _next_tokens(logits: torch.Tensor, params, want_log_probs: bool, sampler: RowSampler | None = None,
+                 rows: list[int] | None = None, seen: torch.Tensor | None = None,
                  ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """``(tokens (B,), their log-probs (B,) or None)`` from last-position logits (B, vocab);
-    with a ``sampler``, row ``i`` draws with the generator of original row ``rows[i]``."""
-    logits = logits.float()
-    if do_sample:
-        logits = logits / temperature
+    """``(tokens (B,), their log-probs (B,) or None)`` from last-position logits (B, vocab) under
+    ``params``' distribution (``seen``: the rows' tokens so far, for a repetition penalty); with a
+    ``sampler``, row ``i`` draws with the generator of original row ``rows[i]``."""
+    logits = shape_logits(logits, params, seen)
+    if not params.greedy:
         tokens = sampler.draw(logits, rows) if sampler is not None else \
             torch.multinomial(torch.softmax(logits, -1), 1)[:, 0]
     else:
         tokens = logits.argmax(-1)
     log_probs = torch.log_softmax(logits, -1).gather(-1, tokens[:, None])[:, 0] if want_log_probs else None
     return tokens, log_probs
+
+
+def prompt_tokens_seen(ids: torch.Tensor, mask: torch.Tensor, vocab: int) -> torch.Tensor:
+    """(B, vocab) bool: the tokens of each left-padded prompt (its pad positions are none)."""
+    counts = torch.zeros(ids.shape[0], vocab, dtype=torch.long, device=ids.device)
+    return counts.scatter_add_(1, ids, mask.long()) > 0
 
 
 def _cache_keyword(model) -> str:
@@ -102,22 +113,23 @@ def _fsdp_free(model) -> bool:
     return not any(isinstance(m, FSDPModule) for m in model.modules())
 
 
-def decode(model, ids: torch.Tensor, mask: torch.Tensor, max_new_tokens: int, eos: int, do_sample: bool,
-           temperature: float = 1.0, return_log_probs: bool = False, row_seeds: list[int] | None = None):
+def decode(model, ids: torch.Tensor, mask: torch.Tensor, params, row_seeds: list[int] | None = None):
     """Completions of left-padded prompts (see :func:`_decode`), in inference mode when the
     model is FSDP-free, else without gradients."""
     with torch.inference_mode() if _fsdp_free(model) else torch.no_grad():
-        return _decode(model, ids, mask, max_new_tokens, eos, do_sample, temperature, return_log_probs, row_seeds)
+        return _decode(model, ids, mask, params, row_seeds)
 
 
-def _decode(model, ids: torch.Tensor, mask: torch.Tensor, max_new_tokens: int, eos: int, do_sample: bool,
-           temperature: float = 1.0, return_log_probs: bool = False, row_seeds: list[int] | None = None):
-    """Completions of left-padded prompts ``ids``/``mask`` (B, width): per row its new tokens,
-    ending at and including ``eos`` when produced, at most ``max_new_tokens``; with
-    ``return_log_probs`` also ``(completions, log-probs)``, each token's log-prob under the
-    distribution it was drawn from (logits / temperature when sampling, as ``generate``'s
-    processed scores). ``row_seeds`` (one per row): each row samples with its own generator
+def _decode(model, ids: torch.Tensor, mask: torch.Tensor, params, row_seeds: list[int] | None = None):
+    """Completions of left-padded prompts ``ids``/``mask`` (B, width) sampled as ``params`` (a
+    SamplingParams) says: per row its new tokens, ending at and including a stop token when
+    produced (or the token that completed a stop string), at most ``params.max_new_tokens``;
+    with ``params.return_log_probs`` also ``(completions, log-probs)``, each token's log-prob
+    under the distribution it was drawn from (trainer/rollout/controls/logits_shaping.py).
+    ``row_seeds`` (one per row): each row samples with its own generator
     (trainer/rollout/row_sampler.py); without them, from the process's generator."""
+    max_new_tokens, return_log_probs = params.max_new_tokens, params.return_log_probs
+    stop_ids, stop_strings = set(params.stop_token_ids), StopStrings(params)
     batch = ids.shape[0]
     completions: list[list[int]] = [[] for _ in range(batch)]
     log_probs: list[list[float]] = [[] for _ in range(batch)]
@@ -137,10 +149,16 @@ def _decode(model, ids: torch.Tensor, mask: torch.Tensor, max_new_tokens: int, e
     key_mask = torch.ones(batch, capacity, dtype=torch.bool, device=mask.device)
     key_mask[:, :width] = mask.bool()
     ready_mask = _ready_mask_ok(model, cache)
-    sampler = RowSampler(row_seeds, ids.device) if do_sample and row_seeds is not None else None
+    sampler = RowSampler(row_seeds, ids.device) if not params.greedy and row_seeds is not None else None
+    # With a repetition penalty: per original row, the tokens of its prompt and completion so far.
+    seen = prompt_tokens_seen(ids, mask, out.logits.shape[-1]) if penalized(params) else None
     for step in range(max_new_tokens):
         live = rows.tolist()
-        tokens, lp = _next_tokens(out.logits[:, -1], do_sample, temperature, return_log_probs, sampler, live)
+        index = None if seen is None else rows.to(seen.device)
+        tokens, lp = _next_tokens(out.logits[:, -1], params, return_log_probs, sampler, live,
+                                  None if seen is None else seen[index])
+        if seen is not None:
+            seen[index, tokens] = True
         # One host copy per step: every row's token (and log-prob) joins its completion.
         host_tokens = tokens.tolist()
         host_lp = lp.tolist() if return_log_probs else None
@@ -149,7 +167,7 @@ def _decode(model, ids: torch.Tensor, mask: torch.Tensor, max_new_tokens: int, e
             completions[row].append(tok)
             if return_log_probs:
                 log_probs[row].append(host_lp[i])
-            if tok != eos:
+            if tok not in stop_ids and not (stop_strings and stop_strings.hit(completions[row])):
                 keep.append(i)
         if not keep or step == max_new_tokens - 1:
             break

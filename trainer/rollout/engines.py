@@ -16,12 +16,15 @@ and :meth:`RolloutEngine.sleep` follows the rollout. trainer/rollout/build.py bu
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Callable
 
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """How to sample one rollout's completions (the same for every prompt of a call)."""
+    """How to sample one rollout's completions (the same for every prompt of a call). The
+    controls after ``temperature`` mean what they mean in vLLM and Hugging Face ``generate``
+    (trainer/rollout/controls/logits_shaping.py); their defaults leave the distribution untouched."""
 
     max_new_tokens: int
     greedy: bool = False                   # True: argmax; else sampled at ``temperature``
@@ -29,12 +32,25 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()   # a completion ends at (and keeps) the first one produced
     return_log_probs: bool = False
     pad_token_id: int | None = None        # for engines that pad prompts into a batch; servers ignore it
+    top_p: float = 1.0                     # nucleus sampling: 1 keeps every token
+    top_k: int = 0                         # the k most likely tokens; 0: all
+    repetition_penalty: float = 1.0        # on tokens of the prompt and completion; 1: none
+    stop: tuple[str, ...] = ()             # stop strings (trainer/rollout/controls/stop_strings.py)
+    # The text a completion's tokens decode to, where stop strings are looked for (the
+    # tokenizer's ``decode``: the text the reward sees); needed only with ``stop``.
+    detokenize: Callable[[list[int]], str] | None = field(default=None, compare=False, repr=False)
 
     @classmethod
     def for_tokenizer(cls, tokenizer, max_new_tokens: int, **options) -> "SamplingParams":
-        """Parameters that stop at the tokenizer's ``<eos>`` and pad with its pad token."""
-        return cls(max_new_tokens, stop_token_ids=(tokenizer.eos_token_id,), pad_token_id=tokenizer.pad_token_id,
-                   **options)
+        """Parameters that stop at the tokenizer's ``<eos>`` and at its chat template's
+        end-of-turn token when that is another one (trainer/data/chat.py), pad with its pad
+        token and find stop strings in its decoded text."""
+        from ..data.chat import end_of_turn_token_id
+
+        turn_end = end_of_turn_token_id(tokenizer)
+        stops = (tokenizer.eos_token_id,) + ((turn_end,) if turn_end is not None else ())
+        return cls(max_new_tokens, stop_token_ids=stops, pad_token_id=tokenizer.pad_token_id,
+                   detokenize=tokenizer.decode, **options)
 
 
 @dataclass

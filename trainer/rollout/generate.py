@@ -50,22 +50,35 @@ def decode_loop_ok(gather_once: bool) -> bool:
     return gather_once or current_world_size() == 1
 
 
-def _hf_generate(model, ids, mask, width, pad, eos, max_new_tokens, do_sample, temperature, return_log_probs,
-                 synced: bool, row_seeds: list[int] | None = None):
-    """HF ``generate``'s completions (and log-probs), cut as :func:`generate` documents; with
-    ``row_seeds``, greedy ``generate`` whose logits processor samples each row with its own
-    generator (trainer/rollout/row_sampler.py), keeping the log-probs it drew from."""
+def _hf_generate(model, ids, mask, params: SamplingParams, synced: bool, row_seeds: list[int] | None = None):
+    """HF ``generate``'s completions (and log-probs), cut as :func:`generate` documents. The
+    distribution comes from our processor (trainer/rollout/row_sampler.py: the controls of
+    trainer/rollout/controls/logits_shaping.py) whenever a control beyond the temperature is set or rows
+    have seeds; with ``row_seeds``, greedy ``generate`` whose processor samples each row with
+    its own generator, keeping the log-probs it drew from. With the default controls and no
+    seeds, ``generate``'s own sampling at the temperature."""
     from transformers import GenerationConfig, LogitsProcessorList
 
-    from .row_sampler import row_seeded_processor
+    from .decode import prompt_tokens_seen
+    from .controls.logits_shaping import penalized
+    from .row_sampler import shaping_processor
 
+    width, pad, stops = ids.shape[1], params.pad_token_id, list(params.stop_token_ids)
+    do_sample, return_log_probs = not params.greedy, params.return_log_probs
+    seeded = do_sample and row_seeds is not None
+    shaped = seeded or penalized(params) or (do_sample and (params.top_k > 0 or params.top_p < 1.0))
     chooser = None
-    if do_sample and row_seeds is not None:
-        chooser = row_seeded_processor(row_seeds, ids.device, temperature, return_log_probs)
-        do_sample = False  # the chooser leaves one finite logit per row: greedy takes it
-    scores_out = return_log_probs and chooser is None
-    config = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=do_sample, pad_token_id=pad,
-                              eos_token_id=eos, use_cache=True,
+    if shaped:
+        seen = (lambda vocab: prompt_tokens_seen(ids, mask, vocab)) if penalized(params) else None
+        chooser = shaping_processor(params, seen, width, return_log_probs, row_seeds if seeded else None,
+                                    ids.device)
+        # Seeded, the chooser leaves one finite logit per row: greedy takes it. Else generate
+        # samples the processed logits as they are (their temperature is already applied).
+        do_sample = do_sample and not seeded
+    temperature = 1.0 if shaped else params.temperature
+    scores_out = return_log_probs and not seeded
+    config = GenerationConfig(max_new_tokens=params.max_new_tokens, do_sample=do_sample, pad_token_id=pad,
+                              eos_token_id=stops if len(stops) > 1 else stops[0], use_cache=True,
                               return_dict_in_generate=scores_out, output_scores=scores_out,
                               **({"temperature": temperature, "top_k": 0, "top_p": 1.0} if do_sample else {}))
     out = model.generate(input_ids=ids, attention_mask=mask, generation_config=config, synced_gpus=synced,
@@ -79,8 +92,9 @@ def _hf_generate(model, ids, mask, width, pad, eos, max_new_tokens, do_sample, t
         token_log_probs = torch.stack(chooser.log_probs, dim=1).tolist()
     completions = []
     for row in out[:, width:].tolist():
-        if eos in row:
-            row = row[: row.index(eos) + 1]
+        ends = [row.index(s) for s in stops if s in row]
+        if ends:
+            row = row[: min(ends) + 1]
         else:
             # Finished rows are padded while others continue; eos == pad is handled above.
             while row and row[-1] == pad:
@@ -94,10 +108,11 @@ def _hf_generate(model, ids, mask, width, pad, eos, max_new_tokens, do_sample, t
 @torch.no_grad()
 def generate(engine, prompts: list[list[int]], params: SamplingParams, unshard="auto", loop: str = "auto",
              row_seeds: list[int] | None = None) -> Completions:
-    """Completions (ending at and including the stop token when produced) of ``prompts``, left-padded
-    with ``params.pad_token_id``; with ``params.return_log_probs``, also each completion token's
-    log-prob under the distribution it was drawn from (logits / temperature, as ``generate``'s
-    processed scores).
+    """Completions (ending at and including a stop token when produced, or after a stop string)
+    of ``prompts``, left-padded with ``params.pad_token_id``; with ``params.return_log_probs``,
+    also each completion token's log-prob under the distribution it was drawn from
+    (trainer/rollout/controls/logits_shaping.py: logits / temperature with the default controls, as
+    ``generate``'s processed scores).
 
     Gathered once (``unshard``, see :func:`use_gather_once`) or on one rank, our decoding
     loop runs (trainer/rollout/decode.py: finished rows leave the batch) and each rank stops when its
@@ -107,14 +122,12 @@ def generate(engine, prompts: list[list[int]], params: SamplingParams, unshard="
     per prompt, trainer/rollout/row_seeds.py): each row samples with its own generator, on either path.
     """
     from .decode import decode
+    from .controls.stop_strings import cut_completions
 
-    if len(params.stop_token_ids) != 1 or params.pad_token_id is None:
-        raise ValueError(f"decoding with the policy needs one stop token and a pad token: got stop_token_ids="
+    if not params.stop_token_ids or params.pad_token_id is None:
+        raise ValueError(f"decoding with the policy needs a stop token and a pad token: got stop_token_ids="
                          f"{params.stop_token_ids!r}, pad_token_id={params.pad_token_id!r}")
-    pad, (eos,) = params.pad_token_id, params.stop_token_ids
-    max_new_tokens, do_sample, temperature = params.max_new_tokens, not params.greedy, params.temperature
-    return_log_probs = params.return_log_probs
-    ids, mask = _left_padded(prompts, pad)
+    ids, mask = _left_padded(prompts, params.pad_token_id)
     device = engine.device
     once = use_gather_once(engine, unshard)
     ids, mask = ids.to(device), mask.to(device)
@@ -124,10 +137,12 @@ def generate(engine, prompts: list[list[int]], params: SamplingParams, unshard="
             raise ValueError("rollout.engine=builtin: on several ranks our decoding loop needs the model gathered "
                              "once, and rollout.unshard decided against it; set rollout.engine=hf or auto")
         if own_loop:
-            out = decode(engine.module, ids, mask, max_new_tokens, eos, do_sample, temperature, return_log_probs,
-                         row_seeds)
+            out = decode(engine.module, ids, mask, params, row_seeds)
         else:
-            out = _hf_generate(engine.module, ids, mask, ids.shape[1], pad, eos, max_new_tokens, do_sample,
-                               temperature, return_log_probs, synced=current_world_size() > 1 and not once,
+            # HF generate stops on stop tokens only: stop strings cut its completions after.
+            out = _hf_generate(engine.module, ids, mask, params, synced=current_world_size() > 1 and not once,
                                row_seeds=row_seeds)
-    return Completions(*out) if return_log_probs else Completions(out)
+            tokens, log_probs = out if params.return_log_probs else (out, None)
+            tokens, log_probs = cut_completions(tokens, log_probs, params)
+            out = (tokens, log_probs) if params.return_log_probs else tokens
+    return Completions(*out) if params.return_log_probs else Completions(out)

@@ -65,7 +65,7 @@ def sample_groups(policy, tokenizer, examples: list[Example], g, log_probs: bool
     get round k's), else the process's generator draws."""
     n = g.group_size
     params = SamplingParams.for_tokenizer(tokenizer, g.max_new_tokens, temperature=g.temperature,
-                                          return_log_probs=log_probs)
+                                          return_log_probs=log_probs, **g.sampling_options())
 
     def draw(batch, sampling_round):
         seeds = None if row_seeds is None else row_seeds.rows(sampling_round, len(batch), n)

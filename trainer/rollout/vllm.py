@@ -10,8 +10,10 @@ engine per rank (tensor parallel 1) holding a copy of the policy's weights.
   vLLM's log-probs of a fixed probe sequence with the policy's and stops beyond
   ``rollout.check_sync_tol`` (a missed or partial sync is the usual failure of this design).
   ``generate`` never syncs: it samples with the weights of the last sync.
-- Sampling: the same stop token (``<eos>``, kept in the completion), temperature, top-k 0
-  and top-p 1 as our loop; each request has its own seed: its row seed (trainer/rollout/row_seeds.py:
+- Sampling: the same stop tokens (kept in the completion), temperature, top-p, top-k and
+  repetition penalty as our loop (vLLM's own, defined alike: trainer/rollout/controls/logits_shaping.py),
+  stop strings cut after sampling (trainer/rollout/controls/stop_strings.py: vLLM runs without a
+  tokenizer); each request has its own seed: its row seed (trainer/rollout/row_seeds.py:
   trainer.seed, step, global row) in RL rollouts, so the same prompts draw the same completions
   whatever the world size, else one drawn from the process's seeded generator.
 - Sleep (GPU/NPU, backends' ``rollout_sleep_level``): after a rollout (the caller's ``sleep``) vLLM
@@ -39,6 +41,7 @@ from . import vllm_adapter
 from ..data.batch import build_batch, per_sequence
 from ..errors import ConfigError
 from .engines import Completions, RolloutEngine, SamplingParams
+from .controls.stop_strings import cut_completions
 
 logger = logging.getLogger(__name__)
 
@@ -226,10 +229,8 @@ class VllmRolloutEngine(RolloutEngine):
         # the process's seeded generator (vLLM's start, in the sync before, leaves it as it was).
         seeds = list(seeds) if seeds is not None else torch.randint(0, 2**31 - 1, (len(prompts),)).tolist()
         self.wake()
-        completions, log_probs = vllm_adapter.sample(
-            self.llm, prompts, params.max_new_tokens, 0.0 if params.greedy else params.temperature, seeds,
-            list(params.stop_token_ids), params.return_log_probs)
-        return Completions(completions, log_probs)
+        completions, log_probs = vllm_adapter.sample(self.llm, prompts, params, seeds)
+        return Completions(*cut_completions(completions, log_probs, params))
 
     def sleep(self) -> None:
         """Free vLLM's device memory (``sleep_level``; none on CPU) until the next rollout."""

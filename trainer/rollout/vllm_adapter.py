@@ -88,17 +88,22 @@ def start(options: StartOptions, install: str):
         torch.set_num_threads(threads)
 
 
-def sample(llm, prompts: list[list[int]], max_new_tokens: int, temperature: float, seeds: list[int],
-           stop_token_ids: list[int], want_log_probs: bool) -> tuple[list[list[int]], list[list[float]] | None]:
-    """Completions of ``prompts`` (temperature 0: greedy), each request with its own seed,
-    ending at and including a stop token when one is produced; with ``want_log_probs`` each
-    token's log-prob under the distribution it was drawn from."""
+def sample(llm, prompts: list[list[int]], params, seeds: list[int]) -> tuple[list[list[int]], list[list[float]] | None]:
+    """Completions of ``prompts`` sampled as ``params`` (the engines' SamplingParams: greedy is
+    temperature 0; top-p, top-k and repetition penalty are vLLM's own, defined as ours,
+    trainer/rollout/controls/logits_shaping.py), each request with its own seed, ending at and including
+    a stop token when one is produced; with ``params.return_log_probs`` each token's log-prob
+    under the distribution it was drawn from. Stop strings need a tokenizer, which this engine
+    runs without: the caller cuts at them (trainer/rollout/controls/stop_strings.py)."""
     from vllm import SamplingParams
 
-    params = [SamplingParams(max_tokens=max_new_tokens, temperature=temperature, top_p=1.0, top_k=0, seed=seed,
-                             stop_token_ids=list(stop_token_ids), logprobs=0 if want_log_probs else None,
-                             detokenize=False, skip_special_tokens=False) for seed in seeds]
-    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    want_log_probs = params.return_log_probs
+    options = dict(max_tokens=params.max_new_tokens, temperature=0.0 if params.greedy else params.temperature,
+                   top_p=params.top_p, top_k=params.top_k, repetition_penalty=params.repetition_penalty,
+                   stop_token_ids=list(params.stop_token_ids), logprobs=0 if want_log_probs else None,
+                   detokenize=False, skip_special_tokens=False)
+    requests = [SamplingParams(seed=seed, **options) for seed in seeds]
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], requests, use_tqdm=False)
     completions, log_probs = [], []
     for out in outputs:
         done = out.outputs[0]

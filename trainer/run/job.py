@@ -7,7 +7,7 @@ Output directory layout::
     started_in.json      rank 0's working directory, rewritten at every start: polyfsdp-eval reads
                          config.yaml's relative data paths from it (trainer/config/run_start.py)
     metrics.jsonl        one record per step / evaluation (rank 0)
-    generations.jsonl    trainer.log_val_generations: the first prompts' completions at each evaluation
+    generations.jsonl    trainer.log_val_generations / log_rollout_samples: completions per evaluation / RL step
     rollout_servers/     rollout.engine=vllm_server: the logs of the servers the run started
     init_model/          the preset's starting weights + tokenizer (presets only)
     checkpoints/sft/     engine checkpoints of the SFT phase (step_*/, latest)
@@ -45,7 +45,7 @@ from polyfsdp.engines.losses import SFTLoss
 from ..data.chat import model_max_positions
 from ..config.job import JobConfig
 from ..config.run_start import save_run_config
-from ..errors import ConfigError, Preempted, TrackerStartError
+from ..errors import ConfigError, Preempted
 from ..evaluation.held_out import GENERATION_COLUMNS, EvalSettings, evaluate
 from ..rollout.flat_sampling import flat_sampling_warning
 from ..evaluation.generations_log import GENERATIONS_FILE, GenerationsLog
@@ -67,7 +67,7 @@ from .state import PhaseState, TrainerPosition
 from ..rollout.row_seeds import RowSeeds, replica_seed, step_seed
 from ..algos.sft import sft_step
 from .stop import StopRequest
-from ..tracking import RunInfo, Trackers, start_trackers
+from ..tracking import Trackers, start_run_trackers
 
 logger = logging.getLogger(__name__)
 
@@ -150,9 +150,8 @@ class Job:
         """The held-out evaluation, logged under ``tag``; ``where`` (default ``tag``) opens its line."""
         t = time.perf_counter()
         e = self.cfg.eval
-        settings = EvalSettings(e.n_samples, e.temperature, e.pass_threshold,
-                                seed=step_seed(self.cfg.trainer.seed, global_step),
-                                rows=self.cfg.trainer.log_val_generations)
+        settings = EvalSettings.of(e, seed=step_seed(self.cfg.trainer.seed, global_step),
+                                   rows=self.cfg.trainer.log_val_generations)
         result = evaluate(engine, self.tokenizer, self.source.eval_examples, self.eval_tokens, self.scorer, settings,
                           driver=self.driver)
         self.metrics.log({"phase": "eval", "tag": tag, "global_step": global_step, "reward": result.reward,
@@ -188,7 +187,7 @@ class Job:
 
     def _record(self, phase: str, step: int, global_step: int, m: dict, progress: Progress) -> None:
         m = dict(m)
-        updates = m.pop("update_metrics", None)
+        updates, samples = m.pop("update_metrics", None), m.pop("rollout_samples", None)
         # Each rank reports its replica's tokens; the ranks of one SP group hold the same ones.
         m["tokens_per_s"] = m.pop("tokens") * self.topo.dp_size / max(m["step_time_s"], 1e-9)
         record = {"phase": phase, "step": step, "global_step": global_step, **m,
@@ -199,6 +198,9 @@ class Job:
                 self.metrics.log({"phase": f"{phase}_update", "step": step, "update": k + 1,
                                   "global_step": global_step, **u})
             self.metrics.log(record)
+            if samples:  # trainer.log_rollout_samples: rank 0's prompts, as the validation generations
+                self.generations.write("rollout", global_step, GENERATION_COLUMNS, samples)
+                self.trackers.log_table("train/generations", GENERATION_COLUMNS, samples, global_step)
         progress.update(m)
 
     # ------------------------------------------------------------------ phases
@@ -235,15 +237,9 @@ class Job:
 
     def _start_trackers(self, resuming: bool) -> Trackers:
         """trainer.logger's trackers on rank 0 (none elsewhere); one that cannot start is a ConfigError."""
-        t = self.cfg.trainer
         if self.rank != 0:
             return Trackers([])
-        run = RunInfo(directory=self.out, project=t.project_name, name=t.experiment_name or self.out.name,
-                      tags=list(t.tags), config=self.cfg.raw)
-        try:
-            return start_trackers(t.logger, run, resuming)
-        except TrackerStartError as exc:
-            raise ConfigError(str(exc)) from None
+        return start_run_trackers(self.cfg.trainer, self.out, self.cfg.raw, resuming)
 
     def _run_phases(self, resume: ResumePoint | None) -> dict:
         cfg, out = self.cfg, self.out
@@ -293,7 +289,8 @@ class Job:
             self._start_metrics(resume, int(state["metrics_lines"]))
         elif fresh_metrics:
             self._start_metrics(None, None)
-            self._evaluate(engine, "initial", 0)
+            if self.cfg.eval.initial:  # off: the starting model's score is known (a pretrained model's)
+                self._evaluate(engine, "initial", 0)
         return 0
 
     def _step_function(self, phase: Phase, engine: FSDPEngine) -> Callable[[int, list], dict]:
@@ -335,7 +332,8 @@ class Job:
                            sample_seed=replica_seed(cfg.trainer.seed, step, self.topo.replica),
                            shuffle_seed=shuffle_seed,
                            mini_batches=mini_batches, scorer=self.scorer, more_examples=more, driver=self.driver,
-                           critic=self.critic, value_loss=value_loss, train_actor=step >= warmup)
+                           critic=self.critic, value_loss=value_loss, train_actor=step >= warmup,
+                           samples=cfg.trainer.log_rollout_samples)
         return step_fn
 
     def _warn_if_sampling_is_flat(self, engine: FSDPEngine, metrics: dict) -> None:

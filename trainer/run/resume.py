@@ -16,6 +16,7 @@ from polyfsdp.engines.checkpoint.files import check_manifest
 
 from ..config.composition import renamed_key
 from ..config.job import JobConfig, RolloutSection, without_unused_preset
+from ..config.sampling import SamplingControls
 from ..config.saved_run import read_saved_yaml
 from ..errors import ConfigError
 from ..evaluation.generations_log import GENERATIONS_FILE
@@ -46,6 +47,8 @@ RL_STARTED_TRAINER_KEYS = ("sft_steps",)
 SAME_RUN_IGNORED = ("reward.timeout_s",)
 # The rollout keys that define the task a multi-turn run trains on (its engine may change).
 SAME_RUN_ROLLOUT_KEYS = ("env", "env_kwargs", "max_turns", "max_total_tokens", "env_add_reward_fn")
+# Algo keys added after runs were saved without them: such a run sampled with their defaults.
+LATER_ALGO_DEFAULTS = {f"algo.actor.{name}": value for name, value in SamplingControls().sampling_options().items()}
 
 
 # The files polyfsdp-train writes in place in its output directory (config.yaml; the trackers'
@@ -235,6 +238,9 @@ def check_same_run(cfg: JobConfig, run_dir: Path) -> None:
             new = _leaves(_section(cfg.raw, dotted) or {}, dotted)
         before.update(old)
         now.update(new)
+    for name, default in LATER_ALGO_DEFAULTS.items():
+        if name in now and name not in before:
+            before[name] = list(default) if isinstance(default, tuple) else default
     trainer_keys = SAME_RUN_TRAINER_KEYS if trained else ()
     if sft_complete(run_dir) or (run_dir / "checkpoints" / RL_PHASE).is_dir():
         trainer_keys += RL_STARTED_TRAINER_KEYS

@@ -21,7 +21,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from .base import RunInfo, Tracker  # noqa: F401 (re-exported)
-from ..errors import TrackerStartError
+from ..errors import ConfigError, TrackerStartError
 from .mlflow_tracker import MlflowTracker
 from .tensorboard_tracker import TensorBoardTracker
 from .wandb_tracker import WandbTracker
@@ -144,3 +144,15 @@ def start_trackers(names: list[str], run: RunInfo, resuming: bool) -> Trackers:
         raise
     ids_path.write_text(json.dumps({**saved, **ids}, indent=1))
     return Trackers(started)
+
+
+def start_run_trackers(trainer, directory: Path, config: dict, resuming: bool) -> Trackers:
+    """A job's ``trainer.logger`` trackers (``trainer``: its TrainerSection) for the run in
+    ``directory``, named by ``trainer.project_name``/``experiment_name``/``tags``; one that
+    cannot start is a ConfigError (one line, the run stops before it trains)."""
+    run = RunInfo(directory=directory, project=trainer.project_name,
+                  name=trainer.experiment_name or Path(directory).name, tags=list(trainer.tags), config=config)
+    try:
+        return start_trackers(trainer.logger, run, resuming)
+    except TrackerStartError as exc:
+        raise ConfigError(str(exc)) from None

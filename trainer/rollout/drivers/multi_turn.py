@@ -23,6 +23,8 @@ from dataclasses import dataclass, field, replace
 from polyfsdp.backends.distributed import all_reduce_max, current_world_size
 
 from ..engines import RolloutEngine, SamplingParams
+from ..controls.stop_strings import StopStrings
+from ...data.chat import end_of_turn_token_id
 from ..environments import as_env_step, check_messages, load_environment, parse_tool_calls
 from ...errors import RewardError
 from ...rank_errors import on_every_rank
@@ -42,10 +44,12 @@ class ChatTurns:
     def __init__(self, tokenizer, tools) -> None:
         self.tokenizer, self.tools = tokenizer, list(tools or []) or None
         head = self._render(_EXCHANGE, generation_prompt=False)
-        eos = tokenizer.eos_token_id
-        # What the template writes after an assistant turn's end-of-turn token (Qwen: "\n"); the
-        # sampler stops at that token, so these close the turn before the environment speaks.
-        self.closing = head[len(head) - head[::-1].index(eos):] if eos in head else []
+        # What the template writes after an assistant turn's last stop token (eos, or the template's
+        # end-of-turn token: ChatML's <|im_end|>, then "\n"); the sampler stops at that token, so
+        # these close the turn before the environment speaks.
+        enders = {tokenizer.eos_token_id, end_of_turn_token_id(tokenizer)}
+        last = max((i for i, tok in enumerate(head) if tok in enders), default=None)
+        self.closing = head[last + 1:] if last is not None else []
         self._head = head
 
     def _render(self, messages, generation_prompt: bool) -> list[int]:
@@ -58,7 +62,7 @@ class ChatTurns:
 
     def after_assistant(self, messages, ended_with_eos: bool) -> list[int]:
         """The tokens that follow an assistant turn: the turn's closing (when the sampler ended it
-        with eos), ``messages`` as the template renders them, and the next generation prompt."""
+        with a stop token), ``messages`` as the template renders them, and the next generation prompt."""
         full = self._render(_EXCHANGE + list(messages), generation_prompt=True)
         if full[:len(self._head)] != self._head:
             raise ValueError("the tokenizer's chat template renders an exchange differently once more messages "
@@ -161,7 +165,8 @@ class MultiTurnDriver:
         ``params.max_new_tokens`` per turn; ``with_answers``: no answer to vote on (None each), the
         environment judges; ``row_seeds`` (one per conversation): turn ``t`` of each samples with
         ``turn_seed(its seed, t)``; ``device``: the policy's, where ranks agree on taking a turn."""
-        eos, max_new_tokens = tokenizer.eos_token_id, params.max_new_tokens
+        stop_ids, max_new_tokens = set(params.stop_token_ids), params.max_new_tokens
+        stop_strings = StopStrings(params)
         # Every turn keeps its tokens' log-probs (the trajectory's); the rollout returns them when asked.
         turn_params = replace(params, return_log_probs=True)
         started = time.perf_counter()
@@ -196,13 +201,15 @@ class MultiTurnDriver:
                     t.tool_calls += len(parse_tool_calls(t.last_text))
                     step = self._env_call(t, "step", turn, lambda: t.env.step(t.last_text), as_env_step)
                     self._add_reward(t, step.reward, turn)
-                    ended = bool(tokens) and tokens[-1] == eos
+                    # A stop token ends the turn (the template's closing follows it), so does a stop string.
+                    by_token = bool(tokens) and tokens[-1] in stop_ids
+                    ended = by_token or (bool(stop_strings) and stop_strings.hit(tokens))
                     if step.done or turn == self.settings.max_turns:
                         t.done = True
                     elif not ended:  # the turn hit max_new_tokens: the conversation cannot go on
                         t.done = t.truncated = True
                     else:
-                        following = turns.after_assistant(step.messages, ended)
+                        following = turns.after_assistant(step.messages, by_token)
                         if self._overflows(t, len(following) + max_new_tokens):
                             # The environment's reply and one more turn would not fit: the
                             # conversation ends here (a reply nobody answers is not trained on).

@@ -13,9 +13,12 @@ from .http import ServerError, ServerHttp
 
 
 def completion_request(model: str, prompt: list[int], params, seed: int) -> dict:
-    """The ``/v1/completions`` body of one row (``params``: the engines' SamplingParams)."""
+    """The ``/v1/completions`` body of one row (``params``: the engines' SamplingParams). Stop
+    strings are not sent: the servers run without a tokenizer (``--skip-tokenizer-init``, vLLM
+    refuses them there), the engine cuts at them (trainer/rollout/controls/stop_strings.py)."""
     return {"model": model, "prompt": list(prompt), "max_tokens": params.max_new_tokens,
-            "temperature": 0.0 if params.greedy else float(params.temperature), "top_p": 1.0, "top_k": 0,
+            "temperature": 0.0 if params.greedy else float(params.temperature), "top_p": float(params.top_p),
+            "top_k": int(params.top_k), "repetition_penalty": float(params.repetition_penalty),
             "seed": int(seed), "stop_token_ids": list(params.stop_token_ids), "skip_special_tokens": False,
             "return_token_ids": True, "logprobs": 0 if params.return_log_probs else None,
             # without a tokenizer on the server, log-probs need their tokens named by id

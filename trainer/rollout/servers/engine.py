@@ -33,6 +33,7 @@ from polyfsdp.engines.model.weight_stream import full_weights, weight_buckets
 
 from ...rank_errors import on_every_rank
 from ..engines import Completions, RolloutEngine, SamplingParams
+from ..controls.stop_strings import cut_completions
 from ..vllm import PROBE_LENGTH, VllmSettings, policy_probe_log_probs, probe_ids, probe_length
 from .completions import prompt_log_probs, sample_rows
 from .http import ServerError, ServerHttp
@@ -245,7 +246,7 @@ class ServerRolloutEngine(RolloutEngine):
         tokens, log_probs = on_every_rank(lambda: sample_rows(self.servers, self.model, prompts, params, seeds,
                                                               self._pool, first))
         self._next_server += len(prompts)
-        return Completions(tokens, log_probs)
+        return Completions(*cut_completions(tokens, log_probs, params))
 
     def close(self) -> None:
         if self.sender is not None:
