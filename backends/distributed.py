@@ -233,7 +233,8 @@ def _record_peers() -> None:
     _PEERS = all_gather_object((socket.gethostname(), os.getpid()))
 
 
-def _process_gone(pid: int) -> bool:
+def process_gone(pid: int) -> bool:
+    """Whether process ``pid`` on this host has ended (a zombie counts as ended)."""
     try:
         with open(f"/proc/{pid}/stat") as f:
             # A killed worker stays a zombie until its launcher reaps it: state Z (or X).
@@ -262,7 +263,7 @@ def lost_peers(wait_s: float = LOST_PEER_WAIT_S) -> list[int]:
     deadline = time.monotonic() + wait_s
     while True:
         lost = [rank for rank, (peer_host, pid) in enumerate(_PEERS)
-                if rank != current_rank() and peer_host == host and _process_gone(pid)]
+                if rank != current_rank() and peer_host == host and process_gone(pid)]
         if lost or time.monotonic() >= deadline:
             return lost
         time.sleep(0.05)

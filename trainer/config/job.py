@@ -223,6 +223,21 @@ def _check_preset_overrides(model: ModelSection) -> None:
         raise ConfigError(text if text.startswith("model.") else f"model.overrides: {text}") from None
 
 
+def _hf_directory(model: ModelSection) -> str | None:
+    """``model.path``, or the cached Hugging Face directory its GGUF file converts to (the one
+    place a GGUF path is resolved; ``raw`` keeps the path as given, so config.yaml and a resumed
+    run name the GGUF file)."""
+    if not model.path:
+        return model.path
+    from polyfsdp.backends.topology import launch_env
+    from polyfsdp.engines.model.gguf import GGUFError, resolve_model_path
+
+    try:
+        return resolve_model_path(model.path, model.dtype, local_rank=launch_env().local_rank)
+    except GGUFError as exc:
+        raise ConfigError(str(exc)) from None
+
+
 def without_unused_preset(raw: dict) -> dict:
     """``raw`` with ``model.preset`` and ``model.overrides`` emptied when ``model.path`` is set: the
     directory's own config is the model, so config.yaml (and --cfg) must not claim a preset's."""
@@ -256,12 +271,13 @@ def build_job_config(raw: dict, world_size: int = 1) -> JobConfig:
         raise ConfigError(str(exc)) from None
     if model.preset and not model.path:
         _check_preset_overrides(model)
-    if model.path and not os.path.isdir(model.path):
-        raise ConfigError(f"model.path: {model.path!r} is not a directory")
     if model.dtype == "float16":
         # Every job trains; the engine refuses float16 master weights (AdamW's eps underflows).
         raise ConfigError("model.dtype=float16: training keeps master weights in float16, which AdamW turns "
                           "into NaN; use model.dtype=float32 engine.param_dtype=float16")
+    model.path = _hf_directory(model)
+    if model.path and not os.path.isdir(model.path):
+        raise ConfigError(f"model.path: {model.path!r} is not a directory (or a .gguf file)")
 
     try:
         engine = EngineConfig.from_dict(raw["engine"], where="engine")
