@@ -12,6 +12,7 @@ from polyfsdp.trainer.data.sources import DataError, read_files
 from polyfsdp.trainer.rollout.drivers.multi_turn import MultiTurnDriver, MultiTurnSettings
 from polyfsdp.trainer.data.example import Example
 from polyfsdp.trainer.algos.tool_sft import conversation_sequences
+from polyfsdp.trainer.rollout.engines import SamplingParams
 from polyfsdp.trainer.rollout.tool_task import CalculatorTask
 
 PRODUCTS = [(17, 23), (45, 67), (99, 12), (31, 88)]
@@ -79,7 +80,9 @@ def test_file_demonstrations_train_the_sequences_the_builtin_task_trains(tmp_pat
     for (prompt, response, mask), ex in zip(got, examples):
         trained = [t for t, m in zip(response, mask) if m]
         assistant = [m["content"] for m in ex.conversation if m["role"] == "assistant"]
-        assert trained == [t for text in assistant for t in tok.encode(text) + [tok.eos_token_id]]
+        # Each turn ends as the sampler ends one: <eos>, or the template's end-of-turn token apart from it.
+        turn_end = SamplingParams.for_tokenizer(tok, 1).stop_token_ids[-1]
+        assert trained == [t for text in assistant for t in tok.encode(text) + [turn_end]]
         assert sum(1 for m in mask if not m) > 0  # the tool's result is there, out of the loss
 
 
