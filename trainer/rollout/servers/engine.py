@@ -98,6 +98,7 @@ class ServerRolloutEngine(RolloutEngine):
         s, kv_mb = self.settings, self.vllm.kv_cache_mb or (512 if self.backend.memory_is_host else None)
         log_dir = self.log_dir or tempfile.mkdtemp(prefix="polyfsdp-server-logs-")
         ports = [s.port + i for i in range(s.count)] if s.port else free_ports(s.count)
+        logger.info("starting %d rollout server(s) (logs: %s)", s.count, log_dir)
         for i, port in enumerate(ports):
             launch = ServerLaunch(self.model_dir, port, s.host, dtype, s.tensor_parallel_size,
                                   self.backend.server_weight_transfer,
