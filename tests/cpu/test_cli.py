@@ -15,6 +15,7 @@ import torch
 
 from polyfsdp.trainer.tracking.metrics import TIMING_KEYS, read_metrics
 from polyfsdp.trainer.train import main
+from kill_at_checkpoint import kill_after_checkpoint
 
 # Few, small steps: every phase, evaluation, checkpoint and export still runs.
 TINY = [
@@ -211,20 +212,7 @@ def test_resume_after_sigkill_continues_the_same_curve(tmp_path, algo):
         assert max(r.get("multi_turn/turns_mean", 0.0) for r in reference) > 1.0
 
     out = tmp_path / "killed"
-    command = [sys.executable, os.path.join(os.path.dirname(__file__), "cli_kill_child.py"), "rl", "2",
-               *overrides, f"trainer.output_dir={out}"]
-    proc = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-                            text=True)
-    seen = []
-    try:
-        for line in proc.stdout:
-            seen.append(line)
-            if line.startswith("checkpoint saved:") and "(phase rl, step 2," in line:
-                proc.send_signal(signal.SIGKILL)
-                break
-    finally:
-        proc.stdin.close()  # a child that was not killed ends here instead of waiting forever
-        proc.wait(timeout=300)
+    proc, seen = kill_after_checkpoint([*overrides, f"trainer.output_dir={out}"])
     assert proc.returncode == -signal.SIGKILL, "".join(seen)
 
     resumed = _cli(*overrides, f"trainer.output_dir={out}", "trainer.resume=auto")

@@ -10,6 +10,7 @@ import sys
 import time
 
 from polyfsdp.trainer.tracking.metrics import TIMING_KEYS, read_metrics
+from kill_at_checkpoint import kill_after_checkpoint
 from test_vllm_job import JOB
 from vllm_cases import require_vllm
 
@@ -52,20 +53,13 @@ def test_kill_leaves_no_server_and_resume_continues_the_same_records(tmp_path):
     assert set(_servers()) <= before  # a finished run stopped its servers
 
     out = tmp_path / "killed"
-    command = [sys.executable, os.path.join(os.path.dirname(__file__), "cli_kill_child.py"), "rl", "2", *JOB,
-               *SERVER, f"trainer.output_dir={out}"]
-    proc = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-                            text=True)
-    try:
-        for line in proc.stdout:
-            if line.startswith("checkpoint saved:") and "(phase rl, step 2," in line:
-                started = set(_servers()) - before
-                assert started  # the run's server (keeper, API server) is up while it trains
-                proc.send_signal(signal.SIGKILL)
-                break
-    finally:
-        proc.stdin.close()
-        proc.wait(timeout=300)
+    started = set()
+
+    def note_started():
+        started.update(set(_servers()) - before)
+        assert started  # the run's server (keeper, API server) is up while it trains
+
+    proc, _ = kill_after_checkpoint([*JOB, *SERVER, f"trainer.output_dir={out}"], before_kill=note_started)
     assert proc.returncode == -signal.SIGKILL
     assert _wait_gone(started) == [], "a rollout server outlived its trainer"
     resumed = subprocess.run([sys.executable, "-m", "polyfsdp.trainer.train", *JOB, *SERVER,

@@ -4,7 +4,6 @@ against the same job sampled by our decoding loop: the greedy evaluations before
 step's sampled log-probs equal the trainer's (the mismatch metric, on by default with vLLM); a
 run killed and resumed with vLLM sampling continues the uninterrupted run's curve (slow: run with
 ``pytest -m slow``)."""
-import os
 import signal
 import subprocess
 import sys
@@ -14,6 +13,7 @@ import torch
 
 from polyfsdp.trainer.tracking.metrics import TIMING_KEYS, read_metrics
 from polyfsdp.trainer.train import main
+from kill_at_checkpoint import kill_after_checkpoint
 from vllm_cases import require_vllm
 
 JOB = ["trainer.sft_steps=2", "trainer.rl_steps=3", "trainer.sft_batch_size=8", "trainer.prompts_per_step=4",
@@ -58,18 +58,7 @@ def test_kill_and_resume_with_vllm_sampling_continues_the_same_curve(tmp_path):
     job = ["rollout.engine=vllm", "trainer.rl_steps=4", "trainer.checkpoint_interval=2", "trainer.export=false"]
     reference = _run(tmp_path / "full", *job)
     out = tmp_path / "killed"
-    command = [sys.executable, os.path.join(os.path.dirname(__file__), "cli_kill_child.py"), "rl", "2", *JOB, *job,
-               f"trainer.output_dir={out}", "trainer.progress=lines"]
-    proc = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-                            text=True)
-    try:
-        for line in proc.stdout:
-            if line.startswith("checkpoint saved:") and "(phase rl, step 2," in line:
-                proc.send_signal(signal.SIGKILL)
-                break
-    finally:
-        proc.stdin.close()
-        proc.wait(timeout=300)
+    proc, _ = kill_after_checkpoint([*JOB, *job, f"trainer.output_dir={out}", "trainer.progress=lines"])
     assert proc.returncode == -signal.SIGKILL
     resumed = subprocess.run([sys.executable, "-m", "polyfsdp.trainer.train", *JOB, *job, f"trainer.output_dir={out}",
                               "trainer.resume=auto"], capture_output=True, text=True, timeout=600)

@@ -103,6 +103,22 @@ def policy_probe_log_probs(policy, ids: list[int]) -> list[float]:
     return per_sequence(out, batch, policy.engine_config.pad_mode)[0][:-1].tolist()
 
 
+def probe_difference(sampled: list[float], policy, ids: list[int]) -> float:
+    """The largest difference between a sampler's log-probs of the probe ``ids`` and the policy's (collective)."""
+    return max(abs(a - b) for a, b in zip(sampled, policy_probe_log_probs(policy, ids)))
+
+
+def refuse_probe_difference(diff: float, tol: float, version: int, sampler: str,
+                            error: type[ConfigError] = ConfigError) -> None:
+    """``error`` naming ``sampler`` (one line) when ``diff`` passes ``tol``: the check ``rollout.check_sync``
+    makes after every sync, colocated or on servers."""
+    if not diff <= tol:
+        raise error(f"rollout.check_sync: after weight sync {version}, {sampler}'s log-probs of the probe differ from "
+                    f"the policy's by {diff:.3g} (rollout.check_sync_tol={tol:g}): {sampler} is not serving the "
+                    f"trained weights (a missed or partial sync); raise the tolerance only if the two run at "
+                    f"different precisions")
+
+
 class VllmRolloutEngine(RolloutEngine):
     """``rollout.engine=vllm`` (module docstring); ``rollout`` is the RolloutSection."""
 
@@ -209,17 +225,10 @@ class VllmRolloutEngine(RolloutEngine):
     def check(self, policy) -> float:
         """vLLM's vs the policy's log-probs of the probe: the largest difference; ConfigError
         (one line) beyond ``rollout.check_sync_tol``."""
-        ids = self.probe
-        ours = vllm_adapter.prompt_log_probs(self.llm, ids)
-        theirs = policy_probe_log_probs(policy, ids)
-        error = max(abs(a - b) for a, b in zip(ours, theirs))
-        self.last_sync_error = error
-        if not error <= self.rollout.check_sync_tol:
-            raise ConfigError(f"rollout.check_sync: after weight sync {self.weight_version}, vLLM's log-probs of "
-                              f"the probe differ from the policy's by {error:.3g} (rollout.check_sync_tol="
-                              f"{self.rollout.check_sync_tol:g}): vLLM is not serving the trained weights (a missed "
-                              f"or partial sync); raise the tolerance only if the two run at different precisions")
-        return error
+        sampled = vllm_adapter.prompt_log_probs(self.llm, self.probe)
+        self.last_sync_error = probe_difference(sampled, policy, self.probe)
+        refuse_probe_difference(self.last_sync_error, self.rollout.check_sync_tol, self.weight_version, "vLLM")
+        return self.last_sync_error
 
     # ------------------------------------------------------------------ sampling
     def generate(self, prompts: list[list[int]], params: SamplingParams, seeds: list[int] | None = None) -> Completions:

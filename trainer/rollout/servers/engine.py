@@ -34,7 +34,8 @@ from polyfsdp.engines.model.weight_stream import full_weights, weight_buckets
 from ...rank_errors import on_every_rank
 from ..engines import Completions, RolloutEngine, SamplingParams
 from ..controls.stop_strings import cut_completions
-from ..vllm import PROBE_LENGTH, VllmSettings, policy_probe_log_probs, probe_ids, probe_length
+from ..vllm import (PROBE_LENGTH, VllmSettings, probe_difference, probe_ids, probe_length,
+                    refuse_probe_difference)
 from .completions import prompt_log_probs, sample_rows
 from .http import ServerError, ServerHttp
 from .launch import SERVED_MODEL_NAME, ServerLaunch, ServerProcess, free_ports, host_memory_share, server_environment
@@ -219,17 +220,11 @@ class ServerRolloutEngine(RolloutEngine):
 
     def check(self, policy) -> float:
         """Server 0's vs the policy's log-probs of the probe; ServerError beyond ``rollout.check_sync_tol``."""
-        theirs = on_every_rank(lambda: prompt_log_probs(self.servers[0], self.model, self.probe))
-        ours = policy_probe_log_probs(policy, self.probe)
-        error = max(abs(a - b) for a, b in zip(theirs, ours))
-        self.last_sync_error = error
-        if not error <= self.rollout.check_sync_tol:
-            raise ServerError(f"rollout.check_sync: after weight sync {self.weight_version}, the rollout server's "
-                              f"log-probs of the probe differ from the policy's by {error:.3g} (rollout.check_sync_tol="
-                              f"{self.rollout.check_sync_tol:g}): the server is not serving the trained weights (a "
-                              f"missed or partial sync); raise the tolerance only if the two run at different "
-                              f"precisions")
-        return error
+        sampled = on_every_rank(lambda: prompt_log_probs(self.servers[0], self.model, self.probe))
+        self.last_sync_error = probe_difference(sampled, policy, self.probe)
+        refuse_probe_difference(self.last_sync_error, self.rollout.check_sync_tol, self.weight_version,
+                                "the rollout server", ServerError)
+        return self.last_sync_error
 
     # ------------------------------------------------------------------ sampling
     def generate(self, prompts: list[list[int]], params: SamplingParams, seeds: list[int] | None = None) -> Completions:
