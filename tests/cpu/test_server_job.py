@@ -18,15 +18,30 @@ SERVER = ["rollout.engine=vllm_server", "rollout.vllm.kv_cache_mb=64", "trainer.
           "trainer.checkpoint_interval=2", "trainer.export=false", "trainer.progress=lines"]
 
 
+def _processes() -> list[tuple[int, int, str]]:
+    """``(pid, process group, command line)`` of every process now, read from /proc: ``ps`` cuts
+    its ``args`` column at ``$COLUMNS`` (CI sets it), which hid a long interpreter path's ``-m``."""
+    rows = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                args = f.read().replace(b"\0", b" ").decode(errors="replace")
+            with open(f"/proc/{entry}/stat") as f:
+                pgid = int(f.read().rsplit(")", 1)[1].split()[2])
+        except (FileNotFoundError, ProcessLookupError, IndexError, ValueError):
+            continue  # ended while we looked
+        rows.append((int(entry), pgid, args))
+    return rows
+
+
 def _servers() -> list[int]:
     """The keepers, the vLLM API servers and every process of the API servers' groups (their
     engine cores and workers) running now."""
-    rows = [line.split(None, 2) for line in
-            subprocess.run(["ps", "-eo", "pid,pgid,args"], capture_output=True, text=True).stdout.splitlines()[1:]]
-    servers = [(int(pid), int(pgid)) for pid, pgid, args in rows if "vllm.entrypoints.openai.api_server" in args]
-    groups = {pgid for _, pgid in servers}
-    return [int(pid) for pid, pgid, args in rows if int(pgid) in groups
-            or "polyfsdp.trainer.rollout.servers.supervisor" in args]
+    rows = _processes()
+    groups = {pgid for _, pgid, args in rows if "vllm.entrypoints.openai.api_server" in args}
+    return [pid for pid, pgid, args in rows if pgid in groups or "polyfsdp.trainer.rollout.servers.supervisor" in args]
 
 
 def _wait_gone(pids, timeout=60.0) -> list[int]:
