@@ -25,6 +25,7 @@ from polyfsdp.backends.registry import get_backend
 from polyfsdp.backends.topology import Topology, topology
 
 from .batch.checks import BatchChecks, check_integer_ids
+from .cancellation import cancellation_point
 from .checkpoint import CheckpointMixin
 from .config import EngineConfig, ModelConfig, OptimConfig
 from .batch.dp_balance import Balanced, balance, restore
@@ -226,6 +227,7 @@ class FSDPEngine(CheckpointMixin):
         parts = {name: [] for name in names}
         with torch.no_grad(), self.eval_mode():
             for micro, index in self._micro_batches(work):
+                cancellation_point()
                 for name, value in zip(names, self.forward_flat(micro, calculate_entropy)):
                     parts[name].append((value, index))
 
@@ -288,6 +290,7 @@ class FSDPEngine(CheckpointMixin):
         sums: dict[str, torch.Tensor] = {}
         with self.train_mode():
             for i, (micro, index) in enumerate(micro_batches):
+                cancellation_point()
                 set_gradient_sync(self.module, i == len(micro_batches) - 1)
                 if is_placeholder(index):
                     self._placeholder_backward(micro, needs.entropy)

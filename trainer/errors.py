@@ -48,6 +48,8 @@ class TrackerStartError(RuntimeError):
 class Preempted(Exception):
     """Raised after the checkpoint a SIGTERM asked for is saved (trainer/run/stop.py)."""
 
-    def __init__(self, phase: str, step: int, checkpoint) -> None:
-        super().__init__(f"stopped by SIGTERM after {phase} step {step}; checkpoint saved: {checkpoint}")
+    def __init__(self, phase: str, step: int, checkpoint, abandoned: str = "") -> None:
+        # ``abandoned``: what was left undone to stop sooner (an evaluation, a step before its first update).
+        note = f" ({abandoned})" if abandoned else ""
+        super().__init__(f"stopped by SIGTERM after {phase} step {step}{note}; checkpoint saved: {checkpoint}")
         self.phase, self.step, self.checkpoint = phase, step, checkpoint

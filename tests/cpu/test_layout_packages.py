@@ -18,7 +18,7 @@ PRODUCTION = ("backends", "patches", "engines", "trainer")
 MAX_MODULES_PER_FOLDER = 12
 MAX_MODULE_LINES = 400
 # The engine's components, lowest first: each imports only components before it.
-ENGINE_ORDER = ("moved_modules", "presets", "config", "jagged", "batch", "attention", "head", "parallel",
+ENGINE_ORDER = ("moved_modules", "cancellation", "presets", "config", "jagged", "batch", "attention", "head", "parallel",
                 "model", "losses", "checkpoint", "heads", "step_metrics", "engine", "memory")
 # Only these trainer modules may import the job's package (it composes everything else).
 RUN_IMPORTERS = ("trainer/train.py", "trainer/eval_cli.py")

@@ -146,19 +146,22 @@ def test_an_error_on_one_rank_stops_every_rank_promptly_with_one_line(tmp_path):
     assert "Traceback" not in two.stdout
 
 
-def test_sigterm_on_one_rank_checkpoints_every_rank_and_resume_completes(tmp_path):
+@pytest.mark.parametrize("at, step, left", [("record", 1, ""), ("rollout", 2, " (left for the resumed run: rl step 2)")])
+def test_sigterm_on_one_rank_checkpoints_every_rank_and_resume_completes(tmp_path, at, step, left):
+    # "rollout": the signal lands in rank 1's sampling of step 2; both ranks abandon that step at
+    # the same cancellation point (an all-reduce each) and save step 1's boundary.
     child = os.path.join(os.path.dirname(__file__), "..", "cpu", "cli_sigterm_child.py")
     out = tmp_path / "two"
-    env = {**os.environ, "POLYFSDP_BACKEND": "cpu", "OMP_NUM_THREADS": "1", "SIGTERM_RANK": "1"}
+    env = {**os.environ, "POLYFSDP_BACKEND": "cpu", "OMP_NUM_THREADS": "1", "SIGTERM_RANK": "1", "SIGTERM_AT": at}
     steps = ["trainer.sft_steps=0", "trainer.export=false", "trainer.checkpoint_interval=0"]
     preempted = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-                                "--master_addr", "127.0.0.1", "--master_port", str(free_port()), child, "rl", "1",
+                                "--master_addr", "127.0.0.1", "--master_port", str(free_port()), child, "rl", str(step),
                                 *OVERRIDES, *steps, f"trainer.output_dir={out}"],
                                capture_output=True, text=True, timeout=240, env=env)
     checkpoint = out / "checkpoints" / "rl" / "step_000001"
     ours = [line for line in preempted.stderr.splitlines() if line.startswith("polyfsdp-train")]
     # Only rank 1 got the signal; both ranks saved at the same boundary and stopped (no hang).
-    assert ours == [f"polyfsdp-train: stopped by SIGTERM after rl step 1; checkpoint saved: {checkpoint}; "
+    assert ours == [f"polyfsdp-train: stopped by SIGTERM after rl step 1{left}; checkpoint saved: {checkpoint}; "
                     f"continue with: torchrun --nproc_per_node=2 -m polyfsdp.trainer.train "
                     f"{shlex.join([*OVERRIDES, *steps])} trainer.output_dir={out} trainer.resume=auto"], \
         preempted.stderr[-3000:]

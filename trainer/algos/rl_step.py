@@ -25,6 +25,7 @@ from typing import Callable
 import torch
 
 from polyfsdp.backends.distributed import all_reduce_sum, sum_over_replicas
+from polyfsdp.engines.cancellation import cancellation_point
 
 from ..data.batch import build_batch, per_sequence, response_field, response_mask
 from ..errors import ConfigError, RewardError
@@ -60,6 +61,7 @@ def rl_step(policy, ref, tokenizer, examples: list[Example], algo, actor_loss, s
     t0 = time.perf_counter()
     g = algo.actor
     driver = driver or default_driver()
+    cancellation_point()  # a SIGTERM during the last evaluation stops here (engines/cancellation.py)
     # The weight sync is a phase of its own, before the step's generators are seeded: what it
     # does (vLLM's start, or nothing) cannot move what the sampling draws.
     driver.engine.update_weights(policy)
@@ -68,6 +70,7 @@ def rl_step(policy, ref, tokenizer, examples: list[Example], algo, actor_loss, s
     sampled = sample_groups(policy, tokenizer, examples, g, algo.rollout_correction.needs_rollout_log_probs,
                             scorer, more_examples, driver, row_seeds)
     driver.engine.sleep()  # its device memory goes to the updates until the next rollout
+    cancellation_point()  # the rollout is the step's longest part before the first update
     roll, first = sampled.kept, sampled.first
     t_gen = time.perf_counter() - t0 - t_sync
     metrics = reward_metrics(first, policy.device)

@@ -14,12 +14,14 @@ class GenerationsLog:
     def __init__(self, path: str, enabled: bool = True) -> None:
         self.path, self.enabled = path, enabled
 
-    def start(self, next_step: int) -> None:
-        """Keep the lines of global steps before ``next_step`` (none for a fresh run: 0)."""
+    def start(self, next_step: int, drop: tuple[str, int] | None = None) -> None:
+        """Keep the lines of global steps before ``next_step`` (none for a fresh run: 0), but not
+        those of ``drop`` = ``(tag, global step)``: an evaluation the resumed run does again."""
         if not self.enabled or not os.path.isfile(self.path):
             return
         with open(self.path) as f:
-            kept = [line for line in f if line.strip() and json.loads(line)["global_step"] < next_step]
+            rows = [(line, json.loads(line)) for line in f if line.strip()]
+        kept = [line for line, row in rows if row["global_step"] < next_step and (row["tag"], row["global_step"]) != drop]
         tmp = self.path + ".tmp"
         if os.path.islink(tmp):  # a crafted run's link to any file: opening it would overwrite that file
             os.unlink(tmp)

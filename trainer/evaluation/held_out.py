@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from polyfsdp.backends.distributed import all_gather_object, current_rank, current_world_size
+from polyfsdp.engines.cancellation import cancellation_point
 
 from .metrics import PromptSamples, evaluation_metrics
 from ..rollout.drivers.single_turn import default_driver
@@ -72,6 +73,7 @@ def evaluate(engine, tokenizer, examples: list[Example], max_new_tokens: int, sc
                                           temperature=settings.temperature if sampled else 1.0, **settings.sampling)
     prompts, extras = [], {}
     for c in range(calls):
+        cancellation_point()  # a SIGTERM stops an evaluation between its calls (engines/cancellation.py)
         indices = mine[c * per_call:(c + 1) * per_call]
         chosen = indices or [mine[0]]
         part = [examples[i] for i in chosen]

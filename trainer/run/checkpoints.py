@@ -26,7 +26,8 @@ class JobCheckpoints:
         self.root = out / "checkpoints"
         self.cfg, self.world, self.say = trainer_cfg, world, say
         self.last: Path | None = None
-        self.pending: tuple[PendingCheckpoint, str] | None = None  # trainer.async_checkpoint's save in flight
+        self.last_at: tuple[str, int] | None = None  # (phase, step) of ``last``
+        self.pending: tuple[PendingCheckpoint, tuple[str, int], int] | None = None  # trainer.async_checkpoint's save in flight
 
     def due(self, step: int, total: int) -> bool:
         """Whether the phase's step ``step`` (of ``total``) ends with a checkpoint."""
@@ -39,15 +40,24 @@ class JobCheckpoints:
         self.written()  # one save at a time: the previous background one first
         saved = state.save(self.root / position.phase, position, keep=self.cfg.keep_checkpoints,
                            background=self.cfg.async_checkpoint and not wait)
-        where = f"(phase {position.phase}, step {position.phase_step}, global step {position.global_step})"
+        at = (position.phase, position.phase_step)
         if isinstance(saved, PendingCheckpoint):
-            self.pending = (saved, where)
+            self.pending = (saved, at, position.global_step)
             return saved.path
-        return self._announce(Path(saved), where)
+        return self._announce(Path(saved), at, position.global_step)
 
-    def _announce(self, path: Path, where: str) -> Path:
-        self.last = path  # before the line: a Ctrl-C right after it must name this one
-        self.say(f"{CHECKPOINT_MARKER} {path} {where}")
+    def save_step(self, state: PhaseState, phase: str, step: int, global_step: int, metrics, wait: bool = False,
+                  eval_due: bool = False) -> Path:
+        """:meth:`save` at ``phase``'s step ``step``, after ``metrics``' records (``eval_due``: the
+        step's evaluation has not run yet)."""
+        batch = self.cfg.sft_batch_size if phase == "sft" else self.cfg.prompts_per_step
+        position = TrainerPosition(phase, step, global_step, self.world, metrics.lines, metrics.path,
+                                   data_position=step * batch, eval_due=eval_due)
+        return self.save(state, position, wait=wait)
+
+    def _announce(self, path: Path, at: tuple[str, int], global_step: int) -> Path:
+        self.last, self.last_at = path, at  # before the line: a Ctrl-C right after it must name this one
+        self.say(f"{CHECKPOINT_MARKER} {path} (phase {at[0]}, step {at[1]}, global step {global_step})")
         return path
 
     def written(self, block: bool = True) -> None:
@@ -56,17 +66,17 @@ class JobCheckpoints:
         every rank reaches at the same point."""
         if self.pending is None:
             return
-        pending, where = self.pending
+        pending, at, global_step = self.pending
         if block or (pending.done() and not pending.failed()):
             self.pending = None
-            self._announce(pending.wait(), where)
+            self._announce(pending.wait(), at, global_step)
 
     def restore(self, state: PhaseState, resume: ResumePoint, steps: int) -> TrainerPosition:
         """Load every part of ``state`` from ``resume``'s checkpoint; the position it continues
         from (a checkpoint past the phase's ``steps`` is refused: its "final" evaluation would
         be mislabelled)."""
         checkpoint, position = state.load(resume, say=self.say)
-        self.last = checkpoint
+        self.last, self.last_at = checkpoint, (position.phase, position.phase_step)
         saved_world = position.world_size if position.world_size is not None else self.world
         if saved_world != self.world:
             self.say(f"elastic resume: {checkpoint} was saved on {saved_world} rank(s), this run has {self.world}: "

@@ -35,7 +35,7 @@ from typing import Callable
 
 import torch
 
-from polyfsdp.backends.distributed import all_reduce_max, broadcast_object, current_rank, init_distributed
+from polyfsdp.backends.distributed import broadcast_object, current_rank, init_distributed
 from polyfsdp.backends.topology import topology
 from polyfsdp.backends.registry import get_backend
 from polyfsdp.engines.engine import FSDPEngine
@@ -45,7 +45,7 @@ from polyfsdp.engines.losses import SFTLoss
 from ..data.chat import model_max_positions
 from ..config.job import JobConfig
 from ..config.run_start import save_run_config
-from ..errors import ConfigError, Preempted
+from ..errors import ConfigError
 from ..evaluation.held_out import GENERATION_COLUMNS, EvalSettings, evaluate
 from ..rollout.flat_sampling import flat_sampling_warning
 from ..evaluation.generations_log import GENERATIONS_FILE, GenerationsLog
@@ -63,10 +63,10 @@ from ..rewards.reward_fn import build_scorer
 from ..algos.rl_step import rl_step
 from ..rollout.build import build_rollout_driver, build_rollout_engine
 from .resume import RL_PHASE, STATE_FILE, ResumePoint, check_no_linked_run_files, check_same_run, find_resume
-from .state import PhaseState, TrainerPosition
+from .state import PhaseState
 from ..rollout.row_seeds import RowSeeds, replica_seed, step_seed
 from ..algos.sft import sft_step
-from .stop import StopRequest
+from .stop import SigtermStops, StopRequest
 from ..tracking import Trackers, start_run_trackers
 
 logger = logging.getLogger(__name__)
@@ -82,7 +82,7 @@ def _say(message: str) -> None:
         sys.stdout.flush()
 
 
-class Job:
+class Job(SigtermStops):
     """One run of ``polyfsdp-train`` (every rank builds one)."""
 
     def __init__(self, cfg: JobConfig) -> None:
@@ -170,20 +170,15 @@ class Job:
              f"[{time.perf_counter() - t:.1f}s]")
         return result.reward
 
-    def _checkpoint(self, engine: FSDPEngine, phase: str, step: int, global_step: int, wait: bool = False) -> Path:
+    def _checkpoint(self, engine: FSDPEngine, phase: str, step: int, global_step: int, wait: bool = False,
+                    eval_due: bool = False) -> Path:
         """Save the step's checkpoint: every part of the phase's state (``state.py``)."""
-        batch = self.cfg.trainer.sft_batch_size if phase == "sft" else self.cfg.trainer.prompts_per_step
-        position = TrainerPosition(phase, step, global_step, self.world, self.metrics.lines, self.metrics.path,
-                                   data_position=step * batch)
-        return self.checkpoints.save(self._state(phase, engine), position, wait=wait)
+        return self.checkpoints.save_step(self._state(phase, engine), phase, step, global_step, self.metrics,
+                                          wait=wait, eval_due=eval_due)
 
     def _state(self, phase: str, engine: FSDPEngine) -> PhaseState:
         """The parts of ``phase``'s checkpoints: its policy, and the critic in the RL phase."""
         return PhaseState(engine, critic=self.critic if phase != "sft" else None)
-
-    def _stop_agreed(self, device) -> bool:
-        """Whether any rank got SIGTERM: all stop at the same step boundary, none waits alone."""
-        return all_reduce_max([float(self.stop.requested)], device=device)[0] > 0
 
     def _record(self, phase: str, step: int, global_step: int, m: dict, progress: Progress) -> None:
         m = dict(m)
@@ -226,7 +221,9 @@ class Job:
             except OSError as exc:
                 raise ConfigError(f"trainer.output_dir: cannot create {out}: {exc.strerror or exc}") from None
         resume = broadcast_object(resume)
-        self.trackers = on_every_rank(lambda: self._start_trackers(resume is not None))
+        # trainer.logger's trackers on rank 0 (none elsewhere); one that cannot start is a ConfigError.
+        self.trackers = on_every_rank(lambda: start_run_trackers(self.cfg.trainer, out, cfg.raw, resume is not None)
+                                      if self.rank == 0 else Trackers([]))
         self.metrics.on_record = self.trackers.log_record
         if self.trackers.trackers:
             _say(f"trackers: {self.trackers.locations()}")
@@ -234,12 +231,6 @@ class Job:
             return self._run_phases(resume)
         finally:
             self.trackers.close()
-
-    def _start_trackers(self, resuming: bool) -> Trackers:
-        """trainer.logger's trackers on rank 0 (none elsewhere); one that cannot start is a ConfigError."""
-        if self.rank != 0:
-            return Trackers([])
-        return start_run_trackers(self.cfg.trainer, self.out, self.cfg.raw, resuming)
 
     def _run_phases(self, resume: ResumePoint | None) -> dict:
         cfg, out = self.cfg, self.out
@@ -266,7 +257,7 @@ class Job:
         except (ValueError, TypeError) as exc:
             raise ConfigError(f"model.overrides: {exc}") from None
 
-    def _start_metrics(self, resume: ResumePoint | None, lines: int | None) -> None:
+    def _start_metrics(self, resume: ResumePoint | None, lines: int | None, redo: tuple | None = None) -> None:
         source = None if resume is None else resume.run_dir / METRICS_FILE
         if self.rank == 0 and source is not None and source != Path(self.metrics.path) and source.is_file():
             shutil.copyfile(source, self.metrics.path)
@@ -275,14 +266,18 @@ class Job:
             # time_s goes on from the kept records' clock instead of restarting at 0.
             self.t0 = time.perf_counter() - self.metrics.elapsed_s()
         self.trackers.continue_from(self.metrics.next_global_step())
-        self.generations.start(self.metrics.next_global_step())
+        # ``redo``: an evaluation the checkpoint says is due, whose rows a stopped run may have written.
+        self.generations.start(self.metrics.next_global_step(), drop=redo)
 
-    def _restore(self, engine: FSDPEngine, phase: Phase, resume: ResumePoint | None, fresh_metrics: bool) -> int:
-        """Position the engine and the metrics file where ``phase`` continues; returns its first step."""
+    def _restore(self, engine: FSDPEngine, phase: Phase, resume: ResumePoint | None,
+                 fresh_metrics: bool) -> tuple[int, bool]:
+        """Position the engine and the metrics file where ``phase`` continues; returns its first
+        step and whether the evaluation due before it is still to run."""
         if resume is not None and resume.checkpoint is not None:
             position = self.checkpoints.restore(self._state(phase.name, engine), resume, phase.steps)
-            self._start_metrics(resume, position.metrics_lines)
-            return position.phase_step
+            redo = ("step", position.global_step) if position.eval_due else None
+            self._start_metrics(resume, position.metrics_lines, redo=redo)
+            return position.phase_step, position.eval_due
         if resume is not None:
             # Continuing at the phase's start: the exported start model says where the records end.
             state = json.loads((Path(phase.start_dir) / STATE_FILE).read_text())
@@ -291,7 +286,7 @@ class Job:
             self._start_metrics(None, None)
             if self.cfg.eval.initial:  # off: the starting model's score is known (a pretrained model's)
                 self._evaluate(engine, "initial", 0)
-        return 0
+        return 0, False
 
     def _step_function(self, phase: Phase, engine: FSDPEngine) -> Callable[[int, list], dict]:
         """``(phase step, this rank's examples) -> metrics`` for one training step of ``phase``."""
@@ -344,44 +339,49 @@ class Job:
             _say(warning)
 
     def _run_phase(self, phase: Phase, resume: ResumePoint | None, fresh_metrics: bool) -> None:
-        """Train ``phase`` from its start (or ``resume``), with evaluations, checkpoints, export."""
+        """Train ``phase`` from its start (or ``resume``), with evaluations, checkpoints, export.
+        A boundary's checkpoint comes before its evaluation (run at the next step's start, recorded
+        as due): a SIGTERM stops there, or abandons what has not updated weights yet (stop.py)."""
         engine = self._engine(phase.name, phase.start_dir)
         step_fn = self._step_function(phase, engine)  # builds the RL reference before a checkpoint sets the RNG
-        start = self._restore(engine, phase, resume, fresh_metrics)
+        start, eval_due = self._restore(engine, phase, resume, fresh_metrics)
         every = self.cfg.trainer.eval_interval if phase.mid_evaluations else 0
         progress = Progress(phase.name, phase.steps, start, self.cfg.trainer.progress,
                             enabled=self.rank == 0 and "console" in self.cfg.trainer.logger)
         for step in range(start, phase.steps):
             examples = self._shard(self.source.batch(phase.stream, step, phase.batch_size))
             global_step = phase.step_offset + step + 1
-            metrics = step_fn(step, examples)
+
+            def evaluate_then_step():
+                nonlocal eval_due
+                if eval_due:
+                    self._evaluate(engine, "step", global_step - 1, where=f"{phase.name} step {step}")
+                    eval_due = False
+                return step_fn(step, examples)
+            metrics = self._abandonable(evaluate_then_step, engine, phase, step, lambda: eval_due, progress,
+                                        f"{phase.name} step {step + 1}")
             if phase.name == RL_PHASE and step == start:
                 self._warn_if_sampling_is_flat(engine, metrics)
             self._record(phase.name, step + 1, global_step, metrics, progress)
-            if every and (step + 1) % every == 0 and step + 1 != phase.steps:
-                self._evaluate(engine, "step", global_step, where=f"{phase.name} step {step + 1}")
             self.position = (phase.name, step + 1)
+            eval_due = bool(every) and (step + 1) % every == 0 and step + 1 != phase.steps
             self.checkpoints.written(block=False)
-            saved = self.checkpoints.due(step + 1, phase.steps)
-            if saved:
-                self._checkpoint(engine, phase.name, step + 1, global_step)
+            if self.checkpoints.due(step + 1, phase.steps):
+                self._checkpoint(engine, phase.name, step + 1, global_step, eval_due=eval_due)
             if self._stop_agreed(engine.device):
-                progress.close()
-                self.checkpoints.written()
-                path = self.checkpoints.last if saved else \
-                    self._checkpoint(engine, phase.name, step + 1, global_step, wait=True)
-                raise Preempted(phase.name, step + 1, path)
+                self._preempt(engine, phase, step + 1, eval_due, progress)
         progress.close()
         self.checkpoints.written()  # the phase's last checkpoint is complete before its end
         end_step = phase.step_offset + phase.steps
-        self._evaluate(engine, phase.end_tag, end_step)
+        # A resumed run evaluates the phase's end by itself: nothing is due in the checkpoint.
+        self._abandonable(lambda: self._evaluate(engine, phase.end_tag, end_step), engine, phase, phase.steps,
+                          lambda: False, progress, f"the {phase.end_tag} evaluation")
         if phase.export_dir is not None:
             state = {"metrics_lines": self.metrics.lines, "global_step": end_step} if phase.export_state else None
             # A phase feeding the next one (the SFT model RL starts from) is always merged weights.
             lora = "merged" if phase.export_state else self.cfg.trainer.export_lora
             export_model(engine, phase.export_dir, self.tokenizer, state=state, lora=lora, critic=self.critic)
         self.critic = None
-        del engine, step_fn
 
     def _finish(self) -> dict:
         rewards = {}

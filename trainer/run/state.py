@@ -42,6 +42,9 @@ class TrainerPosition:
     metrics_lines: int        # metrics.jsonl records that precede it (a resume cuts the file back to them)
     metrics_path: str
     data_position: int        # examples the phase has drawn (phase_step x its batch size)
+    # The held-out evaluation due at this step has not run (its record is not among metrics_lines):
+    # the checkpoint is saved before it, so a resumed run evaluates first.
+    eval_due: bool = False
 
     def state_dict(self) -> dict[str, Any]:
         """The position as the checkpoint's plain ``extra`` (its keys in field order)."""
@@ -51,7 +54,8 @@ class TrainerPosition:
     def from_state_dict(cls, state: dict[str, Any]) -> TrainerPosition:
         """The position a checkpoint's ``extra`` holds; a missing world size is None."""
         known = {f.name for f in fields(cls)}
-        missing = sorted(known - set(state) - {"world_size"})
+        # Older checkpoints lack world_size and eval_due (saved after the step's evaluation).
+        missing = sorted(known - set(state) - {"world_size", "eval_due"})
         if missing:
             raise CheckpointError(f"trainer state lacks {', '.join(missing)}")
         return cls(**{**{"world_size": None}, **{k: v for k, v in state.items() if k in known}})

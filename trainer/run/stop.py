@@ -10,7 +10,7 @@ import shlex
 import signal
 import threading
 
-from ..errors import Preempted  # noqa: F401 (re-exported: its old home)
+from ..errors import Preempted
 from ..startup import EXIT_TERMINATED  # noqa: F401 (re-exported) the status of a run stopped by SIGTERM
 
 
@@ -46,3 +46,81 @@ class StopRequest:
         if self._previous is not None:
             signal.signal(signal.SIGTERM, self._previous)
             self._previous = None
+
+
+class StepAbandoned(Exception):
+    """A SIGTERM reached a cancellation point of a step that had not updated any weights yet."""
+
+
+class StepGuard:
+    """What a SIGTERM may abandon between one step boundary and the next step's first optimizer
+    update: that step's rollout, log-prob passes and gradient accumulation, and an evaluation
+    still due at the boundary. Their engines and optimizers are then exactly as at the boundary,
+    so the boundary's checkpoint is saved instead of finishing the step (a step on a real
+    model outlasts a scheduler's grace period). Once an update has been applied, the step
+    runs to its end and the stop happens at the next boundary, as before.
+
+    ``check`` is installed at the engine's cancellation points (engines/cancellation.py); each
+    call agrees over ranks (``agreed``: one all-reduce), as every rank reaches the same points.
+    """
+
+    def __init__(self, stop: StopRequest, engines, agreed, backend) -> None:
+        from polyfsdp.engines.checkpoint.parts import rng_state
+
+        self.stop, self.agreed = stop, agreed
+        self.engines = [engine for engine in engines if engine is not None]
+        self._steps = [engine.global_step for engine in self.engines]  # optimizer steps so far
+        self._backend = backend
+        # The generators as at the boundary: the checkpoint saved in the step's place holds them.
+        self.rng = rng_state(backend)
+        self.updated = False
+
+    def check(self) -> None:
+        if self.updated:
+            return
+        if [engine.global_step for engine in self.engines] != self._steps:
+            self.updated = True  # every rank applies the same updates: all stop checking here
+            return
+        if self.agreed():
+            raise StepAbandoned()
+
+    def restore_rng(self) -> None:
+        from polyfsdp.engines.checkpoint.parts import set_rng_state
+
+        set_rng_state(self.rng, self._backend)
+
+
+class SigtermStops:
+    """The job's ways of stopping for a SIGTERM (a mixin of trainer/run/job.py's Job, which holds
+    ``stop``, ``checkpoints``, ``critic``, ``backend`` and ``_checkpoint``)."""
+
+    def _stop_agreed(self, device) -> bool:
+        """Whether any rank got SIGTERM: all stop at the same point, none waits alone."""
+        from polyfsdp.backends.distributed import all_reduce_max
+
+        return all_reduce_max([float(self.stop.requested)], device=device)[0] > 0
+
+    def _abandonable(self, work, engine, phase, steps_done: int, eval_due, progress, what: str):
+        """``work()`` (``what``: e.g. "rl step 3"), abandoned if a SIGTERM reaches one of its
+        cancellation points before an update: the run then stops at the boundary after
+        ``steps_done`` (``eval_due()``: whether that boundary's evaluation is still to run)."""
+        from polyfsdp.engines.cancellation import cancellable
+
+        guard = StepGuard(self.stop, (engine, self.critic), lambda: self._stop_agreed(engine.device), self.backend)
+        try:
+            with cancellable(guard.check):
+                return work()
+        except StepAbandoned:
+            guard.restore_rng()  # the generators as the boundary's checkpoint would have saved them
+            self._preempt(engine, phase, steps_done, eval_due(), progress, abandoned=what)
+
+    def _preempt(self, engine, phase, steps_done: int, eval_due: bool, progress, abandoned: str = "") -> None:
+        """Stop at the boundary after ``steps_done``: its checkpoint (saved now unless it is the
+        newest one), then :class:`Preempted` naming what the resumed run will do first."""
+        progress.close()
+        self.checkpoints.written()
+        path = self.checkpoints.last if self.checkpoints.last_at == (phase.name, steps_done) else \
+            self._checkpoint(engine, phase.name, steps_done, phase.step_offset + steps_done, wait=True,
+                             eval_due=eval_due)
+        left = [*(["the evaluation due there"] if eval_due else []), *([abandoned] if abandoned else [])]
+        raise Preempted(phase.name, steps_done, path, f"left for the resumed run: {', '.join(left)}" if left else "")
