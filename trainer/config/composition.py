@@ -137,6 +137,22 @@ def available_options(group: str) -> list[str]:
     return sorted(p.name[:-5] for p in root.iterdir() if p.name.endswith(".yaml"))
 
 
+# ``${if_model_path:A,B}`` in the shipped YAML: A when model.path names a checkpoint (a pretrained
+# model: the values peers use for one), B for the built-in model built from a preset (the values
+# tuned for the default job's 0.23M-parameter model). A key the user sets wins either way.
+MODEL_PATH_RESOLVER = "if_model_path"
+
+
+def _if_model_path(when_path, otherwise, *, _root_):
+    return when_path if _root_.model.get("path") else otherwise
+
+
+def register_resolvers() -> None:
+    """The shipped YAML's resolvers (idempotent)."""
+    if not OmegaConf.has_resolver(MODEL_PATH_RESOLVER):
+        OmegaConf.register_new_resolver(MODEL_PATH_RESOLVER, _if_model_path)
+
+
 def compose(overrides: list[str]) -> DictConfig:
     """Compose ``train.yaml`` with ``overrides``; Hydra's errors become one-line ConfigErrors."""
     from hydra import compose as hydra_compose
@@ -145,6 +161,7 @@ def compose(overrides: list[str]) -> DictConfig:
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
 
+    register_resolvers()
     GlobalHydra.instance().clear()
     try:
         with initialize_config_module(config_module=CONFIG_MODULE, version_base=None):
