@@ -1,7 +1,7 @@
 """Pushing weights to a real vLLM OpenAI server with ServerWeightSender over the "polyfsdp_cpu"
 backend (trainer/rollout/servers/): after a push the server's own /v1/completions computes the pushed
 model's log-probs (prompt and sampled tokens, fp32, to 1e-5) and greedy tokens; a push missing a
-bucket is caught by that check; a refused request is one line naming the server and the route.
+bucket fails naming the layers it left out; a refused request is one line naming the server and the route.
 One server for the module (starting one takes ~30 s)."""
 import threading
 import time
@@ -148,14 +148,21 @@ def test_push_makes_the_server_compute_the_pushed_model(server, models):
         sender.close()
 
 
-def test_a_push_missing_a_bucket_is_caught_by_the_check(server, models):
-    """Layerwise reload keeps the weights a layer had when none of its own arrive (vLLM logs "Failed
-    to load weights" for it): the server then serves a mix that the log-prob check tells apart."""
+def test_a_push_missing_a_bucket_fails_naming_the_layers_it_left_out(server, models):
+    """The workers check at the end of a push that every layer got its weights: one missing a bucket
+    fails, naming its layers, and leaves the server paused. What it holds then: the weights those
+    layers had (vLLM's reload keeps them), the new ones elsewhere; the log-prob check tells that mix
+    from the pushed model."""
     url, model_dir = server
     push(url, layer_buckets(models(2)), 2)
     buckets = layer_buckets(models(3))
     dropped = buckets.pop(1)  # decoder layer 0
-    push(url, buckets, 3)
+    with pytest.raises(ServerError, match=r"POST /update_weights: .* of vLLM's layers got none or only part of their "
+                                          r"weights: model.layers.0.self_attn.qkv_proj \(0 of \d+ elements\)") as err:
+        push(url, buckets, 3)
+    assert "\n" not in str(err.value)
+    assert get_json(url + "/is_paused")["is_paused"] is True
+    post_json(url + "/resume", None)  # to look at what it holds
     with pytest.raises(AssertionError):
         assert_serves(url, model_dir, models(3))
     mix = AutoModelForCausalLM.from_config(models(3).config, dtype=torch.float32).eval()

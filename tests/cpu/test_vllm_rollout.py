@@ -2,9 +2,9 @@
 greedy completions equal our decoding loop's token for token (qwen2, qwen3, llama, fp32);
 after every GRPO step its log-probs of the tokens it sampled equal the policy's recomputed
 ones (a missed or partial weight sync fails that); a request's own seed (its row's, 63 bits)
-draws its completion whatever else the batch holds; a parameter left out of the sync makes
-``rollout.check_sync`` stop the run. One vLLM engine per model family for the whole module
-(starting one takes seconds)."""
+draws its completion whatever else the batch holds; a sync lands every parameter (fused ones
+included) without a warning; a parameter left out of the sync stops the run, naming its layer.
+One vLLM engine per model family for the whole module (starting one takes seconds)."""
 import random
 
 import pytest
@@ -20,7 +20,7 @@ from polyfsdp.trainer.rollout.engines import PolicyDecoding, SamplingParams
 from polyfsdp.trainer.rollout.row_seeds import RowSeeds
 from polyfsdp.trainer.data.tokenizers import CharTokenizer
 from polyfsdp.trainer.data.task import ReverseTask
-from vllm_cases import require_vllm, write_checkpoint
+from vllm_cases import LOAD_WARNINGS, require_vllm, vllm_differences, vllm_log, write_checkpoint
 
 TOK = CharTokenizer()
 PROMPTS = [[TOK.bos_token_id] + TOK.encode(s) for s in ("abc=", "ba=", "hgfe=", "a=", "dcba+ab=")]
@@ -178,11 +178,35 @@ def test_sampled_log_probs_are_those_of_the_filtered_distribution_as_in_our_loop
             assert abs(ref - lp[t]) < 1e-4, (prompt, row, t, ref, lp[t])
 
 
-def test_a_parameter_left_out_of_the_sync_stops_the_run(engines, monkeypatch):
+def test_a_sync_lands_every_parameter_without_a_warning(engines):
+    """Llama (q/k/v and gate/up fused in vLLM) in buckets of one decoder layer each: every vLLM
+    parameter equals the policy's after a sync, and neither the start nor the sync logs a warning
+    about loading (vLLM's reload warned per layer outside each bucket) or a traceback (its
+    chat-template warmup without a tokenizer)."""
+    policy, vllm = engines("llama-tiny", seed=9, sync_bucket_mb=0.01, check_sync=False)
+    with vllm_log() as logged:
+        vllm.update_weights(policy)  # the start
+        with torch.no_grad():
+            for param in policy.module.parameters():
+                param.add_(torch.randn_like(param) * 0.1)
+        policy.weights_version += 1  # what an optimizer step does
+        vllm.update_weights(policy)
+    assert vllm.weight_version == 2
+    noise = [line for line in logged if any(w in line for w in LOAD_WARNINGS) or "Traceback" in line]
+    assert not noise, noise[:3]
+    assert not vllm_differences(vllm.llm, policy)
+
+
+@pytest.mark.parametrize("left_out, layer", [
+    ("model.layers.1.mlp.down_proj.weight", r"model.layers.1.mlp.down_proj \(0 of 8192 elements\)"),
+    # A third of the fused q/k/v: its layer is loaded in part, not skipped.
+    ("model.layers.1.self_attn.k_proj.weight", r"model.layers.1.self_attn.qkv_proj \([1-9]\d* of \d+ elements\)"),
+])
+def test_a_parameter_left_out_of_the_sync_stops_the_run_naming_its_layer(engines, monkeypatch, left_out, layer):
     algo, loss, examples = _grpo()
-    policy, vllm = engines("qwen2-tiny")
+    # Without the probe check: the sync itself must find what it did not load.
+    policy, vllm = engines("qwen2-tiny", seed=11, check_sync=False, sync_bucket_mb=0.01)
     stream = vllm.buckets
-    left_out = "model.layers.1.mlp.down_proj.weight"
 
     def without_one(module, bucket_bytes, untie):
         for bucket in stream(module, bucket_bytes, untie):
@@ -191,8 +215,14 @@ def test_a_parameter_left_out_of_the_sync_stops_the_run(engines, monkeypatch):
     monkeypatch.setattr(vllm, "buckets", without_one)
     driver = SingleTurnDriver(vllm)
     rl_step(policy, None, TOK, examples[0], algo, loss, sample_seed=0, driver=driver)  # syncs, then trains
-    with pytest.raises(ConfigError, match=r"rollout.check_sync: after weight sync \d+, vLLM's log-probs"):
+    with pytest.raises(ConfigError, match=rf"rollout.engine=vllm: weight sync \d+: 1 of vLLM's layers got none or "
+                                          rf"only part of their weights: {layer}; ") as err:
         vllm.update_weights(policy)
+    assert "\n" not in str(err.value)
+    assert any(name.startswith("model.layers.1.") for name in vllm_differences(vllm.llm, policy))  # stale there
+    monkeypatch.setattr(vllm, "buckets", stream)
+    vllm.update_weights(policy)  # a whole sync brings vLLM back
+    assert not vllm_differences(vllm.llm, policy)
 
 
 def test_a_model_vllm_cannot_serve_is_one_line_naming_the_fix(engines):

@@ -5,10 +5,12 @@ engine per rank (tensor parallel 1) holding a copy of the policy's weights.
   FSDP2 shards, engines/model/weight_stream.py) written to a local temporary directory; never a hub.
 - Sync (``update_weights``, called before a rollout): when the policy's ``weights_version`` moved (an applied optimizer
   step, a checkpoint load) or the engine is a different one (the next phase), every rank
-  streams the full weights in buckets of ``rollout.sync_bucket_mb`` into vLLM, which resets
-  its prefix cache; ``weight_version`` counts the syncs. ``rollout.check_sync`` then compares
-  vLLM's log-probs of a fixed probe sequence with the policy's and stops beyond
-  ``rollout.check_sync_tol`` (a missed or partial sync is the usual failure of this design).
+  streams the full weights in buckets of ``rollout.sync_bucket_mb`` into vLLM (one reload for
+  all of them: trainer/rollout/vllm_adapter.py), which resets its prefix cache; a layer of
+  vLLM's model left without weights stops the run, named; ``weight_version`` counts the syncs.
+  ``rollout.check_sync`` then compares vLLM's log-probs of a fixed probe sequence with the
+  policy's and stops beyond ``rollout.check_sync_tol`` (a missed or partial sync is the usual
+  failure of this design).
   ``generate`` never syncs: it samples with the weights of the last sync.
 - Sampling: the same stop tokens (kept in the completion), temperature, top-p, top-k and
   repetition penalty as our loop (vLLM's own, defined alike: trainer/rollout/controls/logits_shaping.py),
@@ -188,9 +190,11 @@ class VllmRolloutEngine(RolloutEngine):
         bucket_bytes = int(self.rollout.sync_bucket_mb * (1 << 20))
         if self._asleep:
             vllm_adapter.wake_up(self.llm, ["weights"])
-        for bucket in self.buckets(policy.module, bucket_bytes, untie=True):
-            vllm_adapter.load_weights(self.llm, bucket)
+        missing = vllm_adapter.load_weights(self.llm, self.buckets(policy.module, bucket_bytes, untie=True))
         vllm_adapter.reset_prefix_cache(self.llm)
+        if missing:
+            raise ConfigError(f"rollout.engine=vllm: weight sync {self.weight_version + 1}: "
+                              f"{vllm_adapter.unloaded_message(missing)}")
 
     def _wake_cache(self) -> None:
         if self._asleep:

@@ -10,8 +10,11 @@ reports the log-probs of the processed distribution (after temperature), which i
 """
 from __future__ import annotations
 
+import contextlib
+import logging
 import os
 from dataclasses import dataclass
+from typing import Iterable
 
 import torch
 
@@ -75,7 +78,7 @@ def start(options: StartOptions, install: str):
                                            ("max_model_len", options.max_model_len),
                                            ("max_num_seqs", options.max_num_seqs)) if value is not None}
     try:
-        with torch.random.fork_rng(devices=[]):
+        with torch.random.fork_rng(devices=[]), _dropping(_RENDERER_LOGGER, tokenizerless_warmup_failure):
             # generation_config="vllm": sample with our parameters only, not the checkpoint's defaults.
             return vllm.LLM(model=options.model_dir, dtype=options.dtype, seed=options.seed, enforce_eager=True,
                             skip_tokenizer_init=True, logprobs_mode="processed_logprobs", generation_config="vllm",
@@ -123,11 +126,141 @@ def prompt_log_probs(llm, ids: list[int]) -> list[float]:
     return [step[tok].logprob for step, tok in zip(out.prompt_logprobs[1:], ids[1:])]
 
 
-def load_weights(llm, named_tensors: list[tuple[str, torch.Tensor]]) -> None:
-    """Load checkpoint-named tensors into the running model in place. vLLM maps the names
-    (and fuses q/k/v, gate/up) itself; the model's own ``load_weights`` called directly after
-    start-up does not work (its parameters lose their loaders), ``reload_weights`` does."""
-    llm.collective_rpc("reload_weights", kwargs={"weights_iterator": named_tensors, "is_checkpoint_format": True})
+def load_weights(llm, buckets: Iterable[list[tuple[str, torch.Tensor]]]) -> list[str]:
+    """Load checkpoint-named tensors, bucket by bucket, into the running model in place: one
+    layerwise reload for the whole sync (:func:`begin_reload`, the model's ``load_weights`` per
+    bucket, :func:`finish_reload`). vLLM maps the names and fuses q/k/v, gate/up itself. The
+    layers left without the policy's weights come back (:func:`unloaded_layers`; empty: all landed).
+
+    Not ``reload_weights`` per bucket: each call is a whole reload, which then warns about every
+    layer outside its bucket and every parameter it did not load (thousands of lines a sync on
+    a 30-layer model), burying a layer that really was left out."""
+    llm.collective_rpc(_on_model, args=(begin_reload,))
+    try:
+        for bucket in buckets:
+            llm.collective_rpc(_on_model, args=(_load, bucket))
+    finally:  # also on a failure: a layer left in the reload's state has no weights to sample with
+        missing = llm.collective_rpc(_on_model, args=(finish_reload,))
+    return sorted({name for worker in missing for name in worker})
+
+
+def _on_model(worker, fn, *args):
+    """``fn(model, model_config, *args)`` on a vLLM worker (a collective_rpc callable), under the
+    worker's config as vLLM's own reload runs (some weight loaders read the current config)."""
+    from vllm.config import set_current_vllm_config
+
+    with set_current_vllm_config(worker.vllm_config):
+        return fn(worker.model_runner.get_model(), worker.model_config, *args)
+
+
+def _load(model, model_config, bucket) -> None:
+    from vllm.model_executor.model_loader.mtp_validation import disable_mtp_completeness_check
+
+    # A bucket is part of a model, not a whole checkpoint: no draft-layer completeness check.
+    with disable_mtp_completeness_check():
+        model.load_weights(bucket)
+
+
+def begin_reload(model, model_config=None) -> None:
+    """Start a layerwise reload of a vLLM ``model``: every layer waits for all of its weights, then
+    is processed and copied into the tensors vLLM serves with (what restores the weight loaders)."""
+    from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
+
+    initialize_layerwise_reload(model)
+
+
+def finish_reload(model, model_config) -> list[str]:
+    """End the reload :func:`begin_reload` started: :func:`unloaded_layers`, then vLLM's finalize,
+    which puts a layer that got no weights back as it was, warning ``<class>: Failed to load
+    weights`` per layer, without a name. That warning is dropped: a layer with parameters is
+    named by the result (the caller raises), and one without, the rotary embedding's cos/sin
+    cache, is computed from the config and never in a checkpoint, so it warned on every sync."""
+    from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
+
+    missing = unloaded_layers(model)
+    with _dropping(_LAYERWISE_LOGGER, _unnamed_layer_warning):
+        finalize_layerwise_reload(model, model_config)
+    return missing
+
+
+def unloaded_layers(model) -> list[str]:
+    """The layers of ``model``, in a layerwise reload, whose parameters did not all get weights:
+    ``"<module name> (<loaded> of <total> elements)"``. A layer processes (and leaves the reload)
+    once it has them all; layers without parameters (rotary caches) and attention layers (their
+    scales are vLLM's, processed at the end) load nothing from a plain checkpoint."""
+    from vllm.model_executor.layers.attention import is_deferred_attention_layer
+    from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO
+
+    missing = []
+    for name, layer in model.named_modules():
+        info = LAYERWISE_INFO.get(layer)
+        if info is None or not info.can_load() or not layer._parameters or is_deferred_attention_layer(layer):
+            continue
+        expected = _loadable_numel(layer, info.load_numel_total)
+        if info.load_numel < expected:
+            missing.append(f"{name} ({info.load_numel} of {expected} elements)")
+    return missing
+
+
+def unloaded_message(layers: list[str]) -> str:
+    """What :func:`unloaded_layers` found, in one line for the user."""
+    shown = ", ".join(layers[:4]) + (f" and {len(layers) - 4} more" if len(layers) > 4 else "")
+    return (f"{len(layers)} of vLLM's layers got none or only part of their weights: {shown}; the policy's weight "
+            f"names do not cover vLLM's model (a parameter missing from the weight stream, or named otherwise), "
+            f"so vLLM would sample with stale weights there")
+
+
+def _loadable_numel(layer, total: int) -> int:
+    """The elements of ``layer``'s ``total`` a checkpoint fills: a vocabulary layer (embedding, LM
+    head) pads its rows past the checkpoint's vocabulary, which its loader zeroes, not loads."""
+    shards = getattr(layer, "shard_indices", None)
+    if shards is None or not shards.num_elements_padded:
+        return total
+    return total * shards.num_org_elements // shards.num_elements_padded
+
+
+_LAYERWISE_LOGGER = "vllm.model_executor.model_loader.reload.layerwise"
+_RENDERER_LOGGER = "vllm.renderers.base"
+
+
+def _unnamed_layer_warning(record: logging.LogRecord) -> bool:
+    return record.msg == "%s: Failed to load weights"
+
+
+def tokenizerless_warmup_failure(record: logging.LogRecord) -> bool:
+    """vLLM's chat-template warmup at start-up, which always fails without a tokenizer (this engine's
+    and the servers' ``skip_tokenizer_init``: token ids in and out) and logs a traceback for it;
+    chat templates are never rendered here, so it warms nothing that is used."""
+    exc = record.exc_info[1] if record.exc_info else None
+    return record.msg == "Chat template warmup failed" and isinstance(exc, ValueError) \
+        and "skip_tokenizer_init" in str(exc)
+
+
+class _Drop(logging.Filter):
+    def __init__(self, match) -> None:
+        super().__init__()
+        self.match = match
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not self.match(record)
+
+
+def drop_tokenizerless_warmup_failure() -> None:
+    """For good, in this process (the servers' vLLM plugin calls it): see :func:`tokenizerless_warmup_failure`."""
+    logger = logging.getLogger(_RENDERER_LOGGER)
+    if not any(isinstance(f, _Drop) and f.match is tokenizerless_warmup_failure for f in logger.filters):
+        logger.addFilter(_Drop(tokenizerless_warmup_failure))
+
+
+@contextlib.contextmanager
+def _dropping(logger_name: str, match):
+    """Drop the records of ``logger_name`` that ``match`` while inside."""
+    logger, drop = logging.getLogger(logger_name), _Drop(match)
+    logger.addFilter(drop)
+    try:
+        yield
+    finally:
+        logger.removeFilter(drop)
 
 
 def reset_prefix_cache(llm) -> None:

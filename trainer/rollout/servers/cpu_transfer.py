@@ -1,15 +1,20 @@
 """The vLLM worker side of the "polyfsdp_cpu" weight-transfer backend (vLLM's built-in ones need GPUs).
 
 Loaded inside the vLLM server's worker processes (registered by ``vllm_plugin.register``), so it uses
-vLLM and the wire format, never the trainer. The trainer side is ``weight_sender.ServerWeightSender``.
+vLLM, the wire format and the reload the colocated engine runs too (trainer/rollout/vllm_adapter.py),
+never the trainer's state. The trainer side is ``weight_sender.ServerWeightSender``.
 The classes subclass vLLM's, so they are built at first use (``CpuWeightTransferEngine``, looked up
 by vLLM's factory): the module itself imports without vLLM, as every polyfsdp module must.
 """
+import logging
 from dataclasses import dataclass
 
 import torch
 
+from polyfsdp.trainer.rollout import vllm_adapter
 from polyfsdp.trainer.rollout.servers import gloo_wire
+
+logger = logging.getLogger(__name__)
 
 BACKEND = gloo_wire.BACKEND
 
@@ -44,6 +49,10 @@ def _engine_class():
         names: list[str]
         dtype_names: list[str]
         shapes: list[list[int]]
+        # The sync's last message, no tensors: fail naming the layers that got none or part of their
+        # weights. Here, not in finish_weight_update: the worker ends an update whose update_weights
+        # raised, but one whose finish raised stays open, and the server then refuses every later one.
+        check: bool = False
 
         def __post_init__(self):
             lengths = {len(self.names), len(self.dtype_names), len(self.shapes)}
@@ -54,7 +63,8 @@ def _engine_class():
 
     class CpuWeightTransferEngine(WeightTransferEngine[CpuTransferInitInfo, CpuTransferUpdateInfo]):
         """Receives each bucket as one gloo broadcast from rank 0 and loads it in vLLM's checkpoint format
-        (``model.load_weights``) inside a layerwise reload, like vLLM's NCCL engine."""
+        (``model.load_weights``) inside one layerwise reload for the sync, like vLLM's NCCL engine; the
+        sync's check message fails naming the layers left without weights (trainer/rollout/vllm_adapter.py)."""
 
         init_info_cls = CpuTransferInitInfo
         update_info_cls = CpuTransferUpdateInfo
@@ -75,14 +85,12 @@ def _engine_class():
                                               init_info.timeout_s)
 
         def start_weight_update(self) -> None:
-            from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
-
-            initialize_layerwise_reload(self.model)
+            vllm_adapter.begin_reload(self.model)
 
         def finish_weight_update(self) -> None:
-            from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
-
-            finalize_layerwise_reload(self.model, self.model_config)
+            missing = vllm_adapter.finish_reload(self.model, self.model_config)
+            if missing:  # a sender that made no check: the server's log names the layers at least
+                logger.warning("polyfsdp_cpu weight update: %s", vllm_adapter.unloaded_message(missing))
 
         def update_weights(self, update_info: dict) -> None:
             # The base class ends with torch.accelerator.synchronize(), which raises on a machine without
@@ -95,6 +103,13 @@ def _engine_class():
                                    "POST /init_weight_transfer_engine first")
             from vllm.model_executor.model_loader.mtp_validation import disable_mtp_completeness_check
 
+            if update_info.check:
+                missing = vllm_adapter.unloaded_layers(self.model)
+                if missing:
+                    # Serve the previous weights where none came (the reload left those layers empty).
+                    vllm_adapter.finish_reload(self.model, self.model_config)
+                    raise RuntimeError(vllm_adapter.unloaded_message(missing))
+                return
             buffer = torch.empty(gloo_wire.packed_size(update_info.dtype_names, update_info.shapes),
                                  dtype=torch.uint8)
             gloo_wire.broadcast(self.group, buffer).wait()

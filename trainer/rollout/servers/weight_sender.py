@@ -121,7 +121,8 @@ class ServerWeightSender:
         """Send every bucket's tensors to every server; returns the bytes broadcast (the sender's count,
         alignment padding included; 0 on other ranks). The servers are paused (requests kept) during the
         update and resumed only after every server finished it: a failed push leaves them paused and
-        raises, so no server samples from half-synced weights."""
+        raises, so no server samples from half-synced weights; so does one that left a layer of a
+        server's model without weights ("polyfsdp_cpu": its workers check)."""
         if not self.is_sender:
             for _ in buckets:  # the gathers behind the iteration are collectives with the sender
                 pass
@@ -142,6 +143,12 @@ class ServerWeightSender:
                 continue  # keep iterating: the other trainer ranks' gathers need this rank
             try:
                 sent += self._send_bucket(bucket)
+            except Exception as err:
+                error = err
+        if error is None and self.device_sender is None:
+            try:  # "polyfsdp_cpu"'s workers name the layers the buckets left without weights (cpu_transfer.py)
+                self._http.call("/update_weights", {"update_info": {"names": [], "dtype_names": [], "shapes": [],
+                                                                    "check": True}})
             except Exception as err:
                 error = err
         if error is None:
