@@ -141,7 +141,7 @@ class Backend(ABC):
     def memory_capacity_bytes(self) -> int | None:
         """All the memory one process's tensors can live in: the device's total, or the host's
         physical memory where device memory is host memory (the CPU); None when unknown. A job
-        whose smallest working set exceeds it cannot run (trainer/run/estimate.py: check_fits)."""
+        whose smallest working set exceeds it cannot run (trainer/config/machine_fit.py: check_fits)."""
         if self.memory_is_host:
             try:
                 return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")

@@ -55,10 +55,14 @@ def available_backends() -> list[BackendStatus]:
 def backend_memory_is_host(name: str) -> bool:
     """Whether backend ``name`` computes in host memory, without requiring it to be usable
     here (a GPU job may be estimated on a laptop); ``auto`` is what this machine would pick."""
+    return unchecked_backend(name).memory_is_host
+
+
+def unchecked_backend(name: str) -> Backend:
+    """Backend ``name`` for what it declares, without requiring it to be usable here (a GPU
+    job's memory may be estimated on a laptop); ``auto`` is what this machine would pick."""
     name = _check_name(name, "backend")
-    if name == "auto":
-        return get_backend("auto").memory_is_host
-    return _FACTORIES[name].memory_is_host
+    return get_backend("auto") if name == "auto" else _instance(name)
 
 
 def get_backend(name: str = "auto") -> Backend:

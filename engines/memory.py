@@ -10,7 +10,13 @@ from the tensors autograd saves per token in a Llama/Qwen-style decoder (listed 
 :func:`saved_per_token`), at the micro-batch token budget, with and without activation
 checkpointing; the logits path adds the ``(tokens, vocab)`` tensors that the fused head
 never materialises. A no-grad pass keeps no activations: one layer's working set
-(:func:`layer_working_set_per_token`) and the head; generation adds its KV cache.
+(:func:`layer_working_set_per_token`) and the head; generation adds its KV cache. A sharded
+model adds FSDP2's unsharded copies (the root and two layers gathered, a layer's and the root's
+gradients before their reduce-scatter), and AdamW's step its temporaries.
+
+Where device memory is host memory (the CPU) a process also holds its interpreter and
+libraries (:data:`HOST_PROCESS_BYTES`), and glibc's malloc keeps part of the freed activations
+in its heaps, so the resident set of a step exceeds its live tensors (:func:`host_heap_slack`).
 """
 from __future__ import annotations
 
@@ -36,6 +42,20 @@ LOGITS_PATH_TENSORS = 3
 FUSED_HEAD_BUFFERS = 2
 # Vocabulary-sized float32 tensors of a no-grad log-prob pass: the logits and log_softmax's output.
 INFERENCE_LOGITS_TENSORS = 2
+# Host memory only. One trainer process before its job: python, torch, transformers and
+# polyfsdp imported, a first forward/backward run (362 MiB measured: Linux, torch 2.13 CPU).
+HOST_PROCESS_BYTES = 360 * MIB
+# Host memory only: what a training micro-batch adds to the resident set beyond its live
+# tensors, as a share of its activations. glibc's malloc serves tensors under its (adaptive, up
+# to 32 MiB) mmap threshold from heaps it keeps, and the backward, freeing activations while it
+# allocates gradients, leaves holes that later tensors do not fit. Measured on SmolLM2-135M
+# (forward + backward of 3328-3352 tokens): 13-18% of the activations for a full fine-tune (1 and 2
+# ranks), 44-62% where more temporaries come and go between the long-lived tensors: LoRA
+# (peft's adapter branches) and activation checkpointing (each layer's recompute). No-grad passes
+# and generation showed none. ``MALLOC_MMAP_THRESHOLD_=65536`` brings the resident set to the live
+# tensors at about a third more system time in the step.
+HOST_HEAP_SLACK = 0.15
+HOST_HEAP_SLACK_CHURN = 0.5
 
 
 def hf_config_of(model_config: ModelConfig):
@@ -117,6 +137,12 @@ def layer_working_set_per_token(hf_config) -> int:
     return 2 * h + max(3 * q_dim + 3 * kv_dim, 3 * hf_config.intermediate_size)
 
 
+def host_heap_slack(activations: int, churn: bool) -> int:
+    """The resident bytes glibc's heaps add to a training micro-batch of ``activations`` live
+    bytes (host memory); ``churn``: LoRA adapters or activation checkpointing."""
+    return int(activations * (HOST_HEAP_SLACK_CHURN if churn else HOST_HEAP_SLACK))
+
+
 def kv_cache_bytes(hf_config, rows: int, positions: int, compute_bytes: int) -> int:
     """Generation's KV cache: keys and values of every layer, ``rows x positions`` (the
     decoding loop preallocates prompt width + max_new_tokens positions, trainer/rollout/decode.py)."""
@@ -154,6 +180,45 @@ class ModelMemory:
         self.gathered = 0 if world_size == 1 else self.num_params * self.compute_bytes
         self.saved = saved_per_token(self.hf_config, lora_targets_per_layer(model))
         self.vocab = 1 if value_head else self.hf_config.vocab_size
+        self.largest_trained = max((shard_bytes([p]) for p in trainable), default=0)
+        # What a separate sampler (vLLM) loads: the base weights, adapters merged, a tied output
+        # embedding as a weight of its own (trainer/rollout/vllm.py: untie=True).
+        tied = getattr(self.hf_config, "tie_word_embeddings", False) and not value_head
+        self.sampler_params = sum(p.numel() for n, p in model.named_parameters() if ".lora_" not in n) + \
+            (self.vocab * self.hf_config.hidden_size if tied else 0)
+        self.fsdp_forward, self.fsdp_backward = self._fsdp_buffers(model, engine_config, world_size)
+
+    def _fsdp_buffers(self, model, engine_config: EngineConfig, world_size: int) -> tuple[int, int]:
+        """FSDP2's unsharded copies on a sharded model (engines/parallel/fsdp.py: needs_sharding):
+        in every forward the root (kept gathered until the backward is done) and two layers (the
+        running one and the prefetched one; every layer with ``reshard_policy=never``) in
+        param_dtype; in a backward a layer's and the root's full gradients in reduce_dtype
+        before their reduce-scatter. ``(0, 0)`` for the plain one-rank model."""
+        from .parallel.fsdp import decoder_layers
+
+        wanted = {TORCH_DTYPES[engine_config.param_dtype], TORCH_DTYPES[engine_config.reduce_dtype]}
+        if world_size == 1 and not engine_config.shard_single_rank and \
+                all({p.dtype} == wanted for p in model.parameters() if p.is_floating_point()):
+            return 0, 0
+        layers = decoder_layers(model)
+        in_layers = {id(p) for layer in layers for p in layer.parameters()}
+        root = [p for p in model.parameters() if id(p) not in in_layers]
+        gathered = len(layers) if engine_config.reshard_policy == "never" else min(2, len(layers))
+        per_layer = sum(p.numel() for p in layers[0].parameters())
+        forward = (sum(p.numel() for p in root) + gathered * per_layer) * self.compute_bytes
+        trained = [p for p in [*root, *layers[0].parameters()] if p.requires_grad]
+        return forward, sum(p.numel() for p in trained) * TORCH_DTYPES[engine_config.reduce_dtype].itemsize
+
+    def optimizer_step(self, impl: str, host_backend: bool) -> int:
+        """AdamW's temporaries in its step (``impl`` as OptimConfig.impl; ``auto`` is torch's
+        choice: foreach on accelerators, the for-loop on the CPU): the for-loop's ``sqrt`` and
+        its quotient of the largest trained shard, foreach's ``sqrt`` of every trained shard,
+        none in the fused kernel or the host step of ``offload=optimizer``."""
+        if impl == "fused" or ("optimizer" in self.host_state(host_backend)):
+            return 0
+        if impl == "for_loop" or (impl == "auto" and host_backend):
+            return 2 * self.largest_trained
+        return self.grads
 
     def _head(self, tokens: int, tensors: int) -> int:
         """The head's bytes at its peak: ``tensors`` float32 ``(tokens, vocab)`` tensors on the
@@ -164,7 +229,7 @@ class ModelMemory:
             return FUSED_HEAD_BUFFERS * default_chunk_size(tokens, self.vocab) * self.vocab * 4
         return tokens * self.vocab * 4 * tensors
 
-    def activation_rows(self, tokens: int, entropy: bool) -> dict[str, int]:
+    def activation_rows(self, tokens: int, entropy: bool, checkpointing: bool | None = None) -> dict[str, int]:
         """A training micro-batch of ``tokens`` tokens: saved activations with and without
         checkpointing, the head's paths, and the step as configured (last row)."""
         layers, saved = self.hf_config.num_hidden_layers, self.saved
@@ -185,7 +250,7 @@ class ModelMemory:
         head = fused if self.engine_config.use_fused_kernels else unfused
         # The head's backward runs while every saved activation is alive; a checkpointed layer's
         # recompute comes after the head's buffers are freed, so the larger of the two counts.
-        if self.engine_config.gradient_checkpointing:
+        if self.engine_config.gradient_checkpointing if checkpointing is None else checkpointing:
             step = rows[f"activations saved, {tokens} tokens, checkpointed"] + \
                 max(head, rows["one layer recomputed (checkpointed)"])
         else:
@@ -193,9 +258,11 @@ class ModelMemory:
         rows["step activations + head (as configured)"] = step
         return rows
 
-    def train_step(self, tokens: int, entropy: bool) -> int:
-        """Activations and head of a training micro-batch of ``tokens`` tokens (as configured)."""
-        return self.activation_rows(tokens, entropy)["step activations + head (as configured)"]
+    def train_step(self, tokens: int, entropy: bool, checkpointing: bool | None = None) -> int:
+        """Activations and head of a training micro-batch of ``tokens`` tokens (as configured, or
+        with ``checkpointing`` on or off), and FSDP2's unsharded copies."""
+        rows = self.activation_rows(tokens, entropy, checkpointing)
+        return rows["step activations + head (as configured)"] + self.fsdp_forward + self.fsdp_backward
 
     def inference(self, tokens: int, entropy: bool = False) -> int:
         """A no-grad forward over ``tokens`` tokens (``infer_batch``, ``infer_values``): one
@@ -203,7 +270,7 @@ class ModelMemory:
         float32, plus exp(log-probs) for the entropy) or the fused head's buffers."""
         body = self.compute_bytes * tokens * (layer_working_set_per_token(self.hf_config)
                                               + self.hf_config.hidden_size)
-        return body + self._head(tokens, INFERENCE_LOGITS_TENSORS + int(entropy))
+        return body + self._head(tokens, INFERENCE_LOGITS_TENSORS + int(entropy)) + self.fsdp_forward
 
     def generation(self, rows: int, prompt_width: int, new_tokens: int) -> int:
         """Sampling ``new_tokens`` for ``rows`` left-padded prompts of ``prompt_width``: the KV
@@ -240,6 +307,7 @@ class MemoryEstimate:
         return "\n".join(lines + [f"note: {n}" for n in self.notes])
 
 
+FSDP_ROW = "FSDP2 unsharded copies (root + 2 layers, grads)"
 STATE_ROWS = {"params": "parameters (sharded, master dtype)", "grads": "gradients (trainable only)",
               "optimizer": "optimizer state (AdamW, trainable only)"}
 
@@ -258,10 +326,13 @@ def estimate_memory(model_config: ModelConfig, engine_config: EngineConfig, worl
     memory = ModelMemory(model_config, engine_config, world_size, hf_config)
     rows = {STATE_ROWS[key]: getattr(memory, key) for key in STATE_ROWS}
     rows.update(memory.activation_rows(tokens, entropy))
+    fsdp = memory.fsdp_forward + memory.fsdp_backward
+    if fsdp:
+        rows[FSDP_ROW] = fsdp
     host = {STATE_ROWS[key] for key in memory.host_state(host_backend)}
     # The device's peak: what stays on the device plus the step's activations.
     rows["peak step estimate (as configured)"] = sum(rows[name] for name in STATE_ROWS.values() if name not in host) \
-        + rows["step activations + head (as configured)"]
+        + rows["step activations + head (as configured)"] + fsdp
     estimate = MemoryEstimate(rows, host=host)
     if engine_config.offload == "params" and not host_backend:
         estimate.notes.append("offload=params: parameters, gradients and optimizer state on the host (the peak "
@@ -273,7 +344,6 @@ def estimate_memory(model_config: ModelConfig, engine_config: EngineConfig, worl
         estimate.notes.append(f"LoRA rank {model_config.lora.rank}: {memory.num_trainable:,} trained "
                               f"of {memory.num_params:,} parameters; the KL reference (adapters off) "
                               f"costs no second copy")
-    estimate.notes.append("FSDP2 also gathers one layer (and the root) unsharded in param_dtype while it runs")
     return estimate
 
 

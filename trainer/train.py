@@ -223,7 +223,8 @@ def _main(argv: list[str] | None, starting: SigtermWhileStarting) -> int:
 
             print(OmegaConf.to_yaml(OmegaConf.create(cfg.raw)), end="")
             return 0
-        from .run.estimate import check_fits, print_estimate
+        from .config.machine_fit import check_fits
+        from .run.estimate import print_estimate
 
         if estimate:
             print_estimate(cfg, world_size)

@@ -10,7 +10,7 @@ import pytest
 
 from polyfsdp.trainer.config.composition import compose, to_container
 from polyfsdp.trainer.config.job import ConfigError, build_job_config
-from polyfsdp.trainer.run.estimate import check_fits
+from polyfsdp.trainer.config.machine_fit import check_fits
 
 ALGOS = ("grpo", "ppo")
 BASE = {algo: to_container(compose([f"algo={algo}"])) for algo in ALGOS}

@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from polyfsdp.trainer.config.job import ConfigError, load_config
-from polyfsdp.trainer.run.estimate import check_fits
+from polyfsdp.trainer.config.machine_fit import check_fits
 
 
 def _cpus() -> int:

@@ -1,5 +1,5 @@
 """``polyfsdp-train ... --estimate`` covers the job it is asked about (trainer/run/estimate.py): its
-peak is within 30% of the measured peak-RSS rise of SFT, GRPO, PPO and LoRA jobs on CPU
+live peak is within 30% of the measured peak-RSS rise of SFT, GRPO, PPO and LoRA jobs on CPU
 (benchmarks/job_memory.py, a model the per-token figures were not fitted to), the RL phase
 counts its rollout rows, reference copy and critic, and a config-only 7B directory gives
 the published 16 bytes per parameter of mixed-precision AdamW, not terabytes."""
@@ -10,7 +10,8 @@ import sys
 import pytest
 
 from polyfsdp.trainer.config.job import load_config
-from polyfsdp.trainer.run.estimate import estimate_job
+from polyfsdp.engines.memory import ModelMemory
+from polyfsdp.trainer.run.estimate import _hf_config, _Lengths, estimate_job
 from polyfsdp.trainer.train import main
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks"))
@@ -53,10 +54,14 @@ def test_rl_phase_counts_rollout_rows_reference_and_critic():
     assert rollout.rows == 32 * 8
     assert _steps(estimate_job(load_config(base), world_size=2), "grpo")["rollout generation (KV cache)"].rows == 128
     assert "reference parameters (a frozen copy)" in grpo.state["grpo"]
-    # Several ranks: rollout.unshard gathers the whole model for generation, false does not.
+    # Several ranks: rollout.unshard gathers the whole model for generation, false gathers the
+    # root and two layers at a time (FSDP2's forward).
     gathered, per_layer = (_steps(estimate_job(load_config([*base, f"rollout.unshard={u}"]), world_size=2), "grpo")
                            ["rollout generation (KV cache)"].transient for u in ("auto", "false"))
-    assert gathered - per_layer == grpo.state["grpo"]["policy parameters"]  # fp32 compute: the same bytes
+    cfg = load_config(base)
+    hf_config = _hf_config(cfg, _Lengths(cfg).tokenizer)
+    fsdp_forward = ModelMemory(cfg.model.model_config(), cfg.engine, 2, hf_config).fsdp_forward
+    assert 0 < fsdp_forward and gathered - per_layer + fsdp_forward == grpo.state["grpo"]["policy parameters"]
     ppo = estimate_job(load_config(["algo=ppo", *base]), world_size=1)
     assert {"critic parameters", "critic AdamW state"} <= set(ppo.state["ppo"])
     assert {"critic values pass (no grad)", "critic update micro-batch"} <= set(_steps(ppo, "ppo"))

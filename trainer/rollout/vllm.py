@@ -48,6 +48,7 @@ from .controls.stop_strings import cut_completions
 logger = logging.getLogger(__name__)
 
 PROBE_LENGTH = 32
+HOST_KV_CACHE_MB = 512  # rollout.vllm.kv_cache_mb=null where device memory is host memory (CPU)
 
 
 @dataclass
@@ -121,6 +122,29 @@ def refuse_probe_difference(diff: float, tol: float, version: int, sampler: str,
                     f"different precisions")
 
 
+def sleep_level(settings: VllmSettings, backend, lora: bool) -> int:
+    """How deep the engine sleeps between rollouts: ``rollout.vllm.sleep_level``, ``auto`` the backend's (0: never)."""
+    level = backend.rollout_sleep_level(lora) if settings.sleep_level == "auto" else settings.sleep_level
+    return level or 0
+
+
+def colocated_memory(settings: VllmSettings, weights: int, backend, lora: bool) -> tuple[int, int, str]:
+    """What the engine holds per rank, for ``--estimate`` (nothing of vLLM is imported):
+    ``(awake, asleep, how)``: the bytes while it samples, while the trainer steps (a level-1
+    sleep moves the weights to the host, level 2 drops them; both free the KV cache), and how
+    they were counted. ``weights``: its copy of the policy in the rollout dtype."""
+    kv_mb = settings.kv_cache_mb or (HOST_KV_CACHE_MB if backend.memory_is_host else None)
+    capacity = None if kv_mb or backend.availability() is not None else backend.memory_capacity_bytes()
+    if kv_mb:
+        awake, how = weights + (kv_mb << 20), f"weights + {kv_mb} MiB KV cache"
+    elif capacity:
+        awake = int(settings.gpu_memory_utilization * capacity)
+        how = f"{settings.gpu_memory_utilization:g} x {capacity / 2 ** 30:.1f} GiB"
+    else:  # a device this machine does not have: its size is unknown, so the KV cache is
+        awake, how = weights, "weights; KV cache unknown"
+    return awake, (awake if sleep_level(settings, backend, lora) == 0 else 0), how
+
+
 class VllmRolloutEngine(RolloutEngine):
     """``rollout.engine=vllm`` (module docstring); ``rollout`` is the RolloutSection."""
 
@@ -130,8 +154,7 @@ class VllmRolloutEngine(RolloutEngine):
     def __init__(self, rollout, backend, lora: bool = False) -> None:
         self.rollout, self.backend = rollout, backend
         self.settings = VllmSettings.from_section(rollout.vllm)
-        level = backend.rollout_sleep_level(lora) if self.settings.sleep_level == "auto" else self.settings.sleep_level
-        self.sleep_level = level or 0
+        self.sleep_level = sleep_level(self.settings, backend, lora)
         if self.sleep_level:
             conflict = backend.vllm_sleep_mode_conflict(True, os.environ)
             if conflict is not None:
@@ -167,7 +190,7 @@ class VllmRolloutEngine(RolloutEngine):
                  for name, tensor in full_weights(policy.module, untie=True)}
         save_file(state, f"{directory}/model.safetensors", metadata={"format": "pt"})
         del state
-        kv_mb = self.settings.kv_cache_mb or (512 if self.backend.memory_is_host else None)
+        kv_mb = self.settings.kv_cache_mb or (HOST_KV_CACHE_MB if self.backend.memory_is_host else None)
         options = vllm_adapter.StartOptions(
             model_dir=directory, dtype=policy.engine_config.param_dtype, seed=0,
             gpu_memory_utilization=None if self.backend.memory_is_host else self.settings.gpu_memory_utilization,

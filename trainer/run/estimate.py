@@ -10,23 +10,27 @@ estimated. What cannot be known before the run is bounded: RL completions are co
 are bounded over their turns (trainer/run/estimate_turns.py). The bytes come
 from ``engines/memory.py`` (``ModelMemory``): exact parameter, gradient and AdamW shards, the
 reference copy of a full fine-tune (none with LoRA: its adapters off), a critic estimator's critic, and each
-step's activations, head buffers and KV cache.
+step's activations, head buffers and KV cache, FSDP2's unsharded copies and AdamW's step; a colocated vLLM
+engine's weights and KV cache (trainer/rollout/vllm.py: colocated_memory). Where device memory is host
+memory (the CPU) the process's own baseline and glibc's heap slack are counted too: the peak is then
+the process's resident set, ``peak(live=True)`` its live tensors alone.
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field, replace
 
-from polyfsdp.engines.config import TORCH_DTYPES
-from polyfsdp.engines.memory import MIB, ModelMemory, hf_config_of, kv_cache_bytes
+from polyfsdp.engines.memory import HOST_PROCESS_BYTES, MIB, ModelMemory, hf_config_of, host_heap_slack
 from polyfsdp.engines.batch.micro import plan_micro_batches
 from polyfsdp.engines.presets import preset_config
 
-from ..config.rollout_check import SEPARATE_SAMPLERS
 from ..errors import ConfigError
 from ..data.sources import RL_DATA_STREAM
 
 EVAL_CHUNK = 256  # prompts per evaluation generate call (trainer/evaluation/held_out.py: COMPLETIONS_PER_CALL)
+GIB = 2 ** 30
+# The peak step's activations above this share of the job's peak: the estimate says what
+# engine.gradient_checkpointing=true would make of them.
+CHECKPOINTING_ADVICE_SHARE = 0.25
 
 
 @dataclass
@@ -38,10 +42,13 @@ class Step:
     tokens: int         # tokens of that micro-batch (generation: rows x (prompt width + new tokens))
     transient: int      # bytes: activations, head buffers, KV cache, gradients alive during it
     resident: int       # bytes of the phase's state on the device meanwhile
+    activations: int = 0            # of ``transient``: activations, head and KV cache (not gradients)
+    checkpointed: int | None = None  # an update's activations with engine.gradient_checkpointing=true
+    heap: int = 0       # host memory: glibc's heap slack beyond the live bytes (engines/memory.py)
 
     @property
     def peak(self) -> int:
-        return self.resident + self.transient
+        return self.resident + self.transient + self.heap
 
 
 @dataclass
@@ -52,10 +59,13 @@ class JobEstimate:
     state: dict[str, dict[str, int]] = field(default_factory=dict)  # phase -> row -> bytes
     steps: dict[str, list[Step]] = field(default_factory=dict)      # phase -> steps
     notes: list[str] = field(default_factory=list)
+    process: int = 0    # host memory: the process's baseline, a resident row of every phase
 
-    def peak(self) -> tuple[int, str]:
-        """The largest step peak and ``"phase: step"`` naming it."""
-        return max((s.peak, f"{phase}: {s.name}") for phase, steps in self.steps.items() for s in steps)
+    def peak(self, live: bool = False) -> tuple[int, str]:
+        """The largest step peak and ``"phase: step"`` naming it; ``live``: the job's live
+        bytes only (no process baseline, no heap slack: what RSS shows with a fixed mmap threshold)."""
+        return max((s.resident + s.transient - self.process if live else s.peak, f"{phase}: {s.name}")
+                   for phase, steps in self.steps.items() for s in steps)
 
     def table(self) -> str:
         lines = [self.header]
@@ -63,12 +73,12 @@ class JobEstimate:
             lines.append(f"\n{phase} phase: resident state{'':<25} MiB")
             for name, value in self.state[phase].items():
                 lines.append(f"  {name:<48} {value / MIB:>10.2f}")
-            lines.append(f"  {'step':<36} {'rows':>6} {'tokens':>8} {'step MiB':>10} {'peak MiB':>10}")
-            for s in steps:
-                lines.append(f"  {s.name:<36} {s.rows:>6} {s.tokens:>8} {s.transient / MIB:>10.2f} "
-                             f"{s.peak / MIB:>10.2f}")
+            lines.append(f"  {'step':<36} {'rows':>6} {'tokens':>8} {'step MiB':>10} "  # heap: host memory only
+                         + ("heap MiB " if self.process else "") + f"{'peak MiB':>10}")
+            lines += [f"  {s.name:<36} {s.rows:>6} {s.tokens:>8} {s.transient / MIB:>10.2f} "
+                      + (f"{s.heap / MIB:>8.2f} " if self.process else "") + f"{s.peak / MIB:>10.2f}" for s in steps]
         value, where = self.peak()
-        lines.append(f"\npeak over phases: {value / MIB:.2f} MiB ({value / 2 ** 30:.2f} GiB) per rank, at {where}")
+        lines.append(f"\npeak over phases: {value / MIB:.2f} MiB ({value / GIB:.2f} GiB) per rank, at {where}")
         return "\n".join(lines + [f"note: {n}" for n in self.notes])
 
 
@@ -137,13 +147,18 @@ class _Lengths:
 
 
 # ---------------------------------------------------------------------- phases
+@dataclass
+class _Setting:
+    """What every phase shares."""
+    host: bool                # device memory is host memory (the CPU)
+    lora: bool
+    rows: dict[str, int]      # resident rows of every phase: the process baseline (host), a colocated vLLM
+    sampler: int | None       # a colocated vLLM: the bytes it adds while it samples; None: the built-in decoding
+
+
 def _state_rows(prefix: str, memory: ModelMemory, host: set[str]) -> dict[str, int]:
-    rows = {f"{prefix} parameters": memory.params, f"{prefix} AdamW state": memory.optimizer}
-    if "params" in host:
-        rows[f"{prefix} parameters"] = 0
-    if "optimizer" in host:
-        rows[f"{prefix} AdamW state"] = 0
-    return rows
+    return {f"{prefix} parameters": 0 if "params" in host else memory.params,
+            f"{prefix} AdamW state": 0 if "optimizer" in host else memory.optimizer}
 
 
 def _device_grads(memory: ModelMemory, host: set[str]) -> int:
@@ -155,19 +170,46 @@ def _context(lengths: _Lengths, prompt: int, new_tokens: int) -> int:
     return prompt if lengths.turns is None else lengths.turns.conversation(prompt) - new_tokens
 
 
-def _evaluation(cfg, lengths: _Lengths, world: int, memory: ModelMemory, new_tokens: int, resident: int) -> Step:
+def _generation(name: str, rows: int, width: int, new_tokens: int, memory: ModelMemory, gathered: int,
+                resident: int, setting: _Setting) -> Step:
+    """Sampling ``rows`` prompts of ``width``: vLLM's share awake, or the decoding loop's KV cache
+    and working set beside the gathered model (or FSDP2's per-layer gathers)."""
+    if setting.sampler is not None:
+        return Step(f"{name} (vLLM)", rows, rows * (width + new_tokens), setting.sampler, resident)
+    work = memory.generation(rows, width, new_tokens)
+    return Step(f"{name} ({'KV cache' if name.startswith('rollout') else 'generation'})", rows,
+                rows * (width + new_tokens), (gathered or memory.fsdp_forward) + work, resident, activations=work)
+
+
+def _evaluation(cfg, lengths: _Lengths, world: int, memory: ModelMemory, new_tokens: int, resident: int,
+                setting: _Setting) -> Step:
     """Greedy held-out generation (every phase evaluates): the largest chunk of one rank's prompts."""
     shares = [lengths.source.eval_examples[r::world][:EVAL_CHUNK] for r in range(world)]
     rows, width = max((len(s), max((_context(lengths, lengths.prompt(ex), new_tokens) for ex in s), default=0))
                       for s in shares)
-    return Step("held-out evaluation (generation)", rows, rows * (width + new_tokens),
-                memory.generation(rows, width, new_tokens), resident)
+    gathered = memory.gathered if cfg.rollout.unshard is not False else 0
+    return _generation("held-out evaluation", rows, width, new_tokens, memory, gathered, resident, setting)
 
 
-def _sft_phase(cfg, lengths: _Lengths, world: int, policy: ModelMemory, host_backend: bool, est: JobEstimate,
+def _update(name: str, rows: int, tokens: int, memory: ModelMemory, grads: int, entropy: bool, resident: int,
+            setting: _Setting) -> Step:
+    """A training micro-batch: gradients, activations and head (and the same with checkpointing),
+    and on the host glibc's heap slack."""
+    work = memory.train_step(tokens, entropy)
+    checkpointing = memory.engine_config.gradient_checkpointing
+    checkpointed = None if checkpointing else memory.train_step(tokens, entropy, checkpointing=True)
+    heap = host_heap_slack(work, setting.lora or checkpointing) if setting.host else 0
+    return Step(name, rows, tokens, grads + work, resident, work, checkpointed, heap)
+
+
+def _optimizer_step(name: str, memory: ModelMemory, grads: int, impl: str, resident: int, host: bool) -> Step:
+    return Step(name, 0, 0, grads + memory.optimizer_step(impl, host), resident)  # AdamW's state is resident
+
+
+def _sft_phase(cfg, lengths: _Lengths, world: int, policy: ModelMemory, setting: _Setting, est: JobEstimate,
                eval_tokens: int) -> None:
-    host = policy.host_state(host_backend)
-    state = _state_rows("policy", policy, host)
+    host = policy.host_state(setting.host)
+    state = {**setting.rows, **_state_rows("policy", policy, host)}
     resident = sum(state.values())
     packed = cfg.engine.use_remove_padding
     budget = cfg.engine.max_tokens_per_micro_batch
@@ -178,18 +220,19 @@ def _sft_phase(cfg, lengths: _Lengths, world: int, policy: ModelMemory, host_bac
     grads = _device_grads(policy, host)
     est.state["sft"] = {**state, "policy gradients (during the update)": grads}
     est.steps["sft"] = [
-        Step("update micro-batch", rows, tokens, grads + policy.train_step(tokens, entropy=False), resident),
-        _evaluation(cfg, lengths, world, policy, eval_tokens, resident),
+        _update("update micro-batch", rows, tokens, policy, grads, False, resident, setting),
+        _optimizer_step("optimizer step", policy, grads, cfg.algo.sft.optim.impl, resident, setting.host),
+        _evaluation(cfg, lengths, world, policy, eval_tokens, resident, setting),
     ]
 
 
 def _rl_phase(cfg, lengths: _Lengths, world: int, policy: ModelMemory, critic: ModelMemory | None,
-              reference: ModelMemory | None, host_backend: bool, est: JobEstimate) -> None:
+              reference: ModelMemory | None, setting: _Setting, est: JobEstimate) -> None:
     g, t = cfg.algo.actor, cfg.trainer
     n, new = g.group_size, g.max_new_tokens
     packed, budget = cfg.engine.use_remove_padding, cfg.engine.max_tokens_per_micro_batch
-    host = policy.host_state(host_backend)
-    state = _state_rows("policy", policy, host)
+    host = policy.host_state(setting.host)
+    state = {**setting.rows, **_state_rows("policy", policy, host)}
     if reference is not None:
         state["reference parameters (a frozen copy)"] = 0 if "params" in host else reference.params
     if critic is not None:
@@ -208,22 +251,24 @@ def _rl_phase(cfg, lengths: _Lengths, world: int, policy: ModelMemory, critic: M
     update_rows, update_tokens = _largest(([p for p in ps for _ in range(n)] for ps in longest), budget, packed)
     loss = cfg.algo.actor_loss(t.prompts_per_step)
     need_old = cfg.algo.needs_old_log_probs(loss, has_reference=g.kl_coef > 0)
-    gathered = policy.gathered if cfg.rollout.unshard is not False else 0
-    steps = [Step("rollout generation (KV cache)", gen_rows, gen_rows * (width + new),
-                  gathered + policy.generation(gen_rows, width, new), resident)]
+    gathered = policy.gathered if cfg.rollout.unshard is not False and setting.sampler is None else 0
+    steps = [_generation("rollout generation", gen_rows, width, new, policy, gathered, resident, setting)]
     # The reference pass: a second engine, or (LoRA) the policy with its adapters off.
     if need_old or g.kl_coef > 0:
-        steps.append(Step("old/ref log-prob pass (no grad)", roll_rows, roll_tokens,
-                          policy.inference(roll_tokens), resident))
+        work = policy.inference(roll_tokens)
+        steps.append(Step("old/ref log-prob pass (no grad)", roll_rows, roll_tokens, work, resident, work))
     if critic is not None:
-        steps.append(Step("critic values pass (no grad)", roll_rows, roll_tokens, critic.inference(roll_tokens),
-                          resident))
-        steps.append(Step("critic update micro-batch", update_rows, update_tokens,
-                          _device_grads(critic, host) + critic.train_step(update_tokens, entropy=False), resident))
+        work = critic.inference(roll_tokens)
+        steps.append(Step("critic values pass (no grad)", roll_rows, roll_tokens, work, resident, work))
+        steps.append(_update("critic update micro-batch", update_rows, update_tokens, critic,
+                             _device_grads(critic, host), False, resident, setting))
+        steps.append(_optimizer_step("critic optimizer step", critic, _device_grads(critic, host),
+                                     cfg.algo.critic.optim.impl, resident, setting.host))
     grads = _device_grads(policy, host)
-    steps.append(Step("actor update micro-batch", update_rows, update_tokens,
-                      grads + policy.train_step(update_tokens, entropy=loss.requires_entropy), resident))
-    steps.append(_evaluation(cfg, lengths, world, policy, new, resident))
+    steps.append(_update("actor update micro-batch", update_rows, update_tokens, policy, grads,
+                         loss.requires_entropy, resident, setting))
+    steps.append(_optimizer_step("actor optimizer step", policy, grads, g.optim.impl, resident, setting.host))
+    steps.append(_evaluation(cfg, lengths, world, policy, new, resident, setting))
     name = cfg.algo.name
     est.state[name] = {**state, "policy gradients (during the update)": grads}
     if critic is not None:
@@ -260,12 +305,12 @@ def estimate_job(cfg, world_size: int) -> JobEstimate:
     model_config = cfg.model.model_config()
     # Host memory (CPU): offload is a no-op. A named backend is taken at its word (a GPU
     # job may be estimated on a laptop); ``auto`` is what this machine would pick.
-    from polyfsdp.backends.registry import backend_memory_is_host
+    from polyfsdp.backends.registry import unchecked_backend
 
-    host_backend = backend_memory_is_host(cfg.backend)
+    backend = unchecked_backend(cfg.backend)
+    host_backend, lora = backend.memory_is_host, model_config.lora.enabled
     policy = ModelMemory(model_config, cfg.engine, world_size, hf_config)
     actor = cfg.algo.actor
-    lora = model_config.lora.enabled
     est = JobEstimate(
         f"memory estimate per rank: world size {world_size}, master {model_config.dtype}, compute "
         f"{cfg.engine.param_dtype}, LoRA rank {model_config.lora.rank}, offload {cfg.engine.offload}, "
@@ -274,6 +319,7 @@ def estimate_job(cfg, world_size: int) -> JobEstimate:
         + ("; CPU: every row is host memory" if host_backend else ""))
     if lengths.note:
         est.notes.append(lengths.note)
+    setting = _setting(cfg, backend, policy, lora, est)
     if cfg.engine.ulysses_sp_size > 1:
         est.notes.append(f"engine.ulysses_sp_size={cfg.engine.ulysses_sp_size}: each rank counts its replica's whole "
                          f"sequences; the split of the log-prob and update activations over the SP group is not "
@@ -288,54 +334,64 @@ def estimate_job(cfg, world_size: int) -> JobEstimate:
                                     model_max_positions(cfg.model), eval_tokens)
         est.notes.append(lengths.turns.note())
     if cfg.trainer.sft_steps > 0 or not cfg.algo.rl:
-        _sft_phase(cfg, lengths, world_size, policy, host_backend, est, eval_tokens)
+        _sft_phase(cfg, lengths, world_size, policy, setting, est, eval_tokens)
     if cfg.algo.rl:
         reference = ModelMemory(replace(model_config, lora=replace(model_config.lora, rank=0)), cfg.engine,
                                 world_size, hf_config) if actor.kl_coef > 0 and not lora else None
         critic = ModelMemory(model_config, cfg.engine, world_size, hf_config, value_head=True) \
             if cfg.algo.estimator.needs_critic else None
-        _rl_phase(cfg, lengths, world_size, policy, critic, reference, host_backend, est)
+        _rl_phase(cfg, lengths, world_size, policy, critic, reference, setting, est)
         if lora and actor.kl_coef > 0:
             est.notes.append("LoRA: the KL reference is the policy with its adapters off (no second copy)")
     if cfg.engine.offload != "none" and not host_backend:
         est.notes.append(f"offload={cfg.engine.offload}: the host holds the rows shown as 0 "
                          f"(python -m polyfsdp.engines.memory prints them)")
-    est.notes.append("FSDP2 also gathers one layer (and the root) unsharded in param_dtype while it runs")
+    if host_backend:
+        est.notes.append(f"CPU: the peak is the process's resident set: its baseline and glibc's heap slack (heap "
+                         f"MiB: holes the backward leaves in its heaps) are counted; MALLOC_MMAP_THRESHOLD_=65536 "
+                         f"makes the resident set follow the live tensors ({est.peak(live=True)[0] / GIB:.2f} GiB "
+                         f"here) for about a third more system time")
+    est.notes += [line for line in [_checkpointing_advice(est, host_backend)] if line]
     return est
 
 
-def check_fits(cfg, world_size: int) -> None:
-    """One ConfigError, before any work, for a job this machine cannot run at all: more
-    ``trainer.cpu_threads`` than CPUs this process may use (thousands of threads fail to start or
-    crawl), or an RL rollout whose KV cache alone exceeds the memory one process can use. The
-    cache is a floor, not the estimate: every completion of a rank's share decodes at once
-    (trainer/rollout/decode.py), prompts counted at one token, no weights; it needs no data, so
-    ``prompts_per_step=1000000`` answers in a second where ``--estimate`` reads every step's prompts."""
-    threads = cfg.trainer.cpu_threads
-    if threads is not None:
-        cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-        if threads > cpus:
-            raise ConfigError(f"trainer.cpu_threads: expected at most {cpus} (the CPUs this process may run on), "
-                              f"got {threads}")
-    # vLLM pages its cache and admits what fits, so only the built-in samplers hold every row.
-    if not cfg.algo.rl or cfg.trainer.rl_steps < 1 or cfg.rollout.engine in SEPARATE_SAMPLERS:
-        return
-    from polyfsdp.backends import get_backend
+def _setting(cfg, backend, policy: ModelMemory, lora: bool, est: JobEstimate) -> _Setting:
+    """The rows every phase holds: the process's baseline (host memory) and a colocated vLLM
+    engine, its weights and KV cache (trainer/rollout/vllm.py; nothing of vLLM is imported)."""
+    est.process = HOST_PROCESS_BYTES if backend.memory_is_host else 0
+    rows = {"process baseline (python, torch, ...)": est.process} if est.process else {}
+    est.notes += ["rollout.engine=vllm_server: the servers' memory is their own processes' (not counted)"] \
+        if cfg.rollout.engine == "vllm_server" else []
+    if cfg.rollout.engine != "vllm":
+        return _Setting(backend.memory_is_host, lora, rows, None)
+    from ..rollout.vllm import VllmSettings, colocated_memory
 
-    capacity = get_backend(cfg.backend).memory_capacity_bytes()
-    if capacity is None:
-        return
-    g, t = cfg.algo.actor, cfg.trainer
-    rows = t.prompts_per_step // _replicas(cfg, world_size) * g.group_size
-    hf_config = hf_config_of(cfg.model.model_config()) if cfg.model.path else \
-        preset_config(cfg.model.preset, **dict(cfg.model.overrides))
-    floor = kv_cache_bytes(hf_config, rows, 1 + g.max_new_tokens, TORCH_DTYPES[cfg.engine.param_dtype].itemsize)
-    if floor > capacity:
-        raise ConfigError(
-            f"trainer.prompts_per_step={t.prompts_per_step} x algo.actor.group_size={g.group_size}: a rank's "
-            f"{rows} completions of up to {g.max_new_tokens} tokens need at least {floor / 2 ** 30:.1f} GiB of KV "
-            f"cache, more than the {capacity / 2 ** 30:.1f} GiB this machine has per process; lower them or "
-            f"algo.actor.max_new_tokens, or add ranks (--estimate prints the whole job's memory)")
+    weights = policy.sampler_params * policy.compute_bytes
+    awake, asleep, how = colocated_memory(VllmSettings.from_section(cfg.rollout.vllm), weights, backend, lora)
+    rows[f"vLLM ({how})"] = asleep
+    est.notes.append(f"rollout.engine=vllm: vLLM holds its own copy of the weights ({weights / MIB:.2f} MiB: "
+                     f"{cfg.engine.param_dtype}, the output embedding untied) and its KV cache (rollout.vllm."
+                     f"kv_cache_mb, else gpu_memory_utilization of the device), "
+                     + ("throughout (it does not sleep here)" if asleep else
+                        "only while it samples (it sleeps while the trainer steps)")
+                     + "; its start-up (vLLM's imports, a host copy of the weights to load) is not counted")
+    return _Setting(backend.memory_is_host, lora, rows, awake - asleep)
+
+
+def _checkpointing_advice(est: JobEstimate, host: bool) -> str | None:
+    """A line when the peak is an update whose activations are a large share of it
+    (CHECKPOINTING_ADVICE_SHARE): what engine.gradient_checkpointing=true would leave of them
+    and of the job's peak (``host``: with the heap slack of a checkpointed backward)."""
+    peak, where = est.peak()
+    step = next(s for phase, steps in est.steps.items() for s in steps if f"{phase}: {s.name}" == where)
+    if step.checkpointed is None or step.activations < CHECKPOINTING_ADVICE_SHARE * peak:
+        return None
+    after = max(s.peak if s.checkpointed is None else s.peak - s.activations - s.heap + s.checkpointed
+                + (host_heap_slack(s.checkpointed, True) if host else 0)
+                for steps in est.steps.values() for s in steps)
+    return (f"{where}: activations are {step.activations / GIB:.2f} GiB of the {peak / GIB:.2f} GiB peak; "
+            f"engine.gradient_checkpointing=true would cut them to {step.checkpointed / GIB:.2f} GiB (peak "
+            f"{after / GIB:.2f} GiB) for one more forward of each layer in the backward")
 
 
 def print_estimate(cfg, world_size: int) -> None:
