@@ -21,7 +21,15 @@ from polyfsdp.trainer.run.stop import StepAbandoned, StepGuard, StopRequest
 from polyfsdp.trainer.tracking.metrics import read_metrics
 
 HERE = os.path.dirname(__file__)
-RUN = ["trainer.sft_steps=2", "trainer.rl_steps=4", "trainer.plot=false", "trainer.log_val_generations=2"]
+# An evaluation after RL step 2; checkpoints (trainer.checkpoint_interval) never change the records
+# or the weights, so one uninterrupted run is every test's reference.
+RUN = ["trainer.sft_steps=2", "trainer.rl_steps=4", "trainer.plot=false", "trainer.log_val_generations=2",
+       "trainer.eval_interval=2"]
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    return _run(tmp_path_factory.mktemp("reference"), "full", *RUN, "trainer.checkpoint_interval=0")
 
 
 def _terminated(out, at: str, phase: str, step: int, *overrides: str) -> subprocess.CompletedProcess:
@@ -38,7 +46,8 @@ def _stop_line(proc) -> str:
     return lines[0]
 
 
-def _resume_matches(tmp_path, out, reference_dir, reference, *overrides: str) -> None:
+def _resume_matches(out, reference, *overrides: str) -> None:
+    reference_dir, reference = reference
     resumed = _cli(*TINY, *TINY_GRPO, *RUN, *overrides, f"trainer.output_dir={out}", "trainer.resume=auto")
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     assert _comparable(read_metrics(str(out / "metrics.jsonl"))) == _comparable(reference)
@@ -48,9 +57,8 @@ def _resume_matches(tmp_path, out, reference_dir, reference, *overrides: str) ->
     assert expected.keys() == got.keys() and all(torch.equal(got[k], v) for k, v in expected.items())
 
 
-def test_a_sigterm_during_a_rollout_abandons_the_step_and_resume_is_exact(tmp_path):
+def test_a_sigterm_during_a_rollout_abandons_the_step_and_resume_is_exact(tmp_path, reference):
     overrides = ["trainer.checkpoint_interval=0"]  # the only checkpoint is the one the SIGTERM asks for
-    reference_dir, reference = _run(tmp_path, "full", *RUN, *overrides)
     out = tmp_path / "stopped"
     proc = _terminated(out, "rollout", "rl", 3, *overrides)
     checkpoint = out / "checkpoints" / "rl" / "step_000002"
@@ -59,13 +67,12 @@ def test_a_sigterm_during_a_rollout_abandons_the_step_and_resume_is_exact(tmp_pa
     # Step 3 was sampled but never trained: no record, and the checkpoint is step 2's.
     assert [r["step"] for r in read_metrics(str(out / "metrics.jsonl")) if r["phase"] == "rl"] == [1, 2]
     assert not (out / "final").exists()
-    _resume_matches(tmp_path, out, reference_dir, reference, *overrides)
+    _resume_matches(out, reference, *overrides)
 
 
-def test_the_evaluation_due_at_the_stopping_boundary_is_left_to_the_resumed_run(tmp_path):
-    overrides = ["trainer.checkpoint_interval=0", "trainer.eval_interval=2"]
-    reference_dir, reference = _run(tmp_path, "full", *RUN, *overrides)
-    assert any(r["phase"] == "eval" and r["tag"] == "step" for r in reference)
+def test_the_evaluation_due_at_the_stopping_boundary_is_left_to_the_resumed_run(tmp_path, reference):
+    overrides = ["trainer.checkpoint_interval=0"]
+    assert any(r["phase"] == "eval" and r["tag"] == "step" for r in reference[1])
     out = tmp_path / "stopped"
     proc = _terminated(out, "record", "rl", 2, *overrides)
     checkpoint = out / "checkpoints" / "rl" / "step_000002"
@@ -74,23 +81,22 @@ def test_the_evaluation_due_at_the_stopping_boundary_is_left_to_the_resumed_run(
     records = read_metrics(str(out / "metrics.jsonl"))
     assert records[-1]["phase"] == "rl" and records[-1]["step"] == 2  # saved, then stopped: no evaluation
     assert load_plain(checkpoint / "trainer_state.pt")["extra"]["eval_due"] is True
-    _resume_matches(tmp_path, out, reference_dir, reference, *overrides)
+    _resume_matches(out, reference, *overrides)
 
 
 @pytest.mark.parametrize("at, left", [("eval", "the evaluation due there, rl step 3"), ("eval_end", "rl step 3")])
-def test_an_evaluation_under_way_is_abandoned_or_done_again_on_resume(tmp_path, at, left):
+def test_an_evaluation_under_way_is_abandoned_or_done_again_on_resume(tmp_path, reference, at, left):
     # Interval checkpoints: the boundary's checkpoint exists (evaluation due) before the evaluation
     # starts. A SIGTERM as it starts abandons it; one as it ends stops at the next step's start,
     # and the resumed run evaluates again from the checkpoint, its rows written once.
-    overrides = ["trainer.checkpoint_interval=1", "trainer.eval_interval=2"]
-    reference_dir, reference = _run(tmp_path, "full", *RUN, *overrides)
+    overrides = ["trainer.checkpoint_interval=1"]
     out = tmp_path / "stopped"
     proc = _terminated(out, at, "rl", 2, *overrides)
     checkpoint = out / "checkpoints" / "rl" / "step_000002"
     assert f"after rl step 2 (left for the resumed run: {left}); checkpoint saved: {checkpoint};" in _stop_line(proc)
     evaluated = [r for r in read_metrics(str(out / "metrics.jsonl")) if r["phase"] == "eval" and r["tag"] == "step"]
     assert len(evaluated) == (at == "eval_end")
-    _resume_matches(tmp_path, out, reference_dir, reference, *overrides)
+    _resume_matches(out, reference, *overrides)
 
 
 def _engine(steps: int = 0):
