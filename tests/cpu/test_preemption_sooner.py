@@ -117,3 +117,15 @@ def test_the_guard_abandons_only_before_the_first_update():
         policy.global_step += 1
         cancellation_point()
     cancellation_point()  # outside any guard: nothing
+
+
+def test_the_continuing_command_of_a_multi_node_run_names_its_nodes():
+    from polyfsdp.trainer.run.stop import continue_command
+
+    assert continue_command(["a=1"], "/o", 1) == "polyfsdp-train a=1 trainer.output_dir=/o trainer.resume=auto"
+    assert continue_command(["a=1"], "/o", 8, local_world_size=8) == \
+        "torchrun --nproc_per_node=8 -m polyfsdp.trainer.train a=1 trainer.output_dir=/o trainer.resume=auto"
+    # 2 nodes of 8: not --nproc_per_node=16 on one node; the rendezvous is each node's own.
+    assert continue_command(["a=1"], "/o", 16, local_world_size=8) == \
+        "torchrun --nnodes=2 --nproc_per_node=8 -m polyfsdp.trainer.train a=1 trainer.output_dir=/o " \
+        "trainer.resume=auto (on each node, with the rendezvous arguments it was started with)"

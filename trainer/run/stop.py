@@ -6,6 +6,7 @@ waiting in a collective), saves a checkpoint and raises :class:`Preempted`.
 """
 from __future__ import annotations
 
+import os
 import shlex
 import signal
 import threading
@@ -18,13 +19,25 @@ from ..startup import EXIT_TERMINATED  # noqa: F401 (re-exported) the status of 
 _CONTINUATION_KEYS = ("trainer.output_dir", "trainer.resume")
 
 
-def continue_command(overrides: list[str], output_dir, world_size: int) -> str:
+def continue_command(overrides: list[str], output_dir, world_size: int, local_world_size: int | None = None) -> str:
     """The command that continues a stopped run: the same overrides (a default run's output
-    directory is a fresh timestamp, so it is named) with ``trainer.resume=auto``."""
+    directory is a fresh timestamp, so it is named) with ``trainer.resume=auto``. Several nodes
+    (``local_world_size``, torchrun's ``LOCAL_WORLD_SIZE``, below the world size): the launcher's
+    node count and processes per node, and a note that each node adds its rendezvous arguments
+    (not known to the ranks)."""
     kept = [o for o in overrides if o.lstrip("+~").partition("=")[0] not in _CONTINUATION_KEYS]
-    launcher = ["polyfsdp-train"] if world_size <= 1 else \
-        ["torchrun", f"--nproc_per_node={world_size}", "-m", "polyfsdp.trainer.train"]
-    return shlex.join([*launcher, *kept, f"trainer.output_dir={output_dir}", "trainer.resume=auto"])
+    if local_world_size is None:
+        local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", world_size) or world_size)
+    nodes = world_size // local_world_size if 0 < local_world_size < world_size else 1
+    if world_size <= 1:
+        launcher = ["polyfsdp-train"]
+    elif nodes == 1:
+        launcher = ["torchrun", f"--nproc_per_node={world_size}", "-m", "polyfsdp.trainer.train"]
+    else:
+        launcher = ["torchrun", f"--nnodes={nodes}", f"--nproc_per_node={local_world_size}", "-m",
+                    "polyfsdp.trainer.train"]
+    command = shlex.join([*launcher, *kept, f"trainer.output_dir={output_dir}", "trainer.resume=auto"])
+    return command + (" (on each node, with the rendezvous arguments it was started with)" if nodes > 1 else "")
 
 
 class StopRequest:
