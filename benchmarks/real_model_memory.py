@@ -40,6 +40,7 @@ def child(overrides: list[str]) -> None:
     import torch
     import transformers.models.llama.modeling_llama  # noqa: F401  (imported before the baseline)
 
+    from polyfsdp.backends.topology import launch_env
     from polyfsdp.engines.engine import FSDPEngine
     from polyfsdp.trainer.rollout import generate
     from polyfsdp.trainer.run import job  # noqa: F401
@@ -73,7 +74,7 @@ def child(overrides: list[str]) -> None:
     if main(overrides) != 0:
         raise SystemExit("the job failed")
     note("after the job")
-    print(json.dumps({"rank": int(os.environ.get("RANK", 0)), **peak}), flush=True)
+    print(json.dumps({"rank": launch_env().rank, **peak}), flush=True)
 
 
 def run_case(name: str, gguf: str, output_dir: str) -> dict:

@@ -16,7 +16,7 @@ from polyfsdp.trainer.run.state import PhaseState, TrainerPosition
 
 # The extra dict main's Job._checkpoint wrote, key for key and in its order.
 MAINS_EXTRA = {"phase": "rl", "phase_step": 2, "global_step": 7, "world_size": 1, "metrics_lines": 11,
-               "metrics_path": "/run/metrics.jsonl", "data_position": 8}
+               "metrics_path": "/run/metrics.jsonl", "data_position": 8, "eval_due": False}
 
 
 @pytest.fixture(scope="module")
@@ -46,6 +46,8 @@ def test_the_position_is_saved_as_the_extra_mains_job_wrote():
 def test_a_position_of_older_code_without_world_size_loads_and_one_without_its_step_is_refused():
     older = {k: v for k, v in MAINS_EXTRA.items() if k != "world_size"}
     assert TrainerPosition.from_state_dict(older).world_size is None
+    # Saved before a checkpoint could precede its step's evaluation: none is due.
+    assert TrainerPosition.from_state_dict({k: v for k, v in MAINS_EXTRA.items() if k != "eval_due"}).eval_due is False
     with pytest.raises(CheckpointError, match="phase_step"):
         TrainerPosition.from_state_dict({k: v for k, v in MAINS_EXTRA.items() if k != "phase_step"})
 
