@@ -18,30 +18,37 @@ SERVER = ["rollout.engine=vllm_server", "rollout.vllm.kv_cache_mb=64", "trainer.
           "trainer.checkpoint_interval=2", "trainer.export=false", "trainer.progress=lines"]
 
 
-def _processes() -> list[tuple[int, int, str]]:
-    """``(pid, process group, command line)`` of every process now, read from /proc: ``ps`` cuts
-    its ``args`` column at ``$COLUMNS`` (CI sets it), which hid a long interpreter path's ``-m``."""
+def _processes() -> list[tuple[int, int, list[str]]]:
+    """``(pid, process group, argv)`` of every process now, read from /proc: ``ps`` cuts its
+    ``args`` column at ``$COLUMNS`` (CI sets it), which hid a long interpreter path's ``-m``."""
     rows = []
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
             continue
         try:
             with open(f"/proc/{entry}/cmdline", "rb") as f:
-                args = f.read().replace(b"\0", b" ").decode(errors="replace")
+                argv = [a.decode(errors="replace") for a in f.read().split(b"\0")[:-1]]
             with open(f"/proc/{entry}/stat") as f:
                 pgid = int(f.read().rsplit(")", 1)[1].split()[2])
         except (FileNotFoundError, ProcessLookupError, IndexError, ValueError):
             continue  # ended while we looked
-        rows.append((int(entry), pgid, args))
+        rows.append((int(entry), pgid, argv))
     return rows
+
+
+def _runs_module(argv: list[str], module: str) -> bool:
+    """Whether ``argv`` is ``python -m module ...`` (not a command line that merely names it, as
+    a keeper's holds its server's)."""
+    return argv[1:3] == ["-m", module]
 
 
 def _servers() -> list[int]:
     """The keepers, the vLLM API servers and every process of the API servers' groups (their
     engine cores and workers) running now."""
     rows = _processes()
-    groups = {pgid for _, pgid, args in rows if "vllm.entrypoints.openai.api_server" in args}
-    return [pid for pid, pgid, args in rows if pgid in groups or "polyfsdp.trainer.rollout.servers.supervisor" in args]
+    groups = {pgid for _, pgid, argv in rows if _runs_module(argv, "vllm.entrypoints.openai.api_server")}
+    return [pid for pid, pgid, argv in rows
+            if pgid in groups or _runs_module(argv, "polyfsdp.trainer.rollout.servers.supervisor")]
 
 
 def _wait_gone(pids, timeout=60.0) -> list[int]:
@@ -72,11 +79,15 @@ def test_kill_leaves_no_server_and_resume_continues_the_same_records(tmp_path):
 
     def note_started():
         started.update(set(_servers()) - before)
-        assert started  # the run's server (keeper, API server) is up while it trains
+        # The run's server is up while it trains: its keeper, its API server and that one's group.
+        argv = {pid: args for pid, _, args in _processes()}
+        for module in ("polyfsdp.trainer.rollout.servers.supervisor", "vllm.entrypoints.openai.api_server"):
+            assert any(_runs_module(argv.get(pid, []), module) for pid in started), (module, started)
 
     proc, _ = kill_after_checkpoint([*JOB, *SERVER, f"trainer.output_dir={out}"], before_kill=note_started)
     assert proc.returncode == -signal.SIGKILL
-    assert _wait_gone(started) == [], "a rollout server outlived its trainer"
+    left = _wait_gone(started)
+    assert left == [], f"a rollout server outlived its trainer: {[r for r in _processes() if r[0] in left]}"
     resumed = subprocess.run([sys.executable, "-m", "polyfsdp.trainer.train", *JOB, *SERVER,
                               f"trainer.output_dir={out}", "trainer.resume=auto"], capture_output=True, text=True,
                              timeout=900)
