@@ -60,10 +60,10 @@ def all_reduce_sum(values: list[float] | torch.Tensor, device: torch.device | st
     return _all_reduce(values, device, dist.ReduceOp.SUM, "all_reduce_sum", group)
 
 
-def all_reduce_max(values: list[float] | torch.Tensor, device: torch.device | str | None = None
+def all_reduce_max(values: list[float] | torch.Tensor, device: torch.device | str | None = None, group=None
                    ) -> list[float] | torch.Tensor:
     """Element-wise maximum over ranks; same inputs and return as :func:`all_reduce_sum`."""
-    return _all_reduce(values, device, dist.ReduceOp.MAX, "all_reduce_max")
+    return _all_reduce(values, device, dist.ReduceOp.MAX, "all_reduce_max", group)
 
 
 def sum_over_replicas(values: list[float], device) -> list[float]:
@@ -167,6 +167,17 @@ def barrier(group=None) -> None:
 
 
 _BACKGROUND_GROUP: list = []
+_HOST_FLAG_GROUP: list = []
+
+
+def _gloo_group(held: list):
+    """The gloo group over all ranks kept in ``held``, created on the first call (which every
+    rank must make at the same point); None without a process group."""
+    if not group_exists():
+        return None
+    if not held:
+        held.append(dist.new_group(backend="gloo"))
+    return held[0]
 
 
 def background_group():
@@ -174,11 +185,15 @@ def background_group():
     background thread (an asynchronous checkpoint save) that must never interleave with the
     training's on the default group. Created on the first call, which every rank must make at
     the same point; None without a process group."""
-    if not group_exists():
-        return None
-    if not _BACKGROUND_GROUP:
-        _BACKGROUND_GROUP.append(dist.new_group(backend="gloo"))
-    return _BACKGROUND_GROUP[0]
+    return _gloo_group(_BACKGROUND_GROUP)
+
+
+def host_flag_group():
+    """A gloo group over all ranks for the training thread's host-side agreements that are made
+    often and must not wait for the device (a SIGTERM flag agreed before every micro-batch: on the
+    default group it would sync the device each time). Created on the first call, which every rank
+    must make at the same point; None on one rank or without a process group."""
+    return _gloo_group(_HOST_FLAG_GROUP) if current_world_size() > 1 else None
 
 
 def init_distributed(backend: Backend, timeout_s: float | None = None, sp_size: int | None = None) -> DeviceMesh:
@@ -303,6 +318,7 @@ def destroy_distributed(wait_for_peers: bool = True) -> None:
         barrier.wait()
         _keep_until_exit(barrier)
     _BACKGROUND_GROUP.clear()
+    _HOST_FLAG_GROUP.clear()
     dist.destroy_process_group()
 
 

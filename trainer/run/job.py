@@ -368,7 +368,7 @@ class Job(SigtermStops):
             self.checkpoints.written(block=False)
             if self.checkpoints.due(step + 1, phase.steps):
                 self._checkpoint(engine, phase.name, step + 1, global_step, eval_due=eval_due)
-            if self._stop_agreed(engine.device):
+            if self._stop_agreed():
                 self._preempt(engine, phase, step + 1, eval_due, progress)
         progress.close()
         self.checkpoints.written()  # the phase's last checkpoint is complete before its end

@@ -107,11 +107,12 @@ class SigtermStops:
     """The job's ways of stopping for a SIGTERM (a mixin of trainer/run/job.py's Job, which holds
     ``stop``, ``checkpoints``, ``critic``, ``backend`` and ``_checkpoint``)."""
 
-    def _stop_agreed(self, device) -> bool:
-        """Whether any rank got SIGTERM: all stop at the same point, none waits alone."""
-        from polyfsdp.backends.distributed import all_reduce_max
+    def _stop_agreed(self) -> bool:
+        """Whether any rank got SIGTERM: all stop at the same point, none waits alone. Agreed on
+        the host (gloo): asked before every micro-batch, it must not sync the device."""
+        from polyfsdp.backends.distributed import all_reduce_max, host_flag_group
 
-        return all_reduce_max([float(self.stop.requested)], device=device)[0] > 0
+        return all_reduce_max([float(self.stop.requested)], device="cpu", group=host_flag_group())[0] > 0
 
     def _abandonable(self, work, engine, phase, steps_done: int, eval_due, progress, what: str):
         """``work()`` (``what``: e.g. "rl step 3"), abandoned if a SIGTERM reaches one of its
@@ -119,7 +120,7 @@ class SigtermStops:
         ``steps_done`` (``eval_due()``: whether that boundary's evaluation is still to run)."""
         from polyfsdp.engines.cancellation import cancellable
 
-        guard = StepGuard(self.stop, (engine, self.critic), lambda: self._stop_agreed(engine.device), self.backend)
+        guard = StepGuard(self.stop, (engine, self.critic), self._stop_agreed, self.backend)
         try:
             with cancellable(guard.check):
                 return work()
