@@ -51,6 +51,12 @@ PROBE_LENGTH = 32
 HOST_KV_CACHE_MB = 512  # rollout.vllm.kv_cache_mb=null where device memory is host memory (CPU)
 
 
+def kv_cache_mb(configured: int | None, backend) -> int | None:
+    """The KV cache a vLLM engine or server gets: ``rollout.vllm.kv_cache_mb``, else HOST_KV_CACHE_MB
+    where device memory is host memory (CPU); None: vLLM sizes it from its memory share."""
+    return configured or (HOST_KV_CACHE_MB if backend.memory_is_host else None)
+
+
 @dataclass
 class VllmSettings:
     """``rollout.vllm``: passed to vLLM (null: its default, or the backend's where noted)."""
@@ -133,7 +139,7 @@ def colocated_memory(settings: VllmSettings, weights: int, backend, lora: bool) 
     ``(awake, asleep, how)``: the bytes while it samples, while the trainer steps (a level-1
     sleep moves the weights to the host, level 2 drops them; both free the KV cache), and how
     they were counted. ``weights``: its copy of the policy in the rollout dtype."""
-    kv_mb = settings.kv_cache_mb or (HOST_KV_CACHE_MB if backend.memory_is_host else None)
+    kv_mb = kv_cache_mb(settings.kv_cache_mb, backend)
     capacity = None if kv_mb or backend.availability() is not None else backend.memory_capacity_bytes()
     if kv_mb:
         awake, how = weights + (kv_mb << 20), f"weights + {kv_mb} MiB KV cache"
@@ -190,7 +196,7 @@ class VllmRolloutEngine(RolloutEngine):
                  for name, tensor in full_weights(policy.module, untie=True)}
         save_file(state, f"{directory}/model.safetensors", metadata={"format": "pt"})
         del state
-        kv_mb = self.settings.kv_cache_mb or (HOST_KV_CACHE_MB if self.backend.memory_is_host else None)
+        kv_mb = kv_cache_mb(self.settings.kv_cache_mb, self.backend)
         options = vllm_adapter.StartOptions(
             model_dir=directory, dtype=policy.engine_config.param_dtype, seed=0,
             gpu_memory_utilization=None if self.backend.memory_is_host else self.settings.gpu_memory_utilization,

@@ -34,7 +34,7 @@ from polyfsdp.engines.model.weight_stream import full_weights, weight_buckets
 from ...rank_errors import on_every_rank
 from ..engines import Completions, RolloutEngine, SamplingParams
 from ..controls.stop_strings import cut_completions
-from ..vllm import (PROBE_LENGTH, VllmSettings, probe_difference, probe_ids, probe_length,
+from ..vllm import (PROBE_LENGTH, kv_cache_mb, VllmSettings, probe_difference, probe_ids, probe_length,
                     refuse_probe_difference)
 from .completions import prompt_log_probs, sample_rows
 from .http import ServerError, ServerHttp
@@ -96,7 +96,7 @@ class ServerRolloutEngine(RolloutEngine):
 
     def _launch(self, dtype: str) -> list[str]:
         """Start ``rollout.server.count`` servers on ``self.model_dir`` (rank 0); their URLs."""
-        s, kv_mb = self.settings, self.vllm.kv_cache_mb or (512 if self.backend.memory_is_host else None)
+        s, kv_mb = self.settings, kv_cache_mb(self.vllm.kv_cache_mb, self.backend)
         log_dir = self.log_dir or tempfile.mkdtemp(prefix="polyfsdp-server-logs-")
         ports = [s.port + i for i in range(s.count)] if s.port else free_ports(s.count)
         logger.info("starting %d rollout server(s) (logs: %s)", s.count, log_dir)
@@ -125,7 +125,7 @@ class ServerRolloutEngine(RolloutEngine):
         the server needs where device memory is host memory (launch.py: host_memory_share)."""
         if not self.backend.memory_is_host:
             return self.vllm.gpu_memory_utilization
-        return host_memory_share(self.model_dir, kv_mb or 512, self.backend.memory_capacity_bytes())
+        return host_memory_share(self.model_dir, kv_mb, self.backend.memory_capacity_bytes())
 
     def _start(self, policy) -> None:
         s = self.settings

@@ -185,9 +185,10 @@ def main(argv: list[str] | None = None) -> int:
     if extra and extra[0] == "--":
         extra = extra[1:]
     from polyfsdp.backends import get_backend
+    from polyfsdp.trainer.rollout.vllm import kv_cache_mb
 
     backend = get_backend("auto")
-    kv_mb = args.kv_cache_mb or (512 if backend.memory_is_host else None)
+    kv_mb = kv_cache_mb(args.kv_cache_mb, backend)
     model_dir = args.model
     share = args.gpu_memory_utilization
     if share is None and backend.memory_is_host:
