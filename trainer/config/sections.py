@@ -89,6 +89,9 @@ class RolloutSection:
     max_total_tokens: int | None = None
     env_add_reward_fn: bool = False
     env_timeout_s: float | None = 60.0
+    # Asynchronous RL (trainer/algos/sample_ahead.py): the batch of RL step t is sampled with the
+    # policy of step max(0, t - max_staleness); 0: synchronous, on policy.
+    max_staleness: int = 0
 
     def describe_reward(self, fn_name: str) -> str:
         """What scores a completion, for the run's first line: reward.fn, or with an environment
