@@ -8,7 +8,9 @@ rank 0 makes), then lets every rank learn whether any failed (one ``all_gather_o
 from __future__ import annotations
 
 import hashlib
-from typing import Callable, TypeVar
+import threading
+from contextlib import contextmanager
+from typing import Callable, Iterator, TypeVar
 
 from polyfsdp.backends.distributed import all_gather_object, current_rank, current_world_size
 
@@ -27,11 +29,27 @@ def _one_line(exc: BaseException) -> str:
     return " ".join(str(exc).split()) or type(exc).__name__
 
 
+_thread = threading.local()
+
+
+@contextmanager
+def rank_local() -> Iterator[None]:
+    """On this thread, :func:`on_every_rank` runs its work alone (no collective): for work on a
+    background thread (trainer/algos/sample_ahead.py's generation), whose outcome the main
+    thread then passes through :func:`on_every_rank` itself."""
+    _thread.local = True
+    try:
+        yield
+    finally:
+        _thread.local = False
+
+
 def on_every_rank(work: Callable[[], T]) -> T:
     """``work()``'s result; if it raised on any rank, a :class:`RankError` on every rank (a
     user error's message as it is, another error's type and message; the failing rank
-    re-raises a non-user error itself, so its traceback is kept). Every rank must call it."""
-    if current_world_size() == 1:
+    re-raises a non-user error itself, so its traceback is kept). Every rank must call it
+    (inside :func:`rank_local`: only ``work()``)."""
+    if current_world_size() == 1 or getattr(_thread, "local", False):
         return work()
     error, result = None, None
     try:

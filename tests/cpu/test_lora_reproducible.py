@@ -78,14 +78,14 @@ def test_two_runs_of_one_seed_in_two_processes_are_identical(reference, tmp_path
 
 
 def test_a_run_continued_at_the_start_of_its_rl_phase_equals_the_uninterrupted_one(reference, tmp_path, monkeypatch):
-    from polyfsdp.trainer.run import job
+    from polyfsdp.trainer.algos import rl_step as rl_step_module
 
     def stopped(*args, **kwargs):
         raise KeyboardInterrupt  # Ctrl-C in the first GRPO step: the SFT export is there, no GRPO checkpoint
 
     out = tmp_path / "stopped"
     with monkeypatch.context() as patch:
-        patch.setattr(job, "rl_step", stopped)
+        patch.setattr(rl_step_module, "rl_step", stopped)
         assert main([*LORA, f"trainer.output_dir={out}"]) == 130
     assert (out / "sft_model").is_dir() and not (out / "checkpoints" / "rl").exists()
     torch.manual_seed(12345)  # whatever the generator holds, the continued run draws the same adapters

@@ -70,6 +70,18 @@ def test_a_sigterm_during_a_rollout_abandons_the_step_and_resume_is_exact(tmp_pa
     _resume_matches(out, reference, *overrides)
 
 
+def test_a_sigterm_while_an_async_run_samples_ahead_keeps_the_queue_and_resume_is_exact(tmp_path):
+    # rollout.max_staleness=1: step 3 samples step 4's batch (the 4th sampling: step 1 drew two);
+    # the stop leaves step 2's checkpoint with step 3's batch, drawn during step 2, in its queue.
+    overrides = ["trainer.checkpoint_interval=0", "rollout.max_staleness=1"]
+    reference = _run(tmp_path / "reference", "full", *RUN, *overrides)
+    out = tmp_path / "stopped"
+    proc = _terminated(out, "rollout", "rl", 4, *overrides)
+    assert "stopped by SIGTERM after rl step 2 (left for the resumed run: rl step 3)" in _stop_line(proc)
+    assert [r["step"] for r in read_metrics(str(out / "metrics.jsonl")) if r["phase"] == "rl"] == [1, 2]
+    _resume_matches(out, reference, *overrides)
+
+
 def test_the_evaluation_due_at_the_stopping_boundary_is_left_to_the_resumed_run(tmp_path, reference):
     overrides = ["trainer.checkpoint_interval=0"]
     assert any(r["phase"] == "eval" and r["tag"] == "step" for r in reference[1])

@@ -19,7 +19,9 @@ per update (``update_metrics``) holding both engines' numbers.
 """
 from __future__ import annotations
 
+import dataclasses
 import time
+from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
@@ -33,6 +35,7 @@ from .estimators import ESTIMATORS, AdvantageInputs, Advantages
 from .gae import explained_variance
 from ..rollout.drivers.single_turn import default_driver
 from ..rollout.drivers.multi_turn import rollout_metrics
+from ..rollout.drivers.result import Rollout
 from ..rewards.reward_fn import call_user_code, mean_over_ranks
 from ..rollout.row_seeds import RowSeeds
 from ..rollout.sampling import sample_groups
@@ -41,6 +44,32 @@ from .updates import mini_batch_plan, old_and_ref_log_probs, run_updates, summar
 
 # Critic metrics that share a name with the actor's get this prefix in the step's record.
 CRITIC_PREFIX = "vf_"
+# reward_metrics' keys: first in a step's record (before the updates'), as they always were.
+REWARD_KEYS = ("reward", "reward_std", "solved", "response_len")
+
+
+@dataclass
+class SampledBatch:
+    """One RL step's rollout, sampled and scored, ready to train on: the rows kept (after group
+    filtering), the sampling metrics (over every rank: rewards, filtering, multi-turn), the
+    ``rollout_samples`` rows, how long its generation took and the policy ``version`` (RL steps
+    done when it was sampled; the trainer/algos/sample_ahead.py pipeline keeps several ahead)."""
+
+    rollout: Rollout
+    metrics: dict
+    rows: list = field(default_factory=list)
+    gen_time_s: float = 0.0
+    version: int = 0
+
+    def to_plain(self) -> dict:
+        """The batch as lists, numbers and strings (what a checkpoint's ``extra`` holds)."""
+        return {"rollout": dataclasses.asdict(self.rollout), "metrics": dict(self.metrics), "rows": list(self.rows),
+                "gen_time_s": self.gen_time_s, "version": self.version}
+
+    @classmethod
+    def from_plain(cls, plain: dict) -> "SampledBatch":
+        return cls(Rollout(**plain["rollout"]), dict(plain["metrics"]), list(plain["rows"]), float(plain["gen_time_s"]),
+                   int(plain["version"]))
 
 
 def rl_step(policy, ref, tokenizer, examples: list[Example], algo, actor_loss, sample_seed: int,
@@ -59,38 +88,69 @@ def rl_step(policy, ref, tokenizer, examples: list[Example], algo, actor_loss, s
     the critic (its warm-up). ``samples``: this rank's first ``samples`` prompts' first
     completions go into the metrics as ``rollout_samples`` rows (:func:`rollout_sample_rows`)."""
     t0 = time.perf_counter()
-    g = algo.actor
     driver = driver or default_driver()
     cancellation_point()  # a SIGTERM during the last evaluation stops here (engines/cancellation.py)
     # The weight sync is a phase of its own, before the step's generators are seeded: what it
     # does (vLLM's start, or nothing) cannot move what the sampling draws.
     driver.engine.update_weights(policy)
     t_sync = time.perf_counter() - t0
-    policy.backend.manual_seed(sample_seed)
-    sampled = sample_groups(policy, tokenizer, examples, g, algo.rollout_correction.needs_rollout_log_probs,
-                            scorer, more_examples, driver, row_seeds)
-    driver.engine.sleep()  # its device memory goes to the updates until the next rollout
+    batch = sample_batch(policy, tokenizer, examples, algo, sample_seed, scorer, more_examples, driver, row_seeds,
+                         samples)
     cancellation_point()  # the rollout is the step's longest part before the first update
-    roll, first = sampled.kept, sampled.first
-    t_gen = time.perf_counter() - t0 - t_sync
-    metrics = reward_metrics(first, policy.device)
+    return train_batch(policy, ref, tokenizer, batch, algo, actor_loss, shuffle_seed, mini_batches, critic,
+                       value_loss, train_actor, timing={"weight_sync_time_s": t_sync, "started": t0})
+
+
+def sample_batch(policy, tokenizer, examples: list[Example], algo, sample_seed: int, scorer=None,
+                 more_examples: Callable[[int], list[Example]] | None = None, driver=None,
+                 row_seeds: RowSeeds | None = None, samples: int = 0, prefetched=None,
+                 prefetch_s: float = 0.0) -> SampledBatch:
+    """Sample and score one step's rollout with the driver's engine as it is (no weight sync),
+    then put the engine to sleep; the arguments are :func:`rl_step`'s. ``prefetched``: the first
+    round's completions, already generated (sample_ahead.py's background generation; the
+    process's generators were seeded when it started), which took ``prefetch_s``. Collective."""
+    t0 = time.perf_counter() - prefetch_s
+    driver = driver or default_driver()
+    g = algo.actor
+    if prefetched is None:
+        policy.backend.manual_seed(sample_seed)
+    sampled = sample_groups(policy, tokenizer, examples, g, algo.rollout_correction.needs_rollout_log_probs,
+                            scorer, more_examples, driver, row_seeds, prefetched=prefetched)
+    driver.engine.sleep()  # its device memory goes to the updates until the next rollout
+    gen_time = time.perf_counter() - t0
+    metrics = reward_metrics(sampled.first, policy.device)
     metrics.update(sampled.metrics)
+    metrics.update(mean_over_ranks(sampled.first.reward_metrics))
+    metrics.update(rollout_metrics(sampled.first.rollout_metrics))
+    rows = rollout_sample_rows(examples, sampled.first, g.group_size, samples) if samples > 0 else []
+    return SampledBatch(sampled.kept, metrics, rows, gen_time)
+
+
+def train_batch(policy, ref, tokenizer, batch: SampledBatch, algo, actor_loss, shuffle_seed: int = 0,
+                mini_batches: int = 1, critic=None, value_loss=None, train_actor: bool = True,
+                timing: dict | None = None) -> dict:
+    """The advantages and updates of a sampled batch, and the step's record (:func:`rl_step`'s
+    arguments; ``timing``: ``started`` (the step's start) and more entries for the record)."""
+    timing = dict(timing or {})
+    t0 = timing.pop("started", time.perf_counter())
+    roll = batch.rollout
+    metrics = {key: value for key, value in batch.metrics.items() if key in REWARD_KEYS}
+    metrics.update({key: value for key, value in batch.metrics.items() if key.startswith("filter/")})
     pairs = roll.pairs()
     updates = []
     if pairs:
         trained, updates = train_on_rollout(policy, critic, ref, tokenizer, roll, pairs, algo, actor_loss,
                                             value_loss, mini_batches, shuffle_seed, train_actor)
         metrics.update(trained)
-    metrics.update({"tokens": float(sum(len(pair[0]) + len(pair[1]) for pair in pairs)), "gen_time_s": t_gen,
-                    "weight_sync_time_s": t_sync, "step_time_s": time.perf_counter() - t0})
+    metrics.update({"tokens": float(sum(len(pair[0]) + len(pair[1]) for pair in pairs)),
+                    "gen_time_s": batch.gen_time_s, **timing, "step_time_s": time.perf_counter() - t0})
     if critic is not None:
         metrics["actor_trained"] = float(train_actor)
-    metrics.update(mean_over_ranks(first.reward_metrics))
-    metrics.update(rollout_metrics(first.rollout_metrics))
+    metrics.update({key: value for key, value in batch.metrics.items() if key not in metrics})
     if len(updates) > 1:
         metrics["update_metrics"] = updates
-    if samples > 0:
-        metrics["rollout_samples"] = rollout_sample_rows(examples, first, g.group_size, samples)
+    if batch.rows:
+        metrics["rollout_samples"] = batch.rows
     return metrics
 
 

@@ -68,6 +68,9 @@ class RolloutEngine:
 
     name = "rollout engine"
     holds_weights = False            # True for engines with their own copy of the weights
+    # True where generate() needs neither the trainer's device nor a collective (a server's HTTP
+    # requests): it may run on a background thread while the trainer trains (trainer/algos/sample_ahead.py).
+    samples_beside_training = False
     weight_version = 0               # syncs done
     last_sync_s: float | None = None
 

@@ -11,7 +11,7 @@ from typing import Callable
 
 from polyfsdp.backends.distributed import all_reduce_max, all_reduce_sum
 
-from .engines import SamplingParams
+from .engines import Completions, SamplingParams
 from .drivers.result import Rollout
 from .row_seeds import RowSeeds
 from ..data.example import Example
@@ -55,23 +55,30 @@ def _concat(parts: list[Rollout]) -> Rollout:
                                     for k in parts[0].rollout_metrics})
 
 
+def sampling_params(tokenizer, g, log_probs: bool) -> SamplingParams:
+    """How an RL step samples: the actor section ``g``'s settings, the sampler's log-probs when asked."""
+    return SamplingParams.for_tokenizer(tokenizer, g.max_new_tokens, temperature=g.temperature,
+                                        return_log_probs=log_probs, **g.sampling_options())
+
+
 def sample_groups(policy, tokenizer, examples: list[Example], g, log_probs: bool, scorer,
                   more_examples: Callable[[int], list[Example]] | None, driver,
-                  row_seeds: RowSeeds | None = None) -> SampledGroups:
+                  row_seeds: RowSeeds | None = None, prefetched: Completions | None = None) -> SampledGroups:
     """Sample ``g.group_size`` completions per prompt of ``examples`` (this rank's share);
     with ``g.filter_groups``, keep only informative groups, resampling as described above.
     ``driver`` runs the rollouts (trainer/rollout/drivers/), its engine already at the policy's
     weights (``update_weights``); ``row_seeds``: the step's per-row sampling seeds (round k's rows
-    get round k's), else the process's generator draws."""
+    get round k's), else the process's generator draws. ``prefetched``: round 0's completions,
+    already generated (trainer/algos/sample_ahead.py generates them beside a step's training)."""
     n = g.group_size
-    params = SamplingParams.for_tokenizer(tokenizer, g.max_new_tokens, temperature=g.temperature,
-                                          return_log_probs=log_probs, **g.sampling_options())
+    params = sampling_params(tokenizer, g, log_probs)
 
-    def draw(batch, sampling_round):
+    def draw(batch, sampling_round, prefetched=None):
         seeds = None if row_seeds is None else row_seeds.rows(sampling_round, len(batch), n)
-        return driver.rollout(tokenizer, batch, n, params, scorer=scorer, row_seeds=seeds, device=policy.device)
+        more = {} if prefetched is None else {"prefetched": prefetched}
+        return driver.rollout(tokenizer, batch, n, params, scorer=scorer, row_seeds=seeds, device=policy.device, **more)
 
-    first = draw(examples, 0)
+    first = draw(examples, 0, prefetched)
     if not g.filter_groups:
         return SampledGroups(first, first)
     target, device = len(examples), policy.device

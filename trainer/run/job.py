@@ -35,7 +35,7 @@ from typing import Callable
 
 import torch
 
-from polyfsdp.backends.distributed import broadcast_object, current_rank, init_distributed
+from polyfsdp.backends.distributed import all_gather_object, broadcast_object, current_rank, init_distributed
 from polyfsdp.backends.topology import topology
 from polyfsdp.backends.registry import get_backend
 from polyfsdp.engines.engine import FSDPEngine
@@ -60,11 +60,12 @@ from .phases import Phase, plan_phases
 from .progress import Progress
 from ..rank_errors import on_every_rank
 from ..rewards.reward_fn import build_scorer
-from ..algos.rl_step import rl_step
+from ..algos.rl_steps import RLSteps
+from ..algos.sample_ahead import SampleAhead
 from ..rollout.build import build_rollout_driver, build_rollout_engine
 from .resume import RL_PHASE, STATE_FILE, ResumePoint, check_no_linked_run_files, check_same_run, find_resume
 from .state import PhaseState
-from ..rollout.row_seeds import RowSeeds, replica_seed, step_seed
+from ..rollout.row_seeds import replica_seed, step_seed
 from ..algos.sft import sft_step
 from .stop import SigtermStops, StopRequest
 from ..tracking import Trackers, start_run_trackers
@@ -74,8 +75,8 @@ logger = logging.getLogger(__name__)
 
 def _say(message: str) -> None:
     """A progress line on rank 0's stdout (flushed: tests and log tailers read it live);
-    above a live progress bar when one is showing."""
-    if current_rank() == 0:
+    above a live progress bar when one is showing; nothing for an empty message."""
+    if current_rank() == 0 and message:
         from tqdm import tqdm
 
         tqdm.write(message, file=sys.stdout)
@@ -102,6 +103,7 @@ class Job(SigtermStops):
         self.scorer = build_scorer(cfg.reward, cfg.data)  # a missing reward file fails before any model
         self.tokenizer, self.source, self.eval_tokens = load_job_data(cfg, self.out, self.rank, say=_say)
         self.critic: FSDPEngine | None = None  # a critic estimator's value model, during the RL phase
+        self.sample_ahead: SampleAhead | None = None  # rollout.max_staleness > 0: the RL phase's pipeline
         # One rollout engine for the job (vLLM's follows the policy across phases; servers log to the run), its driver.
         rollout_engine = build_rollout_engine(cfg.rollout, self.backend, lora=cfg.model.model_config().lora.enabled,
                                               log_dir=str(self.out / "rollout_servers"))
@@ -172,9 +174,11 @@ class Job(SigtermStops):
 
     def _checkpoint(self, engine: FSDPEngine, phase: str, step: int, global_step: int, wait: bool = False,
                     eval_due: bool = False) -> Path:
-        """Save the step's checkpoint: every part of the phase's state (``state.py``)."""
+        """Save the step's checkpoint: every part of the phase's state (``state.py``), with the
+        batches sampled ahead (every rank's, gathered: rank 0 writes the position)."""
+        ahead = None if self.sample_ahead is None or phase == "sft" else all_gather_object(self.sample_ahead.state())
         return self.checkpoints.save_step(self._state(phase, engine), phase, step, global_step, self.metrics,
-                                          wait=wait, eval_due=eval_due)
+                                          wait=wait, eval_due=eval_due, sampled_ahead=ahead)
 
     def _state(self, phase: str, engine: FSDPEngine) -> PhaseState:
         """The parts of ``phase``'s checkpoints: its policy, and the critic in the RL phase."""
@@ -275,6 +279,8 @@ class Job(SigtermStops):
         step and whether the evaluation due before it is still to run."""
         if resume is not None and resume.checkpoint is not None:
             position = self.checkpoints.restore(self._state(phase.name, engine), resume, phase.steps)
+            if self.sample_ahead is not None:
+                self.sample_ahead.load(position.rank_queue(self.rank, self.world), position.phase_step)
             redo = ("step", position.global_step) if position.eval_due else None
             self._start_metrics(resume, position.metrics_lines, redo=redo)
             return position.phase_step, position.eval_due
@@ -317,26 +323,18 @@ class Job(SigtermStops):
             self.critic = self._engine(phase.name, phase.start_dir, role="critic")
             value_loss, warmup = cfg.algo.critic.value_loss(), cfg.algo.critic.critic_warmup
 
-        def step_fn(step: int, examples: list) -> dict:
-            # Sampling (per global row) and mini-batch shuffles (same on all ranks) are seeded per
-            # step: exact resume, and the same completions whatever the world size.
-            shuffle_seed = step_seed(cfg.trainer.seed, step)
-            more = lambda k: self._shard(self.source.batch(f"{phase.stream}-refill{k}", step, phase.batch_size))  # noqa: E731
-            row_seeds = RowSeeds(cfg.trainer.seed, step, first_prompt=self.topo.share_start(phase.batch_size))
-            return rl_step(engine, ref, self.tokenizer, examples, cfg.algo, actor_loss, row_seeds=row_seeds,
-                           sample_seed=replica_seed(cfg.trainer.seed, step, self.topo.replica),
-                           shuffle_seed=shuffle_seed,
-                           mini_batches=mini_batches, scorer=self.scorer, more_examples=more, driver=self.driver,
-                           critic=self.critic, value_loss=value_loss, train_actor=step >= warmup,
-                           samples=cfg.trainer.log_rollout_samples)
-        return step_fn
-
-    def _warn_if_sampling_is_flat(self, engine: FSDPEngine, metrics: dict) -> None:
-        """One line when the RL phase's first rollout was sampled near uniform (flat_sampling.py)."""
-        vocab = getattr(engine.module.config, "vocab_size", 0)
-        warning = flat_sampling_warning(metrics.get("entropy"), vocab, self.cfg.trainer.sft_steps)
-        if warning is not None:
-            _say(warning)
+        # Sampling (per global row) and mini-batch shuffles (same on all ranks) are seeded per step:
+        # exact resume, and the same completions whatever the world size.
+        shard_of = lambda stream, step: self._shard(self.source.batch(stream, step, phase.batch_size))  # noqa: E731
+        steps = RLSteps(engine, ref, self.tokenizer, cfg.algo, actor_loss, mini_batches, self.scorer, self.driver,
+                        cfg.trainer.seed, self.topo.replica, examples=lambda step: shard_of(phase.stream, step),
+                        refill=lambda step, k: shard_of(f"{phase.stream}-refill{k}", step),
+                        first_prompt=self.topo.share_start(phase.batch_size), critic=self.critic,
+                        value_loss=value_loss, warmup=warmup, samples=cfg.trainer.log_rollout_samples)
+        if cfg.rollout.max_staleness == 0:
+            return steps.run
+        self.sample_ahead = SampleAhead(steps, cfg.rollout.max_staleness, phase.steps)
+        return self.sample_ahead.step
 
     def _run_phase(self, phase: Phase, resume: ResumePoint | None, fresh_metrics: bool) -> None:
         """Train ``phase`` from its start (or ``resume``), with evaluations, checkpoints, export.
@@ -360,8 +358,9 @@ class Job(SigtermStops):
                 return step_fn(step, examples)
             metrics = self._abandonable(evaluate_then_step, engine, phase, step, lambda: eval_due, progress,
                                         f"{phase.name} step {step + 1}")
-            if phase.name == RL_PHASE and step == start:
-                self._warn_if_sampling_is_flat(engine, metrics)
+            if phase.name == RL_PHASE and step == start:  # one line if sampled near uniform (flat_sampling.py)
+                vocab = getattr(engine.module.config, "vocab_size", 0)
+                _say(flat_sampling_warning(metrics.get("entropy"), vocab, self.cfg.trainer.sft_steps) or "")
             self._record(phase.name, step + 1, global_step, metrics, progress)
             self.position = (phase.name, step + 1)
             eval_due = bool(every) and (step + 1) % every == 0 and step + 1 != phase.steps
@@ -381,7 +380,7 @@ class Job(SigtermStops):
             # A phase feeding the next one (the SFT model RL starts from) is always merged weights.
             lora = "merged" if phase.export_state else self.cfg.trainer.export_lora
             export_model(engine, phase.export_dir, self.tokenizer, state=state, lora=lora, critic=self.critic)
-        self.critic = None
+        self.critic, self.sample_ahead = None, None
 
     def _finish(self) -> dict:
         rewards = {}

@@ -45,6 +45,20 @@ class TrainerPosition:
     # The held-out evaluation due at this step has not run (its record is not among metrics_lines):
     # the checkpoint is saved before it, so a resumed run evaluates first.
     eval_due: bool = False
+    # rollout.max_staleness > 0: per rank, the batches sampled for the steps after this one
+    # (trainer/algos/sample_ahead.py); a resumed run trains on them instead of sampling again.
+    sampled_ahead: list | None = None
+
+    def rank_queue(self, rank: int, world_size: int) -> list | None:
+        """``rank``'s batches sampled ahead (None: none saved); a checkpoint of another world size
+        cannot give each rank its own (they are per-rank shares of each step's prompts)."""
+        if not self.sampled_ahead:
+            return None
+        if len(self.sampled_ahead) != world_size:
+            raise ConfigError(f"trainer.resume: this checkpoint holds batches sampled ahead by {len(self.sampled_ahead)} "
+                              f"rank(s) (rollout.max_staleness > 0), this run has {world_size}; resume on "
+                              f"{len(self.sampled_ahead)} rank(s)")
+        return self.sampled_ahead[rank]
 
     def state_dict(self) -> dict[str, Any]:
         """The position as the checkpoint's plain ``extra`` (its keys in field order)."""
@@ -54,8 +68,8 @@ class TrainerPosition:
     def from_state_dict(cls, state: dict[str, Any]) -> TrainerPosition:
         """The position a checkpoint's ``extra`` holds; a missing world size is None."""
         known = {f.name for f in fields(cls)}
-        # Older checkpoints lack world_size and eval_due (saved after the step's evaluation).
-        missing = sorted(known - set(state) - {"world_size", "eval_due"})
+        # Older checkpoints lack world_size, eval_due (saved after the step's evaluation) and sampled_ahead.
+        missing = sorted(known - set(state) - {"world_size", "eval_due", "sampled_ahead"})
         if missing:
             raise CheckpointError(f"trainer state lacks {', '.join(missing)}")
         return cls(**{**{"world_size": None}, **{k: v for k, v in state.items() if k in known}})

@@ -23,7 +23,7 @@ logger = logging.getLogger(__name__)
 METRICS_FILE = "metrics.jsonl"
 # Wall-clock fields differ between two runs of the same job; everything else must not.
 TIMING_KEYS = ("time_s", "step_time_s", "gen_time_s", "weight_sync_time_s", "tokens_per_s",
-               "multi_turn/env_time_s_mean")
+               "multi_turn/env_time_s_mean", "async/trainer_wait_time_s", "async/sampler_idle_time_s")
 
 
 def _clean(value):

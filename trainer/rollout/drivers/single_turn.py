@@ -5,7 +5,7 @@ from __future__ import annotations
 from ...data.chat import example_prompt_tokens
 from ...data.example import Example
 from ...rank_errors import on_every_rank
-from ..engines import PolicyDecoding, RolloutEngine, SamplingParams
+from ..engines import Completions, PolicyDecoding, RolloutEngine, SamplingParams
 from .result import Rollout
 
 
@@ -22,12 +22,21 @@ class SingleTurnDriver:
     def __init__(self, engine: RolloutEngine) -> None:
         self.engine, self.name = engine, engine.name
 
+    @staticmethod
+    def prompts(tokenizer, examples: list[Example], n: int) -> list[list[int]]:
+        """The token prompts :meth:`rollout` sends the engine: each example's, ``n`` times."""
+        return [example_prompt_tokens(tokenizer, ex) for ex in examples for _ in range(n)]
+
     def rollout(self, tokenizer, examples: list[Example], n: int, params: SamplingParams, scorer=None,
-                with_answers: bool = False, row_seeds: list[int] | None = None, device=None) -> Rollout:
+                with_answers: bool = False, row_seeds: list[int] | None = None, device=None,
+                prefetched: Completions | None = None) -> Rollout:
         """``n`` completions per example scored by ``scorer`` (a rewards.Scorer; default
-        :func:`default_scorer`); ``with_answers``: each completion's answer for majority votes."""
-        prompts = [example_prompt_tokens(tokenizer, ex) for ex in examples for _ in range(n)]
-        out = self.engine.generate(prompts, params, row_seeds)
+        :func:`default_scorer`); ``with_answers``: each completion's answer for majority votes;
+        ``prefetched``: the engine's completions of :meth:`prompts`, generated already."""
+        prompts = self.prompts(tokenizer, examples, n)
+        out = self.engine.generate(prompts, params, row_seeds) if prefetched is None else prefetched
+        if len(out.token_ids) != len(prompts):
+            raise RuntimeError(f"{self.name}: {len(out.token_ids)} completions for {len(prompts)} prompts")
         responses = out.token_ids
         texts = [tokenizer.decode(r) for r in responses]
         # A reward that raises on this rank's records must stop every rank (the next step is a collective).

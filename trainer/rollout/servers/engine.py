@@ -51,6 +51,7 @@ class ServerRolloutEngine(RolloutEngine):
 
     name = "vllm_server"
     holds_weights = True
+    samples_beside_training = True  # HTTP requests to processes of their own
 
     def __init__(self, rollout, backend, lora: bool = False, log_dir: str | None = None) -> None:
         self.rollout, self.backend = rollout, backend
