@@ -102,7 +102,7 @@ class SampleAhead:
         for s in missing:
             self.queue[s] = self._stamp(self.steps.sample(s), t)
             waited += self.queue[s].gen_time_s
-        fresh, sampler_busy = None, waited
+        fresh, sampler_busy, overlapped = None, waited, False
         try:
             if ahead < self.total:
                 request = self.steps.prefetch_request(ahead)
@@ -111,6 +111,7 @@ class SampleAhead:
                     waited += fresh.gen_time_s
                     sampler_busy += fresh.gen_time_s
                 else:
+                    overlapped = True
                     self.steps.policy.backend.manual_seed(self.steps.sample_seed(ahead))  # as a colocated draw
                     self.background = BackgroundRound(engine, *request)
             cancellation_point()  # a SIGTERM during the sampling stops before the update (job: StepGuard)
@@ -132,7 +133,7 @@ class SampleAhead:
             self.queue[ahead] = fresh
         step_time = time.perf_counter() - t0
         metrics.update({"step_time_s": step_time, "async/staleness": float(t - batch.version),
-                        "async/trainer_wait_time_s": waited,
+                        "async/trainer_wait_time_s": waited, "async/overlapped": float(overlapped),
                         "async/sampler_idle_time_s": max(step_time - sampler_busy, 0.0)})
         return metrics
 

@@ -1,6 +1,6 @@
 """``curves.png`` from a metrics file (matplotlib, Agg: no display): one panel per quantity a
 user checks at a glance (rewards, losses, KL, entropy, response length, clip fraction, gradient
-norm, step time) against the global step; the trainer redraws it at every evaluation."""
+norm, step time; an asynchronous run's staleness and idle times) against the global step; the trainer redraws it at every evaluation."""
 from __future__ import annotations
 
 import logging
@@ -24,6 +24,10 @@ PANELS = (
     ("gradient norm", [("sft", "grad_norm", "SFT", "-"), ("rl", "grad_norm", "RL", "-")]),
     ("step time (s)", [("sft", "step_time_s", "SFT", "-"), ("rl", "step_time_s", "RL", "-")]),
 )
+# Drawn only for an asynchronous run (rollout.max_staleness > 0; trainer/algos/sample_ahead.py).
+ASYNC_PANEL = ("asynchronous RL", [("rl", "async/staleness", "staleness (policy versions)", "-"),
+                                   ("rl", "async/trainer_wait_time_s", "trainer waiting for samples (s)", "--"),
+                                   ("rl", "async/sampler_idle_time_s", "sampler idle (s)", ":")])
 
 
 def _curve(records: list[dict], key: str) -> tuple[list[int], list[float]]:
@@ -47,8 +51,12 @@ def plot_metrics(metrics_path: str, png_path: str) -> str:
     for r in records:
         by_phase.setdefault(r.get("phase"), []).append(r)
     sft, rl = by_phase.get("sft", []), by_phase.get("rl", [])
-    fig, axes = plt.subplots(2, 4, figsize=(16, 7), sharex=True)
-    for ax, (title, lines) in zip(axes.flat, PANELS):
+    panels = PANELS + ((ASYNC_PANEL,) if any("async/staleness" in r for r in rl) else ())
+    columns = (len(panels) + 1) // 2
+    fig, axes = plt.subplots(2, columns, figsize=(4 * columns, 7), sharex=True)
+    for ax in axes.flat[len(panels):]:
+        ax.set_axis_off()
+    for ax, (title, lines) in zip(axes.flat, panels):
         for phase, key, label, fmt in lines:
             steps, values = _curve(by_phase.get(phase, []), key)
             if steps:
