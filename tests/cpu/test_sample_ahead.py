@@ -3,9 +3,13 @@
 max(0, t - k) updates, counted on the policy itself (its optimizer steps when the batch was
 sampled), not from the pipeline's own bookkeeping; the sampler's log-probs the loss corrects
 with are that policy's (an HF forward of the model at sampling time); the correction sees the
-difference (zero mismatch on the fresh batch, not after); a background round's failure stops
-the step with its one line and leaves the queue as it was; the queue survives its plain form."""
+difference (zero mismatch on the fresh batch, not after); a server that stalls during a
+background round stops the step within its request timeout with one line naming it, and leaves
+the queue as it was; the queue survives its plain form."""
 import random
+import socket
+import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
@@ -17,8 +21,9 @@ from polyfsdp.trainer.config.job import load_config
 from polyfsdp.trainer.data.task import ReverseTask
 from polyfsdp.trainer.data.tokenizers import CharTokenizer
 from polyfsdp.trainer.rollout.drivers.single_turn import SingleTurnDriver
-from polyfsdp.trainer.rollout.engines import PolicyDecoding
-from polyfsdp.trainer.rollout.servers.http import ServerError
+from polyfsdp.trainer.rollout.engines import Completions, PolicyDecoding
+from polyfsdp.trainer.rollout.servers.completions import sample_rows
+from polyfsdp.trainer.rollout.servers.http import ServerError, ServerHttp
 from vllm_cases import write_checkpoint
 
 TOK = CharTokenizer()
@@ -97,18 +102,25 @@ def test_the_queue_round_trips_through_its_plain_form(tmp_path):
         again.load(state, at_step=2)
 
 
-def test_a_failed_background_round_stops_the_step_in_one_line_and_leaves_the_queue(tmp_path, monkeypatch):
+def test_a_server_that_stalls_ends_the_step_in_one_line_within_its_timeout_and_leaves_the_queue(tmp_path, monkeypatch):
     policy, steps = _steps(tmp_path)
     pipeline = SampleAhead(steps, 1, 4)
     pipeline.step(0)
     before = pipeline.state()
     engine = steps.driver.engine
     monkeypatch.setattr(type(engine), "samples_beside_training", True)
-
-    def stalled(prompts, params, seeds=None):
-        raise ServerError("rollout server 0 (http://127.0.0.1:9): no answer within 2 s (rollout.server.request_timeout_s)")
-
-    monkeypatch.setattr(engine, "generate", stalled)
-    with pytest.raises(ServerError, match="no answer within 2 s"):
-        pipeline.step(1)
+    stalled = socket.socket()  # accepts connections (the backlog) and never answers
+    stalled.bind(("127.0.0.1", 0))
+    stalled.listen(64)
+    server = ServerHttp(f"http://127.0.0.1:{stalled.getsockname()[1]}", "rollout server 0", timeout_s=1.0)
+    with ThreadPoolExecutor(8) as pool:
+        monkeypatch.setattr(engine, "generate", lambda prompts, params, seeds=None: Completions(
+            *sample_rows([server], "policy", prompts, params, seeds, pool)))
+        started = time.monotonic()
+        with pytest.raises(ServerError) as failure:
+            pipeline.step(1)
+    stalled.close()
+    assert time.monotonic() - started < 60
+    assert "\n" not in str(failure.value) and "rollout server 0" in str(failure.value) and \
+        "no answer within 1 s (rollout.server.request_timeout_s)" in str(failure.value)
     assert pipeline.state() == before and pipeline.background is None

@@ -17,7 +17,7 @@ import pytest
 
 from torchrun_launcher import free_port
 
-from polyfsdp.trainer.tracking.metrics import read_metrics
+from polyfsdp.trainer.tracking.metrics import TIMING_KEYS, read_metrics
 
 OVERRIDES = [
     "trainer.sft_steps=2", "trainer.rl_steps=2", "trainer.sft_batch_size=8", "trainer.prompts_per_step=4",
@@ -171,3 +171,28 @@ def test_sigterm_on_one_rank_checkpoints_every_rank_and_resume_completes(tmp_pat
     assert f"resuming rl from {checkpoint}" in resumed.stdout
     grpo = [r["step"] for r in read_metrics(str(out / "metrics.jsonl")) if r["phase"] == "rl"]
     assert grpo == [1, 2]
+
+
+def test_an_async_run_on_two_ranks_resumes_each_ranks_queue_exactly(tmp_path):
+    # rollout.max_staleness=1: the checkpoint after rl step 2 holds step 3's batch, a different
+    # share on each rank (gathered to rank 0's trainer state, handed back per rank on resume).
+    child = os.path.join(os.path.dirname(__file__), "..", "cpu", "cli_sigterm_child.py")
+    steps = ["trainer.sft_steps=0", "trainer.export=false", "trainer.checkpoint_interval=0", "trainer.rl_steps=3",
+             "rollout.max_staleness=1"]
+    reference = _launch(tmp_path / "reference", 2, *steps)
+    assert reference.returncode == 0, reference.stderr[-3000:]
+    out = tmp_path / "two"
+    env = {**os.environ, "POLYFSDP_BACKEND": "cpu", "OMP_NUM_THREADS": "1", "SIGTERM_RANK": "1"}
+    preempted = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+                                "--master_addr", "127.0.0.1", "--master_port", str(free_port()), child, "rl", "2",
+                                *OVERRIDES, *steps, f"trainer.output_dir={out}"],
+                               capture_output=True, text=True, timeout=240, env=env)
+    assert preempted.returncode != 0 and "stopped by SIGTERM after rl step 2" in preempted.stderr, \
+        preempted.stderr[-3000:]
+    resumed = _launch(out, 2, *steps, "trainer.resume=auto")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    comparable = lambda run: [{k: v for k, v in r.items() if k not in TIMING_KEYS}  # noqa: E731
+                              for r in read_metrics(str(run / "metrics.jsonl"))]
+    records = comparable(tmp_path / "reference")
+    assert [r["async/staleness"] for r in records if r["phase"] == "rl"] == [0.0, 1.0, 1.0]
+    assert comparable(out) == records
