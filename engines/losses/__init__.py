@@ -1,4 +1,5 @@
-"""The engine's losses in one import: SFT here, PPO/GRPO and GSPO (engines/losses/ppo.py).
+"""The engine's losses in one import: SFT here, PPO/GRPO and GSPO (engines/losses/ppo.py, their
+behaviour-policy correction in engines/losses/correction.py).
 
 Every loss follows the contract in :mod:`polyfsdp.engines.losses.inputs`: it receives one
 micro-batch as flat per-token tensors plus ``offsets`` and the step-wide (all micro-batches,
@@ -19,13 +20,15 @@ from __future__ import annotations
 import torch
 
 from .aggregation import AGG_MODES, aggregate, check_agg_mode, segment_ids, segment_sum, token_share
+from .correction import MASK_LEVELS
 from .inputs import LossInputs, check_inputs, is_token_separable
 from .ppo import (DEFAULT_CLIP_RATIO_HIGH, GSPO_CLIP_RATIO_HIGH, GSPO_CLIP_RATIO_LOW, GSPO_LOG_RATIO_CLAMP,
                        K3_BOUND, K3_LOG_RATIO_BOUND, KL_TYPES, LOG_RATIO_CLAMP, PPO_AGG_MODES, GSPOLoss, PPOLoss,
                        clip_metrics, kl_penalty)
 
 __all__ = ["AGG_MODES", "DEFAULT_CLIP_RATIO_HIGH", "GSPO_CLIP_RATIO_HIGH", "GSPO_CLIP_RATIO_LOW",
-           "GSPO_LOG_RATIO_CLAMP", "K3_BOUND", "K3_LOG_RATIO_BOUND", "KL_TYPES", "LOG_RATIO_CLAMP", "PPO_AGG_MODES",
+           "GSPO_LOG_RATIO_CLAMP", "K3_BOUND", "K3_LOG_RATIO_BOUND", "KL_TYPES", "LOG_RATIO_CLAMP", "MASK_LEVELS",
+           "PPO_AGG_MODES",
            "GSPOLoss", "LossInputs", "PPOLoss", "SFTLoss", "aggregate", "check_agg_mode", "check_inputs",
            "clip_metrics", "is_token_separable",
            "kl_penalty", "segment_ids", "segment_sum", "token_share"]

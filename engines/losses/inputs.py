@@ -103,8 +103,10 @@ def is_token_separable(loss_fn) -> bool:
     (global counts, constants), so each token's gradient needs that token alone. The fused head
     then takes the loss gradient inside its forward (engines/head/fused_loss.py). The
     declaration (``token_separable = True``) counts only on the loss's own class: a subclass may
-    change ``__call__`` and must declare it again."""
-    return vars(type(loss_fn)).get("token_separable", False) is True
+    change ``__call__`` and must declare it again. An instance whose options break it sets
+    ``self.token_separable = False`` (it may opt out, never in)."""
+    return vars(type(loss_fn)).get("token_separable", False) is True and \
+        getattr(loss_fn, "__dict__", {}).get("token_separable", True) is not False
 
 
 @dataclass(frozen=True)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 from .aggregation import AGG_MODES, aggregate, segment_ids, segment_sum, token_share
+from .correction import LOG_RATIO_CLAMP, behaviour_weight, check_correction
 from .inputs import LossInputs, check_inputs
 
 # seq-mean-token-sum-norm divides by a constant token count (Dr. GRPO): PPOLoss's agg_norm_tokens.
@@ -16,9 +17,6 @@ PPO_AGG_MODES = AGG_MODES + ("seq-mean-token-sum-norm",)
 KL_TYPES = ("k1", "k3")
 # DAPO's clip-higher: the upper clip bound of PPOLoss and of the shipped algo config (one value).
 DEFAULT_CLIP_RATIO_HIGH = 0.28
-# exp() of a log-ratio beyond this overflows fp32 long before it carries information;
-# the same guard verl applies.
-LOG_RATIO_CLAMP = 20.0
 # verl's bounds on the k3 KL estimate (core_algos.kl_penalty, low_var_kl).
 K3_LOG_RATIO_BOUND = 20.0
 K3_BOUND = 10.0
@@ -57,12 +55,18 @@ class PPOLoss:
     ``kl_coef * KL(policy || ref)`` (k1 or k3) and subtracts ``entropy_coef * entropy``.
     ``on_policy``: old log-probs are the current ones, detached (one update per rollout).
     ``report_mismatch`` reads ``rollout_log_probs`` (the sampler's) and reports how far they
-    are from the old ones; ``tis_cap`` also weights each token's policy-gradient term by
-    ``min(exp(old - rollout), tis_cap)`` (truncated importance sampling).
+    are from the old ones. The behaviour-policy correction (engines/losses/correction.py) weights
+    each token's policy-gradient term with ``r = exp(old - rollout)``: ``tis_cap`` by ``min(r,
+    tis_cap)`` (truncated importance sampling), ``mask_low`` / ``mask_high`` by 0 where ``r`` (per
+    token, or the sequence's geometric mean with ``mask_level="sequence"``) lies outside the
+    bounds (masked importance sampling); a masked token is a weight of 0, the normalisation by the
+    step's token and sequence counts is unchanged. Either implies ``report_mismatch``.
     """
 
-    # Clipping, dual-clip, TIS weights, k1/k3 and the entropy bonus are per token; the
-    # aggregation weights are constants of the step (is_token_separable).
+    # Clipping, dual-clip, TIS weights and token masks, k1/k3 and the entropy bonus are per
+    # token; the aggregation weights are constants of the step (is_token_separable). A
+    # sequence-level mask on policy reads the current log-probs of the whole sequence: that
+    # instance opts out (self.token_separable = False, see __init__).
     token_separable = True
 
     def __init__(
@@ -79,6 +83,9 @@ class PPOLoss:
         tis_cap: float | None = None,
         report_mismatch: bool = False,
         agg_norm_tokens: float | None = None,
+        mask_low: float | None = None,
+        mask_high: float | None = None,
+        mask_level: str = "token",
     ):
         if not 0.0 <= clip_ratio_low < 1.0:
             raise ValueError(f"clip_ratio_low must lie in [0, 1), got {clip_ratio_low}")
@@ -90,11 +97,16 @@ class PPOLoss:
             raise ValueError(f"kl_coef must be >= 0, got {kl_coef}")
         if kl_type not in KL_TYPES:
             raise ValueError(f"unknown kl_type {kl_type!r}; choose one of {', '.join(KL_TYPES)}")
-        if tis_cap is not None and not tis_cap > 0.0:
-            raise ValueError(f"tis_cap must be > 0 (or None to disable), got {tis_cap}")
+        check_correction(tis_cap, mask_low, mask_high, mask_level)
         self.on_policy = on_policy
         self.tis_cap = tis_cap
-        self.report_mismatch = report_mismatch or tis_cap is not None
+        self.mask_low, self.mask_high, self.mask_level = mask_low, mask_high, mask_level
+        masks = mask_low is not None or mask_high is not None
+        self.report_mismatch = report_mismatch or tis_cap is not None or masks
+        if masks and mask_level == "sequence" and on_policy:
+            # old = the current log-probs: a token's weight depends on its sequence's other
+            # tokens, which the fused head has not computed yet when it takes this token's gradient.
+            self.token_separable = False
         self.clip_ratio_low = clip_ratio_low
         self.clip_ratio_high = clip_ratio_high
         self.dual_clip_c = dual_clip_c
@@ -166,14 +178,22 @@ class PPOLoss:
             negative = adv < 0
             metrics["clip_frac_lower"] = token_share(((pg > cap) & negative).float(), mask, inputs)
             pg = torch.where(negative, torch.minimum(pg, cap), pg)
-        if self.tis_cap is not None:
-            # Truncated importance sampling: the rollout came from the sampler's
-            # distribution, the gradient is taken under the trainer's.
-            rollout = inputs.fields["rollout_log_probs"].to(log_probs.dtype)
-            weight = torch.clamp(torch.exp(torch.clamp(old - rollout, max=LOG_RATIO_CLAMP)), max=self.tis_cap)
-            metrics["tis_weight_mean"] = token_share(weight, mask, inputs)
-            pg = pg * weight.detach()
+        pg = self.behaviour_corrected(pg, inputs, old, mask, metrics)
         return aggregate(pg, mask, inputs, self.agg_mode, self.agg_norm_tokens), metrics
+
+    def behaviour_corrected(self, pg: torch.Tensor, inputs: LossInputs, old: torch.Tensor, mask: torch.Tensor,
+                            metrics: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Per-token ``pg`` weighted by the behaviour-policy correction (TIS cap, masks; the
+        rollout came from the sampler's distribution, the gradient is taken under the trainer's),
+        its metrics added to ``metrics``; ``pg`` itself without one. A subclass replacing
+        ``_policy_gradient`` calls it to honour ``tis_cap`` and the masks."""
+        if self.tis_cap is None and self.mask_low is None and self.mask_high is None:
+            return pg
+        rollout = inputs.fields["rollout_log_probs"].to(old.dtype)
+        weight, extra = behaviour_weight(old, rollout, mask, inputs, self.tis_cap, self.mask_low, self.mask_high,
+                                         self.mask_level)
+        metrics.update(extra)
+        return pg * weight
 
 
 class GSPOLoss(PPOLoss):
@@ -189,15 +209,16 @@ class GSPOLoss(PPOLoss):
     exp(logp_t - sg[logp_t])`` (value s_i, gradient s_i * d logp_t) and per-token advantages,
     aggregated with ``agg_mode`` (verl's "gspo"); with one advantage per sequence and
     seq-mean-token-mean it equals the sequence-level loss in value and gradient. The KL and
-    entropy terms are PPOLoss's, aggregated with ``agg_mode``. Dual-clip and TIS are not
-    defined for it. The paper's clip ranges are ~1e-4 (sequence ratios stay close to 1).
+    entropy terms are PPOLoss's, aggregated with ``agg_mode``. Dual-clip, TIS and the masks of
+    the behaviour correction are not defined for it. The paper's clip ranges are ~1e-4
+    (sequence ratios stay close to 1).
     """
 
     token_separable = False  # s_i couples the tokens of a sequence
 
     def __init__(self, clip_ratio_low: float = GSPO_CLIP_RATIO_LOW, clip_ratio_high: float = GSPO_CLIP_RATIO_HIGH,
                  sequence_level: bool = True, agg_mode: str = "seq-mean-token-mean", **kwargs):
-        for key in ("dual_clip_c", "tis_cap"):
+        for key in ("dual_clip_c", "tis_cap", "mask_low", "mask_high"):
             if kwargs.get(key) is not None:
                 raise ValueError(f"{key} applies to the per-token ppo policy loss, not to GSPO; leave it null")
         super().__init__(clip_ratio_low=clip_ratio_low, clip_ratio_high=clip_ratio_high, agg_mode=agg_mode, **kwargs)

@@ -28,7 +28,8 @@ from ..errors import ConfigError
 class PolicyLoss:
     """A registered policy loss: the class, its default clip range (``algo.actor.clip_ratio_low``
     / ``_high`` null), the aggregation it needs (None: ``algo.actor.agg_mode``), whether it takes
-    dual-clip and truncated importance sampling, its constructor options and its docs line."""
+    dual-clip and the sampler corrections (truncated and masked importance sampling), its
+    constructor options and its docs line."""
 
     name: str
     loss_class: type
@@ -36,7 +37,7 @@ class PolicyLoss:
     clip_ratio_low: float
     clip_ratio_high: float
     agg_mode: str | None = None
-    per_token_corrections: bool = True  # dual_clip_c, rollout_correction.tis_cap
+    per_token_corrections: bool = True  # dual_clip_c, rollout_correction.tis_cap / mask_* (and tis_cap: auto)
     options: dict = field(default_factory=dict)
 
     def __call__(self, **settings) -> PPOLoss:

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from polyfsdp.engines.config import OptimConfig
-from polyfsdp.engines.losses import AGG_MODES, KL_TYPES, PPO_AGG_MODES, PPOLoss
+from polyfsdp.engines.losses import AGG_MODES, KL_TYPES, MASK_LEVELS, PPO_AGG_MODES, PPOLoss
 from polyfsdp.engines.losses.value import ValueLoss
 
 from ..errors import ConfigError
@@ -136,29 +136,70 @@ class CriticSection:
         return ValueLoss(cliprange_value=self.cliprange_value, agg_mode=self.value_agg_mode)
 
 
+# tis_cap=auto with rollout.max_staleness > 0: verl's default threshold of token-level TIS.
+ASYNC_TIS_CAP = 2.0
+
+
+def auto_tis_cap(max_staleness: int, per_token_corrections: bool) -> float | None:
+    """What ``tis_cap: auto`` means: :data:`ASYNC_TIS_CAP` when the samples are off policy
+    (``rollout.max_staleness > 0``) and the actor's policy loss takes per-token corrections,
+    else None (off)."""
+    return ASYNC_TIS_CAP if max_staleness > 0 and per_token_corrections else None
+
+
 @dataclass
 class RolloutCorrectionSection:
-    """The sampler's log-probs vs the trainer's: report the mismatch, and optionally weight
-    the policy gradient by min(exp(logp_train - logp_rollout), tis_cap)."""
+    """The sampler's log-probs vs the trainer's: report the mismatch, and optionally correct the
+    policy gradient with the behaviour ratio r = exp(logp_train - logp_rollout): weight each
+    token by min(r, tis_cap), and mask (weight 0) a token, or a whole sequence by its geometric
+    mean ratio, whose r lies outside [mask_low, mask_high] (engines/losses/correction.py)."""
 
-    report_mismatch: bool | str = "auto"  # auto: with a separate sampler (rollout.engine=vllm)
-    tis_cap: float | None = None
+    report_mismatch: bool | str = "auto"  # auto: with a separate sampler or rollout.max_staleness > 0
+    tis_cap: float | str | None = "auto"  # auto: ASYNC_TIS_CAP with rollout.max_staleness > 0, else null
+    mask_low: float | None = None
+    mask_high: float | None = None
+    mask_level: str = "token"
 
-    def resolve(self, where: str, separate_sampler: bool) -> None:
-        """Turn ``report_mismatch: auto`` into True exactly when another engine samples."""
+    def resolve(self, where: str, separate_sampler: bool, max_staleness: int = 0,
+                per_token_corrections: bool = True) -> None:
+        """Turn ``report_mismatch: auto`` into True exactly when another engine samples or the
+        samples are stale, and ``tis_cap: auto`` into :func:`auto_tis_cap`'s value."""
         if self.report_mismatch not in ("auto", True, False):
             raise ConfigError(f"{where}.report_mismatch: expected auto, true or false, got {self.report_mismatch!r}")
+        if isinstance(self.tis_cap, str) and self.tis_cap != "auto":
+            raise ConfigError(f"{where}.tis_cap: expected auto, a number > 0 or null, got {self.tis_cap!r}")
         if self.report_mismatch == "auto":
-            self.report_mismatch = separate_sampler
+            self.report_mismatch = separate_sampler or max_staleness > 0
+        if self.tis_cap == "auto":
+            self.tis_cap = auto_tis_cap(max_staleness, per_token_corrections)
 
     def validate(self, where: str) -> None:
         if self.tis_cap is not None and not self.tis_cap > 0:
             raise ConfigError(f"{where}.tis_cap: expected > 0 or null, got {self.tis_cap}")
+        for key in ("mask_low", "mask_high"):
+            if getattr(self, key) is not None and not getattr(self, key) > 0:
+                raise ConfigError(f"{where}.{key}: expected > 0 or null, got {getattr(self, key)}")
+        if self.mask_low is not None and self.mask_high is not None and not self.mask_low < self.mask_high:
+            raise ConfigError(f"{where}.mask_low: must be below {where}.mask_high={self.mask_high}, "
+                              f"got {self.mask_low}")
+        check_choice(f"{where}.mask_level", self.mask_level, MASK_LEVELS)
+
+    @property
+    def masks(self) -> bool:
+        """Whether a bound of masked importance sampling is set."""
+        return self.mask_low is not None or self.mask_high is not None
+
+    @property
+    def corrections(self) -> dict:
+        """The policy loss's keywords of the behaviour correction (the mask options only when a
+        bound is set: a user's loss class written before them need not take them)."""
+        masks = {"mask_low": self.mask_low, "mask_high": self.mask_high, "mask_level": self.mask_level}
+        return {"tis_cap": self.tis_cap, **(masks if self.masks else {})}
 
     @property
     def needs_rollout_log_probs(self) -> bool:
         """Whether generation must record the sampler's per-token log-probs."""
-        return self.report_mismatch or self.tis_cap is not None
+        return bool(self.report_mismatch) or self.tis_cap is not None or self.masks
 
 
 @dataclass
@@ -221,8 +262,11 @@ class AlgoSection:
                 raise ConfigError(f"algo.actor.agg_mode: {who} aggregates with {mode}; leave agg_mode at its "
                                   f"default, got {self.actor.agg_mode!r}")
         if not loss.per_token_corrections:
+            rc = self.rollout_correction
             for key, value in (("algo.actor.dual_clip_c", self.actor.dual_clip_c),
-                               ("algo.rollout_correction.tis_cap", self.rollout_correction.tis_cap)):
+                               ("algo.rollout_correction.tis_cap", rc.tis_cap),
+                               ("algo.rollout_correction.mask_low", rc.mask_low),
+                               ("algo.rollout_correction.mask_high", rc.mask_high)):
                 if value is not None:
                     raise ConfigError(f"{key}: applies to the per-token ppo policy loss, not to policy_loss="
                                       f"{loss.name}; leave it null")
@@ -248,7 +292,7 @@ class AlgoSection:
         g = self.actor
         entry = policy_loss_entry(g.policy_loss)
         agg_mode = self.estimator.agg_mode or entry.agg_mode or g.agg_mode
-        corrections = {"dual_clip_c": g.dual_clip_c, "tis_cap": self.rollout_correction.tis_cap} \
+        corrections = {"dual_clip_c": g.dual_clip_c, **self.rollout_correction.corrections} \
             if entry.per_token_corrections else {}
         loss = entry(
             clip_ratio_low=entry.clip_ratio_low if g.clip_ratio_low is None else g.clip_ratio_low,

@@ -19,6 +19,7 @@ from polyfsdp.engines.model.lora import require_peft
 
 from .algo import (RL_ALGOS, ActorSection, AlgoSection, CriticSection,  # noqa: F401 (re-exported)
                           RolloutCorrectionSection, SFTSection, check_choice, check_min)
+from ..algos.policy_losses import policy_loss_entry
 from .composition import GROUPS, VERL_EQUIVALENTS, available_options, compose, renamed_key, to_container
 from .bounds import check_bounds
 from .sections import (DataSection, EvalSection, JobConfig, ModelSection,  # noqa: F401 (re-exported)
@@ -311,7 +312,11 @@ def build_job_config(raw: dict, world_size: int = 1) -> JobConfig:
     rollout = _section(RolloutSection, "rollout", raw.get("rollout") or {})
     check_rollout(rollout, world_size)
     if algo.rollout_correction is not None:
-        algo.rollout_correction.resolve("algo.rollout_correction", separate_sampler=rollout.engine in SEPARATE_SAMPLERS)
+        # tis_cap: auto corrects stale samples only where the actor's loss takes per-token corrections.
+        per_token = algo.rl and algo.actor is not None and \
+            policy_loss_entry(algo.actor.policy_loss).per_token_corrections
+        algo.rollout_correction.resolve("algo.rollout_correction", separate_sampler=rollout.engine in SEPARATE_SAMPLERS,
+                                        max_staleness=rollout.max_staleness, per_token_corrections=per_token)
     if algo.rl:
         if algo.actor is None:
             raise ConfigError(f"algo.actor: algo={algo.name} needs its actor section")

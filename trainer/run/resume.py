@@ -14,6 +14,8 @@ from pathlib import Path
 from polyfsdp.engines.checkpoint import CheckpointDamaged, CheckpointError, complete_checkpoints, latest_checkpoint
 from polyfsdp.engines.checkpoint.files import check_manifest
 
+from ..algos.policy_losses import policy_loss_entry
+from ..config.algo import auto_tis_cap
 from ..config.composition import renamed_key
 from ..config.job import JobConfig, RolloutSection, without_unused_preset
 from ..config.sampling import SamplingControls
@@ -47,8 +49,14 @@ RL_STARTED_TRAINER_KEYS = ("sft_steps",)
 SAME_RUN_IGNORED = ("reward.timeout_s",)
 # The rollout keys that define the task a multi-turn run trains on (its engine may change).
 SAME_RUN_ROLLOUT_KEYS = ("env", "env_kwargs", "max_turns", "max_total_tokens", "env_add_reward_fn")
-# Algo keys added after runs were saved without them: such a run sampled with their defaults.
-LATER_ALGO_DEFAULTS = {f"algo.actor.{name}": value for name, value in SamplingControls().sampling_options().items()}
+# Algo keys added after runs were saved without them: such a run sampled (and trained) with their defaults.
+LATER_ALGO_DEFAULTS = {**{f"algo.actor.{name}": value for name, value in SamplingControls().sampling_options().items()},
+                       "algo.rollout_correction.mask_low": None, "algo.rollout_correction.mask_high": None,
+                       "algo.rollout_correction.mask_level": "token"}
+# A key whose value may be ``auto``: spelled differently in the two runs (auto in one, the value it
+# means in the other, e.g. a config.yaml saved when null was the default), it compares by the value
+# each run uses.
+TIS_CAP = "algo.rollout_correction.tis_cap"
 
 
 # The files polyfsdp-train writes in place in its output directory (config.yaml; the trackers'
@@ -203,6 +211,21 @@ def check_no_linked_run_files(out: Path) -> None:
                               f"the link or choose another trainer.output_dir")
 
 
+def _tis_cap_as_used(before: dict, now: dict, before_raw: dict, cfg: JobConfig) -> None:
+    """Replace :data:`TIS_CAP` in ``before`` and ``now`` by the value each run uses when they
+    are spelled differently: ``auto`` resolves with the run's own rollout.max_staleness (its
+    policy loss is this run's: a different one is refused by its own key)."""
+    if TIS_CAP not in now or before.get(TIS_CAP) == now[TIS_CAP] or cfg.algo.rollout_correction is None:
+        return
+    now[TIS_CAP] = cfg.algo.rollout_correction.tis_cap
+    staleness = _section(before_raw, "rollout.max_staleness")
+    staleness = RolloutSection().max_staleness if staleness is None else staleness  # saved before the key
+    if before.get(TIS_CAP) == "auto" and type(staleness) is int and cfg.algo.actor is not None and \
+            before.get("algo.actor.policy_loss") == now.get("algo.actor.policy_loss"):
+        per_token = policy_loss_entry(cfg.algo.actor.policy_loss).per_token_corrections
+        before[TIS_CAP] = auto_tis_cap(staleness, per_token)
+
+
 def check_same_run(cfg: JobConfig, run_dir: Path) -> None:
     """A run continued in (or from) ``run_dir`` must ask for the model, data and algorithm
     it was started with: its init_model and checkpoints would be loaded and the data stream
@@ -241,6 +264,7 @@ def check_same_run(cfg: JobConfig, run_dir: Path) -> None:
     for name, default in LATER_ALGO_DEFAULTS.items():
         if name in now and name not in before:
             before[name] = list(default) if isinstance(default, tuple) else default
+    _tis_cap_as_used(before, now, before_raw, cfg)
     trainer_keys = SAME_RUN_TRAINER_KEYS if trained else ()
     if sft_complete(run_dir) or (run_dir / "checkpoints" / RL_PHASE).is_dir():
         trainer_keys += RL_STARTED_TRAINER_KEYS
