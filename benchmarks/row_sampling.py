@@ -32,6 +32,8 @@ def main(argv=None) -> dict:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--rows", type=int, nargs="+", default=[64, 256])
     parser.add_argument("--vocab", type=int, nargs="+", default=[64, 32768, 151936])
+    parser.add_argument("--repeats", type=int, default=None,
+                        help="draws timed per round (default: about 2e6 logits' worth, at least 3)")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     ratios_by_shape = {}
@@ -41,7 +43,7 @@ def main(argv=None) -> dict:
             logits = torch.randn(rows, vocab)
             sampler = RowSampler(list(range(rows)), "cpu")
             order = list(range(rows))
-            repeats = max(3, int(2e6 / (rows * vocab)))
+            repeats = args.repeats or max(3, int(2e6 / (rows * vocab)))
             batch, per_row = [], []
             for r in range(args.rounds):
                 draws = [lambda: torch.multinomial(torch.softmax(logits, -1), 1)[:, 0],

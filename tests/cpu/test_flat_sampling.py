@@ -3,33 +3,21 @@
 from __future__ import annotations
 
 import math
-from types import SimpleNamespace
 
 import torch
 
-from polyfsdp.trainer.rollout.flat_sampling import FLAT_ENTROPY_SHARE
-from polyfsdp.trainer.run.job import Job
+from polyfsdp.trainer.rollout.flat_sampling import FLAT_ENTROPY_SHARE, flat_sampling_warning
 from polyfsdp.trainer.train import main
 
 WARNING = "warning: the first RL rollout was sampled at entropy"
 
 
-def _engine(vocab: int):
-    return SimpleNamespace(module=SimpleNamespace(config=SimpleNamespace(vocab_size=vocab)))
-
-
-def _job(sft_steps: int = 30):
-    return SimpleNamespace(cfg=SimpleNamespace(trainer=SimpleNamespace(sft_steps=sft_steps)))
-
-
-def test_the_warning_fires_from_the_share_of_the_uniform_entropy(capsys):
+def test_the_warning_fires_from_the_share_of_the_uniform_entropy():
     uniform = math.log(85)
-    Job._warn_if_sampling_is_flat(_job(), _engine(85), {"entropy": FLAT_ENTROPY_SHARE * uniform + 1e-3})
-    said = capsys.readouterr().out
+    said = flat_sampling_warning(FLAT_ENTROPY_SHARE * uniform + 1e-3, 85, 30)
     assert WARNING in said and "undo the SFT warm-up" in said
-    for metrics in ({"entropy": FLAT_ENTROPY_SHARE * uniform - 1e-3}, {"entropy": 0.9}, {}):
-        Job._warn_if_sampling_is_flat(_job(), _engine(85), metrics)
-        assert capsys.readouterr().out == ""
+    for entropy in (FLAT_ENTROPY_SHARE * uniform - 1e-3, 0.9, None):
+        assert flat_sampling_warning(entropy, 85, 30) is None
 
 
 def test_rl_from_an_untrained_model_warns_once(tmp_path, capsys):

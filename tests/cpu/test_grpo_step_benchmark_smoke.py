@@ -52,6 +52,6 @@ def test_decode_vs_generate_runs_every_variant(capsys, tmp_path, monkeypatch):
 def test_row_sampling_times_every_shape(capsys):
     import row_sampling
 
-    ratios = row_sampling.main(["--rounds", "2", "--rows", "2", "3", "--vocab", "5"])
+    ratios = row_sampling.main(["--rounds", "2", "--rows", "2", "3", "--vocab", "5", "--repeats", "20"])
     assert sorted(ratios) == [(5, 2), (5, 3)] and all(len(r) == 2 and min(r) > 0 for r in ratios.values())
     assert "row generators ms" in capsys.readouterr().out

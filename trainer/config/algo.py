@@ -194,12 +194,18 @@ class RolloutCorrectionSection:
         """The policy loss's keywords of the behaviour correction (the mask options only when a
         bound is set: a user's loss class written before them need not take them)."""
         masks = {"mask_low": self.mask_low, "mask_high": self.mask_high, "mask_level": self.mask_level}
-        return {"tis_cap": self.tis_cap, **(masks if self.masks else {})}
+        return {"tis_cap": self._tis_cap, **(masks if self.masks else {})}
+
+    @property
+    def _tis_cap(self) -> float | None:
+        """The cap; ``auto`` left unresolved (a section built in Python, not by build_job_config,
+        which knows the run's staleness) means a synchronous run's: none."""
+        return auto_tis_cap(0, True) if self.tis_cap == "auto" else self.tis_cap
 
     @property
     def needs_rollout_log_probs(self) -> bool:
         """Whether generation must record the sampler's per-token log-probs."""
-        return bool(self.report_mismatch) or self.tis_cap is not None or self.masks
+        return bool(self.report_mismatch) or self._tis_cap is not None or self.masks
 
 
 @dataclass

@@ -61,8 +61,12 @@ class TrainerPosition:
         return self.sampled_ahead[rank]
 
     def state_dict(self) -> dict[str, Any]:
-        """The position as the checkpoint's plain ``extra`` (its keys in field order)."""
-        return asdict(self)
+        """The position as the checkpoint's plain ``extra`` (its keys in field order; no
+        ``sampled_ahead`` for a synchronous run: its extra is what it always was)."""
+        state = asdict(self)
+        if state["sampled_ahead"] is None:
+            del state["sampled_ahead"]
+        return state
 
     @classmethod
     def from_state_dict(cls, state: dict[str, Any]) -> TrainerPosition:
