@@ -82,6 +82,11 @@ class Backend(ABC):
         requests)``, ``close()``); None where it is polyfsdp_cpu, whose sender is polyfsdp's."""
         return None
 
+    def server_cores(self, devices: str) -> set[int] | None:
+        """The host cores a started rollout server's processes run on, from its
+        ``rollout.server.devices`` entry; None: where its parent runs (devices are not cores)."""
+        return None
+
     def rollout_sleep_level(self, lora: bool) -> int | None:
         """How deep a colocated vLLM sleeps while the trainer steps: 2 frees its weights and KV
         cache, 1 offloads the weights to the host and frees the KV cache (what LoRA runs need,

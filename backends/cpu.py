@@ -37,6 +37,19 @@ class CPUBackend(Backend):
     def device(self, local_rank: int = 0) -> torch.device:
         return torch.device("cpu")
 
+    def server_cores(self, devices: str) -> set[int] | None:
+        """Every core of ``devices`` ("0-3", "4,5", "0-3|4-7": vLLM's per-rank lists); None for
+        vLLM's words (auto, nobind). The OpenMP binding pins only vLLM's compute threads: the API
+        server and the engine core's other threads would run where the trainer does (one core
+        under ``taskset -c 0``), so the keeper pins the server's whole process tree to these."""
+        cores: set[int] = set()
+        for part in devices.replace("|", ",").split(","):
+            first, _, last = part.strip().partition("-")
+            if not first.isdigit() or (last and not last.isdigit()):
+                return None
+            cores.update(range(int(first), int(last or first) + 1))
+        return cores or None
+
     def rollout_sleep_level(self, lora: bool) -> int | None:
         return None  # vLLM's CPU sleep/wake_up are logged no-ops: the memory is the host's anyway
 

@@ -127,3 +127,34 @@ def test_the_keeper_ends_the_servers_whole_group(how):
     finally:
         trainer.kill()
         trainer.wait()
+
+
+def test_cpu_server_devices_name_the_cores_of_the_servers_every_process():
+    from polyfsdp.backends.cpu import CPUBackend
+
+    backend = CPUBackend()
+    assert backend.server_cores("1") == {1} and backend.server_cores("0-3") == {0, 1, 2, 3}
+    assert backend.server_cores("4,5") == {4, 5} and backend.server_cores("0-1|4-5") == {0, 1, 4, 5}
+    assert backend.server_cores("auto") is None and backend.server_cores("nobind") is None
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity") or len(os.sched_getaffinity(0)) < 2,
+                    reason="needs Linux and two cores")
+def test_the_keeper_runs_the_server_on_its_cores_not_the_trainers():
+    """A trainer under ``taskset -c A`` starting a server on core B: every process of the server
+    (vLLM's API server and engine core, not only its OpenMP threads) runs on B alone."""
+    first, last = min(os.sched_getaffinity(0)), max(os.sched_getaffinity(0))
+    trainer = textwrap.dedent(f"""\
+        import os, subprocess, sys
+        os.sched_setaffinity(0, {{{first}}})
+        probe = "import os, subprocess, sys; print(sorted(os.sched_getaffinity(0)), flush=True); " \\
+                "subprocess.run([sys.executable, '-c', 'import os; print(sorted(os.sched_getaffinity(0)))'])"
+        subprocess.run([sys.executable, "-m", "polyfsdp.trainer.rollout.servers.supervisor", str(os.getpid()),
+                        "--cores", "{last}", "--", sys.executable, "-c", probe], check=True)
+        """)
+    out = subprocess.run([sys.executable, "-c", trainer], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split("\n")[:2] == [f"[{last}]", f"[{last}]"]  # the server and what it starts
+    bad = subprocess.run([sys.executable, "-m", "polyfsdp.trainer.rollout.servers.supervisor", str(os.getpid()),
+                          "--cores", "100000", "--", "true"], capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 1 and "rollout.server.devices" in bad.stderr

@@ -114,8 +114,9 @@ class ServerProcess:
     """One server polyfsdp started (``index`` names it in messages); its output goes to ``log_path``."""
 
     def __init__(self, index: int, launch: ServerLaunch, env: dict[str, str], log_path: str,
-                 request_timeout_s: float) -> None:
+                 request_timeout_s: float, cores: set[int] | None = None) -> None:
         self.index, self.launch, self.env, self.log_path = index, launch, env, log_path
+        self.cores = cores  # the host cores its processes run on (the keeper pins them); None: ours
         host = "127.0.0.1" if launch.host in ("0.0.0.0", "::") else launch.host
         self.url = f"http://{host}:{launch.port}"
         self.http = ServerHttp(self.url, f"rollout server {index}", request_timeout_s)
@@ -123,7 +124,8 @@ class ServerProcess:
 
     def start(self) -> None:
         os.makedirs(os.path.dirname(self.log_path) or ".", exist_ok=True)
-        keeper = [sys.executable, "-m", "polyfsdp.trainer.rollout.servers.supervisor", str(os.getpid()), "--"]
+        pin = ["--cores", ",".join(map(str, sorted(self.cores)))] if self.cores else []
+        keeper = [sys.executable, "-m", "polyfsdp.trainer.rollout.servers.supervisor", str(os.getpid()), *pin, "--"]
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(keeper + self.launch.command(), stdout=log, stderr=subprocess.STDOUT,
                                          stdin=subprocess.DEVNULL, env={**os.environ, **self.env})

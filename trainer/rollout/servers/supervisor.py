@@ -1,5 +1,6 @@
 """The keeper of one rollout server: ``python -m polyfsdp.trainer.rollout.servers.supervisor
-PARENT_PID -- COMMAND...``.
+PARENT_PID [--cores 1,2] -- COMMAND...`` (``--cores``: the host cores the server's every process
+runs on, the CPU's ``rollout.server.devices``; default: the trainer's).
 
 polyfsdp never starts a vLLM server directly: a server is three processes (the API server, its
 engine core, its workers), and a trainer killed with ``kill -9`` runs no cleanup. This keeper
@@ -60,11 +61,21 @@ def end_group(child: subprocess.Popen, grace_s: float = GRACE_S) -> None:
 
 
 def main(argv: list[str]) -> int:
+    cores = None
+    if len(argv) > 2 and argv[1] == "--cores":
+        cores, argv = argv[2], argv[:1] + argv[3:]
     if len(argv) < 3 or argv[1] != "--":
-        print("usage: python -m polyfsdp.trainer.rollout.servers.supervisor PARENT_PID -- COMMAND...",
+        print("usage: python -m polyfsdp.trainer.rollout.servers.supervisor PARENT_PID [--cores 1,2] -- COMMAND...",
               file=sys.stderr)
         return 2
     parent, command = int(argv[0]), argv[2:]
+    if cores is not None and hasattr(os, "sched_setaffinity"):  # Linux; elsewhere the OS places it
+        try:  # inherited by the server and every process it starts
+            os.sched_setaffinity(0, {int(core) for core in cores.split(",")})
+        except (OSError, ValueError) as exc:
+            print(f"OSError: cannot run the rollout server on cores {cores} (rollout.server.devices): {exc}",
+                  file=sys.stderr)
+            return 1
     _signal_on_parent_death(signal.SIGTERM)
     if os.getppid() != parent:  # the trainer died before the signal was armed
         return 1
