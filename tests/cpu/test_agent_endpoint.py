@@ -16,7 +16,8 @@ from polyfsdp.trainer.data.tokenizers import CharTokenizer  # noqa: E402
 from polyfsdp.trainer.rewards.reward_fn import RewardError  # noqa: E402
 from polyfsdp.trainer.rollout.drivers.agent import AgentDriver  # noqa: E402
 from polyfsdp.trainer.rollout.drivers.result import Rollout  # noqa: E402
-from polyfsdp.trainer.rollout.drivers.multi_turn import MultiTurnDriver, MultiTurnSettings, rollout_metrics  # noqa: E402
+from polyfsdp.trainer.rollout.drivers.multi_turn import (MultiTurnDriver, MultiTurnSettings,  # noqa: E402
+                                                         rollout_metrics)
 from polyfsdp.trainer.rollout.tool_task import tool_call_text  # noqa: E402
 
 AGENTS = os.path.join(os.path.dirname(__file__), "envs", "agents.py")
@@ -177,3 +178,62 @@ def test_each_agent_failure_is_one_line_naming_the_agent_the_record_and_the_turn
     line = str(info.value)
     assert f"rollout.agent={AGENTS}:{name} " in line and expected in line and "\n" not in line, line
     assert line.endswith(f"(record r7, turn {turn})"), line
+
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def test_the_verifiers_shaped_example_records_the_calculator_environments_sequence():
+    tok = _tokenizer()
+    examples, params = [Example("17*23", "391", where="r0")], _params(tok, 100, return_log_probs=True)
+    env_roll = MultiTurnDriver(ScriptedEngine(tok, [CALL, "391"]), _settings("calculator"), None).rollout(
+        tok, examples, 2, params, row_seeds=[1, 2])
+    driver = AgentDriver(ScriptedEngine(tok, [CALL, "391"]),
+                         _settings(os.path.join(ROOT, "examples", "verifiers_style_agent.py:agent")), None)
+    try:
+        roll = driver.rollout(tok, examples, 2, params, row_seeds=[1, 2])
+    finally:
+        driver.close()
+    _same(roll, env_roll)
+    assert roll.rewards == [1.0, 1.0] and 0 in roll.loss_masks[0]
+
+
+def test_the_readmes_agent_trains_through_polyfsdp_train(tmp_path):
+    import re
+
+    from test_cli import TINY
+
+    from polyfsdp.trainer.tracking.metrics import read_metrics
+    from polyfsdp.trainer.train import main
+
+    readme = open(os.path.join(ROOT, "README.md")).read()
+    (tmp_path / "my_agent.py").write_text(re.findall(r"```python my_agent.py\n(.*?)```", readme, flags=re.S)[0])
+    out = tmp_path / "run"
+    code = main([*TINY, "algo.actor.group_size=2", "trainer.sft_steps=0", "trainer.rl_steps=1", "trainer.plot=false",
+                 "trainer.export=false", "trainer.eval_interval=0", "eval.initial=false", "data=arith_words",
+                 "algo.actor.max_new_tokens=8", f"rollout.agent={tmp_path / 'my_agent.py'}:agent",
+                 "rollout.max_turns=2", f"trainer.output_dir={out}"])
+    assert code == 0
+    grpo = [r for r in read_metrics(str(out / "metrics.jsonl")) if r["phase"] == "rl" and "loss" in r]
+    assert len(grpo) == 1 and grpo[0]["agent/retokenization_mismatch"] == 0.0
+    assert grpo[0]["multi_turn/turns_mean"] >= 1.0
+
+
+def test_agent_settings_are_checked_before_any_model_is_built(monkeypatch):
+    import sys
+
+    from polyfsdp.trainer.config.job import load_config
+    from polyfsdp.trainer.errors import ConfigError
+
+    agent = f"rollout.agent={AGENTS}:guess"
+    assert load_config([agent, "rollout.max_turns=3"]).rollout.agent == f"{AGENTS}:guess"
+    with pytest.raises(ConfigError, match="rollout.env=calculator and rollout.agent=.*: set one"):
+        load_config([agent, "rollout.env=calculator"])
+    with pytest.raises(ConfigError, match="rollout.agent_concurrency: expected at least 1"):
+        load_config([agent, "rollout.agent_concurrency=0"])
+    with pytest.raises(ConfigError, match="has no function 'nope'"):
+        load_config([f"rollout.agent={AGENTS}:nope"])
+    monkeypatch.setitem(sys.modules, "openai", None)  # as if not installed
+    with pytest.raises(ConfigError) as info:
+        load_config([agent])
+    assert str(info.value) == "rollout.agent needs the openai package for its client: pip install openai"

@@ -137,7 +137,8 @@ class MultiTurnDriver:
         total = trajectory.reward + reward
         if not (math.isfinite(total) and abs(total) <= MAX_ABS_REWARD):
             record = trajectory.example.where or f"with prompt {trajectory.example.prompt!r}"
-            raise RewardError(f"{self.label_key}={self.settings.env} step() rewards add up to {total:g} after turn {turn} "
+            raise RewardError(f"{self.label_key}={self.settings.env} step() rewards add up to {total:g} after turn "
+                              f"{turn} "
                               f"(this turn's {reward:g}), beyond +-{MAX_ABS_REWARD:g}: group means and variances "
                               f"of larger rewards overflow; scale the environment's rewards (record {record}, "
                               f"turn {turn})")
