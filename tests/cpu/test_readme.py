@@ -78,7 +78,7 @@ def test_readme_multi_turn_example_runs_as_written(tmp_path):
 
     section = (ROOT / "README.md").read_text().split("## Multi-turn", 1)[1].split("\n## ", 1)[0]
     files = dict(re.findall(r"```python (\S+)\n(.*?)```", section, flags=re.S))
-    assert set(files) == {"my_env.py"}
+    assert set(files) == {"my_env.py", "my_agent.py"}  # my_agent.py: tests/cpu/test_agent_endpoint.py
     (tmp_path / "my_env.py").write_text(files["my_env.py"])
     command = shlex.split(re.findall(r"```bash\n(.*?)```", section, flags=re.S)[0].replace("\\\n", " "))
     assert command[0] == "polyfsdp-train"

@@ -46,6 +46,7 @@ BOUNDS: tuple[tuple[str, float | None, float | None], ...] = (
     ("reward.timeout_s", 0.001, 7 * 24 * 3600),
     ("rollout.env_timeout_s", 0.001, 7 * 24 * 3600),
     ("rollout.max_turns", 1, 1024),
+    ("rollout.agent_concurrency", 1, 4096),
     ("rollout.max_staleness", 0, 64),
     ("rollout.max_total_tokens", 2, 2 ** 24),
     ("data.eval_size", None, MAX_BATCH),

@@ -340,8 +340,9 @@ def build_job_config(raw: dict, world_size: int = 1) -> JobConfig:
     lora_enabled = model.model_config().lora.enabled
     if trainer.export_lora != "merged" and not lora_enabled:
         raise ConfigError(f"trainer.export_lora={trainer.export_lora!r} exports LoRA adapters; set model.lora.rank > 0")
-    if rollout.env is not None and algo.rl and not algo.estimator.multi_turn:
-        raise ConfigError(f"rollout.env: algo.adv_estimator={algo.adv_estimator} declares multi_turn=False (it "
+    if (rollout.env is not None or rollout.agent is not None) and algo.rl and not algo.estimator.multi_turn:
+        key = "env" if rollout.env is not None else "agent"
+        raise ConfigError(f"rollout.{key}: algo.adv_estimator={algo.adv_estimator} declares multi_turn=False (it "
                           f"cannot skip environment turns); choose one that handles them, e.g. grpo or gae")
     return JobConfig(backend=backend, model=model, engine=engine, patches=patches, algo=algo, data=data,
                      trainer=trainer, raw=raw, reward=reward, rollout=rollout, eval=evaluation)

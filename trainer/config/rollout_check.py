@@ -45,9 +45,16 @@ def check_rollout(rollout, world_size: int = 1) -> None:
     ServerSettings.from_section(rollout.server)
     if isinstance(rollout.max_turns, bool) or not isinstance(rollout.max_turns, int) or rollout.max_turns < 1:
         raise ConfigError(f"rollout.max_turns: expected an int >= 1, got {rollout.max_turns!r}")
-    if rollout.env is None and rollout.max_turns > 1:
+    if rollout.env is not None and rollout.agent is not None:
+        raise ConfigError(f"rollout.env={rollout.env} and rollout.agent={rollout.agent}: set one (an environment "
+                          f"class, or an agent that talks to the model through the OpenAI API)")
+    if rollout.env is None and rollout.agent is None and rollout.max_turns > 1:
         raise ConfigError("rollout.max_turns > 1 needs an environment to answer the turns: set rollout.env "
-                          "(a built-in such as calculator, path/to/file.py:Class or package.module:Class)")
+                          "(a built-in such as calculator, path/to/file.py:Class or package.module:Class) "
+                          "or rollout.agent")
+    concurrency = rollout.agent_concurrency
+    if isinstance(concurrency, bool) or not isinstance(concurrency, int) or concurrency < 1:
+        raise ConfigError(f"rollout.agent_concurrency: expected an int >= 1, got {concurrency!r}")
     total = rollout.max_total_tokens
     if total is not None and (isinstance(total, bool) or not isinstance(total, int) or total < 2):
         raise ConfigError(f"rollout.max_total_tokens: expected an int >= 2 or null, got {total!r}")
@@ -55,3 +62,7 @@ def check_rollout(rollout, world_size: int = 1) -> None:
         from ..rollout.environments import load_environment
 
         load_environment(rollout.env)  # a missing file or class is one line before any model is built
+    if rollout.agent is not None:
+        from ..rollout.drivers.agent import load_agent
+
+        load_agent(rollout.agent)  # the openai package, the file and the function, before any model

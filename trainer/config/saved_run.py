@@ -27,7 +27,7 @@ from .plugins import names_code
 
 # Every key whose value plugins.py imports (trainer/rewards/reward_fn.py, trainer/rollout/
 # environments.py, trainer/algos/estimators.py, trainer/algos/policy_losses.py).
-USER_CODE_KEYS = ("reward.fn", "rollout.env", "algo.adv_estimator", "algo.actor.policy_loss")
+USER_CODE_KEYS = ("reward.fn", "rollout.env", "rollout.agent", "algo.adv_estimator", "algo.actor.policy_loss")
 TRUST_FLAG = "--trust-run-code"
 # A config.yaml polyfsdp-train writes is a few KiB: far beyond that, it is not one.
 MAX_SAVED_CONFIG_BYTES = 1 << 20

@@ -89,6 +89,10 @@ class RolloutSection:
     max_total_tokens: int | None = None
     env_add_reward_fn: bool = False
     env_timeout_s: float | None = 60.0
+    # Agents from any framework (trainer/rollout/drivers/agent.py): FILE.py:fn or module:fn, talking
+    # to the engine through an OpenAI-compatible endpoint on loopback; instead of env.
+    agent: str | None = None
+    agent_concurrency: int = 64
     # Asynchronous RL (trainer/algos/sample_ahead.py): the batch of RL step t is sampled with the
     # policy of step max(0, t - max_staleness); 0: synchronous, on policy.
     max_staleness: int = 0
@@ -96,6 +100,8 @@ class RolloutSection:
     def describe_reward(self, fn_name: str) -> str:
         """What scores a completion, for the run's first line: reward.fn, or with an environment
         its step rewards (plus reward.fn with env_add_reward_fn)."""
+        if self.agent:
+            return f"agent {self.agent}" + (f" + {fn_name}" if self.env_add_reward_fn else "")
         if not self.env:
             return fn_name
         return f"environment {self.env}" + (f" + {fn_name}" if self.env_add_reward_fn else "")

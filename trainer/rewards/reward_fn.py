@@ -57,7 +57,7 @@ def call_user_code(call, who: str, where: str, deadline: CallDeadline | None, ti
     except Exception as exc:
         if os.environ.get(TRACEBACK_SWITCH) == "1":
             traceback.print_exc()  # the whole story, on request; the one line follows
-        raise RewardError(f"{who} raised {type(exc).__name__}: {first_line(exc)}{_user_frame(exc)} "
+        raise RewardError(f"{who} raised {type(exc).__name__}: {first_line(exc)}{user_frame(exc)} "
                           f"{where}") from None
 
 
@@ -68,7 +68,7 @@ _OWN_DIRS = tuple(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(_
                   for name in ("trainer", "engines", "backends", "patches"))
 
 
-def _user_frame(exc: BaseException) -> str:
+def user_frame(exc: BaseException) -> str:
     """`` at file:line`` of the innermost frame of ``exc``'s traceback in the user's own code
     (not polyfsdp's, not the standard library's or a package's), else ''."""
     frames = traceback.extract_tb(exc.__traceback__)

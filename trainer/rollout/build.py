@@ -25,13 +25,18 @@ def build_rollout_engine(rollout, backend, lora: bool = False, log_dir: str | No
 def build_rollout_driver(rollout, engine: RolloutEngine, max_positions: int | None = None):
     """What runs examples through ``engine``: conversations with ``rollout.env`` when one is set,
     else one completion per row."""
-    if rollout.env is None:
+    if rollout.env is None and rollout.agent is None:
         return SingleTurnDriver(engine)
     return multi_turn_driver(rollout, engine, max_positions)
 
 
 def multi_turn_driver(rollout, engine: RolloutEngine, max_positions: int | None):
-    """The multi-turn driver (trainer/rollout/drivers/multi_turn.py) of ``rollout.env`` over ``engine``."""
-    settings = MultiTurnSettings(rollout.env, dict(rollout.env_kwargs or {}), rollout.max_turns,
+    """The multi-turn driver (trainer/rollout/drivers/multi_turn.py) of ``rollout.env`` over ``engine``,
+    or of ``rollout.agent`` (trainer/rollout/drivers/agent.py: its agents are the environments)."""
+    settings = MultiTurnSettings(rollout.agent or rollout.env, dict(rollout.env_kwargs or {}), rollout.max_turns,
                                  rollout.max_total_tokens, rollout.env_add_reward_fn, rollout.env_timeout_s)
+    if rollout.agent is not None:
+        from .drivers.agent import AgentDriver
+
+        return AgentDriver(engine, settings, max_positions, rollout.agent_concurrency)
     return MultiTurnDriver(engine, settings, max_positions)

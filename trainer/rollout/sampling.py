@@ -42,7 +42,8 @@ def _select(roll: Rollout, groups: list[int], n: int) -> Rollout:
                    answers=pick(roll.answers), loss_masks=pick(roll.loss_masks), rollout_metrics=roll.rollout_metrics)
 
 
-def _concat(parts: list[Rollout]) -> Rollout:
+def concat_rollouts(parts: list[Rollout]) -> Rollout:
+    """One rollout of ``parts``' rows, in order (also the agent driver's rounds, drivers/agent.py)."""
     join = lambda name: [x for p in parts for x in getattr(p, name)]  # noqa: E731
     log_probs = None if parts[0].log_probs is None else join("log_probs")
     loss_masks = None if parts[0].loss_masks is None else join("loss_masks")
@@ -94,7 +95,7 @@ def sample_groups(policy, tokenizer, examples: list[Example], g, log_probs: bool
         roll = draw(more_examples(rounds), rounds)
         rounds += 1
     common = int(-all_reduce_max([-float(count)], device)[0])
-    kept_roll = _select(_concat(kept), list(range(common)), n)
+    kept_roll = _select(concat_rollouts(kept), list(range(common)), n)
     total = all_reduce_sum([float(common)], device)[0]
     if common < target:
         logger.warning("filter_groups: %d of %d groups per rank carry a reward signal after %d sampling rounds "

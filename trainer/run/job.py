@@ -210,6 +210,7 @@ class Job(SigtermStops):
                 return self._run()
         finally:
             self.driver.engine.close()  # before the process group goes: a vLLM engine's groups hang off it
+            getattr(self.driver, "close", lambda: None)()  # rollout.agent's endpoint
 
     def _run(self) -> dict:
         cfg, out = self.cfg, self.out

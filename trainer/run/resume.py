@@ -48,7 +48,7 @@ RL_STARTED_TRAINER_KEYS = ("sft_steps",)
 # Keys of those sections that change how a run is guarded, not what it computes.
 SAME_RUN_IGNORED = ("reward.timeout_s",)
 # The rollout keys that define the task a multi-turn run trains on (its engine may change).
-SAME_RUN_ROLLOUT_KEYS = ("env", "env_kwargs", "max_turns", "max_total_tokens", "env_add_reward_fn")
+SAME_RUN_ROLLOUT_KEYS = ("env", "agent", "env_kwargs", "max_turns", "max_total_tokens", "env_add_reward_fn")
 # Algo keys added after runs were saved without them: such a run sampled (and trained) with their defaults.
 LATER_ALGO_DEFAULTS = {**{f"algo.actor.{name}": value for name, value in SamplingControls().sampling_options().items()},
                        "algo.rollout_correction.mask_low": None, "algo.rollout_correction.mask_high": None,

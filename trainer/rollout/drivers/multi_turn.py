@@ -107,9 +107,13 @@ class MultiTurnDriver:
     """The rollout driver (trainer/rollout/drivers/) that runs conversations with an environment;
     ``engine`` samples each turn."""
 
-    def __init__(self, engine: RolloutEngine, settings: MultiTurnSettings, max_positions: int | None) -> None:
+    # What error lines call the environment (the agent driver, agent.py, names its agent).
+    label_key = "rollout.env"
+
+    def __init__(self, engine: RolloutEngine, settings: MultiTurnSettings, max_positions: int | None,
+                 env_class=None) -> None:
         self.engine, self.settings = engine, settings
-        self.env_class = load_environment(settings.env)
+        self.env_class = env_class or load_environment(settings.env)
         self.max_total = settings.max_total_tokens or max_positions
         self.name = f"{engine.name} + {settings.env}"
         self._deadline = CallDeadline(settings.timeout_s) if settings.timeout_s is not None else None
@@ -117,7 +121,7 @@ class MultiTurnDriver:
     def _env_call(self, trajectory, method: str, turn: int, call, check):
         """``check(call())``: the environment's ``method`` under ``rollout.env_timeout_s``, its
         result checked; every failure one line naming the environment, the record and the turn."""
-        where = f"rollout.env={self.settings.env} {method}()"
+        where = f"{self.label_key}={self.settings.env} {method}()"
         record = trajectory.example.where or f"with prompt {trajectory.example.prompt!r}"
         context = f"(record {record}, turn {turn})"
         result = call_user_code(call, where, context, self._deadline, "rollout.env_timeout_s")
@@ -133,7 +137,8 @@ class MultiTurnDriver:
         total = trajectory.reward + reward
         if not (math.isfinite(total) and abs(total) <= MAX_ABS_REWARD):
             record = trajectory.example.where or f"with prompt {trajectory.example.prompt!r}"
-            raise RewardError(f"rollout.env={self.settings.env} step() rewards add up to {total:g} after turn {turn} "
+            raise RewardError(f"{self.label_key}={self.settings.env} step() rewards add up to {total:g} after turn "
+                              f"{turn} "
                               f"(this turn's {reward:g}), beyond +-{MAX_ABS_REWARD:g}: group means and variances "
                               f"of larger rewards overflow; scale the environment's rewards (record {record}, "
                               f"turn {turn})")
@@ -188,12 +193,15 @@ class MultiTurnDriver:
                     break
             elif not active:
                 break
-            contexts = [t.prompt + t.tokens for t in active] or [trajectories[0].prompt]
+            # A rank with no conversation at all (agent.py's padding rounds) samples from <bos>.
+            contexts = [t.prompt + t.tokens for t in active] or \
+                [trajectories[0].prompt if trajectories else [tokenizer.bos_token_id or 0]]
             out = self.engine.generate(contexts, turn_params, seeds)
             completions, log_probs = out.token_ids, out.log_probs
             started = time.perf_counter()
 
             def answer(active=active, completions=completions, log_probs=log_probs, turn=turn):
+                self.deliver(active, completions, tokenizer, params)
                 for t, tokens, lps in zip(active, completions, log_probs):
                     t.add(tokens, sampled=True, log_probs=lps)
                     t.turns += 1
@@ -227,7 +235,7 @@ class MultiTurnDriver:
                 t.reward += r
         metrics = {"turns": [float(t.turns) for t in trajectories],
                    "tool_calls": [float(t.tool_calls) for t in trajectories],
-                   "truncated": [float(t.truncated) for t in trajectories]}
+                   "truncated": [float(t.truncated) for t in trajectories], **self.finish(trajectories)}
         return Rollout([t.prompt for t in trajectories], [t.tokens for t in trajectories],
                        [t.last_text for t in trajectories], [t.reward for t in trajectories], {},
                        [t.log_probs for t in trajectories] if params.return_log_probs else None,
@@ -236,12 +244,24 @@ class MultiTurnDriver:
                        rollout_metrics={**metrics, "env_time_s": [env_time]})
 
 
+    def deliver(self, active, completions, tokenizer, params) -> None:
+        """Before a turn's ``step`` calls: nothing here (the agent driver hands every sampled
+        completion to its agent at once, so agents think in parallel)."""
+
+    def finish(self, trajectories) -> dict[str, list[float]]:
+        """After the last turn: more per-trajectory metrics (none here; the agent driver's)."""
+        return {}
+
+
 def rollout_metrics(values: dict[str, list[float]]) -> dict[str, float]:
     """Record entries for a rollout's own per-trajectory values, averaged over every rank's:
     ``multi_turn/turns_mean``, ``multi_turn/tool_calls_mean``, ``multi_turn/truncated_mean``
-    (the share that hit a limit), ``multi_turn/env_time_s_mean``. Every rank must call it."""
+    (the share that hit a limit), ``multi_turn/env_time_s_mean``; a key with its own prefix keeps
+    it (``agent/retokenization_mismatch``: the share of agent conversations whose history differed
+    from the sampled one). Every rank must call it."""
     from ...rewards.reward_fn import mean_over_ranks
 
     if not values:
         return {}
-    return {f"multi_turn/{key.removeprefix('reward/')}_mean": v for key, v in mean_over_ranks(values).items()}
+    means = {key.removeprefix("reward/"): v for key, v in mean_over_ranks(values).items()}
+    return {key if "/" in key else f"multi_turn/{key}_mean": v for key, v in means.items()}

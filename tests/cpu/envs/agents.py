@@ -1,0 +1,109 @@
+"""Agents for rollout.agent (tests/cpu/test_agent_endpoint.py), written against the openai client
+as a user would: each is fn(example, client) -> reward."""
+import json
+import time
+
+from polyfsdp.trainer.rewards.rules import gsm8k
+from polyfsdp.trainer.rollout.tool_task import CALCULATOR_TOOL, calculate
+
+
+def _tool_results(message):
+    results = []
+    for call in message.tool_calls:
+        if call.function.name != "calculator":
+            content = f"error: unknown tool {call.function.name!r}"
+        else:
+            args = json.loads(call.function.arguments or "{}")
+            content = calculate(str(args.get("expression", "")) if isinstance(args, dict) else "")
+        results.append({"role": "tool", "tool_call_id": call.id, "content": content})
+    return results
+
+
+def calculator(example, client):
+    """The calculator task's conversation (tool_task.CalculatorEnv) as an OpenAI tool-calling agent."""
+    messages = [{"role": "user", "content": example.prompt}]
+    while True:
+        reply = client.chat.completions.create(model="policy", messages=messages, tools=[CALCULATOR_TOOL],
+                                               temperature=0.3, max_tokens=5, seed=1)  # ignored: the trainer's win
+        message = reply.choices[0].message
+        messages.append(message.model_dump(exclude_none=True))
+        if not message.tool_calls:
+            return {"reward": gsm8k("", message.content or "", str(example.answer).strip())}
+        messages += _tool_results(message)
+
+
+async def calculator_async(example, client):
+    """The same agent with openai.AsyncOpenAI."""
+    messages = [{"role": "user", "content": example.prompt}]
+    while True:
+        reply = await client.chat.completions.create(model="policy", messages=messages, tools=[CALCULATOR_TOOL])
+        message = reply.choices[0].message
+        messages.append(message.model_dump(exclude_none=True))
+        if not message.tool_calls:
+            return gsm8k("", message.content or "", str(example.answer).strip())
+        messages += _tool_results(message)
+
+
+def guess(example, client, edit=False):
+    """tests/cpu/envs/guess_env.py's GuessEnv (target "e") as an agent; ``edit``: it strips its
+    history's assistant turns and adds a full stop (a re-tokenization trap)."""
+    messages = [{"role": "user", "content": "guess a letter"}]
+    while True:
+        text = client.chat.completions.create(model="policy", messages=messages).choices[0].message.content
+        letter = text.strip()[:1]
+        if letter == "e":
+            return 1.0
+        messages += [{"role": "assistant", "content": text.strip() + "." if edit else text},
+                     {"role": "user", "content": "higher" if letter < "e" else "lower"}]
+
+
+def guess_editing(example, client):
+    return guess(example, client, edit=True)
+
+
+def raises(example, client):
+    client.chat.completions.create(model="policy", messages=[{"role": "user", "content": "x"}])
+    raise KeyError("boom")
+
+
+def hangs(example, client):
+    client.chat.completions.create(model="policy", messages=[{"role": "user", "content": "x"}])
+    time.sleep(5)
+    return 0.0
+
+
+def never_calls(example, client):
+    return 1.0
+
+
+def asks_two_choices(example, client):
+    try:  # the endpoint refuses n=2 with a 400; the run stops even though the agent carries on
+        client.chat.completions.create(model="policy", messages=[{"role": "user", "content": "x"}], n=2)
+    except Exception:
+        pass
+    client.chat.completions.create(model="policy", messages=[{"role": "user", "content": "x"}])
+    return 0.0
+
+
+def legacy_completions(example, client):
+    client.completions.create(model="policy", prompt="x")
+    return 0.0
+
+
+def malformed_body(example, client):
+    import urllib.error
+    import urllib.request
+
+    request = urllib.request.Request(f"{client.base_url}chat/completions", data=b"{not json", method="POST",
+                                     headers={"Content-Type": "application/json"})
+    try:
+        urllib.request.urlopen(request)
+    except urllib.error.HTTPError as exc:
+        assert exc.code == 400 and "not JSON" in json.loads(exc.read())["error"]["message"]
+    time.sleep(5)
+    return 0.0
+
+
+def returns_text(example, client):
+    client.chat.completions.create(model="policy", messages=[{"role": "user", "content": "x"}])
+    return "great"

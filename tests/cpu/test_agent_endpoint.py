@@ -1,0 +1,239 @@
+"""rollout.agent (trainer/rollout/drivers/agent.py): agents written with the openai client talk to
+the rollout engine through the loopback endpoint, and their trajectories are the ones the
+environment API records for the same conversation, token for token."""
+import os
+from dataclasses import replace
+
+import pytest
+import torch
+
+pytest.importorskip("openai")
+
+from test_multi_turn import GUESS_ENV, ScriptedEngine, _params  # noqa: E402
+
+from polyfsdp.trainer.data.example import Example  # noqa: E402
+from polyfsdp.trainer.data.tokenizers import CharTokenizer  # noqa: E402
+from polyfsdp.trainer.rewards.reward_fn import RewardError  # noqa: E402
+from polyfsdp.trainer.rollout.drivers.agent import AgentDriver  # noqa: E402
+from polyfsdp.trainer.rollout.drivers.result import Rollout  # noqa: E402
+from polyfsdp.trainer.rollout.drivers.multi_turn import (MultiTurnDriver, MultiTurnSettings,  # noqa: E402
+                                                         rollout_metrics)
+from polyfsdp.trainer.rollout.tool_task import tool_call_text  # noqa: E402
+
+AGENTS = os.path.join(os.path.dirname(__file__), "envs", "agents.py")
+CALL = tool_call_text("calculator", {"expression": "17*23"})
+
+
+def _tokenizer():
+    tok = CharTokenizer()
+    tok.add_chars(CALL)  # as data=calculator does: the call's "{} and _ are characters of the model
+    return tok
+
+
+def _settings(spec, max_turns=3, timeout_s=30.0):
+    return MultiTurnSettings(spec, {}, max_turns, None, False, timeout_s)
+
+
+def _agent(engine, name, concurrency=64, **kwargs):
+    return AgentDriver(engine, _settings(f"{AGENTS}:{name}", **kwargs), None, concurrency)
+
+
+def _same(a, b, atol=0.0):
+    """The same training sequences: tokens, masks, rewards, and the sampler's log-probs (within
+    ``atol``: a row sampled in another batch is computed with other float roundings)."""
+    assert a.prompt_ids == b.prompt_ids and a.response_ids == b.response_ids
+    assert a.loss_masks == b.loss_masks and a.rewards == b.rewards
+    assert (a.log_probs is None) == (b.log_probs is None)
+    if a.log_probs is not None:
+        assert max((abs(x - y) for p, q in zip(a.log_probs, b.log_probs) for x, y in zip(p, q)), default=0) <= atol
+
+
+@pytest.mark.parametrize("name", ["calculator", "calculator_async"])
+def test_a_tool_calling_openai_agent_records_the_calculator_environments_sequence(name):
+    tok = _tokenizer()
+    examples = [Example("17*23", "391", where="r0"), Example("17*23", "390", where="r1")]
+    params = _params(tok, 100, return_log_probs=True)
+    env_engine = ScriptedEngine(tok, [CALL, "391"])
+    env_roll = MultiTurnDriver(env_engine, _settings("calculator"), None).rollout(
+        tok, examples, 2, params, row_seeds=[1, 2, 3, 4])
+    engine = ScriptedEngine(tok, [CALL, "391"])
+    driver = _agent(engine, name)
+    try:
+        roll = driver.rollout(tok, examples, 2, params, row_seeds=[1, 2, 3, 4])
+    finally:
+        driver.close()
+    assert 0 in roll.loss_masks[0], "no tool turn happened: the test would prove nothing"
+    _same(roll, env_roll)
+    assert roll.rewards == [1.0, 1.0, 0.0, 0.0] and roll.rollout_metrics["tool_calls"] == [1.0] * 4
+    assert roll.rollout_metrics["agent/retokenization_mismatch"] == [0.0] * 4
+    assert engine.seeds == env_engine.seeds and engine.prompts == env_engine.prompts  # each turn's rows and seeds
+
+
+def _policy(tok):
+    from polyfsdp.engines.config import EngineConfig, ModelConfig, OptimConfig
+    from polyfsdp.engines.engine import FSDPEngine
+
+    torch.manual_seed(0)
+    return FSDPEngine(ModelConfig(preset="qwen2-tiny", vocab_size=tok.vocab_size), EngineConfig(),
+                      OptimConfig(lr=1e-3)).initialize()
+
+
+def _letter_stops(tok, max_new_tokens=4):
+    """Sampling that ends a turn at any letter too: the untrained model's turns end early, so its
+    conversations with GuessEnv go on for several turns."""
+    base = _params(tok, max_new_tokens, 1.0, return_log_probs=True)
+    return replace(base, stop_token_ids=(*tok.encode("abcdefghijklmnopqrstuvwxyz"), *base.stop_token_ids))
+
+
+@pytest.fixture(scope="module")
+def policy():
+    tok = _tokenizer()
+    return tok, _policy(tok)
+
+
+@pytest.mark.parametrize("engine_name", ["builtin", "hf"])
+def test_an_agent_samples_what_the_environment_api_samples_with_every_engine(policy, engine_name):
+    from polyfsdp.trainer.rollout.engines import PolicyDecoding
+
+    tok, model = policy
+    engine = PolicyDecoding(engine_name)
+    engine.update_weights(model)
+    examples, seeds = [Example("p", "", where="r0"), Example("q", "", where="r1")], [5, 6, 7, 8, 9, 10]
+    params = _letter_stops(tok)
+    env_roll = MultiTurnDriver(engine, _settings(GUESS_ENV), None).rollout(tok, examples, 3, params,
+                                                                          row_seeds=seeds)
+    assert any(0 in m for m in env_roll.loss_masks), "no second turn: the test would prove nothing"
+    driver = _agent(engine, "guess")
+    try:
+        _same(driver.rollout(tok, examples, 3, params, row_seeds=seeds), env_roll)
+        # The calculator agent too (the untrained model rarely calls the tool; one turn each).
+        env_calc = MultiTurnDriver(engine, _settings("calculator"), None).rollout(tok, examples, 2, params,
+                                                                                   row_seeds=seeds[:4])
+        calc = _agent(engine, "calculator")
+        try:
+            _same(calc.rollout(tok, examples, 2, params, row_seeds=seeds[:4]), env_calc)
+        finally:
+            calc.close()
+    finally:
+        driver.close()
+
+
+def test_an_agent_that_edits_its_history_is_counted_and_trained_on_the_sampled_tokens():
+    tok = _tokenizer()
+    params = _params(tok, 8, return_log_probs=True)
+    honest = _agent(ScriptedEngine(tok, [" a ", "z", "e"]), "guess", max_turns=4)
+    editing = _agent(ScriptedEngine(tok, [" a ", "z", "e"]), "guess_editing", max_turns=4)
+    try:
+        expected = honest.rollout(tok, [Example("p", "")], 1, params)
+        roll = editing.rollout(tok, [Example("p", "")], 1, params)
+    finally:
+        honest.close()
+        editing.close()
+    assert expected.rollout_metrics["agent/retokenization_mismatch"] == [0.0]
+    assert roll.rollout_metrics["agent/retokenization_mismatch"] == [1.0]
+    _same(roll, expected)  # the sampled " a " is trained, not the agent's "a."
+    assert tok.encode(" a ") == roll.response_ids[0][:3] and roll.rewards == [1.0]
+    assert rollout_metrics(roll.rollout_metrics)["agent/retokenization_mismatch"] == 1.0
+
+
+def test_64_concurrent_conversations_sample_what_one_at_a_time_samples(policy):
+    from polyfsdp.trainer.rollout.engines import PolicyDecoding
+
+    tok, model = policy
+    engine = PolicyDecoding("builtin")
+    engine.update_weights(model)
+    examples = [Example(f"p{i}", "", where=f"r{i}") for i in range(64)]
+    params, seeds = _letter_stops(tok, 3), list(range(100, 164))
+    together, alone = _agent(engine, "guess", max_turns=2), _agent(engine, "guess", concurrency=1, max_turns=2)
+    try:
+        many = together.rollout(tok, examples, 1, params, row_seeds=seeds)
+        # Every 4th row alone (rollout.agent_concurrency=1: one conversation per round), to save time.
+        single = alone.rollout(tok, examples[::4], 1, params, row_seeds=seeds[::4])
+    finally:
+        together.close()
+        alone.close()
+    assert any(0 in m for m in many.loss_masks) and len(set(map(tuple, many.response_ids))) > 8
+    every_4th = Rollout(*(getattr(many, f)[::4] for f in ("prompt_ids", "response_ids", "texts", "rewards")),
+                        log_probs=many.log_probs[::4], loss_masks=many.loss_masks[::4])
+    _same(every_4th, single, atol=1e-5)
+
+
+@pytest.mark.parametrize("name,turn,expected", [
+    ("raises", 1, "raised KeyError: 'boom' at "),
+    ("hangs", 1, "neither called the model nor returned within rollout.env_timeout_s=0.5 s"),
+    ("never_calls", 0, "returned 1.0 before calling the model"),
+    ("asks_two_choices", 0, "sent a request the endpoint cannot serve (chat completion request: n=2"),
+    ("legacy_completions", 0, "sent a request the endpoint cannot serve (POST /v1/completions: not served"),
+    ("malformed_body", 0, "sent a request the endpoint cannot serve (the request body is not JSON"),
+    ("returns_text", 1, "returned 'great'; expected a finite number"),
+])
+def test_each_agent_failure_is_one_line_naming_the_agent_the_record_and_the_turn(name, turn, expected):
+    tok = _tokenizer()
+    driver = _agent(ScriptedEngine(tok, ["a", "b"]), name, timeout_s=0.5)
+    try:
+        with pytest.raises(RewardError) as info:
+            driver.rollout(tok, [Example("p", "", where="r7")], 1, _params(tok, 8))
+    finally:
+        driver.close()
+    line = str(info.value)
+    assert f"rollout.agent={AGENTS}:{name} " in line and expected in line and "\n" not in line, line
+    assert line.endswith(f"(record r7, turn {turn})"), line
+
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def test_the_verifiers_shaped_example_records_the_calculator_environments_sequence():
+    tok = _tokenizer()
+    examples, params = [Example("17*23", "391", where="r0")], _params(tok, 100, return_log_probs=True)
+    env_roll = MultiTurnDriver(ScriptedEngine(tok, [CALL, "391"]), _settings("calculator"), None).rollout(
+        tok, examples, 2, params, row_seeds=[1, 2])
+    driver = AgentDriver(ScriptedEngine(tok, [CALL, "391"]),
+                         _settings(os.path.join(ROOT, "examples", "verifiers_style_agent.py:agent")), None)
+    try:
+        roll = driver.rollout(tok, examples, 2, params, row_seeds=[1, 2])
+    finally:
+        driver.close()
+    _same(roll, env_roll)
+    assert roll.rewards == [1.0, 1.0] and 0 in roll.loss_masks[0]
+
+
+def test_the_readmes_agent_trains_through_polyfsdp_train(tmp_path):
+    import re
+
+    from test_cli import TINY
+
+    from polyfsdp.trainer.tracking.metrics import read_metrics
+    from polyfsdp.trainer.train import main
+
+    readme = open(os.path.join(ROOT, "README.md")).read()
+    (tmp_path / "my_agent.py").write_text(re.findall(r"```python my_agent.py\n(.*?)```", readme, flags=re.S)[0])
+    out = tmp_path / "run"
+    code = main([*TINY, "algo.actor.group_size=2", "trainer.sft_steps=0", "trainer.rl_steps=1", "trainer.plot=false",
+                 "trainer.export=false", "trainer.eval_interval=0", "eval.initial=false", "data=arith_words",
+                 "algo.actor.max_new_tokens=8", f"rollout.agent={tmp_path / 'my_agent.py'}:agent",
+                 "rollout.max_turns=2", f"trainer.output_dir={out}"])
+    assert code == 0
+    grpo = [r for r in read_metrics(str(out / "metrics.jsonl")) if r["phase"] == "rl" and "loss" in r]
+    assert len(grpo) == 1 and grpo[0]["agent/retokenization_mismatch"] == 0.0
+    assert grpo[0]["multi_turn/turns_mean"] >= 1.0
+
+
+def test_agent_settings_are_checked_before_any_model_is_built(monkeypatch):
+    import sys
+
+    from polyfsdp.trainer.config.job import load_config
+    from polyfsdp.trainer.errors import ConfigError
+
+    agent = f"rollout.agent={AGENTS}:guess"
+    assert load_config([agent, "rollout.max_turns=3"]).rollout.agent == f"{AGENTS}:guess"
+    with pytest.raises(ConfigError, match="rollout.env=calculator and rollout.agent=.*: set one"):
+        load_config([agent, "rollout.env=calculator"])
+    with pytest.raises(ConfigError, match="rollout.agent_concurrency: expected at least 1"):
+        load_config([agent, "rollout.agent_concurrency=0"])
+    with pytest.raises(ConfigError, match="has no function 'nope'"):
+        load_config([f"rollout.agent={AGENTS}:nope"])
+    monkeypatch.setitem(sys.modules, "openai", None)  # as if not installed
+    with pytest.raises(ConfigError) as info:
+        load_config([agent])
+    assert str(info.value) == "rollout.agent needs the openai package for its client: pip install openai"
