@@ -100,6 +100,11 @@ def test_the_queue_round_trips_through_its_plain_form(tmp_path):
     assert again.state() == state
     with pytest.raises(Exception, match="before its own step"):
         again.load(state, at_step=2)
+    # Resumed with k=1: step 2's batch is ahead of the horizon (and step 1's, drawn by version 0, is
+    # within 1); nothing is trained staler than the resumed run's k.
+    smaller = SampleAhead(steps, 1, 6)
+    assert smaller.load(state, at_step=1) == 1 and sorted(smaller.queue) == [1]
+    assert SampleAhead(steps, 0, 6).load(state, at_step=1) == 2
 
 
 def test_a_server_that_stalls_ends_the_step_in_one_line_within_its_timeout_and_leaves_the_queue(tmp_path, monkeypatch):

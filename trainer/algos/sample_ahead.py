@@ -37,6 +37,21 @@ from .rl_step import SampledBatch
 from .rl_steps import RLSteps
 
 
+def resume_sampled_ahead(pipeline: "SampleAhead | None", position, rank: int, world: int, say) -> None:
+    """Give ``pipeline`` (None: a synchronous run) this rank's batches sampled ahead in the
+    checkpoint ``position``; says so when a changed rollout.max_staleness leaves some out (they
+    are sampled again with the current weights: the bound holds for the resumed run's k)."""
+    if pipeline is None:
+        if position.sampled_ahead:
+            say(f"resume: the checkpoint's batches sampled ahead are not used: rollout.max_staleness=0 samples "
+                f"each step's batch with its own weights")
+        return
+    left_out = pipeline.load(position.rank_queue(rank, world), position.phase_step)
+    if left_out:
+        say(f"resume: {left_out} batch(es) sampled ahead in the checkpoint are beyond rollout.max_staleness="
+            f"{pipeline.k}: sampled again with the current weights")
+
+
 class BackgroundRound:
     """A first sampling round generated on a daemon thread (a process that stops never waits
     for it); :meth:`wait` returns its completions or raises its error."""
@@ -77,15 +92,22 @@ class SampleAhead:
         """The queue as plain data (this rank's share), oldest first."""
         return [{"step": step, **batch.to_plain()} for step, batch in sorted(self.queue.items())]
 
-    def load(self, plain: list[dict] | None, at_step: int) -> None:
-        """Take back a checkpoint's queue, saved at the boundary before step ``at_step``."""
-        self.queue = {}
+    def load(self, plain: list[dict] | None, at_step: int) -> int:
+        """Take back a checkpoint's queue, saved at the boundary before step ``at_step``, except the
+        batches this run's k would not have drawn (resumed with a smaller rollout.max_staleness:
+        staler than k, or more than k steps ahead), which are sampled again; returns how many."""
+        self.queue, left_out = {}, 0
         for entry in plain or []:
             step = int(entry["step"])
             if step < at_step:
                 raise ConfigError(f"trainer.resume: the checkpoint's queue holds a batch of step {step + 1}, "
                                   f"before its own step {at_step}; the checkpoint is damaged")
-            self.queue[step] = SampledBatch.from_plain(entry)
+            batch = SampledBatch.from_plain(entry)
+            if step - batch.version > self.k or step >= at_step + self.k:
+                left_out += 1
+                continue
+            self.queue[step] = batch
+        return left_out
 
     # ------------------------------------------------------------------ steps
     def step(self, t: int, examples: list | None = None) -> dict:

@@ -61,7 +61,7 @@ from .progress import Progress
 from ..rank_errors import on_every_rank
 from ..rewards.reward_fn import build_scorer
 from ..algos.rl_steps import RLSteps
-from ..algos.sample_ahead import SampleAhead
+from ..algos.sample_ahead import SampleAhead, resume_sampled_ahead
 from ..rollout.build import build_rollout_driver, build_rollout_engine
 from .resume import RL_PHASE, STATE_FILE, ResumePoint, check_no_linked_run_files, check_same_run, find_resume
 from .state import PhaseState
@@ -280,8 +280,7 @@ class Job(SigtermStops):
         step and whether the evaluation due before it is still to run."""
         if resume is not None and resume.checkpoint is not None:
             position = self.checkpoints.restore(self._state(phase.name, engine), resume, phase.steps)
-            if self.sample_ahead is not None:
-                self.sample_ahead.load(position.rank_queue(self.rank, self.world), position.phase_step)
+            resume_sampled_ahead(self.sample_ahead, position, self.rank, self.world, _say)
             redo = ("step", position.global_step) if position.eval_due else None
             self._start_metrics(resume, position.metrics_lines, redo=redo)
             return position.phase_step, position.eval_due

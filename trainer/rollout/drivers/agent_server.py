@@ -78,7 +78,7 @@ def request_problem(body) -> str | None:
             return f"messages[{i}] is not a chat message with a 'role'"
     if body.get("n") not in (None, 1):
         return f"n={body.get('n')!r}: one choice per request (a trajectory is one conversation; polyfsdp's " \
-               f"rollout.n / algo.actor.group_size make the group)"
+               f"algo.actor.group_size makes the group)"
     if body.get("stream"):
         return "stream=true is not supported: ask for the whole completion"
     if body.get("tools") is not None and not isinstance(body.get("tools"), list):
