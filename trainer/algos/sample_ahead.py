@@ -43,8 +43,8 @@ def resume_sampled_ahead(pipeline: "SampleAhead | None", position, rank: int, wo
     are sampled again with the current weights: the bound holds for the resumed run's k)."""
     if pipeline is None:
         if position.sampled_ahead:
-            say(f"resume: the checkpoint's batches sampled ahead are not used: rollout.max_staleness=0 samples "
-                f"each step's batch with its own weights")
+            say("resume: the checkpoint's batches sampled ahead are not used: rollout.max_staleness=0 samples "
+                "each step's batch with its own weights")
         return
     left_out = pipeline.load(position.rank_queue(rank, world), position.phase_step)
     if left_out:
