@@ -44,32 +44,33 @@ from .updates import mini_batch_plan, old_and_ref_log_probs, run_updates, summar
 
 # Critic metrics that share a name with the actor's get this prefix in the step's record.
 CRITIC_PREFIX = "vf_"
-# reward_metrics' keys: first in a step's record (before the updates'), as they always were.
-REWARD_KEYS = ("reward", "reward_std", "solved", "response_len")
 
 
 @dataclass
 class SampledBatch:
     """One RL step's rollout, sampled and scored, ready to train on: the rows kept (after group
-    filtering), the sampling metrics (over every rank: rewards, filtering, multi-turn), the
-    ``rollout_samples`` rows, how long its generation took and the policy ``version`` (RL steps
-    done when it was sampled; the trainer/algos/sample_ahead.py pipeline keeps several ahead)."""
+    filtering), the sampling metrics over every rank (``metrics``: rewards and filtering, which
+    open the step's record; ``late_metrics``: the reward function's own and the rollout's, which
+    follow the updates'), the ``rollout_samples`` rows, how long its generation took and the policy
+    ``version`` (RL steps done when it was sampled; trainer/algos/sample_ahead.py keeps several ahead)."""
 
     rollout: Rollout
     metrics: dict
+    late_metrics: dict = field(default_factory=dict)
     rows: list = field(default_factory=list)
     gen_time_s: float = 0.0
     version: int = 0
 
     def to_plain(self) -> dict:
         """The batch as lists, numbers and strings (what a checkpoint's ``extra`` holds)."""
-        return {"rollout": dataclasses.asdict(self.rollout), "metrics": dict(self.metrics), "rows": list(self.rows),
-                "gen_time_s": self.gen_time_s, "version": self.version}
+        return {"rollout": dataclasses.asdict(self.rollout), "metrics": dict(self.metrics),
+                "late_metrics": dict(self.late_metrics), "rows": list(self.rows), "gen_time_s": self.gen_time_s,
+                "version": self.version}
 
     @classmethod
     def from_plain(cls, plain: dict) -> "SampledBatch":
-        return cls(Rollout(**plain["rollout"]), dict(plain["metrics"]), list(plain["rows"]), float(plain["gen_time_s"]),
-                   int(plain["version"]))
+        return cls(Rollout(**plain["rollout"]), dict(plain["metrics"]), dict(plain["late_metrics"]),
+                   list(plain["rows"]), float(plain["gen_time_s"]), int(plain["version"]))
 
 
 def rl_step(policy, ref, tokenizer, examples: list[Example], algo, actor_loss, sample_seed: int,
@@ -118,12 +119,10 @@ def sample_batch(policy, tokenizer, examples: list[Example], algo, sample_seed: 
                             scorer, more_examples, driver, row_seeds, prefetched=prefetched)
     driver.engine.sleep()  # its device memory goes to the updates until the next rollout
     gen_time = time.perf_counter() - t0
-    metrics = reward_metrics(sampled.first, policy.device)
-    metrics.update(sampled.metrics)
-    metrics.update(mean_over_ranks(sampled.first.reward_metrics))
-    metrics.update(rollout_metrics(sampled.first.rollout_metrics))
+    metrics = {**reward_metrics(sampled.first, policy.device), **sampled.metrics}
+    late = {**mean_over_ranks(sampled.first.reward_metrics), **rollout_metrics(sampled.first.rollout_metrics)}
     rows = rollout_sample_rows(examples, sampled.first, g.group_size, samples) if samples > 0 else []
-    return SampledBatch(sampled.kept, metrics, rows, gen_time)
+    return SampledBatch(sampled.kept, metrics, late, rows, gen_time)
 
 
 def train_batch(policy, ref, tokenizer, batch: SampledBatch, algo, actor_loss, shuffle_seed: int = 0,
@@ -134,8 +133,7 @@ def train_batch(policy, ref, tokenizer, batch: SampledBatch, algo, actor_loss, s
     timing = dict(timing or {})
     t0 = timing.pop("started", time.perf_counter())
     roll = batch.rollout
-    metrics = {key: value for key, value in batch.metrics.items() if key in REWARD_KEYS}
-    metrics.update({key: value for key, value in batch.metrics.items() if key.startswith("filter/")})
+    metrics = dict(batch.metrics)
     pairs = roll.pairs()
     updates = []
     if pairs:
@@ -146,7 +144,7 @@ def train_batch(policy, ref, tokenizer, batch: SampledBatch, algo, actor_loss, s
                     "gen_time_s": batch.gen_time_s, **timing, "step_time_s": time.perf_counter() - t0})
     if critic is not None:
         metrics["actor_trained"] = float(train_actor)
-    metrics.update({key: value for key, value in batch.metrics.items() if key not in metrics})
+    metrics.update(batch.late_metrics)
     if len(updates) > 1:
         metrics["update_metrics"] = updates
     if batch.rows:

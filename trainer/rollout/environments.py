@@ -88,6 +88,11 @@ def check_messages(messages, where: str) -> list[dict]:
     return [dict(m) for m in messages]
 
 
+def is_finite_reward(value) -> bool:
+    """Whether ``value`` is a finite real number (not a bool): what a step or an agent may return."""
+    return not isinstance(value, bool) and isinstance(value, numbers.Real) and math.isfinite(float(value))
+
+
 def as_env_step(result, where: str) -> EnvStep:
     """An :class:`EnvStep` from what ``step`` returned (the dataclass, or (messages, reward, done))."""
     if isinstance(result, tuple) and len(result) == 3:
@@ -96,7 +101,7 @@ def as_env_step(result, where: str) -> EnvStep:
         raise ValueError(f"{where} returned {type(result).__name__}; expected EnvStep(messages, reward, done) or "
                          f"a (messages, reward, done) tuple")
     reward = result.reward
-    if isinstance(reward, bool) or not isinstance(reward, numbers.Real) or not math.isfinite(float(reward)):
+    if not is_finite_reward(reward):
         raise ValueError(f"{where} returned the reward {reward!r}; expected a finite number")
     return EnvStep(check_messages(result.messages, where), float(reward), bool(result.done))
 

@@ -75,8 +75,8 @@ logger = logging.getLogger(__name__)
 
 def _say(message: str) -> None:
     """A progress line on rank 0's stdout (flushed: tests and log tailers read it live);
-    above a live progress bar when one is showing; nothing for an empty message."""
-    if current_rank() == 0 and message:
+    above a live progress bar when one is showing."""
+    if current_rank() == 0:
         from tqdm import tqdm
 
         tqdm.write(message, file=sys.stdout)
@@ -176,7 +176,7 @@ class Job(SigtermStops):
                     eval_due: bool = False) -> Path:
         """Save the step's checkpoint: every part of the phase's state (``state.py``), with the
         batches sampled ahead (every rank's, gathered: rank 0 writes the position)."""
-        ahead = None if self.sample_ahead is None or phase == "sft" else all_gather_object(self.sample_ahead.state())
+        ahead = None if self.sample_ahead is None else all_gather_object(self.sample_ahead.state())
         return self.checkpoints.save_step(self._state(phase, engine), phase, step, global_step, self.metrics,
                                           wait=wait, eval_due=eval_due, sampled_ahead=ahead)
 
@@ -360,7 +360,8 @@ class Job(SigtermStops):
                                         f"{phase.name} step {step + 1}")
             if phase.name == RL_PHASE and step == start:  # one line if sampled near uniform (flat_sampling.py)
                 vocab = getattr(engine.module.config, "vocab_size", 0)
-                _say(flat_sampling_warning(metrics.get("entropy"), vocab, self.cfg.trainer.sft_steps) or "")
+                if (warning := flat_sampling_warning(metrics.get("entropy"), vocab, self.cfg.trainer.sft_steps)):
+                    _say(warning)
             self._record(phase.name, step + 1, global_step, metrics, progress)
             self.position = (phase.name, step + 1)
             eval_due = bool(every) and (step + 1) % every == 0 and step + 1 != phase.steps

@@ -27,8 +27,6 @@ from __future__ import annotations
 import asyncio
 import inspect
 import json
-import math
-import numbers
 import queue
 import threading
 import time
@@ -36,7 +34,7 @@ import time
 from ...config.plugins import first_line, load_object
 from ...errors import ConfigError, RewardError
 from ...rewards.reward_fn import user_frame
-from ..environments import EnvStep, parse_tool_calls
+from ..environments import EnvStep, is_finite_reward, parse_tool_calls
 from .agent_server import MODEL_NAME, AgentServer
 from .multi_turn import MultiTurnDriver, Trajectory
 
@@ -101,7 +99,7 @@ def _for_template(message: dict) -> dict:
 def as_reward(value) -> float:
     """The agent's return as a finite reward (a number, or a dict with ``"reward"``)."""
     reward = value.get("reward") if isinstance(value, dict) else value
-    if isinstance(reward, bool) or not isinstance(reward, numbers.Real) or not math.isfinite(float(reward)):
+    if not is_finite_reward(reward):
         raise AgentFailure(f"returned {value!r}; expected a finite number or a dict with a finite 'reward'")
     return float(reward)
 
