@@ -85,6 +85,27 @@ def _letter_stops(tok, max_new_tokens=4):
     return replace(base, stop_token_ids=(*tok.encode("abcdefghijklmnopqrstuvwxyz"), *base.stop_token_ids))
 
 
+def agents_agree_with_the_environment_api_and_the_decoding_loop(engine, builtin, tok):
+    """rollout.agent over ``engine`` (the vLLM and server tests call this with theirs): the chat
+    agent records what the environment API records through the same engine (sampled rows, per-row
+    seeds); the completions agent, greedy, what it records through our decoding loop ``builtin``
+    (the same policy; log-probs to 1e-5). Every token stops a turn, so every conversation has
+    several turns."""
+    from contextlib import closing
+
+    examples, seeds = [Example("p", "", where="r0"), Example("q", "", where="r1")], [5, 6, 7, 8]
+    params = replace(_params(tok, 4, return_log_probs=True), stop_token_ids=tuple(range(tok.vocab_size)))
+    env_roll = MultiTurnDriver(engine, _settings(GUESS_ENV), None).rollout(tok, examples, 2, params, row_seeds=seeds)
+    assert all(0 in m for m in env_roll.loss_masks), "a conversation of one turn: the test would prove less"
+    greedy = replace(params, greedy=True)
+    with closing(_agent(engine, "guess")) as chat, closing(_agent(engine, "guess_text")) as text, \
+            closing(_agent(builtin, "guess_text")) as reference:
+        _same(chat.rollout(tok, examples, 2, params, row_seeds=seeds), env_roll)
+        ours = text.rollout(tok, examples, 2, greedy, row_seeds=seeds)
+        _same(ours, reference.rollout(tok, examples, 2, greedy, row_seeds=seeds), atol=1e-5)
+    assert all(0 in m for m in ours.loss_masks)
+
+
 @pytest.fixture(scope="module")
 def policy():
     tok = _tokenizer()
@@ -118,22 +139,48 @@ def test_an_agent_samples_what_the_environment_api_samples_with_every_engine(pol
         driver.close()
 
 
+def _guessing(tok, *agents):
+    """Each agent's rollout of one conversation whose turns are " a ", "z", "e" (with <eos>), and
+    the last one's engine (to read the contexts it was given)."""
+    rolls = []
+    for name in agents:
+        engine = ScriptedEngine(tok, [" a ", "z", "e"])
+        driver = _agent(engine, name, max_turns=4)
+        try:
+            rolls.append(driver.rollout(tok, [Example("p", "")], 1, _params(tok, 8, return_log_probs=True)))
+        finally:
+            driver.close()
+    return (*rolls, engine)
+
+
 def test_an_agent_that_edits_its_history_is_counted_and_trained_on_the_sampled_tokens():
     tok = _tokenizer()
-    params = _params(tok, 8, return_log_probs=True)
-    honest = _agent(ScriptedEngine(tok, [" a ", "z", "e"]), "guess", max_turns=4)
-    editing = _agent(ScriptedEngine(tok, [" a ", "z", "e"]), "guess_editing", max_turns=4)
-    try:
-        expected = honest.rollout(tok, [Example("p", "")], 1, params)
-        roll = editing.rollout(tok, [Example("p", "")], 1, params)
-    finally:
-        honest.close()
-        editing.close()
+    expected, roll, _ = _guessing(tok, "guess", "guess_editing")
     assert expected.rollout_metrics["agent/retokenization_mismatch"] == [0.0]
     assert roll.rollout_metrics["agent/retokenization_mismatch"] == [1.0]
     _same(roll, expected)  # the sampled " a " is trained, not the agent's "a."
     assert tok.encode(" a ") == roll.response_ids[0][:3] and roll.rewards == [1.0]
     assert rollout_metrics(roll.rollout_metrics)["agent/retokenization_mismatch"] == 1.0
+
+
+def test_a_completions_agent_records_its_texts_tokens_after_the_sampled_ones():
+    """/v1/completions: the prompt is <bos> and its text, each sampled completion is kept as drawn
+    (its stop token too) and what the agent adds to its prompt follows as plain text, masked; an
+    agent that rewrites a completion is counted and trained on the sampled tokens."""
+    tok = _tokenizer()
+    edited, roll, engine = _guessing(tok, "guess_text_editing", "guess_text")
+    enc, eos = tok.encode, [tok.eos_token_id]
+    assert roll.prompt_ids == [[tok.bos_token_id] + enc("guess a letter: ")]
+    turns = [(enc(" a ") + eos, 1), (enc(" higher: "), 0), (enc("z") + eos, 1), (enc(" lower: "), 0),
+             (enc("e") + eos, 1)]
+    assert roll.response_ids == [[t for part, _ in turns for t in part]]
+    assert roll.loss_masks == [[m for part, m in turns for _ in part]] and roll.rewards == [1.0]
+    assert engine.prompts[1] == [roll.prompt_ids[0] + roll.response_ids[0][:len(turns[0][0]) + len(turns[1][0])]]
+    assert roll.rollout_metrics["agent/retokenization_mismatch"] == [0.0]
+    # The rewritten " a " -> "a.": the sampled tokens stay, what follows the shared text is the turn.
+    assert edited.rollout_metrics["agent/retokenization_mismatch"] == [1.0]
+    assert edited.response_ids[0][:4] == enc(" a ") + eos and edited.loss_masks[0][:4] == [1] * 4
+    assert tok.decode(edited.response_ids[0][4:4 + len("a. higher: ")]) == "a. higher: " and edited.rewards == [1.0]
 
 
 def test_64_concurrent_conversations_sample_what_one_at_a_time_samples(policy):
@@ -163,7 +210,9 @@ def test_64_concurrent_conversations_sample_what_one_at_a_time_samples(policy):
     ("hangs", 1, "neither called the model nor returned within rollout.env_timeout_s=0.5 s"),
     ("never_calls", 0, "returned 1.0 before calling the model"),
     ("asks_two_choices", 0, "sent a request the endpoint cannot serve (chat completion request: n=2"),
-    ("legacy_completions", 0, "sent a request the endpoint cannot serve (POST /v1/completions: not served"),
+    ("embeddings", 0, "sent a request the endpoint cannot serve (POST /v1/embeddings: not served"),
+    ("token_prompt", 0, "(completion request: 'prompt' must be one string (got list)"),
+    ("switches_kind", 1, "sent a chat request in a conversation it began with completions requests"),
     ("malformed_body", 0, "sent a request the endpoint cannot serve (the request body is not JSON"),
     ("returns_text", 1, "returned 'great'; expected a finite number"),
 ])
@@ -233,6 +282,10 @@ def test_agent_settings_are_checked_before_any_model_is_built(monkeypatch):
         load_config([agent, "rollout.agent_concurrency=0"])
     with pytest.raises(ConfigError, match="has no function 'nope'"):
         load_config([f"rollout.agent={AGENTS}:nope"])
+    with pytest.raises(ConfigError) as info:
+        load_config([f"rollout.agent={AGENTS}"])
+    assert str(info.value) == (f"rollout.agent={AGENTS}: expected path/to/file.py:function or package.module:function "
+                               f"(the function after a colon: {AGENTS}:name)")
     monkeypatch.setitem(sys.modules, "openai", None)  # as if not installed
     with pytest.raises(ConfigError) as info:
         load_config([agent])

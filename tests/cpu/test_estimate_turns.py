@@ -60,3 +60,19 @@ def test_the_total_token_budget_caps_a_conversation(tmp_path):
     # SFT trains those records on their direct answers after the environment's opening: the
     # prompt as a chat turn, then the answer and <eos>.
     assert steps["sft", "update micro-batch"].tokens == _prompt_tokens(17, 23) + len("391") + 1
+
+
+def test_an_agents_conversations_are_counted_at_the_token_budget(tmp_path):
+    """rollout.agent: the agent writes its prompts and turns, so the cap bounds a conversation;
+    SFT is prompt -> answer, as in a single-turn job."""
+    import os
+
+    agent = os.path.join(os.path.dirname(__file__), "envs", "agents.py") + ":guess"
+    plain = [{"prompt": "17*23", "answer": "391"}, {"prompt": "45*67", "answer": "3015"}]
+    steps, notes = _estimate(tmp_path, plain, "rollout.env=null", f"rollout.agent={agent}",
+                             "rollout.max_total_tokens=300")
+    for name in ("rollout generation (KV cache)", "actor update micro-batch"):
+        assert steps["grpo", name].tokens == 2 * 300, name
+    assert steps["sft", "update micro-batch"].tokens == 1 + len("17*23") + len("391") + 1  # <bos>, <eos>
+    assert any(n.startswith(f"rollout.agent={agent}: the agent writes") and "counted at that cap, 300" in n
+               for n in notes), notes

@@ -185,6 +185,16 @@ def test_a_multi_turn_environment_runs_through_the_driver_as_with_our_loop(serve
     assert max(abs(a - b) for a, b in zip(flat(theirs), flat(ours))) < 1e-5
 
 
+def test_agents_sample_through_the_servers_what_the_environment_api_and_our_loop_sample(servers, policy):
+    pytest.importorskip("openai")
+    from test_agent_endpoint import agents_agree_with_the_environment_api_and_the_decoding_loop
+
+    builtin, engine = PolicyDecoding("builtin"), servers(1)
+    builtin.update_weights(policy)
+    engine.update_weights(policy)
+    agents_agree_with_the_environment_api_and_the_decoding_loop(engine, builtin, TOK)
+
+
 def test_a_bucket_left_out_of_the_sync_stops_the_run(servers, policy, monkeypatch):
     engine = servers(1)
     engine.update_weights(policy)

@@ -156,6 +156,17 @@ def test_greedy_with_a_repetition_penalty_and_a_stop_string_equals_the_builtin_l
     assert ours_cut[0] != ours.token_ids[0] and vllm.generate(PROMPTS, stopped).token_ids == ours_cut
 
 
+def test_agents_sample_through_vllm_what_the_environment_api_and_our_loop_sample(engines):
+    pytest.importorskip("openai")
+    from test_agent_endpoint import agents_agree_with_the_environment_api_and_the_decoding_loop
+
+    policy, engine = engines("qwen2-tiny")
+    builtin = PolicyDecoding("builtin")
+    builtin.update_weights(policy)
+    engine.update_weights(policy)
+    agents_agree_with_the_environment_api_and_the_decoding_loop(engine, builtin, TOK)
+
+
 def test_sampled_log_probs_are_those_of_the_filtered_distribution_as_in_our_loop(engines):
     """vLLM draws with its own generator (not ours), so the tokens differ from our loop's; what
     must agree is the law: every token vLLM drew has, under top-k, top-p and the penalty as our

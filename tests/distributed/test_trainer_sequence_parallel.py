@@ -49,6 +49,9 @@ GUESS_ENV = os.path.join(os.path.dirname(__file__), os.pardir, "cpu", "envs", "g
 # environment turns (checked); the length reward is added so the rewards carry a signal.
 ENV = ["task=calculator", f"rollout.env={GUESS_ENV}", "rollout.max_turns=3",
        "rollout.env_add_reward_fn=true"]
+AGENT = [f"rollout.agent={os.path.join(os.path.dirname(__file__), os.pardir, 'cpu', 'envs', 'agents.py')}:guess",
+         "task=calculator", "rollout.env=null", "rollout.max_turns=3", "rollout.env_add_reward_fn=true",
+         "rollout.agent_concurrency=4"]
 ALGOS = {"grpo": [], "ppo": ["algo=ppo"], "ppo_lora": ["algo=ppo", "model.lora.rank=4"], "env": ENV}
 
 
@@ -106,6 +109,23 @@ def test_two_ranks_with_sp2_equal_one_rank(tmp_path, algo):
         dp2 = tmp_path / "dp2"
         _launch(dp2, 2)
         assert _max_diff(_weights(dp2), _weights(one)) <= TOL
+
+
+def test_agents_on_two_replicas_train_as_on_one_rank(tmp_path):
+    """rollout.agent (GuessEnv's game played by an openai-client agent) on two replicas: each rank
+    serves its own endpoint to its share of the conversations, one example's group per round
+    (agent_concurrency=4, group size 4), the ranks taking as many rounds as the busiest; the rows
+    are seeded globally, so the weights equal one rank's."""
+    pytest.importorskip("openai")
+    one, two = tmp_path / "one", tmp_path / "dp2"
+    _launch(one, 1, *AGENT)
+    _launch(two, 2, *AGENT)
+    r1, r2 = _records(one, "rl"), _records(two, "rl")
+    assert r1[0]["reward_std"] > 0 and r1[0]["multi_turn/turns_mean"] > 1.25
+    assert r1[0]["agent/retokenization_mismatch"] == 0.0
+    for key in ("reward", "response_len", "loss", "multi_turn/turns_mean"):
+        assert r2[0][key] == pytest.approx(r1[0][key], rel=1e-5, abs=1e-7), key
+    assert _max_diff(_weights(two), _weights(one)) <= TOL
 
 
 @pytest.mark.slow

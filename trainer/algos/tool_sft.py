@@ -37,7 +37,7 @@ def demonstration(example, max_turns: int) -> list[dict]:
 def conversation_sequences(rollout, tokenizer, examples) -> list[tuple[list[int], list[int], list[int]]]:
     """``(prompt, response, loss_mask)`` per example for ``batch.build_batch``, through the
     multi-turn driver ``rollout`` (trainer/rollout/drivers/multi_turn.py) the RL phase samples with."""
-    trajectories, turns = on_every_rank(lambda: rollout.start(examples, 1, tokenizer))
+    trajectories = on_every_rank(lambda: rollout.start(examples, 1, tokenizer))
     # The template's end-of-turn token (ChatTurns closes the turn after it), else eos.
     turn_end = end_of_turn_token_id(tokenizer)
     eos = turn_end if turn_end is not None else tokenizer.eos_token_id
@@ -48,7 +48,7 @@ def conversation_sequences(rollout, tokenizer, examples) -> list[tuple[list[int]
                 between.append(message)
                 continue
             if t.tokens:  # not the first turn: what the environment said, then the generation prompt
-                t.add(turns.after_assistant(between, ended_with_eos=True), sampled=False)
+                t.add(t.render.after_assistant(between, ended_with_eos=True), sampled=False)
             t.add(tokenizer.encode(message["content"]) + [eos], sampled=True)
             between = []
     return [(t.prompt, t.tokens, t.loss_mask) for t in trajectories]

@@ -57,8 +57,9 @@ def load_object(spec: str, key: str, builtins: dict, what: str = "function"):
         return builtins[spec]
     target, sep, attr = spec.rpartition(":")
     if not sep or not target or not attr:
-        raise ConfigError(f"{key}={spec}: expected a built-in ({', '.join(builtins)}), "
-                          f"path/to/file.py:{what} or package.module:{what}")
+        named = f"a built-in ({', '.join(builtins)}), " if builtins else ""
+        hint = f" (the {what} after a colon: {spec}:name)" if spec.endswith(".py") and not sep else ""
+        raise ConfigError(f"{key}={spec}: expected {named}path/to/file.py:{what} or package.module:{what}{hint}")
     if names_file(target):
         module = _load_file(target, key, spec)
     else:

@@ -214,7 +214,7 @@ def _sft_phase(cfg, lengths: _Lengths, world: int, policy: ModelMemory, setting:
     packed = cfg.engine.use_remove_padding
     budget = cfg.engine.max_tokens_per_micro_batch
     shares = lengths.batches("sft", cfg.trainer.sft_steps, cfg.trainer.sft_batch_size, _replicas(cfg, world))
-    batches = (lengths.turns.sft(share) if lengths.turns is not None else
+    batches = (lengths.turns.sft(share) if lengths.turns is not None and lengths.turns.conversational_sft else
                [lengths.prompt(ex) + lengths.answer(ex) for ex in share] for share in shares)
     rows, tokens = _largest(batches, budget, packed)
     grads = _device_grads(policy, host)
@@ -325,7 +325,7 @@ def estimate_job(cfg, world_size: int) -> JobEstimate:
                          f"sequences; the split of the log-prob and update activations over the SP group is not "
                          f"modelled (an upper bound for those rows)")
     eval_tokens = actor.max_new_tokens if actor is not None else lengths.max_answer() + 2  # Job.eval_tokens
-    if cfg.rollout.env is not None:
+    if cfg.rollout.env is not None or cfg.rollout.agent is not None:
         from ..data.chat import model_max_positions
         from .estimate_turns import TurnLengths
 

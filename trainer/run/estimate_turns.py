@@ -9,6 +9,9 @@
   model's ``max_position_embeddings``), which trainer/rollout/drivers/multi_turn.py enforces. An
   environment turn is counted at the longest one in the records' demonstrations; without
   demonstrations its length cannot be known before the run, and the cap alone bounds the conversation.
+- ``rollout.agent``: the agent writes each conversation's prompt and turns, so none is known before
+  the run; the cap bounds each sampled conversation, and SFT trains on prompt -> answer pairs
+  (trainer/algos/sft.py), counted as in a single-turn job.
 """
 from __future__ import annotations
 
@@ -36,7 +39,12 @@ class TurnLengths:
     """The multi-turn job's sequence lengths: SFT conversations measured, sampled ones bounded."""
 
     def __init__(self, cfg, tokenizer, demonstrated: list, max_positions: int | None, new_tokens: int) -> None:
-        self.tokenizer, self.new, self.turns = tokenizer, new_tokens, cfg.rollout.max_turns
+        self.tokenizer, self.new, self.turns, self.agent = tokenizer, new_tokens, cfg.rollout.max_turns, cfg.rollout.agent
+        # SFT on conversations through the environment (an agent's SFT is prompt -> answer).
+        self.conversational_sft = self.agent is None
+        if self.agent is not None:
+            self.rollout, self.cap, self.env_turn = None, cfg.rollout.max_total_tokens or max_positions, None
+            return
         self.rollout = multi_turn_driver(cfg.rollout, _NoEngine(), max_positions)
         self.cap = self.rollout.max_total
         with_conversation = [ex for ex in demonstrated if ex.conversation]
@@ -58,6 +66,13 @@ class TurnLengths:
     def note(self) -> str:
         cap = f"capped at {self.cap} tokens (rollout.max_total_tokens, default max_position_embeddings)" \
             if self.cap is not None else "no total token budget known"
+        if self.agent is not None:
+            bound = f"counted at that cap, {self.cap} tokens" if self.cap is not None else \
+                (f"counted at the data's prompt + rollout.max_turns={self.turns} x algo.actor.max_new_tokens="
+                 f"{self.new}, without the agent's own turns (no total token budget known: set "
+                 f"rollout.max_total_tokens for a bound)")
+            return (f"rollout.agent={self.agent}: the agent writes each conversation's prompt and turns, unknown "
+                    f"before the run; a sampled conversation is {bound}")
         if self.env_turn is None:
             turns = ("environment turns of unknown length (no demonstrations to measure them): the cap bounds each "
                      "conversation" if self.cap is not None else

@@ -61,6 +61,34 @@ def guess_editing(example, client):
     return guess(example, client, edit=True)
 
 
+def guess_text(example, client, edit=False):
+    """GuessEnv over /v1/completions: the text so far and each completion, then " higher: " or
+    " lower: "; ``edit``: it rewrites each completion as its letter and a full stop."""
+    text = "guess a letter: "
+    while True:
+        completion = client.completions.create(model="policy", prompt=text, max_tokens=3).choices[0].text
+        letter = completion.strip()[:1]
+        if letter == "e":
+            return 1.0
+        text += (letter + ".") if edit else completion
+        text += " higher: " if letter < "e" else " lower: "
+
+
+def guess_text_editing(example, client):
+    return guess_text(example, client, edit=True)
+
+
+def switches_kind(example, client):
+    client.completions.create(model="policy", prompt="x")
+    client.chat.completions.create(model="policy", messages=[{"role": "user", "content": "x"}])
+    return 0.0
+
+
+def token_prompt(example, client):
+    client.completions.create(model="policy", prompt=[5, 6, 7])
+    return 0.0
+
+
 def raises(example, client):
     client.chat.completions.create(model="policy", messages=[{"role": "user", "content": "x"}])
     raise KeyError("boom")
@@ -85,8 +113,8 @@ def asks_two_choices(example, client):
     return 0.0
 
 
-def legacy_completions(example, client):
-    client.completions.create(model="policy", prompt="x")
+def embeddings(example, client):
+    client.embeddings.create(model="policy", input="x")
     return 0.0
 
 

@@ -17,26 +17,34 @@ messages after its last assistant message are the environment's turn, or for the
 its reward. Sampling settings in a request (model, temperature, max_tokens, seed, ...) are
 ignored: the trainer's (``algo.actor``) and the row's seed decide.
 
+A conversation that begins with ``/v1/completions`` is plain text (:class:`TextTurns`): its first
+prompt is ``<bos>`` and the prompt's tokens, as a plain-text data prompt; each later prompt must
+extend the previous one and the sampled completion, and what it adds is the environment's turn,
+its tokens with no template around them. One kind of request per conversation.
+
 Re-tokenization: the history the agent sends back is compared with the one sampled (the prompt,
-each returned assistant message, each message passed on); a conversation where they differ is
-counted (``agent/retokenization_mismatch``, the share of conversations) and trained on the
-sampled tokens, never on the agent's edited text.
+each returned assistant message, each message passed on, the tools; a completion prompt: the text
+so far); a conversation where they differ is counted (``agent/retokenization_mismatch``, the
+share of conversations) and trained on the sampled tokens, never on the agent's edited text (with
+an edited completion prompt, what follows the text it shares with the sampled one is the turn).
 """
 from __future__ import annotations
 
 import asyncio
 import inspect
 import json
+import os
 import queue
 import threading
 import time
 
 from ...config.plugins import first_line, load_object
+from ...data.chat import text_prompt_tokens
 from ...errors import ConfigError, RewardError
 from ...rewards.reward_fn import user_frame
 from ..environments import EnvStep, is_finite_reward, parse_tool_calls
-from .agent_server import MODEL_NAME, AgentServer
-from .multi_turn import MultiTurnDriver, Trajectory
+from .agent_server import MODEL_NAME, AgentServer, prompt_text
+from .multi_turn import ChatTurns, MultiTurnDriver, Trajectory
 
 API_KEY = "polyfsdp-local"  # the endpoint checks no key; clients insist on one
 
@@ -104,11 +112,30 @@ def as_reward(value) -> float:
     return float(reward)
 
 
+def _joined(messages) -> str:
+    return "".join(m["content"] for m in messages)
+
+
+class TextTurns:
+    """The turns of a plain-text (``/v1/completions``) conversation, as :class:`ChatTurns` renders
+    chat ones: its prompt is ``<bos>`` and the text's tokens; what follows a sampled completion
+    is the added text's tokens, with no template (AgentEnv passes each text as one message)."""
+
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+
+    def prompt(self, messages) -> list[int]:
+        return text_prompt_tokens(self.tokenizer, _joined(messages))
+
+    def after_assistant(self, messages, ended_with_eos: bool) -> list[int]:
+        return self.tokenizer.encode(_joined(messages))
+
+
 class AgentEnv:
     """One agent conversation as an environment (the module doc)."""
 
     def __init__(self, driver: "AgentDriver") -> None:
-        self.driver, self.tools = driver, []
+        self.driver, self.tools, self.kind, self.text = driver, [], "chat", ""
         self.conversation, self.history, self.mismatch, self.finish_reason = None, [], False, "stop"
         self.thread: threading.Thread | None = None
         self.sent = False
@@ -164,7 +191,10 @@ class AgentEnv:
     def reset(self, example) -> list:
         if self.conversation is None:
             self.launch(example)
-        _, body = self._next(first=True)
+        _, (self.kind, body) = self._next(first=True)
+        if self.kind == "completions":
+            self.text = prompt_text(body)
+            return [{"role": "user", "content": self.text}]
         messages = body["messages"]
         self.tools = list(body.get("tools") or [])
         self.history = [_key(m) for m in messages]
@@ -172,6 +202,10 @@ class AgentEnv:
 
     def send(self, text: str, finish_reason: str) -> None:
         """Answer the pending request with the sampled ``text`` (and its tool calls)."""
+        if self.kind == "completions":
+            self.text += text
+            self._reply("cmpl", "text_completion", {"text": text, "finish_reason": finish_reason}, len(self.text))
+            return
         calls = [c for c in parse_tool_calls(text) if c["name"]]
         message = {"role": "assistant", "content": text}
         if calls:
@@ -181,11 +215,13 @@ class AgentEnv:
                                      for i, c in enumerate(calls)]
         self.history.append(_key(message))
         reason = "tool_calls" if calls and finish_reason == "stop" else finish_reason
-        self.conversation.answer(200, {"id": f"chatcmpl-{self.conversation.id}-{len(self.history)}",
-                                       "object": "chat.completion", "created": int(time.time()),
-                                       "model": MODEL_NAME,
-                                       "choices": [{"index": 0, "message": message, "finish_reason": reason,
-                                                    "logprobs": None}]})
+        self._reply("chatcmpl", "chat.completion", {"message": message, "finish_reason": reason}, len(self.history))
+
+    def _reply(self, prefix: str, kind: str, choice: dict, serial: int) -> None:
+        """A 200 with the one ``choice``, in OpenAI's response format for ``kind``."""
+        self.conversation.answer(200, {"id": f"{prefix}-{self.conversation.id}-{serial}", "object": kind,
+                                       "created": int(time.time()), "model": MODEL_NAME,
+                                       "choices": [{"index": 0, **choice, "logprobs": None}]})
         self.sent = True
 
     def step(self, assistant_text: str) -> EnvStep:
@@ -195,13 +231,32 @@ class AgentEnv:
         kind, value = self._next(first=False)
         if kind == "return":
             return EnvStep([], as_reward(value), True)
-        messages = value["messages"]
+        request_kind, body = value
+        if request_kind != self.kind:
+            raise AgentFailure(f"sent a {request_kind} request in a conversation it began with {self.kind} requests: "
+                               f"one kind per conversation (its tokens so far are rendered for that kind)")
+        if self.kind == "completions":
+            return EnvStep([{"role": "user", "content": self._added_text(prompt_text(body))}], 0.0, False)
+        messages = body["messages"]
         last = max((i for i, m in enumerate(messages) if m.get("role") == "assistant"), default=None)
-        if last is None or [_key(m) for m in messages[:last + 1]] != self.history:
+        if last is None or [_key(m) for m in messages[:last + 1]] != self.history or \
+                list(body.get("tools") or []) != self.tools:
             self.mismatch = True  # the agent's history is not what was sampled: the sampled tokens stay
         new = messages[last + 1:] if last is not None else messages
         self.history += [_key(m) for m in new]
         return EnvStep([_for_template(m) for m in new], 0.0, False)
+
+    def _added_text(self, prompt: str) -> str:
+        """What a completion prompt adds to the text so far (the prompt, the completions, the
+        texts added before); a prompt that does not extend it is counted, and what follows the
+        text both share is the turn. The agent's prompt is the text so far from here on."""
+        if prompt.startswith(self.text):
+            added = prompt[len(self.text):]
+        else:
+            self.mismatch = True
+            added = prompt[len(os.path.commonprefix([self.text, prompt])):]
+        self.text = prompt
+        return added
 
 
 class AgentDriver(MultiTurnDriver):
@@ -215,6 +270,16 @@ class AgentDriver(MultiTurnDriver):
         super().__init__(engine, settings, max_positions, env_class=lambda **_: AgentEnv(self))
         self._deadline = None  # the agent runs on its own thread: AgentEnv's waits time it
         self.server: AgentServer | None = None
+
+    def renderer(self, env, tokenizer, previous):
+        """Each conversation's own renderer: plain text, or the chat template with the tools of
+        its first request (conversations with the same tools share one)."""
+        if env.kind == "completions":
+            return TextTurns(tokenizer)
+        if isinstance(previous, ChatTurns) and previous.tokenizer is tokenizer and \
+                (previous.tools or []) == env.tools:
+            return previous
+        return ChatTurns(tokenizer, env.tools)
 
     def _env_call(self, trajectory, method: str, turn: int, call, check):
         record = trajectory.example.where or f"with prompt {trajectory.example.prompt!r}"

@@ -2,12 +2,13 @@
 driver on 127.0.0.1 (a free port), one :class:`Conversation` per trajectory, addressed by the id
 in its base URL (``http://127.0.0.1:PORT/<id>/v1``).
 
-Served: ``POST /<id>/v1/chat/completions`` (one choice, not streamed) and ``GET /<id>/v1/models``.
-A request does not sample by itself: it waits, as the conversation's pending request, until the
-driver has sampled the turn with the whole batch (agent.py answers it). Anything else (another
-route, ``n`` > 1, ``stream``, a malformed body, a second request while one is pending) is a 4xx
-with an OpenAI-style error body, and the conversation records the problem, so the run stops
-with one line even when the agent catches the error.
+Served: ``POST /<id>/v1/chat/completions`` and ``POST /<id>/v1/completions`` (one choice, not
+streamed) and ``GET /<id>/v1/models``. A request does not sample by itself: it waits, as the
+conversation's pending request, until the driver has sampled the turn with the whole batch
+(agent.py answers it). Anything else (another route, ``n`` > 1, ``stream``, a malformed body, a
+second request while one is pending) is a 4xx with an OpenAI-style error body, and the
+conversation records the problem, so the run stops with one line even when the agent catches
+the error.
 """
 from __future__ import annotations
 
@@ -19,11 +20,14 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 # The model name the endpoint reports; a request's own ``model`` is accepted and ignored.
 MODEL_NAME = "polyfsdp-policy"
-SUPPORTED = "POST /<id>/v1/chat/completions and GET /<id>/v1/models"
+SUPPORTED = "POST /<id>/v1/chat/completions, POST /<id>/v1/completions and GET /<id>/v1/models"
+# The POST routes and the kind of request each is (agent.py answers each in its format).
+ROUTES = {"v1/chat/completions": "chat", "v1/completions": "completions"}
 
 
 class Conversation:
-    """One agent's exchange with the endpoint: ``events`` the driver reads (``("request", body)``,
+    """One agent's exchange with the endpoint: ``events`` the driver reads (``("request", (kind,
+    body))`` with kind ``"chat"`` or ``"completions"``,
     ``("return", value)``, ``("raise", exc)``, ``("bad", message)``), and the pending request's
     reply slot."""
 
@@ -34,15 +38,16 @@ class Conversation:
         self.reply: queue.Queue | None = None  # the pending request's slot: (status, body)
         self.closed = False
 
-    def take(self, body: dict) -> queue.Queue | str:
-        """Register ``body`` as the pending request: its reply slot, or why it is refused."""
+    def take(self, kind: str, body: dict) -> queue.Queue | str:
+        """Register ``body`` (a ``kind`` request) as the pending request: its reply slot, or why it
+        is refused."""
         with self.lock:
             if self.closed:
                 return "closed"
             if self.reply is not None:
                 return "one request at a time per conversation: a request is still pending"
             self.reply = queue.Queue(maxsize=1)
-            self.events.put(("request", body))
+            self.events.put(("request", (kind, body)))
             return self.reply
 
     def answer(self, status: int, body: dict) -> bool:
@@ -66,7 +71,17 @@ def error_body(message: str, code: str = "invalid_request_error") -> dict:
     return {"error": {"message": message, "type": "invalid_request_error", "param": None, "code": code}}
 
 
-def request_problem(body) -> str | None:
+def _sampling_problem(body: dict) -> str | None:
+    """Why a request asks for more than one whole choice, or None."""
+    if body.get("n") not in (None, 1):
+        return f"n={body.get('n')!r}: one choice per request (a trajectory is one conversation; polyfsdp's " \
+               f"algo.actor.group_size makes the group)"
+    if body.get("stream"):
+        return "stream=true is not supported: ask for the whole completion"
+    return None
+
+
+def chat_problem(body) -> str | None:
     """Why the engine cannot serve this chat completion body, or None."""
     if not isinstance(body, dict):
         return "the body must be a JSON object"
@@ -76,14 +91,36 @@ def request_problem(body) -> str | None:
     for i, m in enumerate(messages):
         if not (isinstance(m, dict) and isinstance(m.get("role"), str)):
             return f"messages[{i}] is not a chat message with a 'role'"
-    if body.get("n") not in (None, 1):
-        return f"n={body.get('n')!r}: one choice per request (a trajectory is one conversation; polyfsdp's " \
-               f"algo.actor.group_size makes the group)"
-    if body.get("stream"):
-        return "stream=true is not supported: ask for the whole completion"
     if body.get("tools") is not None and not isinstance(body.get("tools"), list):
         return "'tools' must be a list of tool schemas"
-    return None
+    return _sampling_problem(body)
+
+
+def prompt_text(body: dict) -> str | None:
+    """A completion request's prompt: a string, or a list holding one string."""
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1:
+        prompt = prompt[0]
+    return prompt if isinstance(prompt, str) else None
+
+
+def completion_problem(body) -> str | None:
+    """Why the engine cannot serve this (legacy) completion body, or None."""
+    if not isinstance(body, dict):
+        return "the body must be a JSON object"
+    if prompt_text(body) is None:
+        return (f"'prompt' must be one string (got {type(body.get('prompt')).__name__}): a trajectory is one "
+                f"text; token-id and batched prompts are not served")
+    if body.get("echo"):
+        return "echo=true is not supported: the reply is the completion alone"
+    if body.get("best_of") not in (None, 1):
+        return f"best_of={body.get('best_of')!r}: one choice per request"
+    return _sampling_problem(body)
+
+
+# Each kind of request: what an error line calls it, and its check.
+PROBLEMS = {"chat": ("chat completion request", chat_problem),
+            "completions": ("completion request", completion_problem)}
 
 
 class _Server(ThreadingHTTPServer):
@@ -136,7 +173,8 @@ class AgentServer:
                     self._send(404, error_body(f"no polyfsdp conversation at {self.path!r}: use the base URL "
                                                f"the agent was given", "not_found"))
                     return
-                if route != "v1/chat/completions":
+                kind = ROUTES.get(route)
+                if kind is None:
                     self._refuse(conversation, 404, f"POST /{route}: not served; this endpoint serves {SUPPORTED}")
                     return
                 try:
@@ -144,11 +182,12 @@ class AgentServer:
                 except ValueError as exc:
                     self._refuse(conversation, 400, f"the request body is not JSON: {exc}")
                     return
-                problem = request_problem(body)
+                what, check = PROBLEMS[kind]
+                problem = check(body)
                 if problem is not None:
-                    self._refuse(conversation, 400, f"chat completion request: {problem}")
+                    self._refuse(conversation, 400, f"{what}: {problem}")
                     return
-                slot = conversation.take(body)
+                slot = conversation.take(kind, body)
                 if slot == "closed":
                     self._send(400, error_body(f"this conversation has ended: {conversation.why}",
                                                "conversation_ended"))

@@ -86,6 +86,7 @@ class Trajectory:
     truncated: bool = False
     done: bool = False
     last_text: str = ""
+    render: object = None  # how its turns become tokens (ChatTurns; an agent's completions: TextTurns)
 
     def add(self, tokens, sampled: bool, log_probs=None) -> None:
         self.tokens += list(tokens)
@@ -149,8 +150,8 @@ class MultiTurnDriver:
         return self.max_total is not None and len(trajectory.prompt) + len(trajectory.tokens) + more > self.max_total
 
     def start(self, examples, n: int, tokenizer):
-        """``n`` fresh conversations per example (the environment's ``reset``, its prompt tokens)
-        and the :class:`ChatTurns` that renders them; the SFT phase starts its demonstrations
+        """``n`` fresh conversations per example (the environment's ``reset``, its prompt tokens),
+        each with its renderer (``Trajectory.render``); the SFT phase starts its demonstrations
         here too (trainer/algos/tool_sft.py), so both tokenize a conversation alike."""
         trajectories, turns = [], None
         for example in examples:
@@ -158,11 +159,15 @@ class MultiTurnDriver:
                 env = self.env_class(**self.settings.env_kwargs)
                 holder = Trajectory(example, env, [])
                 messages = self._env_call(holder, "reset", 0, lambda: env.reset(example), check_messages)
-                if turns is None:
-                    turns = ChatTurns(tokenizer, getattr(env, "tools", None))
-                holder.prompt = turns.prompt(messages)
+                holder.render = turns = self.renderer(env, tokenizer, turns)
+                holder.prompt = holder.render.prompt(messages)
                 trajectories.append(holder)
-        return trajectories, turns
+        return trajectories
+
+    def renderer(self, env, tokenizer, previous):
+        """The :class:`ChatTurns` of a conversation just reset: one for the whole batch (every
+        environment of a driver is one class, so the first one's tools are every one's)."""
+        return previous if previous is not None else ChatTurns(tokenizer, getattr(env, "tools", None))
 
     def rollout(self, tokenizer, examples, n: int, params: SamplingParams, scorer=None, with_answers: bool = False,
                 row_seeds: list[int] | None = None, device=None) -> Rollout:
@@ -175,7 +180,7 @@ class MultiTurnDriver:
         # Every turn keeps its tokens' log-probs (the trajectory's); the rollout returns them when asked.
         turn_params = replace(params, return_log_probs=True)
         started = time.perf_counter()
-        trajectories, turns = on_every_rank(lambda: self.start(examples, n, tokenizer))
+        trajectories = on_every_rank(lambda: self.start(examples, n, tokenizer))
         env_time = time.perf_counter() - started
         position = {id(t): i for i, t in enumerate(trajectories)}
         for turn in range(1, self.settings.max_turns + 1):
@@ -217,7 +222,7 @@ class MultiTurnDriver:
                     elif not ended:  # the turn hit max_new_tokens: the conversation cannot go on
                         t.done = t.truncated = True
                     else:
-                        following = turns.after_assistant(step.messages, by_token)
+                        following = t.render.after_assistant(step.messages, by_token)
                         if self._overflows(t, len(following) + max_new_tokens):
                             # The environment's reply and one more turn would not fit: the
                             # conversation ends here (a reply nobody answers is not trained on).
