@@ -195,6 +195,34 @@ def test_agents_sample_through_the_servers_what_the_environment_api_and_our_loop
     agents_agree_with_the_environment_api_and_the_decoding_loop(engine, builtin, TOK)
 
 
+def test_a_judge_served_by_vllm_gives_our_greedy_loops_verdicts(tmp_path):
+    """reward.judge.checkpoint: polyfsdp starts a vLLM server that reads the checkpoint's tokenizer;
+    its verdicts (plain-text completions, greedy) are our decoding loop's greedy completions of the
+    same prompts, and the scores are those verdicts parsed."""
+    from polyfsdp.trainer.rewards.judge import build_judge, parse_verdict
+
+    directory = write_checkpoint(tmp_path / "judge", "qwen2-tiny", TOK, seed=5)
+    TOK.save_pretrained(directory)
+    section = {"checkpoint": directory, "api": "completions", "template": "{prompt}={response}:", "max_tokens": 6,
+               "parse": "regex", "pattern": r"(\d)"}
+    examples, texts = [Example("ab", "ba", where="r0"), Example("abc", "cba", where="r1")], ["ba", "xy", "cba", "c"]
+    judge = build_judge(section, get_backend(), log_dir=str(tmp_path))
+    try:
+        verdicts = [judge.verdict(examples[i // 2], text) for i, text in enumerate(texts)]
+        rewards, extras = judge.score_all(examples, texts, [[]] * 4, group=2)
+    finally:
+        judge.close()
+    assert judge.server.process is None  # stopped
+    builtin = PolicyDecoding("builtin")
+    builtin.update_weights(FSDPEngine(ModelConfig(path=directory), EngineConfig(), OptimConfig()).initialize())
+    prompts = [[TOK.bos_token_id] + TOK.encode(f"{examples[i // 2].prompt}={t}:") for i, t in enumerate(texts)]
+    ours = [TOK.decode(row) for row in builtin.generate(prompts, _params(6, greedy=True)).token_ids]
+    assert verdicts == ours and len(set(ours)) > 1, ours
+    parsed = [parse_verdict(v, judge.settings) for v in ours]
+    assert rewards == [0.0 if p is None else p for p in parsed]
+    assert extras["judge_unparsable"] == [float(p is None) for p in parsed]
+
+
 def test_a_bucket_left_out_of_the_sync_stops_the_run(servers, policy, monkeypatch):
     engine = servers(1)
     engine.update_weights(policy)

@@ -42,13 +42,14 @@ class ServerLaunch:
     max_num_seqs: int | None = None
     extra_args: list[str] = field(default_factory=list)
     served_model_name: str = SERVED_MODEL_NAME
+    text: bool = False  # True: the server loads the model's tokenizer and takes text (a reward judge's)
 
     def command(self, python: str = sys.executable) -> list[str]:
         cmd = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", self.model_dir,
                "--served-model-name", self.served_model_name, "--host", self.host, "--port", str(self.port),
                "--dtype", self.dtype, "--tensor-parallel-size", str(self.tensor_parallel_size), "--seed", "0",
-               "--enforce-eager", "--skip-tokenizer-init", "--logprobs-mode", "processed_logprobs",
-               "--generation-config", "vllm"]
+               "--enforce-eager", *([] if self.text else ["--skip-tokenizer-init"]), "--logprobs-mode",
+               "processed_logprobs", "--generation-config", "vllm"]
         if self.weight_transfer is not None:
             cmd += ["--weight-transfer-config", json.dumps({"backend": self.weight_transfer})]
         for flag, value in (("--gpu-memory-utilization", self.gpu_memory_utilization),
@@ -114,12 +115,15 @@ class ServerProcess:
     """One server polyfsdp started (``index`` names it in messages); its output goes to ``log_path``."""
 
     def __init__(self, index: int, launch: ServerLaunch, env: dict[str, str], log_path: str,
-                 request_timeout_s: float, cores: set[int] | None = None) -> None:
+                 request_timeout_s: float, cores: set[int] | None = None, name: str | None = None,
+                 start_timeout_key: str = "rollout.server.start_timeout_s") -> None:
         self.index, self.launch, self.env, self.log_path = index, launch, env, log_path
+        # What messages call it (another owner, such as reward.judge, names its own).
+        self.name, self.start_timeout_key = name or f"rollout server {index}", start_timeout_key
         self.cores = cores  # the host cores its processes run on (the keeper pins them); None: ours
         host = "127.0.0.1" if launch.host in ("0.0.0.0", "::") else launch.host
         self.url = f"http://{host}:{launch.port}"
-        self.http = ServerHttp(self.url, f"rollout server {index}", request_timeout_s)
+        self.http = ServerHttp(self.url, self.name, request_timeout_s)
         self.proc: subprocess.Popen | None = None
 
     def start(self) -> None:
@@ -135,13 +139,13 @@ class ServerProcess:
         while True:
             code = self.proc.poll() if self.proc is not None else None
             if code is not None:
-                raise ServerError(f"rollout server {self.index} ({self.url}) exited with code {code} while "
+                raise ServerError(f"{self.name} ({self.url}) exited with code {code} while "
                                   f"starting: {log_excerpt(self.log_path)} (full log: {self.log_path})")
             if self.http.healthy():
                 return
             if time.monotonic() > deadline:
-                raise ServerError(f"rollout server {self.index} ({self.url}) did not answer /health within "
-                                  f"rollout.server.start_timeout_s; last log line: {log_excerpt(self.log_path)} "
+                raise ServerError(f"{self.name} ({self.url}) did not answer /health within "
+                                  f"{self.start_timeout_key}; last log line: {log_excerpt(self.log_path)} "
                                   f"(full log: {self.log_path})")
             time.sleep(1.0)
 
@@ -150,7 +154,7 @@ class ServerProcess:
         code = self.proc.poll() if self.proc is not None else None
         if code is None:
             return None
-        return f"rollout server {self.index} ({self.url}) exited with code {code}: {log_excerpt(self.log_path)} " \
+        return f"{self.name} ({self.url}) exited with code {code}: {log_excerpt(self.log_path)} " \
                f"(full log: {self.log_path})"
 
     def stop(self, timeout_s: float = 30.0) -> None:

@@ -1,0 +1,276 @@
+"""``reward.judge``: a generative judge scores each completion through an OpenAI-compatible server.
+
+The judge's prompt is ``reward.judge.template`` with ``{prompt}``, ``{response}`` and
+``{ground_truth}`` filled from the record and the completion; it is sent as one user message
+(``api: chat``, the server's chat template renders it) or as plain text (``api: completions``),
+sampled greedily (temperature 0, ``max_tokens``), and its verdict is parsed into a score:
+
+- ``parse: number``: the first number in the verdict (``"Score: 7/10"`` -> 7);
+- ``parse: labels``: ``labels`` maps words to scores; the label that appears first in the verdict
+  (whole words, any case: ``correct`` is not found inside ``incorrect``) gives the score;
+- ``parse: regex``: ``pattern``'s first group (or the whole match) is a number, or a label when
+  ``labels`` is given.
+
+A verdict that does not parse follows ``on_unparsable``: ``zero`` scores it 0, ``error`` stops the
+run with one line naming the record and the verdict, ``skip`` gives the row its group's mean of
+the parsed scores (the judge then adds nothing to its advantage; 0 when none of the group parsed).
+``reward/judge_unparsable`` logs the share that did not parse. Requests run ``concurrency`` at a
+time per rank; a request that fails to connect or gets a 5xx is tried ``retries`` more times
+(1 s, 2 s, ... apart); anything else, or the last failure, is one line naming the judge and the
+record. The server is ``url`` (any OpenAI-compatible base URL, e.g. ``http://host:8000/v1``), or
+the vLLM server polyfsdp starts for ``checkpoint`` (judge_server.py).
+"""
+from __future__ import annotations
+
+import json
+import re
+import string
+import time
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, fields
+
+from ..errors import ConfigError, RewardError
+
+DEFAULT_TEMPLATE = ("Question: {prompt}\nReference answer: {ground_truth}\nResponse: {response}\n"
+                    "Is the response correct? Answer with a score from 0 to 10.")
+PARSERS = ("number", "labels", "regex")
+ON_UNPARSABLE = ("zero", "error", "skip")
+TEMPLATE_FIELDS = ("prompt", "response", "ground_truth")
+_NUMBER = re.compile(r"[-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?")
+
+
+class JudgeUnavailable(RewardError):
+    """A judge request that failed for good (after its retries)."""
+
+
+@dataclass(frozen=True)
+class JudgeSettings:
+    """``reward.judge`` (the module doc says what each key does)."""
+
+    url: str | None = None
+    checkpoint: str | None = None
+    model: str | None = None  # the model name sent; None: the server's first /v1/models entry
+    template: str = DEFAULT_TEMPLATE
+    api: str = "chat"
+    parse: str = "number"
+    labels: dict | None = None
+    pattern: str | None = None
+    max_tokens: int = 64
+    timeout_s: float = 60.0
+    retries: int = 2
+    concurrency: int = 8
+    on_unparsable: str = "zero"
+    gpu_memory_utilization: float = 0.2  # checkpoint on a device: the server's share (judge_server.py)
+    start_timeout_s: float = 600.0        # checkpoint: how long the server may take to start
+
+    @classmethod
+    def from_section(cls, section) -> "JudgeSettings":
+        """The settings of a ``reward.judge`` mapping, every problem one ConfigError naming its key."""
+        if not isinstance(section, dict):
+            raise ConfigError(f"reward.judge: expected a mapping (url or checkpoint, template, parse, ...), got "
+                              f"{section!r}")
+        known = {f.name: f for f in fields(cls)}
+        unknown = sorted(set(section) - set(known))
+        if unknown:
+            raise ConfigError(f"reward.judge.{unknown[0]}: not a judge setting (known: {', '.join(known)})")
+        settings = cls(**{k: v for k, v in section.items() if v is not None})
+        settings.check()
+        return settings
+
+    def check(self) -> None:
+        if (self.url is None) == (self.checkpoint is None):
+            raise ConfigError("reward.judge: set one of url (an OpenAI-compatible server, e.g. http://host:8000/v1) "
+                              "or checkpoint (a model directory polyfsdp serves with vLLM)")
+        for key, value, allowed in (("api", self.api, ("chat", "completions")), ("parse", self.parse, PARSERS),
+                                    ("on_unparsable", self.on_unparsable, ON_UNPARSABLE)):
+            if value not in allowed:
+                raise ConfigError(f"reward.judge.{key}={value!r}: expected one of {', '.join(allowed)}")
+        for key, low in (("max_tokens", 1), ("retries", 0), ("concurrency", 1)):
+            value = getattr(self, key)
+            if not isinstance(value, int) or isinstance(value, bool) or value < low:
+                raise ConfigError(f"reward.judge.{key}: expected an int >= {low}, got {value!r}")
+        for key in ("timeout_s", "start_timeout_s"):
+            value = getattr(self, key)
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0:
+                raise ConfigError(f"reward.judge.{key}: expected a number of seconds > 0, got {value!r}")
+        share = self.gpu_memory_utilization
+        if not isinstance(share, (int, float)) or not 0 < share <= 1:
+            raise ConfigError(f"reward.judge.gpu_memory_utilization: expected a share in (0, 1], got {share!r}")
+        self._check_template()
+        if self.labels is not None:
+            if not isinstance(self.labels, dict) or not self.labels or \
+                    not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in self.labels.values()):
+                raise ConfigError(f"reward.judge.labels: expected a mapping of words to scores, got {self.labels!r}")
+        if self.parse == "labels" and not self.labels:
+            raise ConfigError("reward.judge.parse=labels needs reward.judge.labels (e.g. {correct: 1, incorrect: 0})")
+        if self.parse == "regex":
+            if not isinstance(self.pattern, str):
+                raise ConfigError("reward.judge.parse=regex needs reward.judge.pattern (e.g. 'Score: (\\d+)')")
+            try:
+                re.compile(self.pattern)
+            except re.error as exc:
+                raise ConfigError(f"reward.judge.pattern={self.pattern!r}: not a regular expression ({exc})") from None
+
+    def _check_template(self) -> None:
+        if not isinstance(self.template, str):
+            raise ConfigError(f"reward.judge.template: expected a string, got {self.template!r}")
+        try:
+            named = {name for _, name, _, _ in string.Formatter().parse(self.template) if name is not None}
+        except ValueError as exc:
+            raise ConfigError(f"reward.judge.template: {exc} (a literal brace is written {{{{ or }}}})") from None
+        wrong = sorted(named - set(TEMPLATE_FIELDS))
+        if wrong:
+            raise ConfigError(f"reward.judge.template: unknown field {{{wrong[0]}}} (the fields are "
+                              f"{', '.join('{' + f + '}' for f in TEMPLATE_FIELDS)})")
+        if "response" not in named:
+            raise ConfigError("reward.judge.template: it never shows the judge the {response}")
+
+
+def parse_verdict(text: str, settings: JudgeSettings) -> float | None:
+    """The score a verdict gives, or None when it does not parse."""
+    if settings.parse == "regex":
+        match = re.search(settings.pattern, text)
+        if match is None:
+            return None
+        text = match.group(1) if match.groups() else match.group(0)
+        if settings.labels:
+            return _label(text, settings.labels)
+        number = _NUMBER.fullmatch(text.strip())
+        return float(number.group(0)) if number else None
+    if settings.parse == "labels":
+        return _label(text, settings.labels)
+    number = _NUMBER.search(text)
+    return float(number.group(0)) if number else None
+
+
+def _label(text: str, labels: dict) -> float | None:
+    """The score of the label found first in ``text`` (whole words, any case)."""
+    found = []
+    for label, score in labels.items():
+        match = re.search(rf"(?<!\w){re.escape(str(label))}(?!\w)", text, flags=re.IGNORECASE)
+        if match:
+            found.append((match.start(), -len(str(label)), float(score)))
+    return min(found)[2] if found else None
+
+
+class Judge:
+    """``score_all`` of a reward source (trainer/rewards/sources.py) through the judge's server."""
+
+    name = "judge"
+
+    def __init__(self, settings: JudgeSettings, url: str, server=None) -> None:
+        self.settings, self.url, self.server = settings, url.rstrip("/"), server  # server: judge_server's
+        self.model = settings.model
+        self._pool = ThreadPoolExecutor(max_workers=settings.concurrency, thread_name_prefix="reward-judge")
+
+    def _post(self, route: str, payload: dict | None, record: str):
+        """The JSON answer of ``route`` (GET without a payload), with the retries of the module doc."""
+        where = f"reward.judge ({self.url}) {'POST' if payload is not None else 'GET'} {route}"
+        data = None if payload is None else json.dumps(payload).encode()
+        for attempt in range(self.settings.retries + 1):
+            request = urllib.request.Request(f"{self.url}{route}", data=data,
+                                             headers={"Content-Type": "application/json"} if data else {})
+            try:
+                with urllib.request.urlopen(request, timeout=self.settings.timeout_s) as answer:
+                    return json.loads(answer.read())
+            except urllib.error.HTTPError as exc:
+                problem, again = f"HTTP {exc.code}: {_error_text(exc.read())}", exc.code >= 500
+            except (urllib.error.URLError, ConnectionError) as exc:
+                problem, again = f"not reachable ({getattr(exc, 'reason', exc)})", True
+            except TimeoutError:
+                problem, again = f"no answer within reward.judge.timeout_s={self.settings.timeout_s:g} s", False
+            except ValueError:
+                problem, again = "answered something that is not JSON", False
+            gone = self.server.died() if self.server is not None else None
+            if gone is not None:
+                raise JudgeUnavailable(f"{gone} ({record})")
+            if not again or attempt == self.settings.retries:
+                tries = f" after {attempt + 1} tries" if attempt else ""
+                raise JudgeUnavailable(f"{where}: {problem}{tries} ({record})")
+            time.sleep(attempt + 1)
+
+    def _model(self) -> str:
+        if self.model is None:
+            listing = self._post("/models", None, "listing the served models")
+            try:
+                self.model = listing["data"][0]["id"]
+            except (KeyError, IndexError, TypeError):
+                raise JudgeUnavailable(f"reward.judge ({self.url}) GET /models: no model listed; set "
+                                       f"reward.judge.model") from None
+        return self.model
+
+    def verdict(self, example, response: str) -> str:
+        """The judge's greedy answer about one completion."""
+        record = f"record {example.where or repr(example.prompt)}"
+        text = self.settings.template.format(prompt=example.prompt, response=response,
+                                             ground_truth="" if example.answer is None else example.answer)
+        payload = {"model": self._model(), "max_tokens": self.settings.max_tokens, "temperature": 0.0, "n": 1}
+        if self.settings.api == "chat":
+            answer = self._post("/chat/completions", {**payload, "messages": [{"role": "user", "content": text}]},
+                                record)
+        else:
+            answer = self._post("/completions", {**payload, "prompt": text}, record)
+        try:
+            choice = answer["choices"][0]
+            content = choice["message"]["content"] if self.settings.api == "chat" else choice["text"]
+        except (KeyError, IndexError, TypeError):
+            raise JudgeUnavailable(f"reward.judge ({self.url}): an answer without a choice's text "
+                                   f"({record}): {json.dumps(answer)[:200]}") from None
+        return content or ""
+
+    def score_all(self, examples, texts: list[str], responses, group: int = 1, answers=None):
+        """Scores of ``texts`` (row i answers ``examples[i // group]``) and ``judge_unparsable``."""
+        self._model()
+        verdicts = list(self._pool.map(lambda i: self.verdict(examples[i // group], texts[i]), range(len(texts))))
+        scores = [parse_verdict(v, self.settings) for v in verdicts]
+        for i, (score, verdict) in enumerate(zip(scores, verdicts)):
+            if score is None and self.settings.on_unparsable == "error":
+                example = examples[i // group]
+                raise RewardError(f"reward.judge: the verdict {verdict[:120]!r} does not parse as "
+                                  f"parse={self.settings.parse} (record {example.where or repr(example.prompt)}); "
+                                  f"fix reward.judge.template/pattern or set reward.judge.on_unparsable=zero|skip")
+        rewards = []
+        for start in range(0, len(scores), group):
+            members = scores[start:start + group]
+            parsed = [s for s in members if s is not None]
+            fill = sum(parsed) / len(parsed) if parsed and self.settings.on_unparsable == "skip" else 0.0
+            rewards += [fill if s is None else s for s in members]
+        return rewards, {"judge_unparsable": [float(s is None) for s in scores]}
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        if self.server is not None:
+            self.server.stop()
+
+
+def build_judge(section, backend=None, log_dir: str | None = None) -> Judge:
+    """The judge ``reward.judge`` describes; with ``checkpoint``, rank 0 starts its server first
+    and every rank gets the URL (judge_server.py)."""
+    from polyfsdp.backends.distributed import broadcast_object, current_rank, current_world_size
+
+    settings = JudgeSettings.from_section(section)
+    if settings.url is not None:
+        return Judge(settings, settings.url)
+    from .judge_server import JudgeServer, check_checkpoint
+
+    from ..rank_errors import on_every_rank
+
+    check_checkpoint(settings.checkpoint)
+    server = JudgeServer(settings.checkpoint, backend, settings.gpu_memory_utilization, settings.start_timeout_s,
+                         log_dir) if current_rank() == 0 else None
+    # A server that fails to start stops every rank with its line (none waits for a URL forever).
+    url = on_every_rank(lambda: server.start() if server is not None else None)
+    if current_world_size() > 1:
+        url = broadcast_object(url)
+    return Judge(settings, url, server)
+
+
+def _error_text(body: bytes) -> str:
+    """The message of an OpenAI-style error body, else the body's start."""
+    try:
+        data = json.loads(body)
+        return " ".join(str(data["error"]["message"]).split())[:200]
+    except (ValueError, KeyError, TypeError):
+        return " ".join(body.decode("utf-8", "replace").split())[:200]
