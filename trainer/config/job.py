@@ -30,7 +30,7 @@ from ..tracking import check_loggers
 
 logger = logging.getLogger(__name__)
 
-DATA_SOURCES = ("builtin", "jsonl", "parquet", "files")
+DATA_SOURCES = ("builtin", "jsonl", "parquet", "files", "verifiers")
 TASKS = ("reverse", "arith_words", "calculator")
 OVERLONG_POLICIES = ("filter", "error", "truncate")
 PROGRESS_MODES = ("auto", "bar", "lines", "off")
@@ -182,6 +182,10 @@ def _validate_data(d: DataSection) -> None:
         if d.path is not None:
             raise ConfigError(f"data.path: data=builtin does not read a file, got data.path={d.path!r}; "
                               f"add data=jsonl (or data=parquet) to train on it")
+    elif d.source == "verifiers":
+        if d.path or d.train_files or d.val_files:
+            raise ConfigError("data.path/train_files/val_files: data=verifiers reads the tasks of rollout.agent's "
+                              "verifiers environment, not files")
     elif not d.path and not d.train_files:
         raise ConfigError(f"data.path: data={d.source} needs data.path=FILE")
     check_min("data.eval_size", d.eval_size, 1)
@@ -340,6 +344,9 @@ def build_job_config(raw: dict, world_size: int = 1) -> JobConfig:
     lora_enabled = model.model_config().lora.enabled
     if trainer.export_lora != "merged" and not lora_enabled:
         raise ConfigError(f"trainer.export_lora={trainer.export_lora!r} exports LoRA adapters; set model.lora.rank > 0")
+    if (data.source == "verifiers") != str(rollout.agent).startswith("verifiers:"):
+        raise ConfigError(f"data.source={data.source} with rollout.agent={rollout.agent}: a verifiers environment "
+                          f"trains on its own tasks; set both rollout.agent=verifiers:ENV_ID and data=verifiers")
     if (rollout.env is not None or rollout.agent is not None) and algo.rl and not algo.estimator.multi_turn:
         key = "env" if rollout.env is not None else "agent"
         raise ConfigError(f"rollout.{key}: algo.adv_estimator={algo.adv_estimator} declares multi_turn=False (it "

@@ -65,4 +65,4 @@ def check_rollout(rollout, world_size: int = 1) -> None:
     if rollout.agent is not None:
         from ..rollout.drivers.agent import load_agent
 
-        load_agent(rollout.agent)  # the openai package, the file and the function, before any model
+        load_agent(rollout.agent, rollout.env_kwargs)  # the openai package, the file and the function, before any model

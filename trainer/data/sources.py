@@ -257,9 +257,10 @@ def read_files(paths, key: str, prompt_key: str, answer_key: str | None, reader=
     return out
 
 
-def build_source(data, seed: int, encoder=None):
+def build_source(data, seed: int, encoder=None, rollout=None):
     """The training/evaluation source a DataSection describes; ``encoder`` (a
-    chat.PromptEncoder) sets every prompt's tokens and applies the length policy."""
+    chat.PromptEncoder) sets every prompt's tokens and applies the length policy. ``rollout``:
+    the RolloutSection, whose verifiers environment data=verifiers reads."""
     if data.source == "builtin":
         if data.task == "arith_words":
             from .arith_words import ArithWordsTask
@@ -272,6 +273,14 @@ def build_source(data, seed: int, encoder=None):
         else:
             task = ReverseTask(alphabet=data.alphabet, min_len=data.min_len, max_len=data.max_len)
         return BuiltinSource(task, seed, data.eval_size, encoder)
+    if data.source == "verifiers":
+        from ..rollout.drivers.verifiers_agent import verifiers_examples
+
+        records = verifiers_examples(rollout)
+        if encoder is not None:
+            encoder.learn_characters(records)
+            records = encoder.encode_split(records, "train")
+        return FileSource(records, seed, data.eval_size, rollout.agent, key="rollout.agent")
     if getattr(data, "train_files", None):
         key, paths, reader = "data.train_files", data.train_files, None
     else:

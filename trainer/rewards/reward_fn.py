@@ -63,9 +63,9 @@ def call_user_code(call, who: str, where: str, deadline: CallDeadline | None, ti
 
 # POLYFSDP_TRACEBACK=1 prints the full traceback of a failing reward function or environment.
 TRACEBACK_SWITCH = "POLYFSDP_TRACEBACK"
-# polyfsdp's own package folders (siblings of this one, wherever they are installed).
-_OWN_DIRS = tuple(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), name) + os.sep
-                  for name in ("trainer", "engines", "backends", "patches"))
+# polyfsdp's own package folders (siblings of trainer/, this module's grandparent, wherever they are installed).
+_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+_OWN_DIRS = tuple(os.path.join(_ROOT, name) + os.sep for name in ("trainer", "engines", "backends", "patches"))
 
 
 def user_frame(exc: BaseException) -> str:

@@ -134,7 +134,7 @@ class _Lengths:
         encoder = PromptEncoder(tokenizer, cfg.data.apply_chat_template, cfg.data.max_prompt_length,
                                 cfg.data.overlong, cfg.model.path,
                                 grow_vocabulary=cfg.model.path is None or self.note is not None)
-        self.source = build_source(cfg.data, cfg.trainer.seed, encoder)
+        self.source = build_source(cfg.data, cfg.trainer.seed, encoder, cfg.rollout)
         self.tokenizer = tokenizer
         self.prompt = lambda ex: len(example_prompt_tokens(tokenizer, ex))  # noqa: E731
         self.answer = lambda ex: len(tokenizer.encode(ex.answer)) + 1  # + <eos> (trainer/algos/sft.py)  # noqa: E731

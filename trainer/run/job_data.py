@@ -31,7 +31,7 @@ def load_job_data(cfg: JobConfig, out: Path, rank: int, say) -> tuple:
     encoder = PromptEncoder(tokenizer, cfg.data.apply_chat_template, cfg.data.max_prompt_length,
                             cfg.data.overlong, cfg.model.path, grow_vocabulary=tokenizer_dir is None)
     # A file missing on one rank stops every rank; then all must have read the same records.
-    source = on_every_rank(lambda: build_source(cfg.data, cfg.trainer.seed, encoder))
+    source = on_every_rank(lambda: build_source(cfg.data, cfg.trainer.seed, encoder, cfg.rollout))
     check_same_data(source, cfg.data)
     note = unused_demonstrations_note(getattr(source, "train_examples", ()), cfg.rollout.env)
     if note:

@@ -62,9 +62,14 @@ def openai_module():
     return openai
 
 
-def load_agent(spec: str):
-    """The agent function ``rollout.agent`` names (``FILE.py:fn`` or ``module:fn``)."""
+def load_agent(spec: str, env_kwargs: dict | None = None):
+    """The agent function ``rollout.agent`` names (``FILE.py:fn`` or ``module:fn``; ``verifiers:ENV_ID``
+    with ``rollout.env_kwargs``: verifiers_agent.py)."""
     openai_module()
+    if spec.startswith("verifiers:"):
+        from .verifiers_agent import verifiers_agent
+
+        return verifiers_agent(spec, env_kwargs)
     return load_object(spec, "rollout.agent", {}, what="function")
 
 
@@ -265,7 +270,7 @@ class AgentDriver(MultiTurnDriver):
     label_key = "rollout.agent"
 
     def __init__(self, engine, settings, max_positions, concurrency: int = 64) -> None:
-        self.agent = load_agent(settings.env)
+        self.agent = load_agent(settings.env, settings.env_kwargs)
         self.concurrency = concurrency
         super().__init__(engine, settings, max_positions, env_class=lambda **_: AgentEnv(self))
         self._deadline = None  # the agent runs on its own thread: AgentEnv's waits time it
