@@ -48,7 +48,7 @@ def _same(a, b, atol=0.0):
         assert max((abs(x - y) for p, q in zip(a.log_probs, b.log_probs) for x, y in zip(p, q)), default=0) <= atol
 
 
-@pytest.mark.parametrize("name", ["calculator", "calculator_async"])
+@pytest.mark.parametrize("name", ["calculator", "calculator_async", "calculator_streamed"])
 def test_a_tool_calling_openai_agent_records_the_calculator_environments_sequence(name):
     tok = _tokenizer()
     examples = [Example("17*23", "391", where="r0"), Example("17*23", "390", where="r1")]
@@ -181,6 +181,17 @@ def test_a_completions_agent_records_its_texts_tokens_after_the_sampled_ones():
     assert edited.rollout_metrics["agent/retokenization_mismatch"] == [1.0]
     assert edited.response_ids[0][:4] == enc(" a ") + eos and edited.loss_masks[0][:4] == [1] * 4
     assert tok.decode(edited.response_ids[0][4:4 + len("a. higher: ")]) == "a. higher: " and edited.rewards == [1.0]
+
+
+def test_a_streamed_answer_is_the_whole_answer_as_events():
+    """stream=true (chat and completions): the agents read the same texts, so they record the same
+    conversations as their non-streamed twins."""
+    tok = _tokenizer()
+    chat, streamed_chat, text, streamed_text, _ = _guessing(tok, "guess", "guess_streamed", "guess_text",
+                                                            "guess_text_streamed")
+    _same(streamed_chat, chat)
+    _same(streamed_text, text)
+    assert 0 in chat.loss_masks[0] and 0 in text.loss_masks[0] and chat.rewards == text.rewards == [1.0]
 
 
 def test_64_concurrent_conversations_sample_what_one_at_a_time_samples(policy):

@@ -57,6 +57,54 @@ def guess(example, client, edit=False):
                      {"role": "user", "content": "higher" if letter < "e" else "lower"}]
 
 
+def guess_streamed(example, client):
+    """guess, reading every answer as a stream (as agent frameworks that always stream do)."""
+    messages = [{"role": "user", "content": "guess a letter"}]
+    while True:
+        text = "".join(chunk.choices[0].delta.content or "" for chunk in
+                       client.chat.completions.create(model="policy", messages=messages, stream=True)
+                       if chunk.choices)
+        letter = text.strip()[:1]
+        if letter == "e":
+            return 1.0
+        messages += [{"role": "assistant", "content": text}, {"role": "user", "content": "higher" if letter < "e"
+                                                              else "lower"}]
+
+
+async def calculator_streamed(example, client):
+    """calculator_async, streamed: tool calls are gathered from the deltas."""
+    messages = [{"role": "user", "content": example.prompt}]
+    while True:
+        content, calls = "", {}
+        async for chunk in await client.chat.completions.create(model="policy", messages=messages,
+                                                                tools=[CALCULATOR_TOOL], stream=True):
+            delta = chunk.choices[0].delta
+            content += delta.content or ""
+            for call in delta.tool_calls or []:
+                calls.setdefault(call.index, call)
+        message = {"role": "assistant", "content": content}
+        if calls:
+            message["tool_calls"] = [calls[i].model_dump(exclude_none=True, exclude={"index"}) for i in sorted(calls)]
+        messages.append(message)
+        if not calls:
+            return gsm8k("", content, str(example.answer).strip())
+        for call in message["tool_calls"]:
+            args = json.loads(call["function"]["arguments"] or "{}")
+            messages.append({"role": "tool", "tool_call_id": call["id"], "content": calculate(str(args["expression"]))})
+
+
+def guess_text_streamed(example, client):
+    """guess_text, streamed."""
+    text = "guess a letter: "
+    while True:
+        completion = "".join(c.choices[0].text for c in client.completions.create(model="p", prompt=text, stream=True)
+                             if c.choices)
+        letter = completion.strip()[:1]
+        if letter == "e":
+            return 1.0
+        text += completion + (" higher: " if letter < "e" else " lower: ")
+
+
 def guess_editing(example, client):
     return guess(example, client, edit=True)
 

@@ -2,13 +2,15 @@
 driver on 127.0.0.1 (a free port), one :class:`Conversation` per trajectory, addressed by the id
 in its base URL (``http://127.0.0.1:PORT/<id>/v1``).
 
-Served: ``POST /<id>/v1/chat/completions`` and ``POST /<id>/v1/completions`` (one choice, not
-streamed) and ``GET /<id>/v1/models``. A request does not sample by itself: it waits, as the
-conversation's pending request, until the driver has sampled the turn with the whole batch
-(agent.py answers it). Anything else (another route, ``n`` > 1, ``stream``, a malformed body, a
-second request while one is pending) is a 4xx with an OpenAI-style error body, and the
-conversation records the problem, so the run stops with one line even when the agent catches
-the error.
+Served: ``POST /<id>/v1/chat/completions`` and ``POST /<id>/v1/completions`` (one choice) and
+``GET /<id>/v1/models``. A request does not sample by itself: it waits, as the conversation's
+pending request, until the driver has sampled the turn with the whole batch (agent.py answers
+it). With ``stream: true`` the whole answer comes as server-sent events once sampled: one chunk
+with the text (and tool calls), one with the finish reason, then ``[DONE]`` (agent frameworks
+that always stream work unchanged; nothing is gained by reading it in pieces). Anything else
+(another route, ``n`` > 1, a malformed body, a second request while one is pending) is a 4xx with
+an OpenAI-style error body, and the conversation records the problem, so the run stops with one
+line even when the agent catches the error.
 """
 from __future__ import annotations
 
@@ -76,9 +78,24 @@ def _sampling_problem(body: dict) -> str | None:
     if body.get("n") not in (None, 1):
         return f"n={body.get('n')!r}: one choice per request (a trajectory is one conversation; polyfsdp's " \
                f"algo.actor.group_size makes the group)"
-    if body.get("stream"):
-        return "stream=true is not supported: ask for the whole completion"
     return None
+
+
+def stream_events(answer: dict) -> list[dict]:
+    """A whole (one-choice) answer as the chunks a streamed request gets: the content, then the
+    finish reason (a chat answer's tool calls ride in the first chunk's delta, indexed)."""
+    choice = answer["choices"][0]
+    head = {key: answer[key] for key in ("id", "created", "model")}
+    if answer["object"] == "chat.completion":
+        message = choice["message"]
+        delta = {"role": "assistant", "content": message["content"]}
+        if message.get("tool_calls"):
+            delta["tool_calls"] = [{"index": i, **call} for i, call in enumerate(message["tool_calls"])]
+        kind, first, last = "chat.completion.chunk", {"delta": delta}, {"delta": {}}
+    else:
+        kind, first, last = "text_completion", {"text": choice["text"]}, {"text": ""}
+    return [{**head, "object": kind, "choices": [{"index": 0, **part, "logprobs": None, "finish_reason": reason}]}
+            for part, reason in ((first, None), (last, choice["finish_reason"]))]
 
 
 def chat_problem(body) -> str | None:
@@ -195,7 +212,24 @@ class AgentServer:
                 if isinstance(slot, str):
                     self._refuse(conversation, 409, slot)
                     return
-                self._send(*slot.get())
+                status, answer = slot.get()
+                if body.get("stream") and status == 200:
+                    self._send_events(stream_events(answer))
+                else:
+                    self._send(status, answer)
+
+            def _send_events(self, events: list[dict]) -> None:
+                """Server-sent events, then ``[DONE]``; the connection closes after them (no length)."""
+                self.send_response(200)
+                self.send_header("Content-Type", "text/event-stream")
+                self.send_header("Cache-Control", "no-cache")
+                self.send_header("Connection", "close")
+                self.end_headers()
+                for event in events:
+                    self.wfile.write(f"data: {json.dumps(event)}\n\n".encode())
+                self.wfile.write(b"data: [DONE]\n\n")
+                self.wfile.flush()
+                self.close_connection = True
 
             def _refuse(self, conversation, status: int, message: str) -> None:
                 if conversation is not None and not conversation.closed:
