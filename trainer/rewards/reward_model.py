@@ -57,7 +57,6 @@ class RewardModelSource:
         self.policy_tokenizer = policy_tokenizer
         self.vocab = engine.module.get_input_embeddings().num_embeddings
         self.max_positions = getattr(engine.module.config, "max_position_embeddings", None)
-
         how = "the policy's ids" if self.pass_through else ("chat text" if self.chat else "plain text")
         self.title = f"{self.name} ({section.path}, {how})"  # the run's first line names it so
 
