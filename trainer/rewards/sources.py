@@ -77,7 +77,7 @@ class WeightedReward:
     def __init__(self, sources: list) -> None:
         # Collective sources first: every rank reaches their forwards before any rank's own error.
         self.sources = sorted(sources, key=lambda s: not getattr(s, "collective", False))
-        self.name = " + ".join(f"{s.weight:g}*{s.title}" for s in sources)  # the run's first line
+        self.name = " + ".join(f"{s.weight:g}*{getattr(s, 'title', s.name)}" for s in sources)  # the first line
 
     def score_all(self, examples, texts: list[str], responses: list[list[int]], group: int = 1,
                   answers: list | None = None):
