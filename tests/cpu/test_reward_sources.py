@@ -162,3 +162,15 @@ def test_grpo_job_with_two_weighted_sources_logs_each_and_trains(char_rm, tmp_pa
                                  for r in rows])
     for row, score in zip(rows, scores):
         assert abs(row["reward"] - (0.5 * char_match("", row["completion"], row["ground_truth"]) + 2 * score)) <= TOL
+
+
+def test_estimate_counts_the_reward_model(char_rm):
+    from polyfsdp.trainer.run.estimate import estimate_job
+
+    est = estimate_job(load_config([f"reward.model.path={char_rm}"]), 1)
+    params = sum(p.numel() * p.element_size()
+                 for p in AutoModelForSequenceClassification.from_pretrained(char_rm).parameters())
+    assert all(rows["reward model parameters (model)"] == params for rows in est.state.values())
+    scoring = [s for s in est.steps["grpo"] if s.name == "reward model scoring (no grad)"]
+    assert len(scoring) == 1 and scoring[0].transient > 0
+    assert "reward model parameters (model)" not in estimate_job(load_config([]), 1).state["grpo"]
