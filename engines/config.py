@@ -149,7 +149,9 @@ class ModelConfig(_FromDict):
     critic: the LM head is replaced by a scalar head with weights ``N(0, value_head_init_std)``
     (seeded by ``seed``) and zero bias (engines/head/value.py), or loaded from
     ``value_head_path`` (a safetensors file with ``weight (1, hidden)`` and ``bias (1,)``, as
-    :meth:`FSDPEngine.export_value_head` writes it).
+    :meth:`FSDPEngine.export_value_head` writes it). ``score_head=True`` builds a reward model
+    (engines/head/score.py): a ``*ForSequenceClassification`` checkpoint (or preset), or a causal
+    LM with the value head at ``value_head_path``, scoring each sequence at its last token.
     """
 
     preset: str | None = None
@@ -161,6 +163,7 @@ class ModelConfig(_FromDict):
     value_head: bool = False
     value_head_init_std: float = 0.01
     value_head_path: str | None = None
+    score_head: bool = False
     lora: LoraConfig | dict | None = None
 
     def __post_init__(self) -> None:
@@ -188,13 +191,17 @@ class ModelConfig(_FromDict):
                 raise ConfigFieldError("ModelConfig", "vocab_size", f"expected >= 2, got {self.vocab_size}")
         _check_type("ModelConfig", "seed", self.seed, (int,), "an int")
         _check_type("ModelConfig", "value_head", self.value_head, (bool,), "a bool")
+        _check_type("ModelConfig", "score_head", self.score_head, (bool,), "a bool")
+        if self.score_head and self.value_head:
+            raise ConfigFieldError("ModelConfig", "score_head", "a reward model's score head and a critic's value "
+                                   "head exclude each other")
         _finite_at_least("ModelConfig", "value_head_init_std", self.value_head_init_std, 0.0, False,
                          "a finite number >= 0")
         if self.value_head_path is not None:
             _check_type("ModelConfig", "value_head_path", self.value_head_path, (str,), "a file path or None")
-            if not self.value_head:
-                raise ConfigFieldError("ModelConfig", "value_head_path", "is set but value_head=False "
-                                       "(a value head is loaded only into a critic)")
+            if not (self.value_head or self.score_head):
+                raise ConfigFieldError("ModelConfig", "value_head_path", "is set but value_head=False and "
+                                       "score_head=False (a value head is loaded into a critic or a reward model)")
 
 
 @dataclass

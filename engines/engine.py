@@ -216,6 +216,15 @@ class FSDPEngine(CheckpointMixin):
         last position of every sequence is 0 (engines/head/value.py)."""
         return self._infer(batch, 1.0, self.head.value_names(), False)
 
+    def infer_scores(self, batch: TensorDict) -> torch.Tensor:
+        """A reward model's score of each sequence ``(B,)`` float32 (engines/head/score.py: the
+        score layer at the sequence's last token), in either pad mode."""
+        scores = self._infer(batch, 1.0, self.head.score_names(), False)["scores"]
+        # Zero but at each row's last token (and zero-padded in left_right): the row sum is the score.
+        if scores.is_nested:
+            return torch.stack([row.sum() for row in scores.unbind()]) if scores.size(0) else scores.values()[:0]
+        return scores.sum(dim=1)
+
     def _infer(self, batch: TensorDict, temperature, names: tuple[str, ...], calculate_entropy: bool) -> TensorDict:
         """The forward's outputs ``names`` (in forward_flat's order) under no_grad, per
         micro-batch, merged and returned in the caller's layout."""

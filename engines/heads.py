@@ -25,6 +25,7 @@ from .batch.flat import FlatBatch
 from .head.forward import FUSED_HEAD_METHOD, forward_logprobs, forward_loss, fused_head_support, install_fused_head
 from .losses.inputs import is_token_separable
 from .parallel.sequence import sp_forward_logprobs, sp_forward_values
+from .head.score import SCORE_HEAD_METHOD, forward_scores, install_score_head
 from .head.value import VALUE_HEAD_METHOD, export_value_head, forward_values, install_value_head
 
 logger = logging.getLogger(__name__)
@@ -100,6 +101,10 @@ class LMHead:
         raise ValueError("infer_values: this engine has no value head; build it with ModelConfig(value_head=True)")
 
     @staticmethod
+    def score_names() -> tuple[str, ...]:
+        raise ValueError("infer_scores: this engine has no score head; build it with ModelConfig(score_head=True)")
+
+    @staticmethod
     def export_value_head(model, path, rank: int) -> None:
         raise ValueError("export_value_head: this engine has no value head (ModelConfig.value_head=False)")
 
@@ -144,13 +149,67 @@ class ValueHead:
         return ("values",)
 
     @staticmethod
+    def score_names() -> tuple[str, ...]:
+        raise ValueError("infer_scores: this engine is a critic (ModelConfig.value_head=True); use infer_values")
+
+    @staticmethod
     def export_value_head(model, path, rank: int) -> None:
         """The head's ``weight``/``bias`` as safetensors from ``rank`` 0 (collective)."""
         export_value_head(model, path, rank)
 
 
-def head_for(model_config: ModelConfig) -> LMHead | ValueHead:
-    """The head ``model_config`` asks for: a value head (``value_head=True``) or the LM head."""
+class ScoreHead:
+    """A reward model's head (engines/head/score.py): one score per sequence, at its last token;
+    infer-only here (no loss reads it), no vocabulary, no sequence parallelism."""
+
+    forward_method = SCORE_HEAD_METHOD
+
+    def __init__(self, seed: int, path: str | None = None):
+        self.seed, self.path = seed, path
+
+    def install(self, model: torch.nn.Module, fused_impl: tuple[str, bool]) -> None:
+        install_score_head(model, self.seed, self.path)
+
+    @staticmethod
+    def forward(model, flat: FlatBatch, modes: EngineConfig, sp, return_entropy: bool) -> Outputs:
+        """``(scores, None)``: flat ``(total,)``, each sequence's score at its last position, 0 elsewhere."""
+        if sp is not None:
+            raise ValueError("ModelConfig.score_head: a reward model runs without sequence parallelism "
+                             "(EngineConfig.ulysses_sp_size=1)")
+        return forward_scores(model, flat, use_remove_padding=modes.use_remove_padding), None
+
+    @staticmethod
+    def fuses_loss(loss_fn, modes: EngineConfig, sp) -> bool:
+        return False
+
+    @staticmethod
+    def loss_outputs(first: torch.Tensor, second: torch.Tensor | None) -> dict:
+        raise ValueError("ModelConfig.score_head: a reward model is infer-only here (infer_scores); no loss reads it")
+
+    @staticmethod
+    def log_prob_names(calculate_entropy: bool) -> tuple[str, ...]:
+        raise ValueError("infer_batch: this engine is a reward model (ModelConfig.score_head=True); use infer_scores")
+
+    @staticmethod
+    def value_names() -> tuple[str, ...]:
+        raise ValueError("infer_values: this engine is a reward model (ModelConfig.score_head=True); use "
+                         "infer_scores")
+
+    @staticmethod
+    def score_names() -> tuple[str, ...]:
+        """What ``infer_scores`` runs (per token, summed per row by the engine)."""
+        return ("scores",)
+
+    @staticmethod
+    def export_value_head(model, path, rank: int) -> None:
+        raise ValueError("export_value_head: this engine is a reward model, not a critic")
+
+
+def head_for(model_config: ModelConfig) -> LMHead | ValueHead | ScoreHead:
+    """The head ``model_config`` asks for: a score head (``score_head=True``), a value head
+    (``value_head=True``) or the LM head."""
+    if model_config.score_head:
+        return ScoreHead(model_config.seed, model_config.value_head_path)
     if model_config.value_head:
         return ValueHead(model_config.value_head_init_std, model_config.seed, model_config.value_head_path)
     return LMHead()

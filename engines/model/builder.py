@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 from safetensors import SafetensorError, safe_open
-from transformers import AutoConfig, AutoModelForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification
 
 from polyfsdp.backends.base import Backend
 
@@ -81,8 +81,19 @@ def _damaged_weights_file(directory: str) -> str | None:
     return None
 
 
+def model_class(config: ModelConfig):
+    """The Auto class that builds ``config``'s model: a reward model's score head reads a
+    sequence-classification checkpoint (its ``score`` layer), everything else a causal LM (a
+    reward model with ``value_head_path`` too: the head comes from that file)."""
+    if config.score_head and config.value_head_path is None:
+        return AutoModelForSequenceClassification
+    return AutoModelForCausalLM
+
+
 def _build(config: ModelConfig, dtype: torch.dtype, attn: str, backend: Backend, patch_toggles,
            compute_dtype: torch.dtype):
+    auto = model_class(config)
+    what = "a sequence-classification model" if auto is AutoModelForSequenceClassification else "a causal LM"
     if config.path is not None:
         _check_checkpoint_dir(config.path)
         if config.vocab_size is not None:
@@ -92,21 +103,29 @@ def _build(config: ModelConfig, dtype: torch.dtype, attn: str, backend: Backend,
         # trust_remote_code stays False and .bin weights load weights-only: nothing in the
         # directory runs.
         try:
-            model = AutoModelForCausalLM.from_pretrained(config.path, config=hf_config, local_files_only=True,
-                                                         dtype=dtype, attn_implementation=attn,
-                                                         trust_remote_code=False, weights_only=True)
+            model, info = auto.from_pretrained(config.path, config=hf_config, local_files_only=True, dtype=dtype,
+                                               attn_implementation=attn, trust_remote_code=False, weights_only=True,
+                                               output_loading_info=True)
         except (OSError, ValueError) as exc:
-            raise ValueError(f"ModelConfig.path: could not load a causal LM from {config.path!r}: {exc}") from exc
+            raise ValueError(f"ModelConfig.path: could not load {what} from {config.path!r}: {exc}") from exc
         except SafetensorError as exc:
             raise ValueError(f"ModelConfig.path: {_damaged_weights_file(config.path) or config.path}: unreadable "
                              f"safetensors ({' '.join(str(exc).split())}); truncated or damaged?") from None
+        untrained = [key for key in info.get("missing_keys", ()) if key.split(".")[0] == "score"]
+        if auto is AutoModelForSequenceClassification and untrained:
+            # transformers would draw the missing layer at random: a reward model that scores noise.
+            raise ValueError(f"ModelConfig.path: {config.path!r} holds no trained score layer ({untrained[0]} is "
+                             f"missing): a reward model is a *ForSequenceClassification checkpoint (a causal LM "
+                             f"needs its value head file, value_head_path)")
     else:
         overrides = {} if config.vocab_size is None else {"vocab_size": config.vocab_size}
+        if auto is AutoModelForSequenceClassification:
+            overrides["num_labels"] = 1  # a preset reward model scores with one number
         hf_config = preset_config(config.preset, **overrides)
         # The seed fixes the initial weights, so every rank (and a reference) builds the same model.
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(config.seed)
-            model = AutoModelForCausalLM.from_config(hf_config, dtype=dtype, attn_implementation=attn)
+            model = auto.from_config(hf_config, dtype=dtype, attn_implementation=attn)
     model.config.use_cache = False
     from polyfsdp.patches import apply_patches
 

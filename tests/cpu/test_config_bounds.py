@@ -11,14 +11,14 @@ import pytest
 from polyfsdp.engines.config import EngineConfig, LoraConfig, OptimConfig
 from polyfsdp.trainer.config.algo import ActorSection, CriticSection, RolloutCorrectionSection, SFTSection
 from polyfsdp.trainer.config.composition import compose, to_container
-from polyfsdp.trainer.config.job import (ConfigError, DataSection, ModelSection, RewardSection, TrainerSection,
-                                     build_job_config)
+from polyfsdp.trainer.config.job import (ConfigError, DataSection, ModelSection, RewardModelSection, RewardSection,
+                                     TrainerSection, build_job_config)
 from polyfsdp.trainer.config.bounds import BOUNDS, bounds_for
 
 # Where each section of the config lives; algo.critic.* exists under algo=ppo.
 SECTIONS = [(TrainerSection, "trainer"), (DataSection, "data"), (ModelSection, "model"), (LoraConfig, "model.lora"),
-            (RewardSection, "reward"), (EngineConfig, "engine"), (SFTSection, "algo.sft"),
-            (OptimConfig, "algo.sft.optim"), (ActorSection, "algo.actor"), (OptimConfig, "algo.actor.optim"),
+            (RewardSection, "reward"), (RewardModelSection, "reward.model"), (EngineConfig, "engine"),
+            (SFTSection, "algo.sft"), (OptimConfig, "algo.sft.optim"), (ActorSection, "algo.actor"), (OptimConfig, "algo.actor.optim"),
             (RolloutCorrectionSection, "algo.rollout_correction"), (CriticSection, "algo.critic"),
             (OptimConfig, "algo.critic.optim")]
 

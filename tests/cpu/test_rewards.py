@@ -73,7 +73,8 @@ def test_a_missing_file_module_or_function_is_a_one_line_config_error(spec, expe
 
 
 def test_unknown_builtin_name_is_refused_by_the_config():
-    with pytest.raises(ConfigError, match=r"^reward.fn: got 'gsm9k'; expected auto, a built-in \(char_match"):
+    with pytest.raises(ConfigError, match=r"^reward.fn: got 'gsm9k'; expected auto, none \(a reward model alone\), "
+                                          r"a built-in \(char_match"):
         load_config(["reward.fn=gsm9k"])
     with pytest.raises(ConfigError, match=r"reward.kwargs: keys must be Python identifiers"):
         load_config(["reward.kwargs={1: 2}"])

@@ -44,6 +44,10 @@ BOUNDS: tuple[tuple[str, float | None, float | None], ...] = (
     # A peer that stays silent longer than a week is gone.
     ("trainer.dist_timeout_s", 1, 7 * 24 * 3600),
     ("reward.timeout_s", 0.001, 7 * 24 * 3600),
+    # A weight beyond 1e3 carries a bounded reward (1e9) past what group statistics keep exact.
+    ("reward.weight", -1e3, 1e3),
+    ("reward.model.weight", -1e3, 1e3),
+    ("reward.model.max_tokens_per_batch", 1, 2 ** 24),
     ("rollout.env_timeout_s", 0.001, 7 * 24 * 3600),
     ("rollout.max_turns", 1, 1024),
     ("rollout.agent_concurrency", 1, 4096),

@@ -23,7 +23,7 @@ from ..algos.policy_losses import policy_loss_entry
 from .composition import GROUPS, VERL_EQUIVALENTS, available_options, compose, renamed_key, to_container
 from .bounds import check_bounds
 from .sections import (DataSection, EvalSection, JobConfig, ModelSection,  # noqa: F401 (re-exported)
-                              RewardSection, RolloutSection, TrainerSection)
+                              RewardModelSection, RewardSection, RolloutSection, TrainerSection)
 from ..errors import ConfigError
 from .rollout_check import SEPARATE_SAMPLERS, check_rollout
 from ..tracking import check_loggers
@@ -195,11 +195,14 @@ def _validate_reward(r: RewardSection) -> None:
     from ..rewards.rules import BUILTIN_REWARDS
 
     # Files and modules are imported when the job starts (before any model is built).
-    if ":" not in r.fn and r.fn not in ("auto", *BUILTIN_REWARDS):
-        raise ConfigError(f"reward.fn: got {r.fn!r}; expected auto, a built-in ({', '.join(BUILTIN_REWARDS)}), "
+    if ":" not in r.fn and r.fn not in ("auto", "none", *BUILTIN_REWARDS):
+        raise ConfigError(f"reward.fn: got {r.fn!r}; expected auto, none (a reward model alone), a built-in ({', '.join(BUILTIN_REWARDS)}), "
                           f"path/to/file.py:function or package.module:function")
     if any(not isinstance(k, str) or not k.isidentifier() for k in r.kwargs or {}):
         raise ConfigError(f"reward.kwargs: keys must be Python identifiers, got {sorted(map(str, r.kwargs or {}))}")
+    from ..rewards.sources import validate_sources
+
+    validate_sources(r)  # reward.model and the weights, routing and names of the sources
 
 
 def _validate_eval(e: EvalSection) -> None:
@@ -337,7 +340,7 @@ def build_job_config(raw: dict, world_size: int = 1) -> JobConfig:
     if data.eval_size < world_size:
         raise ConfigError(f"data.eval_size: every rank needs an evaluation prompt; expected >= world size "
                           f"{world_size}, got {data.eval_size}")
-    reward = _section(RewardSection, "reward", raw["reward"])
+    reward = _section(RewardSection, "reward", raw["reward"], nested={"model": RewardModelSection})
     _validate_reward(reward)
     evaluation = _section(EvalSection, "eval", raw.get("eval") or {})
     _validate_eval(evaluation)

@@ -59,13 +59,34 @@ class DataSection:
 
 
 @dataclass
+class RewardModelSection:
+    """``reward.model``: a local reward-model checkpoint scoring prompt + completion
+    (trainer/rewards/reward_model.py); ``path: null``: none. Its score, times ``weight``, is
+    added to the reward of the records whose ``data_source`` is in ``data_sources`` (null: all)."""
+
+    path: str | None = None
+    name: str = "model"  # logged as reward/<name>
+    weight: float = 1.0
+    data_sources: list | None = None
+    template: str = "auto"  # auto | chat | none: how prompt + completion become the model's text
+    value_head_path: str | None = None  # a causal LM with this value head file instead of a classifier
+    max_tokens_per_batch: int | None = None  # tokens per forward; null: engine.max_tokens_per_micro_batch
+    offload: bool = False  # keep its shards in host memory between forwards (engine offload=params)
+
+
+@dataclass
 class RewardSection:
     """``reward.fn``: a built-in rule, ``path/to/file.py:fn`` or ``package.module:fn``
-    (``auto``: the data's own rule); ``kwargs`` are extra keyword arguments to it."""
+    (``auto``: the data's own rule; ``none``: no function, a reward model alone); ``kwargs`` are
+    extra keyword arguments to it. ``weight`` and ``data_sources`` place it in the weighted sum
+    of the reward's sources (trainer/rewards/sources.py), beside ``model``."""
 
     fn: str = "auto"
     kwargs: dict | None = None
     timeout_s: float | None = 60.0  # one call's limit (trainer/rewards/timeout.py); null: none
+    weight: float = 1.0
+    data_sources: list | None = None
+    model: RewardModelSection = field(default_factory=RewardModelSection)
 
 
 @dataclass

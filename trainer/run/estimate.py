@@ -1,19 +1,17 @@
-"""``polyfsdp-train ... --estimate``: the per-rank memory of the configured job, phase by phase,
-printed before anything is built on a device.
+"""``polyfsdp-train ... --estimate``: the configured job's per-rank memory, phase by phase, before anything is built.
 
 Each phase's batches are the job's own: the data source is read as the job reads it (the same
 tokenizer, seed and draws), every step's examples are split over the ranks and into micro-batches
 by the engine's planner (``engines/batch/micro.py``), and the largest micro-batch is what is
 estimated. What cannot be known before the run is bounded: RL completions are counted at
 ``algo.actor.max_new_tokens`` (the decoding loop's KV cache is that size anyway); with
-``rollout.env`` SFT sequences are the demonstrations' conversations and sampled conversations
-are bounded over their turns (trainer/run/estimate_turns.py). The bytes come
-from ``engines/memory.py`` (``ModelMemory``): exact parameter, gradient and AdamW shards, the
-reference copy of a full fine-tune (none with LoRA: its adapters off), a critic estimator's critic, and each
-step's activations, head buffers and KV cache, FSDP2's unsharded copies and AdamW's step; a colocated vLLM
-engine's weights and KV cache (trainer/rollout/vllm.py: colocated_memory). Where device memory is host
-memory (the CPU) the process's own baseline and glibc's heap slack are counted too: the peak is then
-the process's resident set, ``peak(live=True)`` its live tensors alone.
+``rollout.env`` SFT sequences are the demonstrations' conversations and sampled conversations are bounded
+over their turns (trainer/run/estimate_turns.py). The bytes come from ``engines/memory.py`` (``ModelMemory``):
+exact parameter, gradient and AdamW shards, the reference copy of a full fine-tune (none with LoRA: its adapters
+off), a critic estimator's critic, a reward model (trainer/rewards/estimate.py), and each step's activations,
+head buffers and KV cache, FSDP2's unsharded copies and AdamW's step; a colocated vLLM engine's weights and KV
+cache (trainer/rollout/vllm.py: colocated_memory). Where device memory is host memory (the CPU) the process's
+own baseline and glibc's heap slack are counted too: the peak is then the process's resident set.
 """
 from __future__ import annotations
 
@@ -25,6 +23,7 @@ from polyfsdp.engines.presets import preset_config
 
 from ..errors import ConfigError
 from ..data.sources import RL_DATA_STREAM
+from ..rewards.estimate import reward_model_rows, reward_model_steps
 
 EVAL_CHUNK = 256  # prompts per evaluation generate call (trainer/evaluation/held_out.py: COMPLETIONS_PER_CALL)
 GIB = 2 ** 30
@@ -268,6 +267,7 @@ def _rl_phase(cfg, lengths: _Lengths, world: int, policy: ModelMemory, critic: M
     steps.append(_update("actor update micro-batch", update_rows, update_tokens, policy, grads,
                          loss.requires_entropy, resident, setting))
     steps.append(_optimizer_step("actor optimizer step", policy, grads, g.optim.impl, resident, setting.host))
+    steps += [Step(*step, resident, step[-1]) for step in reward_model_steps(cfg, world, full)]  # reward.model's
     steps.append(_evaluation(cfg, lengths, world, policy, new, resident, setting))
     name = cfg.algo.name
     est.state[name] = {**state, "policy gradients (during the update)": grads}
@@ -360,6 +360,7 @@ def _setting(cfg, backend, policy: ModelMemory, lora: bool, est: JobEstimate) ->
     engine, its weights and KV cache (trainer/rollout/vllm.py; nothing of vLLM is imported)."""
     est.process = HOST_PROCESS_BYTES if backend.memory_is_host else 0
     rows = {"process baseline (python, torch, ...)": est.process} if est.process else {}
+    rows.update(reward_model_rows(cfg, policy.world_size, backend))  # reward.model: its shards, every phase
     est.notes += ["rollout.engine=vllm_server: the servers' memory is their own processes' (not counted)"] \
         if cfg.rollout.engine == "vllm_server" else []
     if cfg.rollout.engine != "vllm":

@@ -59,7 +59,7 @@ from .model_init import write_initial_model
 from .phases import Phase, plan_phases
 from .progress import Progress
 from ..rank_errors import on_every_rank
-from ..rewards.reward_fn import build_scorer
+from ..rewards.sources import build_reward
 from ..algos.rl_steps import RLSteps
 from ..algos.sample_ahead import SampleAhead, resume_sampled_ahead
 from ..rollout.build import build_rollout_driver, build_rollout_engine
@@ -100,8 +100,8 @@ class Job(SigtermStops):
         self.metrics = MetricsLogger(str(self.out / METRICS_FILE), enabled=self.rank == 0)
         self.trackers = Trackers([])  # trainer.logger's trackers: started in run(), rank 0 only
         self.generations = GenerationsLog(str(self.out / GENERATIONS_FILE), enabled=self.rank == 0)
-        self.scorer = build_scorer(cfg.reward, cfg.data)  # a missing reward file fails before any model
         self.tokenizer, self.source, self.eval_tokens = load_job_data(cfg, self.out, self.rank, say=_say)
+        self.scorer = build_reward(cfg.reward, cfg.data, (cfg, self.tokenizer, self.backend))  # before the policy
         self.critic: FSDPEngine | None = None  # a critic estimator's value model, during the RL phase
         self.sample_ahead: SampleAhead | None = None  # rollout.max_staleness > 0: the RL phase's pipeline
         # One rollout engine for the job (vLLM's follows the policy across phases; servers log to the run), its driver.
