@@ -45,7 +45,8 @@ class StubJudge:
                     return self._send(500, {"error": {"message": "overloaded"}})
                 threading.Event().wait(stub.delay_s)
                 prompt = body["messages"][0]["content"] if "messages" in body else body["prompt"]
-                verdict = stub.verdicts[prompt.split("Response: ")[1]]
+                response = prompt.split("Response: ")[1]
+                verdict = stub.verdicts(response) if callable(stub.verdicts) else stub.verdicts[response]
                 choice = {"message": {"role": "assistant", "content": verdict}} if "messages" in body else \
                     {"text": verdict}
                 self._send(200, {"choices": [{"index": 0, **choice, "finish_reason": "stop"}]})
@@ -148,3 +149,45 @@ def test_bad_judge_settings_are_one_line(section, message):
     with pytest.raises(ConfigError) as info:
         JudgeSettings.from_section(section)
     assert str(info.value).startswith(message) and "\n" not in str(info.value), str(info.value)
+
+
+def test_a_grpo_job_with_a_function_and_a_judge_logs_each_and_trains(stub, tmp_path):
+    """reward.fn (weight 0.5) beside reward.judge (weight 2, a stub whose verdict is the response's
+    length mod 4): every rollout row's reward is the weighted sum, each source is logged."""
+    from polyfsdp.trainer.rewards.rules import char_match
+    from polyfsdp.trainer.train import main
+
+    server = stub(lambda response: f"Score: {len(response) % 4}")
+    out = tmp_path / "run"
+    judge = f"reward.judge={{url:'{server.url}',template:'Q: {{prompt}} Response: {{response}}',weight:2}}"
+    assert main(["trainer.sft_steps=0", "trainer.rl_steps=2", "trainer.prompts_per_step=2", "algo.actor.group_size=2",
+                 "trainer.progress=off", "trainer.plot=false", "trainer.export=false", "trainer.checkpoint_interval=0",
+                 "data.eval_size=2", "trainer.log_rollout_samples=2", "reward.fn=char_match", "reward.weight=0.5",
+                 judge, f"trainer.output_dir={out}"]) == 0
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in records if r["phase"] == "rl"]
+    assert len(steps) == 2 and all(s["grad_norm"] > 0 for s in steps)
+    for r in steps + [r for r in records if r["phase"] == "eval"]:
+        assert abs(r["reward"] - (0.5 * r["reward/fn"] + 2 * r["reward/judge"])) <= 1e-6
+        assert r["reward/judge_unparsable"] == 0.0
+    rows = [json.loads(line) for line in (out / "generations.jsonl").read_text().splitlines()
+            if json.loads(line)["tag"] == "rollout"]
+    assert rows
+    for row in rows:
+        expected = 0.5 * char_match("", row["completion"], row["ground_truth"]) + 2 * (len(row["completion"]) % 4)
+        assert abs(row["reward"] - expected) <= 1e-6, row
+
+
+def test_judge_settings_are_checked_when_the_config_loads(tmp_path):
+    from polyfsdp.trainer.config.job import load_config
+
+    assert load_config(["reward.fn=none", "reward.judge={url:'http://h:1/v1'}"]).reward.judge == {"url": "http://h:1/v1"}
+    with pytest.raises(ConfigError, match=r"^reward.judge.parse='vibes': expected one of"):
+        load_config(["reward.judge={url:u,parse:vibes}"])
+    with pytest.raises(ConfigError, match=r"^reward.judge.checkpoint=/nope: no such directory$"):
+        load_config(["reward.judge={checkpoint:/nope}"])
+    (tmp_path / "config.json").write_text("{}")
+    with pytest.raises(ConfigError, match="no tokenizer files"):
+        load_config([f"reward.judge={{checkpoint:'{tmp_path}'}}"])
+    with pytest.raises(ConfigError, match="reward.judge.data_sources: expected null"):
+        load_config(["reward.judge={url:u,data_sources:[]}"])

@@ -139,7 +139,7 @@ def test_one_line_errors_name_the_source_and_the_record(char_rm, tmp_path):
         _source(char_rm).score_all([Example("a=", "x", prompt_ids=(1, 500), where="r:9")], ["x"], [[5]])
     with pytest.raises(ConfigError, match="reward.model.path: '/nope' is not a Hugging Face checkpoint directory"):
         load_config(["reward.model.path=/nope"])
-    with pytest.raises(ConfigError, match="reward.fn=none: no reward function and no reward.model.path"):
+    with pytest.raises(ConfigError, match="reward.fn=none: no reward function, no reward.model.path and no reward.judge"):
         load_config(["reward.fn=none"])
 
 

@@ -87,6 +87,7 @@ class RewardSection:
     weight: float = 1.0
     data_sources: list | None = None
     model: RewardModelSection = field(default_factory=RewardModelSection)
+    judge: dict | None = None  # a generative judge's settings (trainer/rewards/judge.py: JudgeSettings)
 
 
 @dataclass

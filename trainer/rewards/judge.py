@@ -64,6 +64,10 @@ class JudgeSettings:
     on_unparsable: str = "zero"
     gpu_memory_utilization: float = 0.2  # checkpoint on a device: the server's share (judge_server.py)
     start_timeout_s: float = 600.0        # checkpoint: how long the server may take to start
+    # Its place among the reward's sources (trainer/rewards/sources.py): logged as reward/<name>.
+    name: str = "judge"
+    weight: float = 1.0
+    data_sources: list | None = None
 
     @classmethod
     def from_section(cls, section) -> "JudgeSettings":
@@ -95,6 +99,11 @@ class JudgeSettings:
             value = getattr(self, key)
             if not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0:
                 raise ConfigError(f"reward.judge.{key}: expected a number of seconds > 0, got {value!r}")
+        if not isinstance(self.weight, (int, float)) or isinstance(self.weight, bool) or abs(self.weight) > 1e3:
+            raise ConfigError(f"reward.judge.weight: expected a number within +-1000, got {self.weight!r}")
+        if not isinstance(self.name, str) or not self.name.replace("_", "").isalnum() or self.name == "fn":
+            raise ConfigError(f"reward.judge.name: got {self.name!r}; expected letters, digits and _ (not 'fn', "
+                              f"reward.fn's name)")
         share = self.gpu_memory_utilization
         if not isinstance(share, (int, float)) or not 0 < share <= 1:
             raise ConfigError(f"reward.judge.gpu_memory_utilization: expected a share in (0, 1], got {share!r}")
@@ -156,12 +165,11 @@ def _label(text: str, labels: dict) -> float | None:
 
 
 class Judge:
-    """``score_all`` of a reward source (trainer/rewards/sources.py) through the judge's server."""
-
-    name = "judge"
+    """A reward source (trainer/rewards/sources.py) that scores through the judge's server."""
 
     def __init__(self, settings: JudgeSettings, url: str, server=None) -> None:
         self.settings, self.url, self.server = settings, url.rstrip("/"), server  # server: judge_server's
+        self.name, self.weight, self.data_sources = settings.name, float(settings.weight), settings.data_sources
         self.model = settings.model
         self._pool = ThreadPoolExecutor(max_workers=settings.concurrency, thread_name_prefix="reward-judge")
 

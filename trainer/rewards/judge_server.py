@@ -10,12 +10,14 @@ device it shares with the trainer. A judge on other devices or nodes is started 
 """
 from __future__ import annotations
 
+import logging
 import os
 import tempfile
 import time
 
 from ..errors import ConfigError
 
+logger = logging.getLogger(__name__)
 JUDGE_MODEL_NAME = "polyfsdp-judge"
 # The KV cache of the judge's server (MiB) where memory is the host's: a verdict is short.
 HOST_KV_CACHE_MB = 256
@@ -55,6 +57,7 @@ class JudgeServer:
                               gpu_memory_utilization=share, kv_cache_bytes=kv_mb << 20 if kv_mb else None,
                               served_model_name=JUDGE_MODEL_NAME, text=True)
         log_dir = self.log_dir or tempfile.mkdtemp(prefix="polyfsdp-judge-logs-")
+        logger.info("starting the reward.judge server on %s (log: %s)", self.checkpoint, os.path.join(log_dir, "judge.log"))
         self.process = ServerProcess(0, launch, server_environment(None, None), os.path.join(log_dir, "judge.log"),
                                      request_timeout_s=self.start_timeout_s, name="reward.judge server",
                                      start_timeout_key="reward.judge.start_timeout_s")

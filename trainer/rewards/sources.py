@@ -1,5 +1,6 @@
 """The reward's sources and their weighted sum: ``reward.fn`` (a function), ``reward.model`` (a
-reward model, trainer/rewards/reward_model.py), built in one place (:func:`build_reward`).
+reward model, trainer/rewards/reward_model.py), ``reward.judge`` (a generative judge behind an
+OpenAI-compatible server, trainer/rewards/judge.py), built in one place (:func:`build_reward`).
 
 A source is anything with ``name``, ``weight``, ``data_sources`` (None: every record) and
 ``score_all(examples, texts, responses, group) -> (rewards, extras)`` (row ``i`` answers
@@ -37,8 +38,21 @@ def validate_sources(r) -> None:
     _check_routing("reward", r.data_sources)
     m = r.model
     has_model = m is not None and m.path is not None
-    if r.fn == "none" and not has_model:
-        raise ConfigError("reward.fn=none: no reward function and no reward.model.path; the reward needs a source")
+    if r.judge is not None:
+        from .judge import JudgeSettings
+
+        judge = JudgeSettings.from_section(r.judge)
+        _check_routing("reward.judge", judge.data_sources)
+        if judge.checkpoint is not None:
+            from .judge_server import check_checkpoint
+
+            check_checkpoint(judge.checkpoint)
+        if has_model and judge.name == m.name:
+            raise ConfigError(f"reward.judge.name={judge.name}: reward.model has that name too (each source is "
+                              f"logged as reward/<name>)")
+    if r.fn == "none" and not has_model and r.judge is None:
+        raise ConfigError("reward.fn=none: no reward function, no reward.model.path and no reward.judge; the reward "
+                          "needs a source")
     if r.fn == "none" and (r.weight != 1.0 or r.data_sources is not None):
         raise ConfigError("reward.weight/reward.data_sources: apply to reward.fn, which is none")
     if not has_model:
@@ -109,6 +123,11 @@ class WeightedReward:
             answers.extend(votes.get(i) for i in range(len(texts)))
         return totals, extras
 
+    def close(self) -> None:
+        """End what the sources hold open (a judge's connections and the server polyfsdp started)."""
+        for source in self.sources:
+            getattr(source, "close", lambda: None)()
+
 
 def build_reward(reward_section, data, job=None):
     """What scores completions: the reward function's Scorer alone when it is the only source
@@ -122,7 +141,7 @@ def build_reward(reward_section, data, job=None):
     sources = []
     if r.fn != "none":
         scorer = build_scorer(r, data)
-        if not has_model and r.weight == 1.0 and r.data_sources is None:
+        if not has_model and r.judge is None and r.weight == 1.0 and r.data_sources is None:
             return scorer
         sources.append(FunctionSource(scorer, r.weight, r.data_sources))
     if has_model:
@@ -131,4 +150,8 @@ def build_reward(reward_section, data, job=None):
         from .reward_model import build_reward_model_source
 
         sources.append(build_reward_model_source(r.model, *job))
+    if r.judge is not None:
+        from .judge import build_judge
+
+        sources.append(build_judge(r.judge, job[2] if job is not None else None))
     return WeightedReward(sources)

@@ -168,8 +168,7 @@ class Job(SigtermStops):
             self.trackers.log_table("val/generations", GENERATION_COLUMNS, result.rows, global_step)
         passed = f", pass@{e.n_samples} {result.metrics[f'pass@{e.n_samples}']:.3f}" if e.n_samples > 1 else ""
         _say(f"held-out reward ({where or tag}, global step {global_step}, {len(self.source.eval_examples)} prompts, "
-             f"{settings.describe()}): {result.reward:.3f}{passed} "
-             f"[{time.perf_counter() - t:.1f}s]")
+             f"{settings.describe()}): {result.reward:.3f}{passed} [{time.perf_counter() - t:.1f}s]")
         return result.reward
 
     def _checkpoint(self, engine: FSDPEngine, phase: str, step: int, global_step: int, wait: bool = False,
@@ -210,7 +209,8 @@ class Job(SigtermStops):
                 return self._run()
         finally:
             self.driver.engine.close()  # before the process group goes: a vLLM engine's groups hang off it
-            getattr(self.driver, "close", lambda: None)()  # rollout.agent's endpoint
+            for held in (self.driver, self.scorer):  # rollout.agent's endpoint, reward.judge's server
+                getattr(held, "close", lambda: None)()
 
     def _run(self) -> dict:
         cfg, out = self.cfg, self.out
