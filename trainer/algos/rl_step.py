@@ -5,10 +5,12 @@
                                      engine then sleeps (frees its device memory for training)
     old log-probs, ref log-probs     policy / reference infer_batch: old ones when the loss is off
                                      policy (several updates per rollout), the estimator reads them
-                                     or puts the KL into the reward; ref ones whenever there is a
-                                     reference (kl_coef > 0)
+                                     or puts the KL into the reward, or a teacher distils; ref ones
+                                     whenever there is a reference (kl_coef > 0)
+    teacher log-probs                the distillation teacher's infer_batch, iff algo.distill.teacher
     values                           critic.infer_values, iff the estimator needs a critic
-    advantages (estimators.py)       the registered estimator, from the declarations above
+    advantages (estimators.py)       the registered estimator, from the declarations above, plus
+                                     -coef x the per-token reverse KL to the teacher (distill/)
     critic updates                   run_updates(critic, ValueLoss), iff a critic
     actor updates                    run_updates(policy, policy loss) on the same plan, after the
                                      critic's warm-up (train_actor)
@@ -41,6 +43,7 @@ from ..rollout.row_seeds import RowSeeds
 from ..rollout.sampling import sample_groups
 from ..data.example import Example
 from .updates import mini_batch_plan, old_and_ref_log_probs, run_updates, summarise_updates
+from .distill.reverse_kl import distill_advantages, teacher_log_probs
 
 # Critic metrics that share a name with the actor's get this prefix in the step's record.
 CRITIC_PREFIX = "vf_"
@@ -77,7 +80,7 @@ def rl_step(policy, ref, tokenizer, examples: list[Example], algo, actor_loss, s
             shuffle_seed: int = 0, mini_batches: int = 1, scorer=None,
             more_examples: Callable[[int], list[Example]] | None = None, driver=None, critic=None,
             value_loss=None, train_actor: bool = True, row_seeds: RowSeeds | None = None,
-            samples: int = 0) -> dict:
+            samples: int = 0, teacher=None) -> dict:
     """Train one RL step on this rank's prompts ``examples``; ``algo`` is the AlgoSection.
     ``row_seeds`` seeds each completion (trainer/rollout/row_seeds.py), ``sample_seed`` the process's
     generators (what else draws: dropout; the sampling too without ``row_seeds``) and
@@ -87,7 +90,8 @@ def rl_step(policy, ref, tokenizer, examples: list[Example], algo, actor_loss, s
     the rollout (trainer/rollout/drivers/; default ``rollout.engine=auto``). ``critic``/``value_loss``:
     the critic estimator's value model and loss (None otherwise); ``train_actor=False`` trains only
     the critic (its warm-up). ``samples``: this rank's first ``samples`` prompts' first
-    completions go into the metrics as ``rollout_samples`` rows (:func:`rollout_sample_rows`)."""
+    completions go into the metrics as ``rollout_samples`` rows (:func:`rollout_sample_rows`).
+    ``teacher``: algo.distill's frozen teacher engine (None: no distillation)."""
     t0 = time.perf_counter()
     driver = driver or default_driver()
     cancellation_point()  # a SIGTERM during the last evaluation stops here (engines/cancellation.py)
@@ -99,7 +103,7 @@ def rl_step(policy, ref, tokenizer, examples: list[Example], algo, actor_loss, s
                          samples)
     cancellation_point()  # the rollout is the step's longest part before the first update
     return train_batch(policy, ref, tokenizer, batch, algo, actor_loss, shuffle_seed, mini_batches, critic,
-                       value_loss, train_actor, timing={"weight_sync_time_s": t_sync, "started": t0})
+                       value_loss, train_actor, timing={"weight_sync_time_s": t_sync, "started": t0}, teacher=teacher)
 
 
 def sample_batch(policy, tokenizer, examples: list[Example], algo, sample_seed: int, scorer=None,
@@ -127,7 +131,7 @@ def sample_batch(policy, tokenizer, examples: list[Example], algo, sample_seed: 
 
 def train_batch(policy, ref, tokenizer, batch: SampledBatch, algo, actor_loss, shuffle_seed: int = 0,
                 mini_batches: int = 1, critic=None, value_loss=None, train_actor: bool = True,
-                timing: dict | None = None) -> dict:
+                timing: dict | None = None, teacher=None) -> dict:
     """The advantages and updates of a sampled batch, and the step's record (:func:`rl_step`'s
     arguments; ``timing``: ``started`` (the step's start) and more entries for the record)."""
     timing = dict(timing or {})
@@ -138,7 +142,7 @@ def train_batch(policy, ref, tokenizer, batch: SampledBatch, algo, actor_loss, s
     updates = []
     if pairs:
         trained, updates = train_on_rollout(policy, critic, ref, tokenizer, roll, pairs, algo, actor_loss,
-                                            value_loss, mini_batches, shuffle_seed, train_actor)
+                                            value_loss, mini_batches, shuffle_seed, train_actor, teacher)
         metrics.update(trained)
     metrics.update({"tokens": float(sum(len(pair[0]) + len(pair[1]) for pair in pairs)),
                     "gen_time_s": batch.gen_time_s, **timing, "step_time_s": time.perf_counter() - t0})
@@ -160,7 +164,7 @@ def rollout_sample_rows(examples: list[Example], roll, n: int, count: int) -> li
 
 
 def train_on_rollout(policy, critic, ref, tokenizer, roll, pairs, algo, actor_loss, value_loss, mini_batches: int,
-                     shuffle_seed: int, train_actor: bool) -> tuple[dict, list[dict]]:
+                     shuffle_seed: int, train_actor: bool, teacher=None) -> tuple[dict, list[dict]]:
     """Advantages and updates of one rollout: ``(summary metrics, per-update records)``."""
     g, est = algo.actor, algo.estimator
     device = policy.device
@@ -187,8 +191,14 @@ def train_on_rollout(policy, critic, ref, tokenizer, roll, pairs, algo, actor_lo
         raise ConfigError(f"algo.adv_estimator={algo.adv_estimator} declares needs_critic but returned no returns "
                          f"(the critic's targets): return Advantages(advantages, returns)")
     token_fields["advantages"] = result.advantages
-    plan = mini_batch_plan(len(pairs) // g.group_size, g.group_size, mini_batches, g.epochs, shuffle_seed)
     out: dict = {}
+    if teacher is not None:
+        # The teacher's pass is the reference's; the student's log-probs are the step's old ones.
+        taught = teacher_log_probs(teacher, batch, g.temperature, pad_mode)
+        token_fields["advantages"], distilled = distill_advantages(
+            result.advantages, masks, old, taught, algo.distill.coef, algo.distill.task_weight, over_ranks)
+        out.update(distilled)
+    plan = mini_batch_plan(len(pairs) // g.group_size, g.group_size, mini_batches, g.epochs, shuffle_seed)
     critic_records: list[dict] = []
     if critic is not None:
         out.update(value_metrics(values, result.returns, masks, over_ranks))

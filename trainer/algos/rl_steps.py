@@ -21,7 +21,7 @@ class RLSteps:
     """What every RL step of a phase shares. ``examples(t)``: this rank's prompts of step ``t``;
     ``refill(t, k)``: its k-th extra batch for group filtering; ``first_prompt(t)``: the global
     index of this rank's first prompt (its rows' seeds); ``warmup``: steps that train only the
-    critic; ``samples``: trainer.log_rollout_samples."""
+    critic; ``samples``: trainer.log_rollout_samples; ``teacher``: algo.distill's teacher engine."""
 
     policy: object
     ref: object
@@ -40,6 +40,7 @@ class RLSteps:
     value_loss: object = None
     warmup: int = 0
     samples: int = 0
+    teacher: object = None
 
     def row_seeds(self, step: int) -> RowSeeds:
         return RowSeeds(self.seed, step, first_prompt=self.first_prompt)
@@ -55,7 +56,7 @@ class RLSteps:
                              shuffle_seed=step_seed(self.seed, step), mini_batches=self.mini_batches,
                              scorer=self.scorer, more_examples=lambda k: self.refill(step, k), driver=self.driver,
                              critic=self.critic, value_loss=self.value_loss, train_actor=step >= self.warmup,
-                             samples=self.samples)
+                             samples=self.samples, teacher=self.teacher)
 
     def sample(self, step: int, prefetched=None, prefetch_s: float = 0.0) -> steps.SampledBatch:
         """Step ``step``'s batch from the driver's engine as it is now (``prefetched``: its first
@@ -78,4 +79,4 @@ class RLSteps:
         """Step ``step``'s advantages and updates on ``batch``, and its record."""
         return steps.train_batch(self.policy, self.ref, self.tokenizer, batch, self.algo, self.actor_loss,
                                  step_seed(self.seed, step), self.mini_batches, self.critic, self.value_loss,
-                                 step >= self.warmup, timing=timing)
+                                 step >= self.warmup, timing=timing, teacher=self.teacher)

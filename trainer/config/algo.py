@@ -209,6 +209,41 @@ class RolloutCorrectionSection:
 
 
 @dataclass
+class DistillSection:
+    """On-policy distillation (trainer/algos/distill/): with a ``teacher`` checkpoint directory,
+    each response token's advantage is ``task_weight * A_task - coef * (log pi_student -
+    log pi_teacher)`` on the student's own sampled tokens (``task_weight=0``: pure distillation)."""
+
+    teacher: str | None = None
+    coef: float = 1.0
+    task_weight: float = 1.0
+
+    @property
+    def enabled(self) -> bool:
+        return self.teacher is not None
+
+    def validate(self, where: str, rl: bool) -> None:
+        for key in ("coef", "task_weight"):
+            if not getattr(self, key) >= 0:
+                raise ConfigError(f"{where}.{key}: expected >= 0, got {getattr(self, key)}")
+        if not self.enabled:
+            if (self.coef, self.task_weight) != (DistillSection.coef, DistillSection.task_weight):
+                raise ConfigError(f"{where}.coef / task_weight: apply with a teacher; set {where}.teacher=DIR")
+            return
+        if not rl:
+            raise ConfigError(f"{where}.teacher: distillation trains on the RL phase's samples; algo=sft has none "
+                              f"(use algo=grpo, with trainer.sft_steps=0 to start from the initial model)")
+        if not os.path.isdir(str(self.teacher)):
+            raise ConfigError(f"{where}.teacher: {self.teacher!r} is not a directory (a Hugging Face checkpoint "
+                              f"with its tokenizer, e.g. the final/ of a polyfsdp run)")
+        if not os.path.isfile(os.path.join(str(self.teacher), "config.json")):
+            raise ConfigError(f"{where}.teacher: {self.teacher} holds no model (no config.json); expected a Hugging "
+                              f"Face checkpoint directory with its tokenizer, e.g. the final/ of a polyfsdp run")
+        if self.coef == 0 and self.task_weight == 0:
+            raise ConfigError(f"{where}.coef and {where}.task_weight are both 0: no advantage is left to train on")
+
+
+@dataclass
 class AlgoSection:
     """``algo=grpo`` (SFT warm-up then RL with a group estimator), ``algo=ppo`` (the same with
     the critic estimator gae and its ``critic`` section) or ``algo=sft`` (SFT only). What the
@@ -220,6 +255,7 @@ class AlgoSection:
     actor: ActorSection | None = None
     critic: CriticSection | None = None
     rollout_correction: RolloutCorrectionSection = field(default_factory=RolloutCorrectionSection)
+    distill: DistillSection = field(default_factory=DistillSection)
 
     @property
     def rl(self) -> bool:
@@ -240,9 +276,10 @@ class AlgoSection:
     def needs_old_log_probs(self, actor_loss, has_reference: bool) -> bool:
         """The one rule for computing the rollout's old log-probs: a loss off policy (one update
         per rollout is on policy: ratio == 1, the loss uses its own log-probs), an estimator that
-        reads them, or the KL in the reward (logp_old - logp_ref, when there is a reference)."""
+        reads them, the KL in the reward (logp_old - logp_ref, when there is a reference), or a
+        distillation teacher (the student's log-probs of its reverse KL)."""
         return (not actor_loss.on_policy or self.estimator.needs_old_log_probs
-                or (self.kl_in_reward and has_reference))
+                or (self.kl_in_reward and has_reference) or self.distill.enabled)
 
     def validate_rl(self, prompts_per_step: int, world_size: int) -> None:
         """The RL settings, together (estimator, critic, policy loss, correction)."""

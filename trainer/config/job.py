@@ -18,7 +18,7 @@ from polyfsdp.engines.config import ADAPTER_EXPORTS, EngineConfig, OptimConfig
 from polyfsdp.engines.model.lora import require_peft
 
 from .algo import (RL_ALGOS, ActorSection, AlgoSection, CriticSection,  # noqa: F401 (re-exported)
-                          RolloutCorrectionSection, SFTSection, check_choice, check_min)
+                          DistillSection, RolloutCorrectionSection, SFTSection, check_choice, check_min)
 from ..algos.policy_losses import policy_loss_entry
 from .composition import GROUPS, VERL_EQUIVALENTS, available_options, compose, renamed_key, to_container
 from .bounds import check_bounds
@@ -307,7 +307,8 @@ def build_job_config(raw: dict, world_size: int = 1) -> JobConfig:
     trainer = _section(TrainerSection, "trainer", raw["trainer"])
     algo = _section(AlgoSection, "algo", raw["algo"], nested={"sft": SFTSection, "actor": ActorSection,
                                                               "critic": CriticSection,
-                                                              "rollout_correction": RolloutCorrectionSection})
+                                                              "rollout_correction": RolloutCorrectionSection,
+                                                              "distill": DistillSection})
     check_choice("algo.name", algo.name, RL_ALGOS + ("sft",))
     if algo.sft is None:
         raise ConfigError("algo.sft: expected a mapping (every algo has an SFT section), got None")
@@ -335,6 +336,8 @@ def build_job_config(raw: dict, world_size: int = 1) -> JobConfig:
             algo.critic.optim = _optim("algo.critic.optim", algo.critic.optim, trainer.rl_steps * max(updates, 1),
                                    "trainer.rl_steps")
         algo.validate_rl(trainer.prompts_per_step, replicas)
+    algo.distill = algo.distill or DistillSection()  # distill: null is no teacher
+    algo.distill.validate("algo.distill", algo.rl)
     data = _section(DataSection, "data", raw["data"])
     _validate_data(data)
     if data.eval_size < world_size:

@@ -154,15 +154,16 @@ class HFTokenizerAdapter:
         self.tok.save_pretrained(directory)
 
 
-def load_tokenizer(directory: str | None):
+def load_tokenizer(directory: str | None, key: str = "model.path"):
     """The tokenizer for a model directory (``char_tokenizer.json`` first, then Hugging Face
-    tokenizer files, local only); a fresh :class:`CharTokenizer` when ``directory`` is None."""
+    tokenizer files, local only); a fresh :class:`CharTokenizer` when ``directory`` is None.
+    ``key`` names the directory's setting in the errors."""
     if directory is None:
         return CharTokenizer()
     if os.path.isfile(os.path.join(directory, TOKENIZER_FILE)):
         return CharTokenizer.from_pretrained(directory)
     if not any(os.path.isfile(os.path.join(directory, name)) for name in HF_TOKENIZER_FILES):
-        raise ValueError(f"model.path={directory}: no tokenizer found (expected {TOKENIZER_FILE} or a Hugging Face "
+        raise ValueError(f"{key}={directory}: no tokenizer found (expected {TOKENIZER_FILE} or a Hugging Face "
                          f"tokenizer: {', '.join(HF_TOKENIZER_FILES)})")
     try:
         from transformers import AutoTokenizer
@@ -171,6 +172,6 @@ def load_tokenizer(directory: str | None):
                                                                 trust_remote_code=False))
     except Exception as exc:  # no tokenizer files, or an unreadable one
         raise ValueError(
-            f"model.path={directory}: no tokenizer found (expected {TOKENIZER_FILE} or Hugging Face "
+            f"{key}={directory}: no tokenizer found (expected {TOKENIZER_FILE} or Hugging Face "
             f"tokenizer files): {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
         ) from None

@@ -1,17 +1,14 @@
 """``polyfsdp-train ... --estimate``: the configured job's per-rank memory, phase by phase, before anything is built.
 
-Each phase's batches are the job's own: the data source is read as the job reads it (the same
-tokenizer, seed and draws), every step's examples are split over the ranks and into micro-batches
-by the engine's planner (``engines/batch/micro.py``), and the largest micro-batch is what is
-estimated. What cannot be known before the run is bounded: RL completions are counted at
-``algo.actor.max_new_tokens`` (the decoding loop's KV cache is that size anyway); with
-``rollout.env`` SFT sequences are the demonstrations' conversations and sampled conversations are bounded
-over their turns (trainer/run/estimate_turns.py). The bytes come from ``engines/memory.py`` (``ModelMemory``):
-exact parameter, gradient and AdamW shards, the reference copy of a full fine-tune (none with LoRA: its adapters
-off), a critic estimator's critic, a reward model (trainer/rewards/estimate.py), and each step's activations,
-head buffers and KV cache, FSDP2's unsharded copies and AdamW's step; a colocated vLLM engine's weights and KV
-cache (trainer/rollout/vllm.py: colocated_memory). Where device memory is host memory (the CPU) the process's
-own baseline and glibc's heap slack are counted too: the peak is then the process's resident set.
+Each phase's batches are the job's own (the data read as the job reads it, split over the ranks and into
+micro-batches by the engine's planner, ``engines/batch/micro.py``), and the largest micro-batch is estimated.
+What cannot be known before the run is bounded: RL completions at ``algo.actor.max_new_tokens`` (the KV
+cache's size anyway), multi-turn and agent conversations over their turns (trainer/run/estimate_turns.py).
+The bytes come from ``engines/memory.py`` (``ModelMemory``): exact parameter, gradient and AdamW shards, the
+frozen models (a full fine-tune's reference, none with LoRA; a distillation teacher; a reward model:
+trainer/rewards/estimate.py), a critic, each step's activations, head buffers, KV cache, FSDP2's unsharded
+copies and AdamW's step, a colocated vLLM engine's weights and KV cache (trainer/rollout/vllm.py). On the
+CPU the process's baseline and glibc's heap slack count too: the peak is its resident set.
 """
 from __future__ import annotations
 
@@ -23,6 +20,7 @@ from polyfsdp.engines.presets import preset_config
 
 from ..errors import ConfigError
 from ..data.sources import RL_DATA_STREAM
+from ..algos.distill.teacher import teacher_memory
 from ..rewards.estimate import reward_model_rows, reward_model_steps
 
 EVAL_CHUNK = 256  # prompts per evaluation generate call (trainer/evaluation/held_out.py: COMPLETIONS_PER_CALL)
@@ -210,8 +208,7 @@ def _sft_phase(cfg, lengths: _Lengths, world: int, policy: ModelMemory, setting:
     host = policy.host_state(setting.host)
     state = {**setting.rows, **_state_rows("policy", policy, host)}
     resident = sum(state.values())
-    packed = cfg.engine.use_remove_padding
-    budget = cfg.engine.max_tokens_per_micro_batch
+    packed, budget = cfg.engine.use_remove_padding, cfg.engine.max_tokens_per_micro_batch
     shares = lengths.batches("sft", cfg.trainer.sft_steps, cfg.trainer.sft_batch_size, _replicas(cfg, world))
     batches = (lengths.turns.sft(share) if lengths.turns is not None and lengths.turns.conversational_sft else
                [lengths.prompt(ex) + lengths.answer(ex) for ex in share] for share in shares)
@@ -226,14 +223,14 @@ def _sft_phase(cfg, lengths: _Lengths, world: int, policy: ModelMemory, setting:
 
 
 def _rl_phase(cfg, lengths: _Lengths, world: int, policy: ModelMemory, critic: ModelMemory | None,
-              reference: ModelMemory | None, setting: _Setting, est: JobEstimate) -> None:
+              frozen: dict[str, ModelMemory], setting: _Setting, est: JobEstimate) -> None:
     g, t = cfg.algo.actor, cfg.trainer
     n, new = g.group_size, g.max_new_tokens
     packed, budget = cfg.engine.use_remove_padding, cfg.engine.max_tokens_per_micro_batch
     host = policy.host_state(setting.host)
     state = {**setting.rows, **_state_rows("policy", policy, host)}
-    if reference is not None:
-        state["reference parameters (a frozen copy)"] = 0 if "params" in host else reference.params
+    for role, model in frozen.items():
+        state[f"{role} parameters (a frozen copy)"] = 0 if "params" in host else model.params
     if critic is not None:
         state.update(_state_rows("critic", critic, host))
     resident = sum(state.values())
@@ -256,6 +253,9 @@ def _rl_phase(cfg, lengths: _Lengths, world: int, policy: ModelMemory, critic: M
     if need_old or g.kl_coef > 0:
         work = policy.inference(roll_tokens)
         steps.append(Step("old/ref log-prob pass (no grad)", roll_rows, roll_tokens, work, resident, work))
+    taught = frozen["teacher"].inference(roll_tokens) if "teacher" in frozen else None  # algo.distill's pass
+    steps += [] if taught is None else [Step("teacher log-prob pass (no grad)", roll_rows, roll_tokens, taught,
+                                             resident, taught)]
     if critic is not None:
         work = critic.inference(roll_tokens)
         steps.append(Step("critic values pass (no grad)", roll_rows, roll_tokens, work, resident, work))
@@ -336,11 +336,11 @@ def estimate_job(cfg, world_size: int) -> JobEstimate:
     if cfg.trainer.sft_steps > 0 or not cfg.algo.rl:
         _sft_phase(cfg, lengths, world_size, policy, setting, est, eval_tokens)
     if cfg.algo.rl:
-        reference = ModelMemory(replace(model_config, lora=replace(model_config.lora, rank=0)), cfg.engine,
-                                world_size, hf_config) if actor.kl_coef > 0 and not lora else None
+        frozen = {"reference": ModelMemory(replace(model_config, lora=replace(model_config.lora, rank=0)), cfg.engine,
+                                           world_size, hf_config)} if actor.kl_coef > 0 and not lora else {}
         critic = ModelMemory(model_config, cfg.engine, world_size, hf_config, value_head=True) \
             if cfg.algo.estimator.needs_critic else None
-        _rl_phase(cfg, lengths, world_size, policy, critic, reference, setting, est)
+        _rl_phase(cfg, lengths, world_size, policy, critic, {**frozen, **teacher_memory(cfg, world_size)}, setting, est)
         if lora and actor.kl_coef > 0:
             est.notes.append("LoRA: the KL reference is the policy with its adapters off (no second copy)")
     if cfg.engine.offload != "none" and not host_backend:

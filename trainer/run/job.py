@@ -29,7 +29,6 @@ import logging
 import shutil
 import sys
 import time
-from dataclasses import replace
 from pathlib import Path
 from typing import Callable
 
@@ -56,7 +55,7 @@ from ..tracking.metrics import METRICS_FILE, MetricsLogger
 from ..tracking.plot import CURVES_FILE
 from .export import export_model
 from .model_init import write_initial_model
-from .phases import Phase, plan_phases
+from .phases import Phase, engine_settings, plan_phases
 from .progress import Progress
 from ..rank_errors import on_every_rank
 from ..rewards.sources import build_reward
@@ -121,22 +120,18 @@ class Job(SigtermStops):
 
     def _engine(self, phase: str, model_dir: str, role: str = "policy", label: str | None = None) -> FSDPEngine:
         """An initialised engine for ``phase`` on ``model_dir``; ``role`` names it in the patch
-        summary (``critic``: a critic estimator's value model, with its own optimizer); ``label``
-        replaces ``"<phase> <role>"`` in the lines it prints (polyfsdp-eval: what it evaluates)."""
+        summary (``critic``: a critic estimator's value model, with its own optimizer; ``teacher``:
+        algo.distill's); ``label`` replaces ``"<phase> <role>"`` in the lines it prints
+        (polyfsdp-eval: what it evaluates)."""
         label = label or f"{phase} {role}"
-        section = self.cfg.algo.sft if phase == "sft" else self.cfg.algo.actor
-        model_config = self.cfg.model.model_config(path=model_dir)
-        if role == "critic":
-            section = self.cfg.algo.critic
-            model_config = replace(model_config, value_head=True, value_head_init_std=section.value_head_init_std,
-                                   value_head_path=section.value_head_path)
-        engine = FSDPEngine(model_config, self.cfg.engine, section.optim,
-                            backend=self.backend, patch_toggles=self.cfg.patches)
+        optim, model_config = engine_settings(self.cfg, phase, model_dir, role)
+        engine = FSDPEngine(model_config, self.cfg.engine, optim, backend=self.backend, patch_toggles=self.cfg.patches)
         try:
             engine.initialize()
         except (ValueError, TypeError, OSError) as exc:
             # A checkpoint that does not load or a model the engine cannot shard.
-            raise ConfigError(f"model ({model_dir}): {type(exc).__name__}: {exc}") from None
+            key = "algo.distill.teacher" if role == "teacher" else "model"
+            raise ConfigError(f"{key} ({model_dir}): {type(exc).__name__}: {' '.join(str(exc).split())}") from None
         if role == "policy" and self.rank == 0:
             trained, total = engine.parameter_counts()
             _say(f"[{label}] trainable parameters: {trained:,} of {total:,} ({100 * trained / total:.2f}%)")
@@ -315,6 +310,8 @@ class Job(SigtermStops):
         if g.kl_coef > 0:
             ref = AdaptersOff(engine) if engine.model_config.lora.enabled else \
                 self._engine(phase.name, phase.start_dir, role="reference")
+        # algo.distill's teacher: frozen and sharded like the reference, never LoRA (trainer/algos/distill/).
+        teacher = self._engine(phase.name, cfg.algo.distill.teacher, "teacher") if cfg.algo.distill.enabled else None
         actor_loss = cfg.algo.actor_loss(phase.batch_size)
         mini_batches = g.mini_batches(phase.batch_size)
         value_loss, warmup = None, 0
@@ -330,7 +327,8 @@ class Job(SigtermStops):
                         cfg.trainer.seed, self.topo.replica, examples=lambda step: shard_of(phase.stream, step),
                         refill=lambda step, k: shard_of(f"{phase.stream}-refill{k}", step),
                         first_prompt=self.topo.share_start(phase.batch_size), critic=self.critic,
-                        value_loss=value_loss, warmup=warmup, samples=cfg.trainer.log_rollout_samples)
+                        value_loss=value_loss, warmup=warmup, samples=cfg.trainer.log_rollout_samples,
+                        teacher=teacher)
         if cfg.rollout.max_staleness == 0:
             return steps.run
         self.sample_ahead = SampleAhead(steps, cfg.rollout.max_staleness, phase.steps)

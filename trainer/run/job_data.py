@@ -1,8 +1,9 @@
 """What a job reads before it builds a model: the tokenizer, the data source and the token budgets.
 
 :func:`load_job_data` loads them on every rank, and checks (with one line naming the fix) that the
-tokenizer covers the data, that the data's prompts leave room for the completions, and that
-prompt plus completion fit the model's positions.
+tokenizer covers the data, that the data's prompts leave room for the completions, that
+prompt plus completion fit the model's positions, and that a distillation teacher shares the
+tokenizer (trainer/algos/distill/teacher.py).
 """
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from ..data.demonstrations import unused_demonstrations_note
 from ..errors import ConfigError
 from ..rank_errors import check_same_data, on_every_rank
 from ..data.tokenizers import TOKENIZER_FILE, load_tokenizer
+from ..algos.distill.teacher import check_teacher_tokenizer
 
 
 def load_job_data(cfg: JobConfig, out: Path, rank: int, say) -> tuple:
@@ -46,6 +48,10 @@ def load_job_data(cfg: JobConfig, out: Path, rank: int, say) -> tuple:
                                    f"trainer.output_dir")
     else:
         check_tokenizer_covers(source, tokenizer)
+    if cfg.algo.rl and cfg.algo.distill.enabled:
+        # After the source: a preset's character tokenizer has learnt the data's characters by now.
+        check_teacher_tokenizer(cfg.algo.distill.teacher, tokenizer, tokenizer_dir or
+                                f"the character tokenizer of model.preset={cfg.model.preset} on this data")
     actor = cfg.algo.actor
     if actor is not None:
         # Rank 0 checks; the others learn its verdict instead of waiting for it in a collective.

@@ -2,13 +2,15 @@
 
 :func:`plan_phases` lists the phases a run still has to go through, each a :class:`Phase`
 naming its data stream, step counts, starting model, closing evaluation and export; the job
-runs every phase with the same loop (``job.py``).
+runs every phase with the same loop (``job.py``). :func:`engine_settings` says what each engine
+of a phase is built with.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
+from ..algos.distill.teacher import teacher_model_config
 from ..config.job import JobConfig
 from ..data.sources import RL_DATA_STREAM
 from .resume import RL_PHASE, ResumePoint
@@ -49,3 +51,18 @@ def plan_phases(cfg: JobConfig, out: Path, start_dir: str, resume: ResumePoint |
                             end_tag="final", export_dir=out / "final" if t.export else None,
                             export_state=False, mid_evaluations=True))
     return phases
+
+
+def engine_settings(cfg: JobConfig, phase: str, model_dir: str, role: str) -> tuple:
+    """``(OptimConfig, ModelConfig)`` of the engine playing ``role`` in ``phase`` on ``model_dir``:
+    the policy (and the frozen reference) with the phase's optimizer; a critic with a value head
+    and its own; algo.distill's teacher without adapters (it never trains)."""
+    section = cfg.algo.sft if phase == "sft" else cfg.algo.actor
+    model_config = cfg.model.model_config(path=model_dir)
+    if role == "critic":
+        section = cfg.algo.critic
+        model_config = replace(model_config, value_head=True, value_head_init_std=section.value_head_init_std,
+                               value_head_path=section.value_head_path)
+    elif role == "teacher":
+        model_config = teacher_model_config(cfg.model, model_dir)
+    return section.optim, model_config

@@ -52,7 +52,8 @@ SAME_RUN_ROLLOUT_KEYS = ("env", "agent", "env_kwargs", "max_turns", "max_total_t
 # Algo keys added after runs were saved without them: such a run sampled (and trained) with their defaults.
 LATER_ALGO_DEFAULTS = {**{f"algo.actor.{name}": value for name, value in SamplingControls().sampling_options().items()},
                        "algo.rollout_correction.mask_low": None, "algo.rollout_correction.mask_high": None,
-                       "algo.rollout_correction.mask_level": "token"}
+                       "algo.rollout_correction.mask_level": "token", "algo.distill.teacher": None,
+                       "algo.distill.coef": 1.0, "algo.distill.task_weight": 1.0}
 # A key whose value may be ``auto``: spelled differently in the two runs (auto in one, the value it
 # means in the other, e.g. a config.yaml saved when null was the default), it compares by the value
 # each run uses.
