@@ -163,6 +163,14 @@ def test_an_agent_that_edits_its_history_is_counted_and_trained_on_the_sampled_t
     assert rollout_metrics(roll.rollout_metrics)["agent/retokenization_mismatch"] == 1.0
 
 
+def test_the_other_numbers_an_agent_returns_are_logged_as_agent_metrics():
+    tok = _tokenizer()
+    roll, _ = _guessing(tok, "guess_reporting")
+    assert roll.rewards == [1.0] and roll.rollout_metrics["agent/turns_taken"] == [3.0]
+    assert not {"agent/note", "agent/flag", "agent/reward"} & set(roll.rollout_metrics)
+    assert rollout_metrics(roll.rollout_metrics)["agent/turns_taken"] == 3.0
+
+
 def test_a_completions_agent_records_its_texts_tokens_after_the_sampled_ones():
     """/v1/completions: the prompt is <bos> and its text, each sampled completion is kept as drawn
     (its stop token too) and what the agent adds to its prompt follows as plain text, masked; an

@@ -50,6 +50,9 @@ def test_a_verifiers_episode_records_the_plain_agents_sequence_and_its_rubric_is
     # @vf.reward correct (1 when the reply is the answer) + @vf.reward(weight=0.5) short.
     assert roll.rewards == [1.5, 1.5, 0.5, 0.5, 0.5, 0.5]
     assert roll.rollout_metrics["agent/retokenization_mismatch"] == [0.0] * 6
+    # Each reward function's own score (before its weight) is logged beside the sum.
+    assert roll.rollout_metrics["agent/reward_correct"] == [1.0, 1.0, 0.0, 0.0, 0.0, 0.0]
+    assert roll.rollout_metrics["agent/reward_short"] == [1.0] * 6
 
 
 def test_a_failed_episode_is_one_line_naming_its_error_and_the_record():

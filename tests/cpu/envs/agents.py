@@ -105,6 +105,17 @@ def guess_text_streamed(example, client):
         text += completion + (" higher: " if letter < "e" else " lower: ")
 
 
+def guess_reporting(example, client):
+    """guess, returning a dict: its reward, the turns it took, and a note (not a number: left out)."""
+    turns, messages = 0, [{"role": "user", "content": "guess a letter"}]
+    while True:
+        text = client.chat.completions.create(model="policy", messages=messages).choices[0].message.content
+        turns += 1
+        if text.strip()[:1] == "e":
+            return {"reward": 1.0, "turns_taken": turns, "note": "found it", "flag": True}
+        messages += [{"role": "assistant", "content": text}, {"role": "user", "content": "again"}]
+
+
 def guess_editing(example, client):
     return guess(example, client, edit=True)
 

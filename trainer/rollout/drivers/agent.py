@@ -109,6 +109,15 @@ def _for_template(message: dict) -> dict:
     return out
 
 
+def reported_metrics(value) -> dict[str, float]:
+    """A dict return's other finite numbers (``{"reward": 1, "tool_uses": 3}``: tool_uses), logged
+    as ``agent/<key>``, averaged over the conversations that report it; anything else is left out."""
+    if not isinstance(value, dict):
+        return {}
+    return {str(key): float(v) for key, v in value.items() if key != "reward" and is_finite_reward(v)
+            and not isinstance(v, bool) and str(key) != "retokenization_mismatch"}
+
+
 def as_reward(value) -> float:
     """The agent's return as a finite reward (a number, or a dict with ``"reward"``)."""
     reward = value.get("reward") if isinstance(value, dict) else value
@@ -142,6 +151,7 @@ class AgentEnv:
     def __init__(self, driver: "AgentDriver") -> None:
         self.driver, self.tools, self.kind, self.text = driver, [], "chat", ""
         self.conversation, self.history, self.mismatch, self.finish_reason = None, [], False, "stop"
+        self.reported: dict[str, float] = {}  # the agent's metrics (reported_metrics)
         self.thread: threading.Thread | None = None
         self.sent = False
 
@@ -235,6 +245,7 @@ class AgentEnv:
         self.sent = False
         kind, value = self._next(first=False)
         if kind == "return":
+            self.reported = reported_metrics(value)
             return EnvStep([], as_reward(value), True)
         request_kind, body = value
         if request_kind != self.kind:
@@ -324,7 +335,11 @@ class AgentDriver(MultiTurnDriver):
             t.env.send(tokenizer.decode(tokens), reason)
 
     def finish(self, trajectories: list[Trajectory]) -> dict[str, list[float]]:
-        return {"agent/retokenization_mismatch": [float(t.env.mismatch) for t in trajectories]}
+        metrics = {"agent/retokenization_mismatch": [float(t.env.mismatch) for t in trajectories]}
+        for t in trajectories:
+            for key, value in t.env.reported.items():
+                metrics.setdefault(f"agent/{key}", []).append(value)
+        return metrics
 
     def _close_live(self) -> None:
         for env in getattr(self, "_live", []):

@@ -179,7 +179,8 @@ class VerifiersEnvironment:
 
     def agent(self, example, client) -> dict:
         """The ``rollout.agent`` function: one episode of the example's task against ``client``'s
-        base URL (its conversation); returns the trace's reward."""
+        base URL (its conversation); returns the trace's reward, its reward functions' scores
+        (``reward_<name>``) and its metrics."""
         vf = _verifiers(self.spec)
         position = (example.extra_info or {}).get(TASK_KEY)
         if not isinstance(position, int) or not 0 <= position < len(self.tasks):
@@ -196,7 +197,10 @@ class VerifiersEnvironment:
         if len(episode.traces) != 1:
             raise ValueError(f"the verifiers episode ran {len(episode.traces)} agents; polyfsdp trains one "
                              f"conversation per episode (a single-agent environment)")
-        return {"reward": episode.traces[0].reward}
+        trace = episode.traces[0]
+        # Each reward function's score (unweighted) and the task's metrics, logged as agent/<key>.
+        scores = {f"reward_{name}": r.score for name, r in (trace.rewards or {}).items() if r is not None}
+        return {**scores, **{k: v for k, v in (trace.metrics or {}).items() if v is not None}, "reward": trace.reward}
 
 
 _LOADED: dict[str, VerifiersEnvironment] = {}
