@@ -201,6 +201,7 @@ def test_a_judge_served_by_vllm_gives_our_greedy_loops_verdicts(tmp_path):
     same prompts, and the scores are those verdicts parsed."""
     from polyfsdp.trainer.rewards.judge import build_judge, parse_verdict
 
+    require_vllm()
     directory = write_checkpoint(tmp_path / "judge", "qwen2-tiny", TOK, seed=5)
     TOK.save_pretrained(directory)
     section = {"checkpoint": directory, "api": "completions", "template": "{prompt}={response}:", "max_tokens": 6,
