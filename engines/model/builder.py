@@ -112,6 +112,13 @@ def _build(config: ModelConfig, dtype: torch.dtype, attn: str, backend: Backend,
             raise ValueError(f"ModelConfig.path: {_damaged_weights_file(config.path) or config.path}: unreadable "
                              f"safetensors ({' '.join(str(exc).split())}); truncated or damaged?") from None
         untrained = [key for key in info.get("missing_keys", ()) if key.split(".")[0] == "score"]
+        drawn = sorted(set(info.get("missing_keys", ())) & dict(model.named_parameters()).keys())
+        if auto is AutoModelForCausalLM and drawn:
+            # transformers draws missing weights at random: a policy (or teacher) with a random head.
+            named = ", ".join(getattr(hf_config, "architectures", None) or []) or "its config.json"
+            raise ValueError(f"ModelConfig.path: {config.path!r} is not a whole causal LM checkpoint ({drawn[0]} is "
+                             f"missing; the checkpoint is {named}): a policy, reference or teacher needs its "
+                             f"*ForCausalLM weights")
         if auto is AutoModelForSequenceClassification and untrained:
             # transformers would draw the missing layer at random: a reward model that scores noise.
             raise ValueError(f"ModelConfig.path: {config.path!r} holds no trained score layer ({untrained[0]} is "

@@ -163,6 +163,30 @@ def test_an_agent_that_edits_its_history_is_counted_and_trained_on_the_sampled_t
     assert rollout_metrics(roll.rollout_metrics)["agent/retokenization_mismatch"] == 1.0
 
 
+def test_a_conversation_cut_by_a_limit_is_counted_and_its_agent_told_which(caplog):
+    import logging
+    import time
+
+    tok = _tokenizer()
+    driver = _agent(ScriptedEngine(tok, [" a ", "z", " a ", "z"]), "guess_noting", max_turns=2)
+    try:
+        with caplog.at_level(logging.WARNING):
+            rolls = [driver.rollout(tok, [Example("p", "", where=f"r{i}")], 1, _params(tok, 8)) for i in range(2)]
+    finally:
+        driver.close()
+    assert [r.rollout_metrics["truncated"] for r in rolls] == [[1.0], [1.0]] and rolls[0].rewards == [0.0]
+    warned = [r.message for r in caplog.records if "asked the model again" in r.message]
+    assert warned == [f"rollout.agent={AGENTS}:guess_noting: 1 of 1 conversations asked the model again after "
+                      f"rollout.max_turns=2 turns and were cut (rewarded 0); raise rollout.max_turns if the agent "
+                      f"needs more turns"]  # once a run
+    notes = driver.agent.__globals__["NOTES"]  # the agents file as the driver loaded it
+    for _ in range(50):
+        if "r1" in notes:
+            break
+        time.sleep(0.1)
+    assert "polyfsdp ended the conversation (rollout.max_turns=2 reached); it is rewarded 0" in notes["r0"], notes
+
+
 def test_the_other_numbers_an_agent_returns_are_logged_as_agent_metrics():
     tok = _tokenizer()
     roll, _ = _guessing(tok, "guess_reporting")
@@ -301,6 +325,8 @@ def test_agent_settings_are_checked_before_any_model_is_built(monkeypatch):
         load_config([agent, "rollout.agent_concurrency=0"])
     with pytest.raises(ConfigError, match="has no function 'nope'"):
         load_config([f"rollout.agent={AGENTS}:nope"])
+    with pytest.raises(ConfigError, match=r"one_argument\(example\) cannot be called as fn\(example, client\) "):
+        load_config([f"rollout.agent={AGENTS}:one_argument"])
     with pytest.raises(ConfigError) as info:
         load_config([f"rollout.agent={AGENTS}"])
     assert str(info.value) == (f"rollout.agent={AGENTS}: expected path/to/file.py:function or package.module:function "

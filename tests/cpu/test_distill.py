@@ -166,6 +166,24 @@ def test_the_job_refuses_another_tokenizer_and_an_unloadable_teacher_in_one_line
     capsys.readouterr()
     assert main([*run, f"algo.distill.teacher={broken}", f"trainer.output_dir={tmp_path / 'b'}"]) != 0
     assert f"algo.distill.teacher ({broken}): " in _stderr_line(capsys)
+    # A reward model's checkpoint (a classifier, no LM head): transformers would draw the head at random.
+    classifier = tmp_path / "classifier"
+    write_checkpoint(classifier, "qwen2-tiny", CharTokenizer(), seed=5, tie_word_embeddings=False)
+    config = json.loads((classifier / "config.json").read_text())
+    state_file = classifier / "model.safetensors"
+    from safetensors.torch import load_file, save_file
+
+    state = load_file(str(state_file))
+    state["score.weight"] = state.pop("lm_head.weight")[:1]
+    save_file(state, str(state_file))
+    (classifier / "config.json").write_text(json.dumps({**config, "architectures": ["Qwen2ForSequenceClassification"],
+                                                        "num_labels": 1}))
+    CharTokenizer().save_pretrained(str(classifier))
+    capsys.readouterr()
+    assert main([*run, f"algo.distill.teacher={classifier}", f"trainer.output_dir={tmp_path / 'c'}"]) != 0
+    line = _stderr_line(capsys)
+    assert f"algo.distill.teacher ({classifier}): " in line and "lm_head.weight is missing; the checkpoint is " \
+        "Qwen2ForSequenceClassification" in line, line
 
 
 def test_the_estimate_counts_the_teacher_as_a_frozen_copy_with_its_own_pass(tmp_path):

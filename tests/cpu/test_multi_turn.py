@@ -79,6 +79,7 @@ def test_turn_and_token_limits_end_a_conversation_and_count_it():
     roll = _multi_turn(ScriptedEngine(tok, ["a", "b", "c", "d"]), max_turns=2).rollout(
         tok, [Example("p", "")], 2, _params(tok, 8))
     assert roll.rollout_metrics["turns"] == [2.0, 2.0] and roll.rewards == [0.0, 0.0]
+    assert roll.rollout_metrics["truncated"] == [1.0, 1.0]  # the environment would have gone on
     assert roll.log_probs is None and roll.response_ids[0][-1] == tok.eos_token_id
     # A budget that fits the first turn only: the second would overflow, so the conversation ends.
     prompt_len = len(ChatTurns(tok, None).prompt([{"role": "user", "content": "guess a letter"}]))

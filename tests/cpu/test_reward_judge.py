@@ -28,11 +28,14 @@ class StubJudge:
 
             def _send(self, status, body):
                 data = json.dumps(body).encode()
-                self.send_response(status)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
+                try:
+                    self.send_response(status)
+                    self.send_header("Content-Type", "application/json")
+                    self.send_header("Content-Length", str(len(data)))
+                    self.end_headers()
+                    self.wfile.write(data)
+                except (BrokenPipeError, ConnectionResetError):
+                    pass  # the judge gave up waiting (the timeout case)
 
             def do_GET(self):
                 self._send(200, {"data": [{"id": "stub-judge"}]})
@@ -116,6 +119,17 @@ def test_an_unparsable_verdict_is_zero_skipped_to_its_groups_mean_or_one_line(st
                                "reward.judge.template/pattern or set reward.judge.on_unparsable=zero|skip")
 
 
+def test_skip_fills_from_the_group_inside_the_weighted_sum(stub):
+    """The sources' sum hands each source its rows grouped, so skip sees the group."""
+    from polyfsdp.trainer.rewards.sources import WeightedReward
+
+    server = stub({"a": "8", "b": "??", "c": "4", "d": "2"})
+    rows = [Example("2+2", "4", where="r0", data_source="x"), Example("3+3", "6", where="r1", data_source="x")]
+    total, extras = WeightedReward([_judge(server.url, on_unparsable="skip", weight=0.5)]).score_all(
+        rows, ["a", "b", "c", "d"], [[]] * 4, group=2)
+    assert total == [4.0, 4.0, 2.0, 1.0] and extras["judge"] == [8.0, 8.0, 4.0, 2.0]
+
+
 def test_a_5xx_is_retried_and_every_failure_is_one_line_naming_the_judge_and_the_record(stub):
     server = stub({"4": "7"}, fail_first=2)
     assert _judge(server.url, retries=2).score_all(EXAMPLES[:1], ["4"], [[]])[0] == [7.0]
@@ -131,6 +145,10 @@ def test_a_5xx_is_retried_and_every_failure_is_one_line_naming_the_judge_and_the
     server.close()
     with pytest.raises(RewardError, match=r"GET /models: not reachable .*\(listing the served models\)$"):
         _judge(closed).score_all(EXAMPLES[:1], ["4"], [[]])
+    from polyfsdp.trainer.rewards.judge import build_judge
+
+    with pytest.raises(RewardError, match=r"GET /models: not reachable .* after 2 tries \(checking the judge at start\)$"):
+        build_judge({"url": closed, "retries": 1})
 
 
 @pytest.mark.parametrize("section,message", [
@@ -142,6 +160,8 @@ def test_a_5xx_is_retried_and_every_failure_is_one_line_naming_the_judge_and_the
     ({"url": "u", "template": "{prompt} {answer}"}, "reward.judge.template: unknown field {answer}"),
     ({"url": "u", "template": "{prompt}"}, "reward.judge.template: it never shows the judge the {response}"),
     ({"url": "u", "on_unparsable": "drop"}, "reward.judge.on_unparsable='drop': expected one of zero, error, skip"),
+    ({"url": "u", "parse": "labels", "labels": {"yes": 1}},
+     "reward.judge.parse=labels: the default template asks for a score from 0 to 10; set reward.judge.template"),
     ({"url": "u", "concurrency": 0}, "reward.judge.concurrency: expected an int >= 1, got 0"),
     ({"url": "u", "temperature": 1}, "reward.judge.temperature: not a judge setting"),
 ])

@@ -121,6 +121,9 @@ class JudgeSettings:
                 re.compile(self.pattern)
             except re.error as exc:
                 raise ConfigError(f"reward.judge.pattern={self.pattern!r}: not a regular expression ({exc})") from None
+        if self.parse != "number" and self.template == DEFAULT_TEMPLATE:
+            raise ConfigError(f"reward.judge.parse={self.parse}: the default template asks for a score from 0 to 10; "
+                              f"set reward.judge.template to ask for what the parser reads")
 
     def _check_template(self) -> None:
         if not isinstance(self.template, str):
@@ -209,6 +212,15 @@ class Judge:
                                        f"reward.judge.model") from None
         return self.model
 
+    def check_reachable(self) -> None:
+        """Ask the server for its models: one line when it cannot be reached (a server that does
+        not list models is fine while ``model`` is set)."""
+        try:
+            self._post("/models", None, "checking the judge at start")
+        except JudgeUnavailable as exc:
+            if self.model is None or "not reachable" in str(exc):
+                raise
+
     def verdict(self, example, response: str) -> str:
         """The judge's greedy answer about one completion."""
         record = f"record {example.where or repr(example.prompt)}"
@@ -260,7 +272,9 @@ def build_judge(section, backend=None, log_dir: str | None = None) -> Judge:
 
     settings = JudgeSettings.from_section(section)
     if settings.url is not None:
-        return Judge(settings, settings.url)
+        judge = Judge(settings, settings.url)
+        judge.check_reachable()  # before any training: an unreachable judge is found now, not at the first rollout
+        return judge
     from .judge_server import JudgeServer, check_checkpoint
 
     from ..rank_errors import on_every_rank

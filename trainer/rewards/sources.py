@@ -104,8 +104,10 @@ class WeightedReward:
             chosen = [i for i, ex in enumerate(rows) if source.data_sources is None
                       or ex.data_source in source.data_sources]
             more_args = {"answers": []} if answers is not None and isinstance(source, FunctionSource) else {}
-            scores, more = source.score_all([rows[i] for i in chosen], [texts[i] for i in chosen],
-                                            [responses[i] for i in chosen], 1, **more_args)
+            # Routing is per record, so the chosen rows are whole groups, in order: each source sees
+            # them grouped (a judge's on_unparsable=skip fills a row from its group).
+            scores, more = source.score_all([rows[i] for i in chosen[::group]], [texts[i] for i in chosen],
+                                            [responses[i] for i in chosen], group, **more_args)
             votes.update(zip(chosen, more_args.get("answers", ())))
             for i, score in zip(chosen, scores):
                 totals[i] += source.weight * score

@@ -67,7 +67,8 @@ class TurnLengths:
         cap = f"capped at {self.cap} tokens (rollout.max_total_tokens, default max_position_embeddings)" \
             if self.cap is not None else "no total token budget known"
         if self.agent is not None:
-            bound = f"counted at that cap, {self.cap} tokens" if self.cap is not None else \
+            bound = f"counted at that cap, {self.cap} tokens (rollout.max_total_tokens, default the model's " \
+                    f"max_position_embeddings)" if self.cap is not None else \
                 (f"counted at the data's prompt + rollout.max_turns={self.turns} x algo.actor.max_new_tokens="
                  f"{self.new}, without the agent's own turns (no total token budget known: set "
                  f"rollout.max_total_tokens for a bound)")

@@ -33,10 +33,13 @@ from __future__ import annotations
 import asyncio
 import inspect
 import json
+import logging
 import os
 import queue
 import threading
 import time
+
+from polyfsdp.backends.distributed import current_rank
 
 from ...config.plugins import first_line, load_object
 from ...data.chat import text_prompt_tokens
@@ -47,6 +50,7 @@ from .agent_server import MODEL_NAME, AgentServer, prompt_text
 from .multi_turn import ChatTurns, MultiTurnDriver, Trajectory
 
 API_KEY = "polyfsdp-local"  # the endpoint checks no key; clients insist on one
+logger = logging.getLogger(__name__)
 
 
 class AgentFailure(Exception):
@@ -70,7 +74,17 @@ def load_agent(spec: str, env_kwargs: dict | None = None):
         from .verifiers_agent import verifiers_agent
 
         return verifiers_agent(spec, env_kwargs)
-    return load_object(spec, "rollout.agent", {}, what="function")
+    fn = load_object(spec, "rollout.agent", {}, what="function")
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):
+        return fn  # no signature to read: a mismatch shows at the first call
+    try:
+        signature.bind("example", "client")
+    except TypeError as exc:
+        raise ConfigError(f"rollout.agent={spec}: {getattr(fn, '__name__', 'the function')}{signature} cannot be called "
+                          f"as fn(example, client) ({exc})") from None
+    return fn
 
 
 def _text(content) -> str:
@@ -152,6 +166,7 @@ class AgentEnv:
         self.driver, self.tools, self.kind, self.text = driver, [], "chat", ""
         self.conversation, self.history, self.mismatch, self.finish_reason = None, [], False, "stop"
         self.reported: dict[str, float] = {}  # the agent's metrics (reported_metrics)
+        self.cut = ""  # the limit that ended the conversation (multi_turn.Trajectory.cut)
         self.thread: threading.Thread | None = None
         self.sent = False
 
@@ -286,6 +301,7 @@ class AgentDriver(MultiTurnDriver):
         super().__init__(engine, settings, max_positions, env_class=lambda **_: AgentEnv(self))
         self._deadline = None  # the agent runs on its own thread: AgentEnv's waits time it
         self.server: AgentServer | None = None
+        self._warned = False
 
     def renderer(self, env, tokenizer, previous):
         """Each conversation's own renderer: plain text, or the chat template with the tools of
@@ -335,6 +351,16 @@ class AgentDriver(MultiTurnDriver):
             t.env.send(tokenizer.decode(tokens), reason)
 
     def finish(self, trajectories: list[Trajectory]) -> dict[str, list[float]]:
+        by_turns = 0
+        for t in trajectories:
+            t.env.cut = t.cut  # the 400 its next request gets says which limit (_close_live)
+            by_turns += t.cut.startswith("rollout.max_turns")
+        if by_turns and not self._warned and current_rank() == 0:
+            self._warned = True  # once a run: the share is in multi_turn/truncated_mean
+            logger.warning("rollout.agent=%s: %d of %d conversations asked the model again after "
+                           "rollout.max_turns=%d turns and were cut (rewarded 0); raise rollout.max_turns if "
+                           "the agent needs more turns", self.settings.env, by_turns, len(trajectories),
+                           self.settings.max_turns)
         metrics = {"agent/retokenization_mismatch": [float(t.env.mismatch) for t in trajectories]}
         for t in trajectories:
             for key, value in t.env.reported.items():
@@ -344,8 +370,8 @@ class AgentDriver(MultiTurnDriver):
     def _close_live(self) -> None:
         for env in getattr(self, "_live", []):
             if env.conversation is not None:
-                self.server.drop(env.conversation, "polyfsdp ended the conversation (rollout.max_turns, "
-                                                   "algo.actor.max_new_tokens or rollout.max_total_tokens)")
+                why = env.cut or "rollout.max_turns, algo.actor.max_new_tokens or rollout.max_total_tokens"
+                self.server.drop(env.conversation, f"polyfsdp ended the conversation ({why}); it is rewarded 0")
         self._live = []
 
     def rollout(self, tokenizer, examples, n, params, scorer=None, with_answers=False, row_seeds=None, device=None):

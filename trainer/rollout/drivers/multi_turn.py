@@ -87,6 +87,7 @@ class Trajectory:
     done: bool = False
     last_text: str = ""
     render: object = None  # how its turns become tokens (ChatTurns; an agent's completions: TextTurns)
+    cut: str = ""  # the limit that ended it (with truncated), for messages
 
     def add(self, tokens, sampled: bool, log_probs=None) -> None:
         self.tokens += list(tokens)
@@ -188,6 +189,7 @@ class MultiTurnDriver:
             for t in active:
                 if self._overflows(t, max_new_tokens):
                     t.done = t.truncated = True
+                    t.cut = f"rollout.max_total_tokens={self.max_total}: another turn would not fit"
             active = [t for t in active if not t.done]
             seeds = None if row_seeds is None else \
                 [turn_seed(row_seeds[position[id(t)]], turn) for t in active] or [0]
@@ -217,16 +219,22 @@ class MultiTurnDriver:
                     # A stop token ends the turn (the template's closing follows it), so does a stop string.
                     by_token = bool(tokens) and tokens[-1] in stop_ids
                     ended = by_token or (bool(stop_strings) and stop_strings.hit(tokens))
-                    if step.done or turn == self.settings.max_turns:
+                    if step.done:
                         t.done = True
+                    elif turn == self.settings.max_turns:  # the environment would go on: a limit
+                        t.done = t.truncated = True
+                        t.cut = f"rollout.max_turns={turn} reached"
                     elif not ended:  # the turn hit max_new_tokens: the conversation cannot go on
                         t.done = t.truncated = True
+                        t.cut = f"the turn reached algo.actor.max_new_tokens={max_new_tokens} without a stop token"
                     else:
                         following = t.render.after_assistant(step.messages, by_token)
                         if self._overflows(t, len(following) + max_new_tokens):
                             # The environment's reply and one more turn would not fit: the
                             # conversation ends here (a reply nobody answers is not trained on).
                             t.done = t.truncated = True
+                            t.cut = f"rollout.max_total_tokens={self.max_total}: the reply and another turn " \
+                                    f"would not fit"
                         else:
                             t.add(following, sampled=False)
 
