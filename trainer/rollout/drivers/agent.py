@@ -42,12 +42,11 @@ import time
 from polyfsdp.backends.distributed import current_rank
 
 from ...config.plugins import first_line, load_object
-from ...data.chat import text_prompt_tokens
 from ...errors import ConfigError, RewardError
 from ...rewards.reward_fn import user_frame
 from ..environments import EnvStep, is_finite_reward, parse_tool_calls
 from .agent_server import MODEL_NAME, AgentServer, prompt_text
-from .multi_turn import ChatTurns, MultiTurnDriver, Trajectory
+from .multi_turn import ChatTurns, MultiTurnDriver, TextTurns, Trajectory
 
 API_KEY = "polyfsdp-local"  # the endpoint checks no key; clients insist on one
 logger = logging.getLogger(__name__)
@@ -138,25 +137,6 @@ def as_reward(value) -> float:
     if not is_finite_reward(reward):
         raise AgentFailure(f"returned {value!r}; expected a finite number or a dict with a finite 'reward'")
     return float(reward)
-
-
-def _joined(messages) -> str:
-    return "".join(m["content"] for m in messages)
-
-
-class TextTurns:
-    """The turns of a plain-text (``/v1/completions``) conversation, as :class:`ChatTurns` renders
-    chat ones: its prompt is ``<bos>`` and the text's tokens; what follows a sampled completion
-    is the added text's tokens, with no template (AgentEnv passes each text as one message)."""
-
-    def __init__(self, tokenizer) -> None:
-        self.tokenizer = tokenizer
-
-    def prompt(self, messages) -> list[int]:
-        return text_prompt_tokens(self.tokenizer, _joined(messages))
-
-    def after_assistant(self, messages, ended_with_eos: bool) -> list[int]:
-        return self.tokenizer.encode(_joined(messages))
 
 
 class AgentEnv:

@@ -24,7 +24,7 @@ from polyfsdp.backends.distributed import all_reduce_max, current_world_size
 
 from ..engines import RolloutEngine, SamplingParams
 from ..controls.stop_strings import StopStrings
-from ...data.chat import end_of_turn_token_id
+from ...data.chat import end_of_turn_token_id, text_prompt_tokens
 from ..environments import as_env_step, check_messages, load_environment, parse_tool_calls
 from ...errors import RewardError
 from ...rank_errors import on_every_rank
@@ -68,6 +68,26 @@ class ChatTurns:
             raise ValueError("the tokenizer's chat template renders an exchange differently once more messages "
                              "follow it, so environment turns cannot be appended token-exactly")
         return (self.closing if ended_with_eos else []) + full[len(self._head):]
+
+
+def _joined(messages) -> str:
+    return "".join(m["content"] for m in messages)
+
+
+class TextTurns:
+    """The turns of a plain-text conversation (an agent's ``/v1/completions``), as
+    :class:`ChatTurns` renders chat ones: its prompt is ``<bos>`` and the text's tokens; what
+    follows a sampled completion is the added text's tokens, with no template (agent.py's
+    AgentEnv passes each text as one message)."""
+
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+
+    def prompt(self, messages) -> list[int]:
+        return text_prompt_tokens(self.tokenizer, _joined(messages))
+
+    def after_assistant(self, messages, ended_with_eos: bool) -> list[int]:
+        return self.tokenizer.encode(_joined(messages))
 
 
 @dataclass
