@@ -32,6 +32,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, fields
 
 from ..errors import ConfigError, RewardError
+from ..rollout.servers.http import server_text
 
 DEFAULT_TEMPLATE = ("Question: {prompt}\nReference answer: {ground_truth}\nResponse: {response}\n"
                     "Is the response correct? Answer with a score from 0 to 10.")
@@ -187,7 +188,7 @@ class Judge:
                 with urllib.request.urlopen(request, timeout=self.settings.timeout_s) as answer:
                     return json.loads(answer.read())
             except urllib.error.HTTPError as exc:
-                problem, again = f"HTTP {exc.code}: {_error_text(exc.read())}", exc.code >= 500
+                problem, again = f"HTTP {exc.code}: {server_text(exc.read())}", exc.code >= 500
             except (urllib.error.URLError, ConnectionError) as exc:
                 problem, again = f"not reachable ({getattr(exc, 'reason', exc)})", True
             except TimeoutError:
@@ -288,11 +289,3 @@ def build_judge(section, backend=None, log_dir: str | None = None) -> Judge:
         url = broadcast_object(url)
     return Judge(settings, url, server)
 
-
-def _error_text(body: bytes) -> str:
-    """The message of an OpenAI-style error body, else the body's start."""
-    try:
-        data = json.loads(body)
-        return " ".join(str(data["error"]["message"]).split())[:200]
-    except (ValueError, KeyError, TypeError):
-        return " ".join(body.decode("utf-8", "replace").split())[:200]

@@ -17,7 +17,7 @@ class ServerError(ConfigError):
     """A rollout server that did not start, died, timed out or answered something unusable."""
 
 
-def _server_text(body: bytes) -> str:
+def server_text(body: bytes) -> str:
     """The message of a vLLM error body ({"error": {"message": ...}} or {"detail": ...}), else its start."""
     try:
         data = json.loads(body)
@@ -47,7 +47,7 @@ class ServerHttp:
             with urllib.request.urlopen(req, timeout=timeout_s or self.timeout_s) as answer:
                 body = answer.read()
         except urllib.error.HTTPError as exc:
-            raise ServerError(f"{where}: HTTP {exc.code}: {_server_text(exc.read())}") from None
+            raise ServerError(f"{where}: HTTP {exc.code}: {server_text(exc.read())}") from None
         except (urllib.error.URLError, ConnectionError) as exc:
             reason = getattr(exc, "reason", exc)
             raise ServerError(f"{where}: not reachable ({reason}); is the server running and the address "
@@ -60,7 +60,7 @@ class ServerHttp:
         try:
             return json.loads(body)
         except ValueError:
-            raise ServerError(f"{where}: answered something that is not JSON: {_server_text(body)}") from None
+            raise ServerError(f"{where}: answered something that is not JSON: {server_text(body)}") from None
 
     def healthy(self) -> bool:
         """Whether ``/health`` answers 200 now (no error: a server still starting is not healthy)."""
