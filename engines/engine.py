@@ -31,6 +31,7 @@ from .config import EngineConfig, ModelConfig, OptimConfig
 from .batch.dp_balance import Balanced, balance, restore
 from .batch.flat import FlatBatch, batch_to_flat, flat_to_caller
 from .head.fused_compiled import resolve_fused_kernel_impl
+from .head.rows import scored_mask
 from .heads import ValueHead, head_for
 from .model.lora import add_adapters, adapters_disabled
 from .losses.inputs import LossInputs, LossNeeds
@@ -179,11 +180,16 @@ class FSDPEngine(CheckpointMixin):
         returns ``(values, None)`` (engines/head/value.py)."""
         return self.head.forward(self.module, flat, self.engine_config, self._sp, return_entropy)
 
-    def _to_flat(self, batch: TensorDict, temperature, keys, checks: BatchChecks) -> FlatBatch:
-        """The edge: caller's layout -> FlatBatch on the device, with value checks queued."""
+    def _to_flat(self, batch: TensorDict, temperature, keys, checks: BatchChecks,
+                 scored_field: str | None = None) -> FlatBatch:
+        """The edge: caller's layout -> FlatBatch on the device, with value checks queued.
+        ``scored_field``: the per-token mask whose positions alone need the head's outputs
+        (engines/head/rows.py), taken while the batch is still on the host."""
         if not isinstance(batch, TensorDict):
             raise TypeError(f"batch: expected a tensordict.TensorDict, got {type(batch).__name__}")
         flat = batch_to_flat(batch, self.engine_config.pad_mode, keys=keys)
+        if scored_field is not None and scored_field in flat.fields:
+            flat.scored = scored_mask(flat.fields[scored_field])
         if self._sp is not None:
             check_same_batch(flat, self._sp)
         flat.set_temperature(temperature)
@@ -202,13 +208,16 @@ class FSDPEngine(CheckpointMixin):
         return adapters_disabled(self.module)
 
     def infer_batch(self, batch: TensorDict, temperature=1.0, calculate_entropy: bool = True,
-                    adapters: bool = True) -> TensorDict:
+                    adapters: bool = True, mask_field: str | None = None) -> TensorDict:
         """``log_probs`` (and ``entropy``) per token, in the caller's layout: jagged with the
         input's offsets for ``no_padding``; dense ``(B, L)`` zero-padded for ``left_right``.
-        ``adapters=False`` runs the base model under LoRA (the KL reference)."""
+        ``adapters=False`` runs the base model under LoRA (the KL reference). ``mask_field``: a
+        per-token mask of ``batch``; the head runs at its positions alone, every other reads 0."""
+        if mask_field is not None and mask_field not in batch.keys():
+            raise ValueError(f"infer_batch: batch has no mask_field {mask_field!r} (keys: {sorted(batch.keys())})")
         names = self.head.log_prob_names(calculate_entropy)
         with nullcontext() if adapters else self.adapters_disabled():
-            return self._infer(batch, temperature, names, calculate_entropy)
+            return self._infer(batch, temperature, names, calculate_entropy, mask_field)
 
     def infer_values(self, batch: TensorDict) -> TensorDict:
         """A critic's ``values`` per token, in the caller's layout (as :meth:`infer_batch`'s
@@ -225,11 +234,12 @@ class FSDPEngine(CheckpointMixin):
             return torch.stack([row.sum() for row in scores.unbind()]) if scores.size(0) else scores.values()[:0]
         return scores.sum(dim=1)
 
-    def _infer(self, batch: TensorDict, temperature, names: tuple[str, ...], calculate_entropy: bool) -> TensorDict:
+    def _infer(self, batch: TensorDict, temperature, names: tuple[str, ...], calculate_entropy: bool,
+               mask_field: str | None = None) -> TensorDict:
         """The forward's outputs ``names`` (in forward_flat's order) under no_grad, per
-        micro-batch, merged and returned in the caller's layout."""
+        micro-batch, merged and returned in the caller's layout (only under ``mask_field``)."""
         checks = BatchChecks()
-        flat = self._to_flat(batch, temperature, (), checks)
+        flat = self._to_flat(batch, temperature, () if mask_field is None else (mask_field,), checks, mask_field)
         checks.read()
         balanced = self._balance(flat)
         work = flat if balanced is None else balanced.flat
@@ -277,7 +287,7 @@ class FSDPEngine(CheckpointMixin):
         self._warned_bf16_master = check_master_dtype(self.model_config.dtype, self._warned_bf16_master)
         needs = LossNeeds.of(loss_fn, batch)
         checks = BatchChecks()
-        flat = self._to_flat(batch, temperature, None, checks)
+        flat = self._to_flat(batch, temperature, None, checks, needs.mask_field if needs.masked_only else None)
         if self.engine_config.check_inputs:
             checks.loss_fields(flat, needs.required, needs.mask_field)
         counts = checks.read_global_counts(flat, needs.mask_field, self.device)  # the step's one host read

@@ -48,7 +48,8 @@ def _sequence(flat: FlatBatch, i: int) -> dict:
     start, end = sum(flat.seq_lens[:i]), sum(flat.seq_lens[:i + 1])
     temperature = flat.temperature[i] if torch.is_tensor(flat.temperature) else torch.tensor(flat.temperature)
     return {"input_ids": flat.input_ids[start:end], "fields": {k: v[start:end] for k, v in flat.fields.items()},
-            "seq_fields": {k: v[i] for k, v in flat.seq_fields.items()}, "temperature": temperature}
+            "seq_fields": {k: v[i] for k, v in flat.seq_fields.items()}, "temperature": temperature,
+            "scored": None if flat.scored is None else flat.scored[start:end]}
 
 
 def _assemble(sequences: list[dict], like: FlatBatch, device) -> FlatBatch:
@@ -63,8 +64,11 @@ def _assemble(sequences: list[dict], like: FlatBatch, device) -> FlatBatch:
                   for k, v in like.seq_fields.items()}
     # One value per sequence: replicas may have called with different temperatures.
     temperature = torch.stack([s["temperature"].float() for s in sequences]) if sequences else like.temperature
+    # Scored positions travel only when every sequence brought them (else the whole head runs).
+    scored = None if any(s["scored"] is None for s in sequences) else cat([s["scored"] for s in sequences],
+                                                                          torch.zeros(0, dtype=torch.bool))
     flat = FlatBatch(cat([s["input_ids"] for s in sequences], like.input_ids[:0].cpu()), offsets, lengths,
-                     fields, seq_fields, temperature)
+                     fields, seq_fields, temperature, scored)
     return flat.to(device)  # tensors already on ``device`` are kept, not copied
 
 

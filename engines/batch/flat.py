@@ -22,7 +22,9 @@ STRUCTURAL_KEYS = ("input_ids", "attention_mask", "position_ids")
 class FlatBatch:
     """``input_ids (total,)`` and ``offsets (B+1,)`` with the host copy ``seq_lens`` of the
     lengths; per-token ``fields`` flat like ``input_ids``; per-sequence ``seq_fields``
-    ``(B, ...)``; ``temperature``: one float, or one value per sequence ``(B,)``."""
+    ``(B, ...)``; ``temperature``: one float, or one value per sequence ``(B,)``; ``scored``: the
+    positions whose head outputs are read, a host bool ``(total,)`` (None: every position;
+    engines/head/rows.py), which stays on the host when the batch moves."""
 
     input_ids: torch.Tensor
     offsets: torch.Tensor
@@ -30,6 +32,7 @@ class FlatBatch:
     fields: dict[str, torch.Tensor] = field(default_factory=dict)
     seq_fields: dict[str, torch.Tensor] = field(default_factory=dict)
     temperature: float | torch.Tensor = 1.0
+    scored: torch.Tensor | None = None
 
     @property
     def num_seqs(self) -> int:
@@ -82,7 +85,7 @@ class FlatBatch:
             return t.to(device, non_blocking=True) if torch.is_tensor(t) else t
         return FlatBatch(move(self.input_ids), move(self.offsets), self.seq_lens,
                          {k: move(v) for k, v in self.fields.items()},
-                         {k: move(v) for k, v in self.seq_fields.items()}, move(self.temperature))
+                         {k: move(v) for k, v in self.seq_fields.items()}, move(self.temperature), self.scored)
 
 
 def _check_jagged(name: str, value) -> None:

@@ -8,13 +8,15 @@
 3. Either the fused head (decoder body -> flat hidden states -> chunked log-prob/entropy
    against the LM-head weight, never a ``(tokens, vocab)`` logits tensor), installed as a
    method on the root module so FSDP2 gathers its parameters, or the model's logits ->
-   :func:`logprob_entropy_from_logits`.
+   :func:`logprob_entropy_from_logits`. Where ``FlatBatch.scored`` names the positions that
+   are read, either runs on those rows alone and the rest read 0 (engines/head/rows.py).
 
 Convention: position ``t`` holds ``log p(x[t+1] | x[:t+1]) / T``; the last position is 0
 (docs/architecture.md).
 """
 from __future__ import annotations
 
+import inspect
 import types
 from dataclasses import dataclass
 from typing import Callable
@@ -28,6 +30,7 @@ from .. import jagged
 from ..batch.flat import FlatBatch
 from .fused import check_labels_on_host, fused_logprob_entropy
 from .fused_loss import FULL_PRECISION, LossOf, fused_logprob_loss
+from .rows import KeptRows, kept_rows
 from ..jagged import IGNORE_INDEX
 
 FUSED_HEAD_METHOD = "polyfsdp_fused_head"
@@ -100,6 +103,8 @@ class FusedHeadCall:
     # A token-separable loss taken inside the head's forward (engines/head/fused_loss.py):
     # the call then returns ``(loss, metrics)`` instead of ``(log_probs, entropy)``.
     loss_of: LossOf | None = None
+    # The rows the head runs on (engines/head/rows.py); None: every real token.
+    kept: KeptRows | None = None
 
 
 def fused_head_support(model) -> tuple[float | None, str | None]:
@@ -122,19 +127,32 @@ def fused_head_support(model) -> tuple[float | None, str | None]:
 
 
 def _fused_head(self, model_inputs: dict, labels: torch.Tensor, call: FusedHeadCall):
-    """Run the decoder body, flatten its hidden states to real tokens, apply the fused op."""
-    hidden = call.to_flat(self.model(**model_inputs, use_cache=False).last_hidden_state)
+    """Run the decoder body, flatten its hidden states to real tokens (or to ``call.kept``'s
+    rows), apply the fused op."""
+    output = self.model(**model_inputs, use_cache=False).last_hidden_state
+    kept, temperature, loss_of = call.kept, call.temperature, call.loss_of
+    if kept is None:
+        hidden = call.to_flat(output)
+    else:
+        hidden, labels = kept.from_grid(output), kept.take(labels)
+        temperature = kept.take(temperature) if torch.is_tensor(temperature) else temperature
+        if loss_of is not None:
+            outer = loss_of
+
+            def loss_of(log_probs, entropy):  # the caller's loss reads the flat layout
+                return outer(kept.scatter(log_probs), kept.scatter(entropy))
     # Labels and temperatures were validated at the batch edge (engines/batch/checks.py).
-    options = dict(temperature=call.temperature, return_entropy=call.return_entropy, ignore_index=IGNORE_INDEX,
+    options = dict(temperature=temperature, return_entropy=call.return_entropy, ignore_index=IGNORE_INDEX,
                    softcap=call.softcap, check_values=False, impl=call.impl, compile_fallback=call.compile_fallback)
     weight = self.lm_head.weight
-    if call.loss_of is None:
-        return fused_logprob_entropy(hidden, weight, labels, **options)
+    if loss_of is None:
+        log_probs, entropy = fused_logprob_entropy(hidden, weight, labels, **options)
+        return (log_probs, entropy) if kept is None else (kept.scatter(log_probs), kept.scatter(entropy))
     if hidden.dtype in FULL_PRECISION and weight.dtype == hidden.dtype:
-        loss, metrics, _, _ = fused_logprob_loss(hidden, weight, labels, call.loss_of, **options)
+        loss, metrics, _, _ = fused_logprob_loss(hidden, weight, labels, loss_of, **options)
         return loss, metrics
     # Low-precision heads keep the 4-GEMM backward (fused_logprob_loss's docstring says why).
-    return call.loss_of(*fused_logprob_entropy(hidden, weight, labels, **options))
+    return loss_of(*fused_logprob_entropy(hidden, weight, labels, **options))
 
 
 def install_fused_head(model) -> None:
@@ -168,14 +186,39 @@ def logprob_entropy_from_logits(logits: torch.Tensor, labels: torch.Tensor, temp
 
 
 # ----------------------------------------------------------------------------- the path
+def _kept(flat: FlatBatch, layout) -> KeptRows | None:
+    """The rows of ``flat`` the head runs on in ``layout`` (engines/head/rows.py)."""
+    return kept_rows(flat.scored, flat.seq_lens, packed=isinstance(layout, PackedRowInputs),
+                     device=flat.input_ids.device)
+
+
 def _fused_head_call(model, flat: FlatBatch, layout, *, softcap: float | None, return_entropy: bool,
                      fused_impl: tuple[str, bool], loss_of: LossOf | None = None):
     """Run the fused head installed on ``model`` over ``flat`` (see FusedHeadCall)."""
     labels = jagged.next_token_labels_flat(flat.input_ids, flat.offsets, fill=IGNORE_INDEX)
     call = FusedHeadCall(to_flat=lambda h: layout.to_flat(h, flat), temperature=flat.token_temperature(),
                          return_entropy=return_entropy, softcap=softcap, impl=fused_impl[0],
-                         compile_fallback=fused_impl[1], loss_of=loss_of)
+                         compile_fallback=fused_impl[1], loss_of=loss_of, kept=_kept(flat, layout))
     return getattr(model, FUSED_HEAD_METHOD)(layout.model_inputs(flat), labels, call)
+
+
+def accepts_logits_to_keep(model) -> bool:
+    """Whether ``model``'s forward computes logits only at ``logits_to_keep`` (transformers' CausalLMs)."""
+    forward = getattr(type(model), "forward", None)
+    try:
+        return forward is not None and "logits_to_keep" in inspect.signature(forward).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+def _kept_logits(model, inputs: dict, kept: KeptRows | None, to_flat) -> torch.Tensor:
+    """The model's logits at ``kept``'s rows ``(n, V)`` (every real token's without ``kept``),
+    asking the model for those logits only when its forward takes ``logits_to_keep``."""
+    if kept is None:
+        return to_flat(model(**inputs, use_cache=False).logits)
+    if accepts_logits_to_keep(model):
+        return kept.from_window(model(**inputs, use_cache=False, logits_to_keep=kept.window).logits)
+    return kept.from_grid(model(**inputs, use_cache=False).logits)
 
 
 def forward_loss(model, flat: FlatBatch, loss_of: LossOf, *, use_remove_padding: bool, softcap: float | None,
@@ -201,8 +244,12 @@ def forward_logprobs(model, flat: FlatBatch, *, use_remove_padding: bool, fused:
         return _fused_head_call(model, flat, layout, softcap=softcap, return_entropy=return_entropy,
                                 fused_impl=fused_impl)
     labels = jagged.next_token_labels_flat(flat.input_ids, flat.offsets, fill=IGNORE_INDEX)
-    inputs = layout.model_inputs(flat)
     temperature = flat.token_temperature()
-    logits = model(**inputs, use_cache=False).logits
-    return logprob_entropy_from_logits(layout.to_flat(logits, flat), labels, temperature,
-                                       return_entropy=return_entropy, ignore_index=IGNORE_INDEX, check_values=False)
+    kept = _kept(flat, layout)
+    logits = _kept_logits(model, layout.model_inputs(flat), kept, lambda out: layout.to_flat(out, flat))
+    if kept is not None:
+        labels = kept.take(labels)
+        temperature = kept.take(temperature) if torch.is_tensor(temperature) else temperature
+    log_probs, entropy = logprob_entropy_from_logits(logits, labels, temperature, return_entropy=return_entropy,
+                                                     ignore_index=IGNORE_INDEX, check_values=False)
+    return (log_probs, entropy) if kept is None else (kept.scatter(log_probs), kept.scatter(entropy))

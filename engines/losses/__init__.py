@@ -21,7 +21,7 @@ import torch
 
 from .aggregation import AGG_MODES, aggregate, check_agg_mode, segment_ids, segment_sum, token_share
 from .correction import MASK_LEVELS
-from .inputs import LossInputs, check_inputs, is_token_separable
+from .inputs import LossInputs, check_inputs, is_token_separable, reads_masked_positions_only
 from .ppo import (DEFAULT_CLIP_RATIO_HIGH, GSPO_CLIP_RATIO_HIGH, GSPO_CLIP_RATIO_LOW, GSPO_LOG_RATIO_CLAMP,
                        K3_BOUND, K3_LOG_RATIO_BOUND, KL_TYPES, LOG_RATIO_CLAMP, PPO_AGG_MODES, GSPOLoss, PPOLoss,
                        clip_metrics, kl_penalty)
@@ -30,7 +30,7 @@ __all__ = ["AGG_MODES", "DEFAULT_CLIP_RATIO_HIGH", "GSPO_CLIP_RATIO_HIGH", "GSPO
            "GSPO_LOG_RATIO_CLAMP", "K3_BOUND", "K3_LOG_RATIO_BOUND", "KL_TYPES", "LOG_RATIO_CLAMP", "MASK_LEVELS",
            "PPO_AGG_MODES",
            "GSPOLoss", "LossInputs", "PPOLoss", "SFTLoss", "aggregate", "check_agg_mode", "check_inputs",
-           "clip_metrics", "is_token_separable",
+           "clip_metrics", "is_token_separable", "reads_masked_positions_only",
            "kl_penalty", "segment_ids", "segment_sum", "token_share"]
 
 
@@ -39,6 +39,7 @@ class SFTLoss:
 
     requires_entropy = False
     token_separable = True  # every aggregation mode weights tokens by constants of the step
+    masked_positions_only = True  # reads log-probs only under mask_field (engines/head/rows.py)
 
     def __init__(self, agg_mode: str = "token-mean", mask_field: str = "response_mask"):
         self.agg_mode = check_agg_mode(agg_mode)

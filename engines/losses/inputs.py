@@ -41,7 +41,9 @@ class LossInputs:
 # It may set ``requires_entropy = False`` (attribute) so the engine skips entropy work,
 # and ``required_fields = (...)`` naming the batch keys it reads (checked before the step),
 # and ``mask_field`` naming the per-token mask whose sum is ``global_num_tokens``
-# (default ``response_mask``; without that field, every position that has a next token).
+# (default ``response_mask``; without that field, every position that has a next token),
+# and ``masked_positions_only = True`` (on its class) when it reads its inputs only under that
+# mask (the engine then runs the LM head there alone; see reads_masked_positions_only).
 
 
 def check_inputs(inputs: LossInputs, required: Sequence[str], need_entropy: bool,
@@ -109,6 +111,17 @@ def is_token_separable(loss_fn) -> bool:
         getattr(loss_fn, "__dict__", {}).get("token_separable", True) is not False
 
 
+def reads_masked_positions_only(loss_fn) -> bool:
+    """Whether ``loss_fn`` declares ``masked_positions_only = True``: its loss and metrics read
+    the log-probs, entropy and values only where its ``mask_field`` is non-zero, so the engine
+    may run the LM head on those positions alone and hand it 0 elsewhere
+    (engines/head/rows.py). Read on the loss's own class, as ``token_separable`` is (a
+    subclass that reads more must not inherit it); an instance may opt out by setting
+    ``self.masked_positions_only = False``."""
+    return vars(type(loss_fn)).get("masked_positions_only", False) is True and \
+        getattr(loss_fn, "__dict__", {}).get("masked_positions_only", True) is not False
+
+
 @dataclass(frozen=True)
 class LossNeeds:
     """What a loss declares by its attributes (the defaults above where it sets none)."""
@@ -116,6 +129,7 @@ class LossNeeds:
     required: tuple[str, ...]
     entropy: bool
     mask_field: str
+    masked_only: bool = False  # reads its outputs only under mask_field (reads_masked_positions_only)
 
     @classmethod
     def of(cls, loss_fn, batch) -> "LossNeeds":
@@ -130,4 +144,4 @@ class LossNeeds:
             raise ValueError(f"loss function {type(loss_fn).__name__} needs batch keys {list(required)}; "
                              f"missing {missing} (batch has {sorted(batch.keys())})")
         return cls(required, bool(getattr(loss_fn, "requires_entropy", True)),
-                   getattr(loss_fn, "mask_field", "response_mask"))
+                   getattr(loss_fn, "mask_field", "response_mask"), reads_masked_positions_only(loss_fn))

@@ -68,6 +68,9 @@ class PPOLoss:
     # sequence-level mask on policy reads the current log-probs of the whole sequence: that
     # instance opts out (self.token_separable = False, see __init__).
     token_separable = True
+    # Every term and metric is weighted by response_mask (or a torch.where on it); the log-ratio
+    # and k3 clamps keep the products finite where the head wrote 0 (engines/head/rows.py).
+    masked_positions_only = True
 
     def __init__(
         self,
@@ -215,6 +218,7 @@ class GSPOLoss(PPOLoss):
     """
 
     token_separable = False  # s_i couples the tokens of a sequence
+    masked_positions_only = True  # s_i averages (logp - old) over the response mask only
 
     def __init__(self, clip_ratio_low: float = GSPO_CLIP_RATIO_LOW, clip_ratio_high: float = GSPO_CLIP_RATIO_HIGH,
                  sequence_level: bool = True, agg_mode: str = "seq-mean-token-mean", **kwargs):

@@ -30,6 +30,7 @@ from ..batch.flat import FlatBatch
 from ..head.forward import FUSED_HEAD_METHOD, FusedHeadCall, logprob_entropy_from_logits
 from ..jagged import IGNORE_INDEX
 from ..attention.ulysses import SP_KWARG, UlyssesContext, install_ulysses
+from ..head.rows import KeptRows, shard_kept_rows
 from ..head.value import VALUE_HEAD_METHOD
 
 logger = logging.getLogger(__name__)
@@ -126,6 +127,7 @@ class Shard:
     labels: torch.Tensor
     temperature: float | torch.Tensor
     to_flat: object
+    kept: KeptRows | None = None  # this shard's rows the head runs on (None: all of them)
 
 
 def shard_rows(flat: FlatBatch, *, use_remove_padding: bool, sp: SequenceParallel) -> Shard:
@@ -149,7 +151,18 @@ def shard_rows(flat: FlatBatch, *, use_remove_padding: bool, sp: SequenceParalle
             return whole[0, :flat.total]
         return jagged.dense_to_flat(whole, offsets=flat.offsets, total=flat.total)[0]
 
-    return Shard(inputs, rows.labels[:, cols].reshape(-1), temperature, to_flat)
+    return Shard(inputs, rows.labels[:, cols].reshape(-1), temperature, to_flat,
+                 shard_kept_rows(_scored_rows(flat, width, use_remove_padding), cols, flat.input_ids.device))
+
+
+def _scored_rows(flat: FlatBatch, width: int, use_remove_padding: bool) -> torch.Tensor | None:
+    """``flat.scored`` (host) in the rows layout ``(R, width)``; padding is never scored."""
+    if flat.scored is None:
+        return None
+    if use_remove_padding:
+        return torch.cat([flat.scored, flat.scored.new_zeros(width - flat.total)]).unsqueeze(0)
+    host_offsets = torch.tensor([0, *flat.seq_lens]).cumsum(0)
+    return jagged.flat_to_dense(flat.scored, host_offsets, width, padding_value=False)
 
 
 def sp_forward_logprobs(model, flat: FlatBatch, *, use_remove_padding: bool, fused: bool, softcap: float | None,
@@ -164,13 +177,20 @@ def sp_forward_logprobs(model, flat: FlatBatch, *, use_remove_padding: bool, fus
     if fused:
         call = FusedHeadCall(to_flat=lambda h: h.reshape(-1, h.shape[-1]), temperature=part.temperature,
                              return_entropy=return_entropy, softcap=softcap, impl=fused_impl[0],
-                             compile_fallback=fused_impl[1])
+                             compile_fallback=fused_impl[1], kept=part.kept)
         log_probs, entropy = getattr(model, FUSED_HEAD_METHOD)(part.inputs, part.labels, call)
     else:
         logits = model(**part.inputs, use_cache=False).logits
-        log_probs, entropy = logprob_entropy_from_logits(logits.reshape(-1, logits.shape[-1]), part.labels,
-                                                         part.temperature, return_entropy=return_entropy,
+        kept, labels, temperature = part.kept, part.labels, part.temperature
+        if kept is None:
+            logits = logits.reshape(-1, logits.shape[-1])
+        else:
+            logits, labels = kept.from_grid(logits), kept.take(labels)
+            temperature = kept.take(temperature) if torch.is_tensor(temperature) else temperature
+        log_probs, entropy = logprob_entropy_from_logits(logits, labels, temperature, return_entropy=return_entropy,
                                                          ignore_index=IGNORE_INDEX, check_values=False)
+        if kept is not None:
+            log_probs, entropy = kept.scatter(log_probs), kept.scatter(entropy)
     return part.to_flat(log_probs), (part.to_flat(entropy) if return_entropy else None)
 
 

@@ -31,6 +31,7 @@ class AdvantageInputs:
     masks: Sequence[torch.Tensor]                 # its response positions (0/1)
     group_size: int
     algo: object                                  # the AlgoSection (norm_adv_by_std, the critic's gamma/lam)
+    # Log-probs are computed on the response positions only (0 elsewhere: the LM head runs there).
     old_log_probs: Sequence[torch.Tensor] | None  # when the estimator or the loss needs them
     ref_log_probs: Sequence[torch.Tensor] | None  # when there is a reference (kl_coef > 0)
     values: Sequence[torch.Tensor] | None         # the critic's, when the estimator needs one

@@ -62,12 +62,14 @@ def old_and_ref_log_probs(policy, ref, batch, temperature: float, need_old: bool
     """Per-sequence log-probs of the rollout ``batch`` under the sampling policy (only when
     ``need_old``: with one update per rollout the ratio is 1 without them) and under the
     frozen reference (when there is one); stored in ``token_fields`` as ``old_log_probs`` /
-    ``ref_log_probs`` and returned as ``(old, ref)``, None where not computed."""
+    ``ref_log_probs`` and returned as ``(old, ref)``, None where not computed. Both are
+    computed on the response positions alone and read 0 elsewhere: the losses, estimators and
+    metrics read them under the response mask only (the LM head runs there, engines/head/rows.py)."""
     pad_mode = policy.engine_config.pad_mode
     out = {}
     for name, engine in (("old_log_probs", policy if need_old else None), ("ref_log_probs", ref)):
         if engine is not None:
-            out[name] = per_sequence(engine.infer_batch(batch, temperature=temperature, calculate_entropy=False)
-                                     ["log_probs"], batch, pad_mode)
+            out[name] = per_sequence(engine.infer_batch(batch, temperature=temperature, calculate_entropy=False,
+                                                        mask_field="response_mask")["log_probs"], batch, pad_mode)
     token_fields.update(out)
     return out.get("old_log_probs"), out.get("ref_log_probs")

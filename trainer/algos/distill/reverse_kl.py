@@ -25,9 +25,9 @@ def teacher_log_probs(teacher, batch, temperature: float, pad_mode: str) -> list
     """The teacher's per-token log-probs of the rollout ``batch``, one flat tensor per sequence:
     the reference's log-prob pass (engine ``infer_batch``: every pad mode, SP, micro-batches) at
     the sampling temperature, as the student's, so the KL is zero exactly when the student's
-    model is the teacher's."""
-    return per_sequence(teacher.infer_batch(batch, temperature=temperature, calculate_entropy=False)["log_probs"],
-                        batch, pad_mode)
+    model is the teacher's. Computed on the response positions alone (0 elsewhere): the KL reads no other."""
+    return per_sequence(teacher.infer_batch(batch, temperature=temperature, calculate_entropy=False,
+                                            mask_field="response_mask")["log_probs"], batch, pad_mode)
 
 
 def reverse_kl_per_token(student: Sequence[torch.Tensor], teacher: Sequence[torch.Tensor],
