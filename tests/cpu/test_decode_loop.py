@@ -135,3 +135,26 @@ def test_inference_mode_only_for_the_fsdp_free_model():
     assert not _fsdp_free(sharded.module)
     torch.manual_seed(0)
     assert generate(sharded, PROMPTS, SamplingParams.for_tokenizer(TOK, 4), unshard=True).token_ids  # sharded: no_grad
+
+
+@pytest.mark.parametrize("preset", ["qwen2-tiny", "gemma2-tiny"])
+def test_rows_sharing_a_prompt_prefill_it_once_and_decode_as_hf_generate(preset):
+    """A GRPO batch holds each prompt group_size times: the prefill runs on the distinct prompts
+    and copies their cache rows (our preallocated layers; gemma2: sliding-window layers too)."""
+    model = _engine(preset).module.eval()
+    prompts = [p for p in PROMPTS for _ in range(3)][::-1] + [PROMPTS[0]]
+    ids, mask = _left_padded(prompts, TOK.pad_token_id)
+    rows_seen = []
+    hook = model.register_forward_pre_hook(lambda m, a, kw: rows_seen.append(kw["input_ids"].shape), with_kwargs=True)
+    eos = _mid_sequence_token(_hf_generate(model, ids, mask, _params(12, TOK.unk_token_id, greedy=True), False))
+    rows_seen.clear()
+    ours = decode(model, ids, mask, _params(12, eos, greedy=True))
+    hook.remove()
+    assert rows_seen[0] == (len(PROMPTS), ids.shape[1])  # the prefill: one row per distinct prompt
+    assert ours == _hf_generate(model, ids, mask, _params(12, eos, greedy=True), False)
+    seeds = RowSeeds(4, 0).rows(0, len(prompts), 1)
+    sampled = decode(model, ids, mask, _params(6, eos, log_probs=True), row_seeds=seeds)
+    hf = _hf_generate(model, ids, mask, _params(6, eos, log_probs=True), False, row_seeds=seeds)
+    assert sampled[0] == hf[0]
+    for ours_lp, hf_lp in zip(sampled[1], hf[1]):
+        torch.testing.assert_close(torch.tensor(ours_lp), torch.tensor(hf_lp), rtol=1e-5, atol=1e-5)

@@ -13,6 +13,8 @@ its tokens do not depend on the other rows, and equal those HF ``generate`` draw
 seeds (trainer/rollout/generate.py); from the process's generator the stream is consumed
 differently from ``generate``'s.
 Positions follow ``generate``'s rule for left-padded prompts (count of real tokens before).
+Rows that share a prompt (a GRPO group) share its prefill: the distinct prompts run once and
+their cache rows are copied, which divides the prefill's FLOPs by the group size.
 """
 from __future__ import annotations
 
@@ -113,6 +115,34 @@ def _fsdp_free(model) -> bool:
     return not any(isinstance(m, FSDPModule) for m in model.modules())
 
 
+def _distinct_prompts(ids: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """``(first row of each distinct prompt, each row's prompt among them)``, or None when no
+    two rows share a prompt. A GRPO batch holds each prompt ``group_size`` times."""
+    key = torch.cat([ids, mask.to(ids.dtype)], dim=1)
+    distinct, which = torch.unique(key, dim=0, return_inverse=True)
+    if distinct.shape[0] == key.shape[0]:
+        return None
+    rows = torch.arange(key.shape[0], device=key.device)
+    first = torch.full((distinct.shape[0],), key.shape[0], dtype=torch.long, device=key.device)
+    return first.scatter_reduce_(0, which, rows, reduce="amin"), which
+
+
+def _prefill(model, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, cache_arg: dict):
+    """The prompts' forward into the cache, last position's logits only. Rows with the same
+    prompt share one forward: the distinct prompts run once and their cache rows and logits are
+    copied to every row that holds them (a row's cache depends on its prompt alone)."""
+    shared = _distinct_prompts(ids, mask)
+    if shared is None:
+        return model(input_ids=ids, attention_mask=mask, position_ids=positions, **cache_arg, use_cache=True,
+                     logits_to_keep=1)
+    first, which = shared
+    out = model(input_ids=ids[first], attention_mask=mask[first], position_ids=positions[first], **cache_arg,
+                use_cache=True, logits_to_keep=1)
+    next(iter(cache_arg.values())).batch_select_indices(which)
+    out.logits = out.logits[which]
+    return out
+
+
 def decode(model, ids: torch.Tensor, mask: torch.Tensor, params, row_seeds: list[int] | None = None):
     """Completions of left-padded prompts (see :func:`_decode`), in inference mode when the
     model is FSDP-free, else without gradients."""
@@ -140,8 +170,7 @@ def _decode(model, ids: torch.Tensor, mask: torch.Tensor, params, row_seeds: lis
     width, capacity = ids.shape[1], ids.shape[1] + max_new_tokens
     cache = _preallocated_cache(model, capacity)
     cache_arg = {_cache_keyword(model): cache}
-    out = model(input_ids=ids, attention_mask=mask, position_ids=positions, **cache_arg,
-                use_cache=True, logits_to_keep=1)
+    out = _prefill(model, ids, mask, positions, cache_arg)
     next_position = mask.long().sum(-1, keepdim=True)
     # Which cached positions each row attends to: its prompt's real tokens, then every new one.
     # Sliced to the cache length each step (no growing cat); as a ready 4D mask where
