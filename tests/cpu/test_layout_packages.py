@@ -1,24 +1,18 @@
 """Guards of the sub-package layout (docs/architecture.md, "Layout and dependency direction"):
 folders stay small, modules stay under the size limit, every sub-package says what it owns,
-the engine's components import downward only, ``trainer/run/`` is reached only from the entry
-points, and every module path from before the move still imports the moved module."""
+the engine's components import downward only, and ``trainer/run/`` is reached only from the entry
+points. That every module has one name is tests/cpu/test_layout_names.py's."""
 from __future__ import annotations
 
 import ast
-import importlib
 from pathlib import Path
-
-import pytest
-
-import polyfsdp.engines
-import polyfsdp.trainer
 
 ROOT = Path(__file__).resolve().parents[2]
 PRODUCTION = ("backends", "patches", "engines", "trainer")
 MAX_MODULES_PER_FOLDER = 12
 MAX_MODULE_LINES = 400
 # The engine's components, lowest first: each imports only components before it.
-ENGINE_ORDER = ("moved_modules", "cancellation", "presets", "config", "jagged", "batch", "attention", "head", "parallel",
+ENGINE_ORDER = ("cancellation", "presets", "config", "jagged", "batch", "attention", "head", "parallel",
                 "model", "losses", "checkpoint", "heads", "step_metrics", "engine", "memory")
 # Only these trainer modules may import the job's package (it composes everything else).
 RUN_IMPORTERS = ("trainer/train.py", "trainer/eval_cli.py")
@@ -116,32 +110,3 @@ def test_the_downward_check_sees_an_upward_import(tmp_path, monkeypatch):
     targets = [_engine_component(t) for _, t in _imports(probe)]
     assert targets == ["checkpoint", "jagged"]
 
-
-MOVED = {**polyfsdp.engines.MOVED_MODULES, **polyfsdp.trainer.MOVED_MODULES}
-
-
-@pytest.mark.parametrize("old", sorted(MOVED))
-def test_a_module_path_from_before_the_move_imports_the_moved_module(old):
-    new = MOVED[old]
-    assert not (ROOT / (old.split(".", 1)[1].replace(".", "/") + ".py")).exists(), f"{old} exists again"
-    moved = importlib.import_module(old)
-    assert moved is importlib.import_module(new)
-    assert moved.__name__ == new and moved.__spec__.name == new
-
-
-def test_an_old_path_imported_from_its_package_is_the_moved_module():
-    from polyfsdp.engines import fused_logprob
-    from polyfsdp.engines.head import fused
-
-    assert fused_logprob is fused
-
-
-def test_the_config_package_still_gives_the_job_configuration_names():
-    import polyfsdp.trainer.config as package
-    from polyfsdp.trainer.config import job
-
-    public = [name for name in vars(job) if not name.startswith("_")]
-    assert "JobConfig" in public
-    assert all(getattr(package, name) is getattr(job, name) for name in public)
-    with pytest.raises(AttributeError, match="no attribute 'no_such_name'"):
-        package.no_such_name

@@ -4,10 +4,6 @@ against first (bounds.py), loading the user's code a key names (plugins.py), a r
 config.yaml read as data (saved_run.py), the directory a run started in, which its relative
 paths are read from (run_start.py), and whether this machine can hold the job at all (machine_fit.py).
 
-The package itself imports nothing heavy, so composing and checking overrides (``--help``, a
-mistyped key) stays free of torch; ``polyfsdp.trainer.config.JobConfig`` and the other names of
-``job.py`` resolve on first use.
+The package itself imports nothing, so composing and checking overrides (``--help``, a
+mistyped key) stays free of torch.
 """
-from polyfsdp.engines.moved_modules import names_of
-
-__getattr__ = names_of(__name__, "job")

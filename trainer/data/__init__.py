@@ -3,9 +3,4 @@ record (example.py), the string-reversal task (task.py) and the word problems (a
 the character tokenizer and a model directory's tokenizer (tokenizers.py, char_tokenizer_hf.py),
 demonstration conversations (demonstrations.py), chat templates and the prompt-length policy
 (chat.py), and engine batches from token lists (batch.py).
-
-The names of sources.py (``build_source``, ...) resolve from the package on first use.
 """
-from polyfsdp.engines.moved_modules import names_of
-
-__getattr__ = names_of(__name__, "sources")
