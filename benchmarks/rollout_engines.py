@@ -23,7 +23,7 @@ from transformers import AutoModelForCausalLM
 from polyfsdp.backends.registry import get_backend
 from polyfsdp.engines import EngineConfig, FSDPEngine, ModelConfig
 from polyfsdp.engines.presets import preset_config
-from polyfsdp.trainer.config.job import RolloutSection
+from polyfsdp.trainer.config.sections import RolloutSection
 from polyfsdp.trainer.rollout.build import build_rollout_engine
 from polyfsdp.trainer.rollout.engines import SamplingParams
 

@@ -25,7 +25,8 @@ from polyfsdp.backends.registry import get_backend
 from polyfsdp.engines import EngineConfig, FSDPEngine, ModelConfig, OptimConfig
 from polyfsdp.engines.presets import preset_config
 from polyfsdp.trainer.algos.rl_step import rl_step
-from polyfsdp.trainer.config.job import RolloutSection, load_config
+from polyfsdp.trainer.config.job import load_config
+from polyfsdp.trainer.config.sections import RolloutSection
 from polyfsdp.trainer.data.task import ReverseTask
 from polyfsdp.trainer.data.tokenizers import CharTokenizer
 from polyfsdp.trainer.rollout.build import build_rollout_engine

@@ -3,12 +3,9 @@
 ``apply_patches(model, backend, toggles) -> PatchReport``; ``report.undo()`` restores the model.
 Importing this package imports no model code: family classes are looked up when a model is patched.
 """
+from .edits import EditLog
 from .registry import (
-    EditLog,
     Patch,
-    PatchReport,
-    PatchToggles,
-    ProbeCase,
     apply_patches,
     known_families,
     known_patch_names,
@@ -17,7 +14,9 @@ from .registry import (
     unregister,
     validate_toggles,
 )
-from .report import PatchOutcome
+from .report import PatchOutcome, PatchReport
+from .toggles import PatchToggles
+from .verify import ProbeCase
 
 __all__ = [
     "EditLog",

@@ -13,8 +13,8 @@ import logging
 import os
 import sys
 
-from .startup import (EXIT_INTERRUPTED, SigtermWhileStarting, TerminatedWhileStarting, interrupted_while_starting,
-                      rank_prefix, terminated_while_starting)
+from .startup import (EXIT_INTERRUPTED, EXIT_TERMINATED, SigtermWhileStarting, TerminatedWhileStarting,
+                      interrupted_while_starting, rank_prefix, terminated_while_starting)
 
 USAGE = """usage: polyfsdp-train [GROUP=OPTION] [KEY=VALUE ...] [--cfg] [--estimate] [--help]
 
@@ -203,7 +203,7 @@ def _main(argv: list[str] | None, starting: SigtermWhileStarting) -> int:
 
     from .config.job import build_job_config
     from .errors import DataError, MetricsWriteError, Preempted, RankError
-    from .run.stop import EXIT_TERMINATED, continue_command
+    from .run.stop import continue_command
     from polyfsdp.engines.checkpoint import CheckpointError
 
     # CheckpointError: a save that failed (full disk, unwritable output); a damaged checkpoint

@@ -35,9 +35,9 @@ from polyfsdp.backends.distributed import all_gather_object, background_group, b
 
 from .background import PendingCheckpoint, start_background_save, wait_for_background_save
 from .errors import CheckpointDamaged, CheckpointError, CheckpointSaveError
-from .files import (ALL_SPANS, DCP_METADATA_FILE, check_checksums, check_manifest, dcp_spans_read, load_plain,
-                               read_dcp_metadata, save_plain, unread_spans, verify_checkpoint, write_manifest)
-from .paths import check_shard_files
+from .files import (ALL_SPANS, check_checksums, check_manifest, dcp_spans_read, load_plain, read_dcp_metadata,
+                    save_plain, unread_spans, verify_checkpoint, write_manifest)
+from .paths import DCP_METADATA_FILE, check_shard_files
 from .layout import (TMP_PREFIX, TRAINER_STATE_FILE, complete_checkpoints, is_complete,
                                 latest_checkpoint, move_into_place, prune, remove_leftovers, remove_tree,
                                 step_dir_name)

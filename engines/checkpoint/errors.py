@@ -1,5 +1,5 @@
 """The checkpoint's one-line errors, in a leaf module: every module of the package raises them
-without an import circle (``files.py`` re-exports them, where callers have always imported them)."""
+without an import circle."""
 from __future__ import annotations
 
 

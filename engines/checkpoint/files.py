@@ -32,8 +32,7 @@ import torch
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
-# The errors and the file names are re-exported from here, where callers have always imported them.
-from .errors import CheckpointDamaged, CheckpointError, CheckpointSaveError  # noqa: F401
+from .errors import CheckpointDamaged, CheckpointError
 from .paths import (DCP_METADATA_FILE, MANIFEST_FILE, check_listed_name, check_shard_files, check_shard_names,
                     refuse_link)
 

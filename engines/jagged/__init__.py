@@ -10,9 +10,9 @@ host already knows the sizes. Lengths/offsets/masks that live on the host are va
 trusted when ``total`` is given (validating them would need a host-device sync), and read
 back once, then validated, when it is not.
 
-This module holds right padding and the nested-tensor accessors, and re-exports the rest
-of the public API: ``left_right`` conversions (``jagged_left_right``), next-token labels
-(``labels``) and the index kernels (``jagged_kernels``; checks in ``jagged_checks``).
+This module holds right padding and the nested-tensor accessors; its ``__all__`` is the whole
+public API, with the ``left_right`` conversions (left_right.py), next-token labels (labels.py)
+and the index kernels (kernels.py; checks in checks.py) it imports.
 """
 from __future__ import annotations
 

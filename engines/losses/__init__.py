@@ -20,11 +20,10 @@ from __future__ import annotations
 import torch
 
 from .aggregation import AGG_MODES, aggregate, check_agg_mode, segment_ids, segment_sum, token_share
-from .correction import MASK_LEVELS
+from .correction import LOG_RATIO_CLAMP, MASK_LEVELS
 from .inputs import LossInputs, check_inputs, is_token_separable, reads_masked_positions_only
 from .ppo import (DEFAULT_CLIP_RATIO_HIGH, GSPO_CLIP_RATIO_HIGH, GSPO_CLIP_RATIO_LOW, GSPO_LOG_RATIO_CLAMP,
-                       K3_BOUND, K3_LOG_RATIO_BOUND, KL_TYPES, LOG_RATIO_CLAMP, PPO_AGG_MODES, GSPOLoss, PPOLoss,
-                       clip_metrics, kl_penalty)
+                  K3_BOUND, K3_LOG_RATIO_BOUND, KL_TYPES, PPO_AGG_MODES, GSPOLoss, PPOLoss, clip_metrics, kl_penalty)
 
 __all__ = ["AGG_MODES", "DEFAULT_CLIP_RATIO_HIGH", "GSPO_CLIP_RATIO_HIGH", "GSPO_CLIP_RATIO_LOW",
            "GSPO_LOG_RATIO_CLAMP", "K3_BOUND", "K3_LOG_RATIO_BOUND", "KL_TYPES", "LOG_RATIO_CLAMP", "MASK_LEVELS",

@@ -13,7 +13,7 @@ from test_multi_turn import GUESS_ENV, ScriptedEngine, _params  # noqa: E402
 
 from polyfsdp.trainer.data.example import Example  # noqa: E402
 from polyfsdp.trainer.data.tokenizers import CharTokenizer  # noqa: E402
-from polyfsdp.trainer.rewards.reward_fn import RewardError  # noqa: E402
+from polyfsdp.trainer.errors import RewardError  # noqa: E402
 from polyfsdp.trainer.rollout.drivers.agent import AgentDriver  # noqa: E402
 from polyfsdp.trainer.rollout.drivers.result import Rollout  # noqa: E402
 from polyfsdp.trainer.rollout.drivers.multi_turn import (MultiTurnDriver, MultiTurnSettings,  # noqa: E402

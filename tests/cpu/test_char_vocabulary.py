@@ -42,7 +42,7 @@ def test_a_fresh_character_tokenizer_adds_the_datas_characters_in_sorted_order(t
 def test_a_fixed_tokenizer_still_names_what_it_lacks(tmp_path):
     import pytest
 
-    from polyfsdp.trainer.data.sources import DataError
+    from polyfsdp.trainer.errors import DataError
 
     source, tokenizer, encoder = _source(tmp_path, grow=False)
     assert encoder.added_characters == "" and tokenizer.chars == CharTokenizer().chars

@@ -12,7 +12,8 @@ from checkpoint_cases import build_sharded
 
 from polyfsdp.backends import get_backend, init_distributed
 from polyfsdp.engines import checkpoint as ckpt
-from polyfsdp.engines.checkpoint.files import MANIFEST_FILE, write_manifest
+from polyfsdp.engines.checkpoint.files import write_manifest
+from polyfsdp.engines.checkpoint.paths import MANIFEST_FILE
 
 
 @pytest.fixture(scope="module")

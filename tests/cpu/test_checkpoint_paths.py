@@ -16,7 +16,8 @@ from polyfsdp.backends import get_backend, init_distributed
 from polyfsdp.engines import checkpoint as ckpt
 from polyfsdp.engines.checkpoint.files import load_plain, save_plain, write_manifest
 from polyfsdp.engines.checkpoint.parts import sharded_state
-from polyfsdp.trainer.config.job import ConfigError, load_config
+from polyfsdp.trainer.config.job import load_config
+from polyfsdp.trainer.errors import ConfigError
 from polyfsdp.trainer.run.resume import find_resume
 
 

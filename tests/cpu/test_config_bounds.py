@@ -11,8 +11,10 @@ import pytest
 from polyfsdp.engines.config import EngineConfig, LoraConfig, OptimConfig
 from polyfsdp.trainer.config.algo import ActorSection, CriticSection, RolloutCorrectionSection, SFTSection
 from polyfsdp.trainer.config.composition import compose, to_container
-from polyfsdp.trainer.config.job import (ConfigError, DataSection, ModelSection, RewardModelSection, RewardSection,
-                                     TrainerSection, build_job_config)
+from polyfsdp.trainer.errors import ConfigError
+from polyfsdp.trainer.config.sections import (DataSection, ModelSection, RewardModelSection, RewardSection,
+                                              TrainerSection)
+from polyfsdp.trainer.config.job import build_job_config
 from polyfsdp.trainer.config.bounds import BOUNDS, bounds_for
 
 # Where each section of the config lives; algo.critic.* exists under algo=ppo.

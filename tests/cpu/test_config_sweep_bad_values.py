@@ -9,8 +9,9 @@ import copy
 import pytest
 
 from polyfsdp.trainer.config.composition import compose, to_container
-from polyfsdp.trainer.config.job import ConfigError, build_job_config
+from polyfsdp.trainer.config.job import build_job_config
 from polyfsdp.trainer.config.machine_fit import check_fits
+from polyfsdp.trainer.errors import ConfigError
 
 ALGOS = ("grpo", "ppo")
 BASE = {algo: to_container(compose([f"algo={algo}"])) for algo in ALGOS}

@@ -25,9 +25,10 @@ from polyfsdp.trainer.algos.distill.reverse_kl import (ADVANTAGE_SHARE_KEY, REVE
 from polyfsdp.trainer.algos.distill.teacher import check_teacher_tokenizer
 from polyfsdp.trainer.algos.updates import old_and_ref_log_probs
 from polyfsdp.trainer.config.algo import DistillSection
-from polyfsdp.trainer.config.job import ConfigError, load_config
+from polyfsdp.trainer.config.job import load_config
 from polyfsdp.trainer.data.batch import build_batch, response_mask
 from polyfsdp.trainer.data.tokenizers import CharTokenizer
+from polyfsdp.trainer.errors import ConfigError
 from polyfsdp.trainer.train import main
 from test_cli import TINY
 from vllm_cases import write_checkpoint

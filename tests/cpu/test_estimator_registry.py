@@ -8,9 +8,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from polyfsdp.trainer.config.job import ConfigError, load_config
 from polyfsdp.trainer.algos.estimators import ESTIMATORS, needs_text, resolve_estimator
 from polyfsdp.trainer.algos.policy_losses import POLICY_LOSSES
+from polyfsdp.trainer.config.job import load_config
+from polyfsdp.trainer.errors import ConfigError
 
 HERE = Path(__file__).resolve().parent
 README = HERE.parents[1] / "README.md"

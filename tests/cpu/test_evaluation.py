@@ -9,7 +9,8 @@ from collections import Counter
 import pytest
 
 from polyfsdp.engines import EngineConfig, FSDPEngine, ModelConfig
-from polyfsdp.trainer.config.job import ConfigError, load_config
+from polyfsdp.trainer.errors import ConfigError
+from polyfsdp.trainer.config.job import load_config
 from polyfsdp.trainer.evaluation.held_out import EvalSettings, evaluate
 from polyfsdp.trainer.rollout.engines import SamplingParams
 from polyfsdp.trainer.rollout.generate import generate

@@ -14,7 +14,8 @@ import sys
 import pytest
 from test_cli import TINY
 
-from polyfsdp.trainer.tracking.metrics import MetricsLogger, MetricsWriteError, read_metrics
+from polyfsdp.trainer.errors import MetricsWriteError
+from polyfsdp.trainer.tracking.metrics import MetricsLogger, read_metrics
 from polyfsdp.trainer.train import main
 
 # SFT only: the held-out evaluation before the first step already calls the reward.
@@ -263,8 +264,9 @@ def test_a_dead_peer_rank_is_named_by_the_survivors(monkeypatch):
 
 def test_ranks_that_read_different_records_stop_with_one_line(monkeypatch):
     from polyfsdp.trainer import rank_errors
-    from polyfsdp.trainer.config.job import ConfigError, load_config
+    from polyfsdp.trainer.config.job import load_config
     from polyfsdp.trainer.data.example import Example
+    from polyfsdp.trainer.errors import ConfigError
 
     class Source:
         def __init__(self, answers):

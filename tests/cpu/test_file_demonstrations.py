@@ -8,7 +8,8 @@ import pytest
 from test_multi_turn import ScriptedEngine
 from test_tool_sft import TOKENIZERS
 
-from polyfsdp.trainer.data.sources import DataError, read_files
+from polyfsdp.trainer.errors import DataError
+from polyfsdp.trainer.data.sources import read_files
 from polyfsdp.trainer.rollout.drivers.multi_turn import MultiTurnDriver, MultiTurnSettings
 from polyfsdp.trainer.data.example import Example
 from polyfsdp.trainer.algos.tool_sft import conversation_sequences

@@ -6,7 +6,8 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from polyfsdp.engines import EngineConfig, FSDPEngine, ModelConfig
-from polyfsdp.trainer.config.job import ConfigError, load_config
+from polyfsdp.trainer.errors import ConfigError
+from polyfsdp.trainer.config.job import load_config
 from polyfsdp.trainer.rollout.engines import SamplingParams
 from polyfsdp.trainer.rollout.generate import generate, use_gather_once
 from polyfsdp.trainer.data.tokenizers import CharTokenizer

@@ -3,7 +3,8 @@ step count, the loss each setting builds, and DAPO group filtering's bookkeeping
 import pytest
 
 from polyfsdp.trainer.rollout import sampling
-from polyfsdp.trainer.config.job import ConfigError, load_config
+from polyfsdp.trainer.errors import ConfigError
+from polyfsdp.trainer.config.job import load_config
 from polyfsdp.trainer.config.sampling import SamplingControls
 from polyfsdp.trainer.rollout.drivers.result import Rollout
 from polyfsdp.trainer.data.example import Example

@@ -8,7 +8,8 @@ import torch
 
 from loss_cases import loss_inputs_from_sequences
 from polyfsdp.engines.losses import GSPO_CLIP_RATIO_HIGH, GSPO_CLIP_RATIO_LOW, GSPOLoss, is_token_separable
-from polyfsdp.trainer.config.job import ConfigError, load_config
+from polyfsdp.trainer.config.job import load_config
+from polyfsdp.trainer.errors import ConfigError
 
 
 def _batch(seed: int = 0, spread: float = 0.05):

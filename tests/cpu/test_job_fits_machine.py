@@ -7,8 +7,9 @@ import sys
 
 import pytest
 
-from polyfsdp.trainer.config.job import ConfigError, load_config
+from polyfsdp.trainer.config.job import load_config
 from polyfsdp.trainer.config.machine_fit import check_fits
+from polyfsdp.trainer.errors import ConfigError
 
 
 def _cpus() -> int:

@@ -3,7 +3,8 @@
 when the job first built the preset's config)."""
 import pytest
 
-from polyfsdp.trainer.config.job import ConfigError, load_config
+from polyfsdp.trainer.config.job import load_config
+from polyfsdp.trainer.errors import ConfigError
 
 
 @pytest.mark.parametrize("override,field", [("model.overrides.hidden_size=abc", "hidden_size"),

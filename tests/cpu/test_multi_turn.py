@@ -12,7 +12,7 @@ from polyfsdp.trainer.data.batch import build_batch, per_sequence, response_mask
 from polyfsdp.trainer.rollout.environments import EnvStep, parse_tool_calls
 from polyfsdp.trainer.rollout.engines import Completions, RolloutEngine, SamplingParams
 from polyfsdp.trainer.rollout.drivers.multi_turn import ChatTurns, MultiTurnDriver, MultiTurnSettings
-from polyfsdp.trainer.rewards.reward_fn import RewardError
+from polyfsdp.trainer.errors import RewardError
 from polyfsdp.trainer.rollout.row_seeds import turn_seed
 from polyfsdp.trainer.data.tokenizers import CharTokenizer
 from polyfsdp.trainer.data.example import Example

@@ -10,8 +10,9 @@ import pytest
 
 from own_data_cases import bpe_tokenizer, verl_record, write_jsonl, write_model_dir, write_parquet
 from polyfsdp.trainer.data.chat import PromptEncoder
-from polyfsdp.trainer.config.job import ConfigError, load_config
-from polyfsdp.trainer.data.sources import DataError, build_source, read_jsonl, read_parquet
+from polyfsdp.trainer.errors import ConfigError, DataError
+from polyfsdp.trainer.config.job import load_config
+from polyfsdp.trainer.data.sources import build_source, read_jsonl, read_parquet
 from polyfsdp.trainer.tracking.metrics import read_metrics
 from polyfsdp.trainer.data.tokenizers import CharTokenizer, HFTokenizerAdapter, load_tokenizer
 from polyfsdp.trainer.train import main

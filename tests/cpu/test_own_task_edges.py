@@ -6,8 +6,9 @@ import pytest
 
 from own_data_cases import write_jsonl
 from polyfsdp.trainer.config.job import load_config
-from polyfsdp.trainer.data.sources import DataError, build_source, check_tokenizer_covers
+from polyfsdp.trainer.data.sources import build_source, check_tokenizer_covers
 from polyfsdp.trainer.data.tokenizers import CharTokenizer
+from polyfsdp.trainer.errors import DataError
 
 
 def _sort_rows(n, system=True):
@@ -157,7 +158,7 @@ def test_continuing_with_fewer_steps_than_were_done_is_one_line(tmp_path, capsys
 
 
 def test_relative_paths_that_miss_say_which_directory_they_were_read_from(tmp_path, monkeypatch):
-    from polyfsdp.trainer.config.job import ConfigError
+    from polyfsdp.trainer.errors import ConfigError
     from polyfsdp.trainer.rewards.reward_fn import load_reward_fn
 
     monkeypatch.chdir(tmp_path)

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from polyfsdp.trainer.config.job import ConfigError, load_config
+from polyfsdp.trainer.config.job import load_config
+from polyfsdp.trainer.errors import ConfigError
 from polyfsdp.trainer.tracking.metrics import read_metrics
 from polyfsdp.trainer.train import main
 

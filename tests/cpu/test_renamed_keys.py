@@ -4,7 +4,8 @@ import pytest
 from omegaconf import OmegaConf
 
 from polyfsdp.trainer.config.composition import upgrade_saved_config
-from polyfsdp.trainer.config.job import ConfigError, build_job_config, load_config
+from polyfsdp.trainer.config.job import build_job_config, load_config
+from polyfsdp.trainer.errors import ConfigError
 
 
 @pytest.mark.parametrize("override, line", [

@@ -16,11 +16,11 @@ from transformers import AutoModelForSequenceClassification
 
 from polyfsdp.backends.registry import get_backend
 from polyfsdp.engines.presets import preset_config
-from polyfsdp.trainer.config.job import ConfigError, load_config
+from polyfsdp.trainer.config.job import load_config
 from polyfsdp.trainer.config.sections import RewardModelSection, RewardSection
 from polyfsdp.trainer.data.example import Example
 from polyfsdp.trainer.data.tokenizers import CharTokenizer
-from polyfsdp.trainer.errors import RewardError
+from polyfsdp.trainer.errors import ConfigError, RewardError
 from polyfsdp.trainer.rewards.reward_fn import Scorer
 from polyfsdp.trainer.rewards.reward_model import build_reward_model_source
 from polyfsdp.trainer.rewards.rules import char_match

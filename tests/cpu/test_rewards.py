@@ -7,8 +7,9 @@ import sys
 
 import pytest
 
-from polyfsdp.trainer.config.job import ConfigError, load_config
-from polyfsdp.trainer.rewards.reward_fn import RewardError, Scorer, build_scorer, load_reward_fn, mean_over_ranks
+from polyfsdp.trainer.errors import ConfigError, RewardError
+from polyfsdp.trainer.config.job import load_config
+from polyfsdp.trainer.rewards.reward_fn import Scorer, build_scorer, load_reward_fn, mean_over_ranks
 from polyfsdp.trainer.rewards.rules import gsm8k
 from polyfsdp.trainer.data.example import Example
 

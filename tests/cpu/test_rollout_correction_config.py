@@ -7,7 +7,8 @@ import pytest
 from omegaconf import OmegaConf
 
 from polyfsdp.trainer.config.algo import ASYNC_TIS_CAP
-from polyfsdp.trainer.config.job import ConfigError, load_config
+from polyfsdp.trainer.config.job import load_config
+from polyfsdp.trainer.errors import ConfigError
 from polyfsdp.trainer.run.resume import check_same_run
 
 RC = "algo.rollout_correction"

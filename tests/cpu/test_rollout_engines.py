@@ -14,7 +14,9 @@ import torch
 from polyfsdp.backends.registry import get_backend
 from polyfsdp.engines import EngineConfig, FSDPEngine, ModelConfig
 from polyfsdp.engines.model.weight_stream import full_weights, weight_buckets
-from polyfsdp.trainer.config.job import ConfigError, RolloutSection, load_config
+from polyfsdp.trainer.errors import ConfigError
+from polyfsdp.trainer.config.sections import RolloutSection
+from polyfsdp.trainer.config.job import load_config
 from polyfsdp.trainer.rollout.build import build_rollout_driver, build_rollout_engine
 from polyfsdp.trainer.config.rollout_check import check_rollout
 from polyfsdp.trainer.rollout.drivers.single_turn import SingleTurnDriver

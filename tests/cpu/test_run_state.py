@@ -10,7 +10,7 @@ from checkpoint_cases import VOCAB, build_sharded, full_params, train_steps
 
 from polyfsdp.backends import get_backend, init_distributed
 from polyfsdp.engines.checkpoint import CheckpointError, CheckpointMixin, latest_checkpoint
-from polyfsdp.trainer.config.job import ConfigError
+from polyfsdp.trainer.errors import ConfigError
 from polyfsdp.trainer.run.resume import ResumePoint
 from polyfsdp.trainer.run.state import PhaseState, TrainerPosition
 

@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 from omegaconf import OmegaConf
 
-from polyfsdp.trainer.config.job import ConfigError, load_config
+from polyfsdp.trainer.config.job import load_config
+from polyfsdp.trainer.errors import ConfigError
 from polyfsdp.trainer.run.resume import check_same_run
 from polyfsdp.trainer.train import main
 

@@ -10,9 +10,10 @@ import pytest
 import yaml
 
 from polyfsdp.trainer.config.algo import ActorSection
-from polyfsdp.trainer.config.job import ConfigError, load_config
+from polyfsdp.trainer.config.job import load_config
 from polyfsdp.trainer.config.sampling import SamplingControls
 from polyfsdp.trainer.config.sections import EvalSection, TrainerSection
+from polyfsdp.trainer.errors import ConfigError
 from polyfsdp.trainer.tracking.metrics import read_metrics
 from polyfsdp.trainer.train import main
 

@@ -20,7 +20,8 @@ import pytest
 from polyfsdp.backends.registry import get_backend
 from polyfsdp.engines import EngineConfig, FSDPEngine, ModelConfig, OptimConfig
 from polyfsdp.trainer.algos.rl_step import rl_step
-from polyfsdp.trainer.config.job import RolloutSection, load_config
+from polyfsdp.trainer.config.job import load_config
+from polyfsdp.trainer.config.sections import RolloutSection
 from polyfsdp.trainer.data.example import Example
 from polyfsdp.trainer.data.task import ReverseTask
 from polyfsdp.trainer.data.tokenizers import CharTokenizer

@@ -11,8 +11,10 @@ import os
 import pytest
 
 from polyfsdp.trainer import tracking
+from polyfsdp.trainer.errors import TrackerStartError
+from polyfsdp.trainer.tracking import tracker_metrics
+from polyfsdp.trainer.tracking.base import Tracker
 from polyfsdp.trainer.tracking.metrics import read_metrics
-from polyfsdp.trainer.tracking import Tracker, TrackerStartError, tracker_metrics
 from polyfsdp.trainer.train import main
 
 TINY = ["trainer.sft_steps=2", "trainer.sft_batch_size=8", "trainer.prompts_per_step=4", "data.eval_size=8",
@@ -217,7 +219,7 @@ def test_wandb_files_are_complete_when_the_tracker_closes(tmp_path, monkeypatch)
     the file's header in 2 of 3 tries); closing the tracker must leave the file complete, as
     ``wandb sync`` and a resumed run read it. Three runs: the race showed in most tries."""
     pytest.importorskip("wandb")
-    from polyfsdp.trainer.tracking import RunInfo
+    from polyfsdp.trainer.tracking.base import RunInfo
     from polyfsdp.trainer.tracking.wandb_tracker import WandbTracker
     from tracker_files import wandb_offline_runs
 

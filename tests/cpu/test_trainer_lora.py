@@ -7,7 +7,8 @@ import json
 
 import pytest
 
-from polyfsdp.trainer.config.job import ConfigError, load_config
+from polyfsdp.trainer.config.job import load_config
+from polyfsdp.trainer.errors import ConfigError
 from polyfsdp.trainer.train import main
 
 TINY = ["trainer.sft_steps=2", "trainer.rl_steps=1", "trainer.sft_batch_size=8", "trainer.prompts_per_step=4",

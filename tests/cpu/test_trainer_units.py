@@ -11,8 +11,9 @@ from engine_reference import per_sequence
 
 from polyfsdp.engines import jagged
 from polyfsdp.trainer.data.batch import build_batch
-from polyfsdp.trainer.config.job import ConfigError, load_config
-from polyfsdp.trainer.data.sources import BuiltinSource, DataError, FileSource, read_jsonl, read_parquet
+from polyfsdp.trainer.errors import ConfigError, DataError
+from polyfsdp.trainer.config.job import load_config
+from polyfsdp.trainer.data.sources import BuiltinSource, FileSource, read_jsonl, read_parquet
 from polyfsdp.trainer.algos.advantages import group_advantages
 from polyfsdp.trainer.data.tokenizers import CharTokenizer, load_tokenizer
 from polyfsdp.trainer.data.task import ReverseTask, reward

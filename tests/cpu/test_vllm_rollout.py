@@ -12,7 +12,9 @@ import torch
 
 from polyfsdp.backends.registry import get_backend
 from polyfsdp.engines import EngineConfig, FSDPEngine, ModelConfig, OptimConfig
-from polyfsdp.trainer.config.job import ConfigError, RolloutSection, load_config
+from polyfsdp.trainer.errors import ConfigError
+from polyfsdp.trainer.config.sections import RolloutSection
+from polyfsdp.trainer.config.job import load_config
 from polyfsdp.trainer.algos.rl_step import rl_step
 from polyfsdp.trainer.rollout.build import build_rollout_engine
 from polyfsdp.trainer.rollout.drivers.single_turn import SingleTurnDriver

@@ -17,7 +17,7 @@ from polyfsdp.backends.distributed import barrier, init_distributed  # noqa: E40
 from polyfsdp.backends.registry import get_backend  # noqa: E402
 from polyfsdp.engines import EngineConfig, FSDPEngine, ModelConfig, OptimConfig, SFTLoss  # noqa: E402
 from polyfsdp.trainer.data.batch import build_batch  # noqa: E402
-from polyfsdp.trainer.config.job import RolloutSection  # noqa: E402
+from polyfsdp.trainer.config.sections import RolloutSection  # noqa: E402
 from polyfsdp.trainer.rollout.build import build_rollout_engine  # noqa: E402
 from polyfsdp.trainer.rollout.engines import PolicyDecoding, SamplingParams  # noqa: E402
 from polyfsdp.trainer.data.tokenizers import CharTokenizer  # noqa: E402

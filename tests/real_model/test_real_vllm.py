@@ -7,7 +7,7 @@ import torch
 
 from polyfsdp.backends.registry import get_backend
 from polyfsdp.engines import EngineConfig, FSDPEngine, ModelConfig
-from polyfsdp.trainer.config.job import RolloutSection
+from polyfsdp.trainer.config.sections import RolloutSection
 from polyfsdp.trainer.data.tokenizers import load_tokenizer
 from polyfsdp.trainer.rollout.build import build_rollout_engine
 from polyfsdp.trainer.rollout.engines import PolicyDecoding, SamplingParams

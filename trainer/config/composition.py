@@ -6,7 +6,7 @@ import re
 
 from omegaconf import DictConfig, OmegaConf
 
-from ..errors import ConfigError  # also importable from here, its old home
+from ..errors import ConfigError
 
 CONFIG_MODULE = "polyfsdp.configs"
 CONFIG_NAME = "train"

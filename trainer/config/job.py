@@ -1,6 +1,6 @@
 """The job configuration: Hydra composition (trainer/config/composition.py), then strict conversion of
 every group into validated dataclasses (the sections of trainer/config/sections.py and
-trainer/config/algo.py, the engine's where they exist); every section is importable from here.
+trainer/config/algo.py, the engine's where they exist).
 
 Any mistake a user can make on the command line (unknown key, value outside its choices,
 wrong type, bad override syntax) becomes one :class:`ConfigError` with a one-line message.
@@ -17,12 +17,12 @@ from polyfsdp.backends.registry import BACKEND_NAMES
 from polyfsdp.engines.config import ADAPTER_EXPORTS, EngineConfig, OptimConfig
 from polyfsdp.engines.model.lora import require_peft
 
-from .algo import (RL_ALGOS, ActorSection, AlgoSection, CriticSection,  # noqa: F401 (re-exported)
+from .algo import (RL_ALGOS, ActorSection, AlgoSection, CriticSection,
                           DistillSection, RolloutCorrectionSection, SFTSection, check_choice, check_min)
 from ..algos.policy_losses import policy_loss_entry
 from .composition import GROUPS, VERL_EQUIVALENTS, available_options, compose, renamed_key, to_container
 from .bounds import check_bounds
-from .sections import (DataSection, EvalSection, JobConfig, ModelSection,  # noqa: F401 (re-exported)
+from .sections import (DataSection, EvalSection, JobConfig, ModelSection,
                               RewardModelSection, RewardSection, RolloutSection, TrainerSection)
 from ..errors import ConfigError
 from .rollout_check import SEPARATE_SAMPLERS, check_rollout

@@ -12,7 +12,7 @@ import os
 import random
 
 from .demonstrations import MESSAGES_FIELD, DemonstrationError, final_answer, opening, plain_value, read_conversation
-from ..errors import DataError  # also importable from here, its old home
+from ..errors import DataError
 from .tokenizers import CharTokenizer
 from .example import Example
 from .task import ReverseTask

@@ -42,7 +42,7 @@ from polyfsdp.engines.model.lora import AdaptersOff
 from polyfsdp.engines.losses import SFTLoss
 
 from ..data.chat import model_max_positions
-from ..config.job import JobConfig
+from ..config.sections import JobConfig
 from ..config.run_start import save_run_config
 from ..errors import ConfigError
 from ..evaluation.held_out import GENERATION_COLUMNS, EvalSettings, evaluate

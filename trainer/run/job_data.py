@@ -10,7 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from ..data.chat import PromptEncoder, check_position_budget, model_max_positions
-from ..config.job import JobConfig
+from ..config.sections import JobConfig
 from ..data.sources import build_source, check_generation_budget, check_tokenizer_covers, max_answer_tokens
 from ..data.demonstrations import unused_demonstrations_note
 from ..errors import ConfigError

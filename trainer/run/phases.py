@@ -11,7 +11,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from ..algos.distill.teacher import teacher_model_config
-from ..config.job import JobConfig
+from ..config.sections import JobConfig
 from ..data.sources import RL_DATA_STREAM
 from .resume import RL_PHASE, ResumePoint
 

@@ -17,7 +17,8 @@ from polyfsdp.engines.checkpoint.files import check_manifest
 from ..algos.policy_losses import policy_loss_entry
 from ..config.algo import auto_tis_cap
 from ..config.composition import renamed_key
-from ..config.job import JobConfig, RolloutSection, without_unused_preset
+from ..config.sections import JobConfig, RolloutSection
+from ..config.job import without_unused_preset
 from ..config.sampling import SamplingControls
 from ..config.saved_run import read_saved_yaml
 from ..errors import ConfigError

@@ -12,7 +12,6 @@ import signal
 import threading
 
 from ..errors import Preempted
-from ..startup import EXIT_TERMINATED  # noqa: F401 (re-exported) the status of a run stopped by SIGTERM
 
 
 # The keys a continuation sets itself; the rest of the user's overrides are repeated as given.

@@ -20,7 +20,7 @@ import math
 from dataclasses import replace
 from pathlib import Path
 
-from .base import RunInfo, Tracker  # noqa: F401 (re-exported)
+from .base import RunInfo, Tracker
 from ..errors import ConfigError, TrackerStartError
 from .mlflow_tracker import MlflowTracker
 from .tensorboard_tracker import TensorBoardTracker

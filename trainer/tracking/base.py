@@ -12,7 +12,7 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..errors import TrackerStartError  # also importable from here, its old home
+from ..errors import TrackerStartError
 
 
 @dataclass

@@ -16,7 +16,7 @@ import os
 import sys
 from typing import Callable
 
-from ..errors import DataError, MetricsWriteError  # MetricsWriteError: also importable from here, its old home
+from ..errors import DataError, MetricsWriteError
 
 logger = logging.getLogger(__name__)
 
