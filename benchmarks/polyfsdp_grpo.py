@@ -82,9 +82,9 @@ class PolyfsdpGRPO:
         examples = [Example(prompt=p["prompt"], answer=p["answer"]) for p in prompts]
         loss = self.cfg.actor_loss(len(prompts))
         with hf_generate_only(self.hf_generate):
-            return rl_step_mod.rl_step(self.engine, None, self.tokenizer, examples, self.cfg, loss, sample_seed=seed,
-                                       scorer=self.scorer, mini_batches=self.cfg.actor.mini_batches(len(prompts)),
-                                       driver=self.driver)
+            ctx = rl_step_mod.RLContext(self.engine, self.tokenizer, self.cfg, loss, scorer=self.scorer,
+                                        mini_batches=self.cfg.actor.mini_batches(len(prompts)), driver=self.driver)
+            return rl_step_mod.rl_step(ctx, examples, rl_step_mod.StepSeeds(seed))
 
     def run(self, batches: list[list[dict]], seed: int, warmup: int) -> tuple[list[float], list[float], dict]:
         """Step through ``batches``; per timed step its wall seconds and tokens, and the

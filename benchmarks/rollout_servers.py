@@ -24,7 +24,7 @@ from transformers import AutoModelForCausalLM
 from polyfsdp.backends.registry import get_backend
 from polyfsdp.engines import EngineConfig, FSDPEngine, ModelConfig, OptimConfig
 from polyfsdp.engines.presets import preset_config
-from polyfsdp.trainer.algos.rl_step import rl_step
+from polyfsdp.trainer.algos.rl_step import RLContext, StepSeeds, rl_step
 from polyfsdp.trainer.config.job import load_config
 from polyfsdp.trainer.config.sections import RolloutSection
 from polyfsdp.trainer.data.task import ReverseTask
@@ -90,8 +90,8 @@ def step_times(steps: int, prompts: int, group: int, cores: str | None) -> dict[
         for s, batch in enumerate(batches):
             for name, (policy, engine) in runs.items():
                 t0 = time.perf_counter()
-                rl_step(policy, None, tok, batch, cfg.algo, cfg.algo.actor_loss(group), sample_seed=s,
-                        driver=SingleTurnDriver(engine))
+                rl_step(RLContext(policy, tok, cfg.algo, cfg.algo.actor_loss(group), driver=SingleTurnDriver(engine)),
+                        batch, StepSeeds(s))
                 if s:  # the first step starts the engines
                     times[name].append(time.perf_counter() - t0)
     finally:

@@ -64,6 +64,9 @@ class _Grpo:
     sampling_options = staticmethod(SamplingControls().sampling_options)  # the controls at their defaults
 
 
+GROUPS = sampling.GroupSampling.of(CharTokenizer(), _Grpo, False)
+
+
 class _Policy:
     device = "cpu"
 
@@ -86,7 +89,7 @@ def test_filter_groups_drops_constant_groups_and_resamples_until_enough():
     # Round 1: only group 1 informative. Round 2: groups 0 and 2 informative (one is enough).
     driver = _FixedRewards([[1, 1, 0, 1, 0, 0], [0, 1, 1, 1, 1, 0]])
     more = lambda k: [Example(f"q{k}{i}", "a") for i in range(3)]  # noqa: E731
-    out = sampling.sample_groups(_Policy(), CharTokenizer(), examples, _Grpo, False, None, more, driver)
+    out = sampling.sample_groups(_Policy(), CharTokenizer(), examples, GROUPS, driver, None, more)
     assert driver.calls == [["p0", "p1", "p2"], ["q10", "q11", "q12"]]
     assert out.kept.texts == ["p1", "p1", "q10", "q10", "q12", "q12"]
     assert out.kept.rewards == [0, 1, 0, 1, 1, 0] and out.first.rewards == [1, 1, 0, 1, 0, 0]
@@ -96,8 +99,8 @@ def test_filter_groups_drops_constant_groups_and_resamples_until_enough():
 def test_filter_groups_trains_on_what_there_is_after_max_sample_batches(caplog):
     examples = [Example(f"p{i}", "a") for i in range(2)]
     driver = _FixedRewards([[1, 1, 0, 1], [0, 0, 1, 1], [1, 1, 1, 1]])
-    out = sampling.sample_groups(_Policy(), CharTokenizer(), examples, _Grpo, False, None,
-                                 lambda k: [Example(f"q{k}{i}", "a") for i in range(2)], driver)
+    out = sampling.sample_groups(_Policy(), CharTokenizer(), examples, GROUPS, driver, None,
+                                 lambda k: [Example(f"q{k}{i}", "a") for i in range(2)])
     assert out.kept.texts == ["p1", "p1"] and out.metrics["filter/short"] == 1.0
     assert out.metrics["filter/sample_rounds"] == 3.0
     assert any("1 of 2 groups per rank" in r.getMessage() for r in caplog.records)

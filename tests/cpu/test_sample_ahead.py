@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from polyfsdp.engines import EngineConfig, FSDPEngine, ModelConfig, OptimConfig
+from polyfsdp.trainer.algos.rl_step import RLContext
 from polyfsdp.trainer.algos.rl_steps import RLSteps
 from polyfsdp.trainer.algos.sample_ahead import SampleAhead
 from polyfsdp.trainer.config.job import load_config
@@ -39,8 +40,9 @@ def _steps(tmp_path, k_overrides=()):
     task = ReverseTask()
     examples = lambda step: [task.sample(random.Random(100 * step + i)) for i in range(PROMPTS)]  # noqa: E731
     driver = SingleTurnDriver(PolicyDecoding("builtin"))
-    steps = RLSteps(policy, None, TOK, cfg.algo, cfg.algo.actor_loss(PROMPTS), 1, None, driver, seed=0, replica=0,
-                    examples=examples, refill=lambda step, k: examples(1000 * k + step), first_prompt=0)
+    ctx = RLContext(policy, TOK, cfg.algo, cfg.algo.actor_loss(PROMPTS), driver=driver)
+    steps = RLSteps(ctx, seed=0, replica=0, examples=examples, refill=lambda step, k: examples(1000 * k + step),
+                    first_prompt=0)
     return policy, steps
 
 
@@ -112,7 +114,7 @@ def test_a_server_that_stalls_ends_the_step_in_one_line_within_its_timeout_and_l
     pipeline = SampleAhead(steps, 1, 4)
     pipeline.step(0)
     before = pipeline.state()
-    engine = steps.driver.engine
+    engine = steps.ctx.driver.engine
     monkeypatch.setattr(type(engine), "samples_beside_training", True)
     stalled = socket.socket()  # accepts connections (the backlog) and never answers
     stalled.bind(("127.0.0.1", 0))

@@ -19,7 +19,7 @@ import pytest
 
 from polyfsdp.backends.registry import get_backend
 from polyfsdp.engines import EngineConfig, FSDPEngine, ModelConfig, OptimConfig
-from polyfsdp.trainer.algos.rl_step import rl_step
+from polyfsdp.trainer.algos.rl_step import RLContext, StepSeeds, rl_step
 from polyfsdp.trainer.config.job import load_config
 from polyfsdp.trainer.config.sections import RolloutSection
 from polyfsdp.trainer.data.example import Example
@@ -152,7 +152,7 @@ def test_sampled_log_probs_match_the_policy_after_every_rl_step(servers, tmp_pat
     policy = _policy(tmp_path, seed=5 if kind == "tied" else 7, **model)
     start = engine.weight_version
     for step, batch in enumerate(examples):
-        metrics = rl_step(policy, None, TOK, batch, algo, loss, sample_seed=step, driver=SingleTurnDriver(engine))
+        metrics = rl_step(RLContext(policy, TOK, algo, loss, driver=SingleTurnDriver(engine)), batch, StepSeeds(step))
         # The loss compares the servers' log-probs with the policy's own, before this step's update.
         assert metrics["rollout_mismatch_abs_max"] < 1e-5, (step, metrics["rollout_mismatch_abs_max"])
         assert engine.weight_version == start + step + 1

@@ -15,7 +15,7 @@ from polyfsdp.engines import EngineConfig, FSDPEngine, ModelConfig, OptimConfig
 from polyfsdp.trainer.errors import ConfigError
 from polyfsdp.trainer.config.sections import RolloutSection
 from polyfsdp.trainer.config.job import load_config
-from polyfsdp.trainer.algos.rl_step import rl_step
+from polyfsdp.trainer.algos.rl_step import RLContext, StepSeeds, rl_step
 from polyfsdp.trainer.rollout.build import build_rollout_engine
 from polyfsdp.trainer.rollout.drivers.single_turn import SingleTurnDriver
 from polyfsdp.trainer.rollout.engines import PolicyDecoding, SamplingParams
@@ -107,7 +107,7 @@ def test_sampled_log_probs_match_the_policy_after_every_rl_step(engines):
     assert policy.module.config.tie_word_embeddings
     before = [p.detach().clone() for p in policy.module.parameters()]
     for step, batch in enumerate(examples):
-        metrics = rl_step(policy, None, TOK, batch, algo, loss, sample_seed=step, driver=SingleTurnDriver(vllm))
+        metrics = rl_step(RLContext(policy, TOK, algo, loss, driver=SingleTurnDriver(vllm)), batch, StepSeeds(step))
         # The loss compares vLLM's log-probs with the policy's own, before this step's update.
         assert metrics["rollout_mismatch_abs_max"] < 1e-5, (step, metrics["rollout_mismatch_abs_max"])
         assert vllm.weight_version == step + 1 and policy.weights_version == step + 1
@@ -121,7 +121,7 @@ def test_lora_policy_is_served_merged_after_every_step(engines):
     policy, vllm = engines("qwen2-tiny", seed=7, lora=(("rank", 4), ("alpha", 8)))
     adapters = [p for n, p in policy.module.named_parameters() if "lora_B" in n]
     for step, batch in enumerate(examples[:2]):
-        metrics = rl_step(policy, None, TOK, batch, algo, loss, sample_seed=step, driver=SingleTurnDriver(vllm))
+        metrics = rl_step(RLContext(policy, TOK, algo, loss, driver=SingleTurnDriver(vllm)), batch, StepSeeds(step))
         assert metrics["rollout_mismatch_abs_max"] < 1e-5, (step, metrics["rollout_mismatch_abs_max"])
     assert max(p.abs().max().item() for p in adapters) > 1e-3  # B left zero: merged == base, nothing tested
     vllm.update_weights(policy)  # syncs the last step's adapters, checks them
@@ -227,7 +227,7 @@ def test_a_parameter_left_out_of_the_sync_stops_the_run_naming_its_layer(engines
 
     monkeypatch.setattr(vllm, "buckets", without_one)
     driver = SingleTurnDriver(vllm)
-    rl_step(policy, None, TOK, examples[0], algo, loss, sample_seed=0, driver=driver)  # syncs, then trains
+    rl_step(RLContext(policy, TOK, algo, loss, driver=driver), examples[0], StepSeeds(0))  # syncs, then trains
     with pytest.raises(ConfigError, match=rf"rollout.engine=vllm: weight sync \d+: 1 of vLLM's layers got none or "
                                           rf"only part of their weights: {layer}; ") as err:
         vllm.update_weights(policy)

@@ -15,7 +15,9 @@ from polyfsdp.engines.config import EngineConfig, ModelConfig  # noqa: E402
 from polyfsdp.engines.engine import FSDPEngine  # noqa: E402
 from polyfsdp.trainer.config.job import load_config  # noqa: E402
 from polyfsdp.trainer.rollout.drivers.result import Rollout  # noqa: E402
-from polyfsdp.trainer.algos.rl_step import train_on_rollout  # noqa: E402
+from polyfsdp.trainer.algos.rl_step import RLContext, train_on_rollout  # noqa: E402
+from polyfsdp.trainer.rollout.engines import SamplingParams  # noqa: E402
+from polyfsdp.trainer.rollout.sampling import GroupSampling  # noqa: E402
 
 PROMPTS = 4
 GROUP = 2
@@ -48,9 +50,11 @@ def main(out_dir):
     mine = slice(rank * per, (rank + 1) * per)
     roll = Rollout(full.prompt_ids[mine], full.response_ids[mine], full.texts[mine], full.rewards[mine])
     pairs = list(zip(roll.prompt_ids, roll.response_ids))
-    metrics, _ = train_on_rollout(policy, critic, ref, SimpleNamespace(pad_token_id=0), roll, pairs, algo,
-                                  algo.actor_loss(PROMPTS), algo.critic.value_loss(), mini_batches=1, shuffle_seed=0,
-                                  train_actor=True)
+    # The rollout is made up: the sampling settings are never read.
+    ctx = RLContext(policy, SimpleNamespace(pad_token_id=0), algo, algo.actor_loss(PROMPTS), ref=ref,
+                    sampling=GroupSampling(SamplingParams(1), GROUP), critic=critic,
+                    value_loss=algo.critic.value_loss())
+    metrics, _ = train_on_rollout(ctx, roll, pairs, shuffle_seed=0, train_actor=True)
     results = {"metrics": metrics, "policy": full_state_dict(policy.module), "critic": full_state_dict(critic.module)}
     if rank == 0:
         torch.save(results, os.path.join(out_dir, f"world{world}.pt"))

@@ -22,7 +22,7 @@ from polyfsdp.trainer.config.algo import ActorSection  # noqa: E402
 from polyfsdp.trainer.rollout.drivers.single_turn import SingleTurnDriver  # noqa: E402
 from polyfsdp.trainer.rollout.engines import PolicyDecoding  # noqa: E402
 from polyfsdp.trainer.rollout.row_seeds import RowSeeds  # noqa: E402
-from polyfsdp.trainer.rollout.sampling import sample_groups  # noqa: E402
+from polyfsdp.trainer.rollout.sampling import GroupSampling, sample_groups  # noqa: E402
 from polyfsdp.trainer.data.tokenizers import CharTokenizer
 from polyfsdp.trainer.data.example import Example  # noqa: E402
 
@@ -45,8 +45,8 @@ def main(out: Path) -> None:
         engine.update_weights(policy)
         # The old formula seeded each replica's one generator: (seed * 1_000_003 + step) * 1024 + replica.
         policy.backend.manual_seed((SEED * 1_000_003 + STEP) * 1024 + topo.replica)
-        rows = sample_groups(policy, tok, share, actor, False, None, None, SingleTurnDriver(engine),
-                             seeds).kept.response_ids
+        rows = sample_groups(policy, tok, share, GroupSampling.of(tok, actor, False), SingleTurnDriver(engine),
+                             row_seeds=seeds).kept.response_ids
         results[name] = [row for part in all_gather_object(rows) for row in part]
     if topo.rank == 0:
         torch.save(results, out / f"completions_world{current_world_size()}.pt")

@@ -40,7 +40,7 @@ from ..rollout.drivers.multi_turn import rollout_metrics
 from ..rollout.drivers.result import Rollout
 from ..rewards.reward_fn import call_user_code, mean_over_ranks
 from ..rollout.row_seeds import RowSeeds
-from ..rollout.sampling import sample_groups
+from ..rollout.sampling import GroupSampling, sample_groups
 from ..data.example import Example
 from .updates import mini_batch_plan, old_and_ref_log_probs, run_updates, summarise_updates
 from .distill.reverse_kl import distill_advantages, teacher_log_probs
@@ -76,62 +76,90 @@ class SampledBatch:
                    list(plain["rows"]), float(plain["gen_time_s"]), int(plain["version"]))
 
 
-def rl_step(policy, ref, tokenizer, examples: list[Example], algo, actor_loss, sample_seed: int,
-            shuffle_seed: int = 0, mini_batches: int = 1, scorer=None,
-            more_examples: Callable[[int], list[Example]] | None = None, driver=None, critic=None,
-            value_loss=None, train_actor: bool = True, row_seeds: RowSeeds | None = None,
-            samples: int = 0, teacher=None) -> dict:
-    """Train one RL step on this rank's prompts ``examples``; ``algo`` is the AlgoSection.
-    ``row_seeds`` seeds each completion (trainer/rollout/row_seeds.py), ``sample_seed`` the process's
-    generators (what else draws: dropout; the sampling too without ``row_seeds``) and
-    ``shuffle_seed`` the mini-batch order, so a resumed run draws the same completions and
-    updates; ``mini_batches`` optimizer steps per epoch.
-    ``more_examples(k)`` gives the k-th extra prompt batch for group filtering; ``driver`` runs
-    the rollout (trainer/rollout/drivers/; default ``rollout.engine=auto``). ``critic``/``value_loss``:
-    the critic estimator's value model and loss (None otherwise); ``train_actor=False`` trains only
-    the critic (its warm-up). ``samples``: this rank's first ``samples`` prompts' first
-    completions go into the metrics as ``rollout_samples`` rows (:func:`rollout_sample_rows`).
-    ``teacher``: algo.distill's frozen teacher engine (None: no distillation)."""
+@dataclass(frozen=True)
+class StepSeeds:
+    """One RL step's seeds, so a resumed run draws the same completions and updates: ``sample``
+    seeds the process's generators (what else draws: dropout; the sampling too without ``rows``),
+    ``rows`` each completion (trainer/rollout/row_seeds.py) and ``shuffle`` the mini-batch order."""
+
+    sample: int
+    shuffle: int = 0
+    rows: RowSeeds | None = None
+
+
+@dataclass(frozen=True)
+class RLContext:
+    """What every RL step of a phase shares. ``algo``: the AlgoSection; ``actor_loss``: its policy
+    loss (``algo.actor_loss``); ``mini_batches``: optimizer steps per epoch; ``driver`` runs the
+    rollout (trainer/rollout/drivers/; None: ``rollout.engine=auto``); ``sampling``: how a step
+    samples (None: from ``algo.actor``, the sampler's log-probs when algo.rollout_correction reads
+    them). ``ref``, ``critic``/``value_loss`` (the critic estimator's value model and loss) and
+    ``teacher`` (algo.distill's frozen teacher engine) are None when the job has none.
+    ``samples``: each step's first ``samples`` prompts' first completions go into its record as
+    ``rollout_samples`` rows (:func:`rollout_sample_rows`)."""
+
+    policy: object
+    tokenizer: object
+    algo: object
+    actor_loss: object
+    ref: object = None
+    mini_batches: int = 1
+    scorer: object = None
+    driver: object = None
+    sampling: GroupSampling | None = None
+    critic: object = None
+    value_loss: object = None
+    teacher: object = None
+    samples: int = 0
+
+    def __post_init__(self) -> None:
+        if self.driver is None:
+            object.__setattr__(self, "driver", default_driver())
+        if self.sampling is None:
+            log_probs = self.algo.rollout_correction.needs_rollout_log_probs
+            object.__setattr__(self, "sampling", GroupSampling.of(self.tokenizer, self.algo.actor, log_probs))
+
+
+def rl_step(ctx: RLContext, examples: list[Example], seeds: StepSeeds,
+            more_examples: Callable[[int], list[Example]] | None = None, train_actor: bool = True) -> dict:
+    """Train one RL step on this rank's prompts ``examples``. ``more_examples(k)`` gives the
+    k-th extra prompt batch for group filtering; ``train_actor=False`` trains only the critic
+    (its warm-up)."""
     t0 = time.perf_counter()
-    driver = driver or default_driver()
     cancellation_point()  # a SIGTERM during the last evaluation stops here (engines/cancellation.py)
     # The weight sync is a phase of its own, before the step's generators are seeded: what it
     # does (vLLM's start, or nothing) cannot move what the sampling draws.
-    driver.engine.update_weights(policy)
+    ctx.driver.engine.update_weights(ctx.policy)
     t_sync = time.perf_counter() - t0
-    batch = sample_batch(policy, tokenizer, examples, algo, sample_seed, scorer, more_examples, driver, row_seeds,
-                         samples)
+    batch = sample_batch(ctx, examples, seeds, more_examples)
     cancellation_point()  # the rollout is the step's longest part before the first update
-    return train_batch(policy, ref, tokenizer, batch, algo, actor_loss, shuffle_seed, mini_batches, critic,
-                       value_loss, train_actor, timing={"weight_sync_time_s": t_sync, "started": t0}, teacher=teacher)
+    return train_batch(ctx, batch, seeds.shuffle, train_actor, timing={"weight_sync_time_s": t_sync, "started": t0})
 
 
-def sample_batch(policy, tokenizer, examples: list[Example], algo, sample_seed: int, scorer=None,
-                 more_examples: Callable[[int], list[Example]] | None = None, driver=None,
-                 row_seeds: RowSeeds | None = None, samples: int = 0, prefetched=None,
+def sample_batch(ctx: RLContext, examples: list[Example], seeds: StepSeeds,
+                 more_examples: Callable[[int], list[Example]] | None = None, prefetched=None,
                  prefetch_s: float = 0.0) -> SampledBatch:
     """Sample and score one step's rollout with the driver's engine as it is (no weight sync),
     then put the engine to sleep; the arguments are :func:`rl_step`'s. ``prefetched``: the first
     round's completions, already generated (sample_ahead.py's background generation; the
     process's generators were seeded when it started), which took ``prefetch_s``. Collective."""
     t0 = time.perf_counter() - prefetch_s
-    driver = driver or default_driver()
-    g = algo.actor
+    policy, driver = ctx.policy, ctx.driver
     if prefetched is None:
-        policy.backend.manual_seed(sample_seed)
-    sampled = sample_groups(policy, tokenizer, examples, g, algo.rollout_correction.needs_rollout_log_probs,
-                            scorer, more_examples, driver, row_seeds, prefetched=prefetched)
+        policy.backend.manual_seed(seeds.sample)
+    sampled = sample_groups(policy, ctx.tokenizer, examples, ctx.sampling, driver, ctx.scorer, more_examples,
+                            seeds.rows, prefetched=prefetched)
     driver.engine.sleep()  # its device memory goes to the updates until the next rollout
     gen_time = time.perf_counter() - t0
     metrics = {**reward_metrics(sampled.first, policy.device), **sampled.metrics}
     late = {**mean_over_ranks(sampled.first.reward_metrics), **rollout_metrics(sampled.first.rollout_metrics)}
-    rows = rollout_sample_rows(examples, sampled.first, g.group_size, samples) if samples > 0 else []
+    rows = rollout_sample_rows(examples, sampled.first, ctx.sampling.group_size, ctx.samples) \
+        if ctx.samples > 0 else []
     return SampledBatch(sampled.kept, metrics, late, rows, gen_time)
 
 
-def train_batch(policy, ref, tokenizer, batch: SampledBatch, algo, actor_loss, shuffle_seed: int = 0,
-                mini_batches: int = 1, critic=None, value_loss=None, train_actor: bool = True,
-                timing: dict | None = None, teacher=None) -> dict:
+def train_batch(ctx: RLContext, batch: SampledBatch, shuffle_seed: int = 0, train_actor: bool = True,
+                timing: dict | None = None) -> dict:
     """The advantages and updates of a sampled batch, and the step's record (:func:`rl_step`'s
     arguments; ``timing``: ``started`` (the step's start) and more entries for the record)."""
     timing = dict(timing or {})
@@ -141,12 +169,11 @@ def train_batch(policy, ref, tokenizer, batch: SampledBatch, algo, actor_loss, s
     pairs = roll.pairs()
     updates = []
     if pairs:
-        trained, updates = train_on_rollout(policy, critic, ref, tokenizer, roll, pairs, algo, actor_loss,
-                                            value_loss, mini_batches, shuffle_seed, train_actor, teacher)
+        trained, updates = train_on_rollout(ctx, roll, pairs, shuffle_seed, train_actor)
         metrics.update(trained)
     metrics.update({"tokens": float(sum(len(pair[0]) + len(pair[1]) for pair in pairs)),
                     "gen_time_s": batch.gen_time_s, **timing, "step_time_s": time.perf_counter() - t0})
-    if critic is not None:
+    if ctx.critic is not None:
         metrics["actor_trained"] = float(train_actor)
     metrics.update(batch.late_metrics)
     if len(updates) > 1:
@@ -163,9 +190,11 @@ def rollout_sample_rows(examples: list[Example], roll, n: int, count: int) -> li
             for i in range(min(count, len(examples)))]
 
 
-def train_on_rollout(policy, critic, ref, tokenizer, roll, pairs, algo, actor_loss, value_loss, mini_batches: int,
-                     shuffle_seed: int, train_actor: bool, teacher=None) -> tuple[dict, list[dict]]:
-    """Advantages and updates of one rollout: ``(summary metrics, per-update records)``."""
+def train_on_rollout(ctx: RLContext, roll, pairs, shuffle_seed: int, train_actor: bool) -> tuple[dict, list[dict]]:
+    """Advantages and updates of one rollout (``pairs``: its ``pairs()``): ``(summary metrics,
+    per-update records)``."""
+    policy, critic, ref, tokenizer, algo, actor_loss = \
+        ctx.policy, ctx.critic, ctx.ref, ctx.tokenizer, ctx.algo, ctx.actor_loss
     g, est = algo.actor, algo.estimator
     device = policy.device
     pad_mode = policy.engine_config.pad_mode
@@ -192,18 +221,18 @@ def train_on_rollout(policy, critic, ref, tokenizer, roll, pairs, algo, actor_lo
                          f"(the critic's targets): return Advantages(advantages, returns)")
     token_fields["advantages"] = result.advantages
     out: dict = {}
-    if teacher is not None:
+    if ctx.teacher is not None:
         # The teacher's pass is the reference's; the student's log-probs are the step's old ones.
-        taught = teacher_log_probs(teacher, batch, g.temperature, pad_mode)
+        taught = teacher_log_probs(ctx.teacher, batch, g.temperature, pad_mode)
         token_fields["advantages"], distilled = distill_advantages(
             result.advantages, masks, old, taught, algo.distill.coef, algo.distill.task_weight, over_ranks)
         out.update(distilled)
-    plan = mini_batch_plan(len(pairs) // g.group_size, g.group_size, mini_batches, g.epochs, shuffle_seed)
+    plan = mini_batch_plan(len(pairs) // g.group_size, g.group_size, ctx.mini_batches, g.epochs, shuffle_seed)
     critic_records: list[dict] = []
     if critic is not None:
         out.update(value_metrics(values, result.returns, masks, over_ranks))
         critic_updates = run_updates(critic, pairs, {"old_values": values, "returns": result.returns}, plan,
-                                     value_loss, tokenizer.pad_token_id, 1.0)
+                                     ctx.value_loss, tokenizer.pad_token_id, 1.0)
         out.update(_as_critic(summarise_updates(critic_updates)))
         critic_records = [_as_critic(u) for u in critic_updates]
     actor_records: list[dict] = []

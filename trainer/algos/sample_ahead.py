@@ -113,11 +113,11 @@ class SampleAhead:
     def step(self, t: int, examples: list | None = None) -> dict:
         """Train RL step ``t`` (0-based) on its queued batch; sample step ``t + k``'s meanwhile."""
         t0 = time.perf_counter()
-        engine = self.steps.driver.engine
+        engine = self.steps.ctx.driver.engine
         ahead = t + self.k
         missing = [s for s in range(t, min(ahead, self.total)) if s not in self.queue]
         if missing or ahead < self.total:  # the last k steps sample nothing
-            engine.update_weights(self.steps.policy)  # version t: the weights of what is sampled now
+            engine.update_weights(self.steps.ctx.policy)  # version t: the weights of what is sampled now
         sync_s = time.perf_counter() - t0
         waited = 0.0
         # The phase's first k batches (and those of a checkpoint saved without any) are drawn now.
@@ -134,7 +134,7 @@ class SampleAhead:
                     sampler_busy += fresh.gen_time_s
                 else:
                     overlapped = True
-                    self.steps.policy.backend.manual_seed(self.steps.sample_seed(ahead))  # as a colocated draw
+                    self.steps.ctx.policy.backend.manual_seed(self.steps.seeds(ahead).sample)  # as a colocated draw
                     self.background = BackgroundRound(engine, *request)
             cancellation_point()  # a SIGTERM during the sampling stops before the update (job: StepGuard)
             batch = self.queue[t]

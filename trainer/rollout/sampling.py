@@ -56,23 +56,35 @@ def concat_rollouts(parts: list[Rollout]) -> Rollout:
                                     for k in parts[0].rollout_metrics})
 
 
-def sampling_params(tokenizer, g, log_probs: bool) -> SamplingParams:
-    """How an RL step samples: the actor section ``g``'s settings, the sampler's log-probs when asked."""
-    return SamplingParams.for_tokenizer(tokenizer, g.max_new_tokens, temperature=g.temperature,
-                                        return_log_probs=log_probs, **g.sampling_options())
+@dataclass(frozen=True)
+class GroupSampling:
+    """How an RL step samples, as one value: ``params`` for every completion, ``group_size`` of
+    them per prompt and DAPO's group filtering (``filter_groups``, at most ``max_sample_batches``
+    rounds)."""
+
+    params: SamplingParams
+    group_size: int
+    filter_groups: bool = False
+    max_sample_batches: int = 1
+
+    @classmethod
+    def of(cls, tokenizer, g, log_probs: bool) -> "GroupSampling":
+        """The actor section ``g``'s settings, the sampler's log-probs when asked."""
+        params = SamplingParams.for_tokenizer(tokenizer, g.max_new_tokens, temperature=g.temperature,
+                                              return_log_probs=log_probs, **g.sampling_options())
+        return cls(params, g.group_size, g.filter_groups, g.max_sample_batches)
 
 
-def sample_groups(policy, tokenizer, examples: list[Example], g, log_probs: bool, scorer,
-                  more_examples: Callable[[int], list[Example]] | None, driver,
-                  row_seeds: RowSeeds | None = None, prefetched: Completions | None = None) -> SampledGroups:
-    """Sample ``g.group_size`` completions per prompt of ``examples`` (this rank's share);
-    with ``g.filter_groups``, keep only informative groups, resampling as described above.
+def sample_groups(policy, tokenizer, examples: list[Example], sampling: GroupSampling, driver, scorer=None,
+                  more_examples: Callable[[int], list[Example]] | None = None, row_seeds: RowSeeds | None = None,
+                  prefetched: Completions | None = None) -> SampledGroups:
+    """Sample ``sampling.group_size`` completions per prompt of ``examples`` (this rank's share);
+    with ``sampling.filter_groups``, keep only informative groups, resampling as described above.
     ``driver`` runs the rollouts (trainer/rollout/drivers/), its engine already at the policy's
     weights (``update_weights``); ``row_seeds``: the step's per-row sampling seeds (round k's rows
     get round k's), else the process's generator draws. ``prefetched``: round 0's completions,
     already generated (trainer/algos/sample_ahead.py generates them beside a step's training)."""
-    n = g.group_size
-    params = sampling_params(tokenizer, g, log_probs)
+    n, params = sampling.group_size, sampling.params
 
     def draw(batch, sampling_round, prefetched=None):
         seeds = None if row_seeds is None else row_seeds.rows(sampling_round, len(batch), n)
@@ -80,7 +92,7 @@ def sample_groups(policy, tokenizer, examples: list[Example], g, log_probs: bool
         return driver.rollout(tokenizer, batch, n, params, scorer=scorer, row_seeds=seeds, device=policy.device, **more)
 
     first = draw(examples, 0, prefetched)
-    if not g.filter_groups:
+    if not sampling.filter_groups:
         return SampledGroups(first, first)
     target, device = len(examples), policy.device
     kept, count, rounds, roll = [], 0, 1, first
@@ -90,7 +102,7 @@ def sample_groups(policy, tokenizer, examples: list[Example], g, log_probs: bool
         count += len(groups)
         # Generation is collective (synced over ranks): every rank samples while any one is short.
         short = all_reduce_max([float(target - count)], device)[0]
-        if short <= 0 or rounds >= g.max_sample_batches or more_examples is None:
+        if short <= 0 or rounds >= sampling.max_sample_batches or more_examples is None:
             break
         roll = draw(more_examples(rounds), rounds)
         rounds += 1

@@ -59,6 +59,7 @@ from .phases import Phase, engine_settings, plan_phases
 from .progress import Progress
 from ..rank_errors import on_every_rank
 from ..rewards.sources import build_reward
+from ..algos.rl_step import RLContext
 from ..algos.rl_steps import RLSteps
 from ..algos.sample_ahead import SampleAhead, resume_sampled_ahead
 from ..rollout.build import build_rollout_driver, build_rollout_engine
@@ -323,12 +324,12 @@ class Job(SigtermStops):
         # Sampling (per global row) and mini-batch shuffles (same on all ranks) are seeded per step:
         # exact resume, and the same completions whatever the world size.
         shard_of = lambda stream, step: self._shard(self.source.batch(stream, step, phase.batch_size))  # noqa: E731
-        steps = RLSteps(engine, ref, self.tokenizer, cfg.algo, actor_loss, mini_batches, self.scorer, self.driver,
-                        cfg.trainer.seed, self.topo.replica, examples=lambda step: shard_of(phase.stream, step),
+        ctx = RLContext(engine, self.tokenizer, cfg.algo, actor_loss, ref=ref, mini_batches=mini_batches,
+                        scorer=self.scorer, driver=self.driver, critic=self.critic, value_loss=value_loss,
+                        teacher=teacher, samples=cfg.trainer.log_rollout_samples)
+        steps = RLSteps(ctx, cfg.trainer.seed, self.topo.replica, examples=lambda step: shard_of(phase.stream, step),
                         refill=lambda step, k: shard_of(f"{phase.stream}-refill{k}", step),
-                        first_prompt=self.topo.share_start(phase.batch_size), critic=self.critic,
-                        value_loss=value_loss, warmup=warmup, samples=cfg.trainer.log_rollout_samples,
-                        teacher=teacher)
+                        first_prompt=self.topo.share_start(phase.batch_size), warmup=warmup)
         if cfg.rollout.max_staleness == 0:
             return steps.run
         self.sample_ahead = SampleAhead(steps, cfg.rollout.max_staleness, phase.steps)
