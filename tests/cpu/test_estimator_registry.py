@@ -155,3 +155,25 @@ def test_a_failing_users_estimator_is_one_line_naming_it(tmp_path, capsys, name,
     assert f"algo.adv_estimator={spec}" in err[0] and expected in err[0], err[0]
     if name == "raises":
         assert "custom_estimator.py:" in err[0]  # the user's file:line
+
+
+def test_estimators_read_their_own_hyperparameters_not_the_job_config():
+    from polyfsdp.trainer.algos.advantages import group_advantages
+    from polyfsdp.trainer.algos.estimators import AdvantageInputs, EstimatorParams
+    from polyfsdp.trainer.algos.gae import gae_advantages
+
+    ppo = load_config(["algo=ppo", "algo.critic.gamma=0.9", "algo.critic.lam=0.8",
+                       "algo.actor.norm_adv_by_std=false"]).algo
+    assert EstimatorParams.of(ppo) == EstimatorParams(norm_adv_by_std=False, gamma=0.9, lam=0.8)
+    assert EstimatorParams.of(load_config([]).algo) == EstimatorParams(True, 1.0, 1.0)  # no critic
+    rewards, masks = [1.0, 0.0, 0.5, 0.5], [torch.ones(3), torch.ones(2), torch.ones(1), torch.ones(2)]
+    values = [torch.full((len(m),), 0.25) for m in masks]
+    # No `algo` at all: the built-ins never read the job's config.
+    inputs = AdvantageInputs(rewards, masks, 2, None, None, values, None, 0.0,
+                             params=EstimatorParams(norm_adv_by_std=False, gamma=0.9, lam=0.8))
+    expected = group_advantages(torch.tensor(rewards), 2, "grpo", False)
+    assert [a.tolist() for a in ESTIMATORS["grpo"](inputs).advantages] == \
+        [[float(a)] * len(m) for a, m in zip(expected, masks)]
+    adv, returns = gae_advantages(rewards, masks, values, 0.9, 0.8, None, 0.0)
+    result = ESTIMATORS["gae"](inputs)
+    assert all(torch.equal(a, b) for a, b in zip(result.advantages + result.returns, adv + returns))

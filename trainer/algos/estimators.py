@@ -2,7 +2,8 @@
 next to it. trainer/algos/rl_step.py reads only these declarations: it computes old and reference
 log-probs, a critic's values and the KL-in-reward term when an estimator asks for them.
 
-Adding one: a function ``(AdvantageInputs) -> Advantages`` decorated with :func:`estimator`,
+Adding one: a function ``(AdvantageInputs) -> Advantages`` (its hyperparameters in
+``inputs.params``, :class:`EstimatorParams`, never the job's config) decorated with :func:`estimator`,
 its entry in ``ESTIMATORS`` (a built-in) or, from the user's own code, the config value
 ``path/to/file.py:NAME`` / ``package.module:NAME`` naming the decorated function (loaded like
 ``reward.fn``); and a test against hand-computed advantages.
@@ -23,21 +24,44 @@ DR_GRPO_AGG_MODE = "seq-mean-token-sum-norm"
 
 
 @dataclass(frozen=True)
+class EstimatorParams:
+    """The estimators' own hyperparameters, taken from the job's config once per step:
+    ``norm_adv_by_std`` (algo.actor.norm_adv_by_std: the group estimators divide by the group's
+    std) and GAE's discounts ``gamma`` and ``lam`` (algo.critic.gamma, lam; 1 without a critic)."""
+
+    norm_adv_by_std: bool = True
+    gamma: float = 1.0
+    lam: float = 1.0
+
+    @classmethod
+    def of(cls, algo) -> "EstimatorParams":
+        """The hyperparameters the AlgoSection ``algo`` sets."""
+        critic = algo.critic
+        discounts = (critic.gamma, critic.lam) if critic is not None else (1.0, 1.0)
+        return cls(algo.actor.norm_adv_by_std, *discounts)
+
+
+@dataclass(frozen=True)
 class AdvantageInputs:
     """One rollout on this rank, as the estimators see it: one entry per sequence, groups of
-    ``group_size`` consecutive sequences, per-token tensors in the engine's alignment."""
+    ``group_size`` consecutive sequences, per-token tensors in the engine's alignment, and the
+    estimators' hyperparameters (``params``)."""
 
     rewards: Sequence[float]                      # each sequence's score
     masks: Sequence[torch.Tensor]                 # its response positions (0/1)
     group_size: int
-    algo: object                                  # the AlgoSection (norm_adv_by_std, the critic's gamma/lam)
     # Log-probs are computed on the response positions only (0 elsewhere: the LM head runs there).
     old_log_probs: Sequence[torch.Tensor] | None  # when the estimator or the loss needs them
     ref_log_probs: Sequence[torch.Tensor] | None  # when there is a reference (kl_coef > 0)
     values: Sequence[torch.Tensor] | None         # the critic's, when the estimator needs one
     kl: Sequence[torch.Tensor] | None             # logp_old - logp_ref per token when the KL is in the reward
     kl_coef: float
+    params: EstimatorParams = EstimatorParams()
     sum_over_ranks: Callable[[list[float]], list[float]] = sum_on_one_rank
+    # The job's whole AlgoSection, still passed for estimators written before ``params``; the
+    # built-ins never read it (``inputs.algo.actor.norm_adv_by_std`` is ``inputs.params.norm_adv_by_std``,
+    # ``inputs.algo.critic.gamma`` / ``lam`` are ``inputs.params.gamma`` / ``lam``).
+    algo: object = None
 
 
 @dataclass(frozen=True)
@@ -93,9 +117,8 @@ def estimator(name: str, summary: str, **needs) -> Callable[[Callable[[Advantage
 
 def _per_token(inputs: AdvantageInputs, name: str) -> Advantages:
     """A group estimator's one advantage per sequence, on each of its positions."""
-    algo = inputs.algo
     adv = group_advantages(torch.tensor(inputs.rewards, dtype=torch.float32), inputs.group_size, name,
-                           algo.actor.norm_adv_by_std)
+                           inputs.params.norm_adv_by_std)
     return Advantages([torch.full((len(m),), float(a)) for m, a in zip(inputs.masks, adv)])
 
 
@@ -127,8 +150,8 @@ def reinforce_plus_plus(inputs: AdvantageInputs) -> Advantages:
 @estimator("gae", "token-level GAE over the response from a learned critic (algo=ppo; algo.critic.gamma, lam)",
            needs_critic=True)
 def gae(inputs: AdvantageInputs) -> Advantages:
-    critic = inputs.algo.critic
-    advantages, returns = gae_advantages(inputs.rewards, inputs.masks, inputs.values, critic.gamma, critic.lam,
+    params = inputs.params
+    advantages, returns = gae_advantages(inputs.rewards, inputs.masks, inputs.values, params.gamma, params.lam,
                                          inputs.kl, inputs.kl_coef, sum_over_ranks=inputs.sum_over_ranks)
     return Advantages(advantages, returns)
 

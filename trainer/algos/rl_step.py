@@ -33,7 +33,7 @@ from polyfsdp.engines.cancellation import cancellation_point
 
 from ..data.batch import build_batch, per_sequence, response_field, response_mask
 from ..errors import ConfigError, RewardError
-from .estimators import ESTIMATORS, AdvantageInputs, Advantages
+from .estimators import ESTIMATORS, AdvantageInputs, Advantages, EstimatorParams
 from .gae import explained_variance
 from ..rollout.drivers.single_turn import default_driver
 from ..rollout.drivers.multi_turn import rollout_metrics
@@ -211,9 +211,9 @@ def train_on_rollout(ctx: RLContext, roll, pairs, shuffle_seed: int, train_actor
     # Batch statistics count each replica once (its SP ranks hold the same rollout).
     over_ranks = lambda v: sum_over_replicas(v, device)  # noqa: E731
     inputs = AdvantageInputs(
-        rewards=roll.rewards, masks=masks, group_size=g.group_size, algo=algo, old_log_probs=old,
-        ref_log_probs=ref_lp, values=values, kl=[o - r for o, r in zip(old, ref_lp)] if kl_in_reward else None,
-        kl_coef=g.kl_coef, sum_over_ranks=over_ranks)
+        rewards=roll.rewards, masks=masks, group_size=g.group_size, old_log_probs=old, ref_log_probs=ref_lp,
+        values=values, kl=[o - r for o, r in zip(old, ref_lp)] if kl_in_reward else None, kl_coef=g.kl_coef,
+        params=EstimatorParams.of(algo), sum_over_ranks=over_ranks, algo=algo)
     # A built-in's failure is polyfsdp's bug (a traceback); the user's own is one line naming it.
     result = est(inputs) if algo.adv_estimator in ESTIMATORS else _user_estimator(est, inputs, algo.adv_estimator)
     if critic is not None and result.returns is None:
