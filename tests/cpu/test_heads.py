@@ -78,7 +78,7 @@ def test_loss_needs_reads_the_attributes_and_their_defaults():
 
     assert LossNeeds.of(plain, TensorDict({}, batch_size=[1])) == LossNeeds((), True, "response_mask")
     needs = LossNeeds.of(SFTLoss(mask_field="loss_mask"), TensorDict({"loss_mask": torch.ones(1)}, batch_size=[1]))
-    assert needs == LossNeeds(("loss_mask",), False, "loss_mask")
+    assert needs == LossNeeds(("loss_mask",), False, "loss_mask", masked_only=True)
     with pytest.raises(TypeError, match="loss_fn must be a callable"):
         LossNeeds.of("nll", TensorDict({}, batch_size=[1]))
     with pytest.raises(ValueError, match=r"PPOLoss needs batch keys .*missing \['old_log_probs', 'advantages'\]"):

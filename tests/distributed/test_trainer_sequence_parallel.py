@@ -38,8 +38,10 @@ def score(data_source, solution_str, ground_truth, extra_info=None):
 # an element whose gradient nearly cancels turns the float noise of a different summation order
 # (SP sums over ranks) into a step of up to lr (measured: 1.5e-5 at eps 1e-8 on the PPO case,
 # 2.8e-6 at 1e-6, the weights moving 4e-3 in both); with 1e-6 such elements step in proportion to
-# their gradient, so the comparison measures how well the gradients agree.
-OVERRIDES = ["algo.actor.optim.eps=1e-6", "trainer.sft_steps=1", "trainer.sft_batch_size=8", "trainer.rl_steps=1", "trainer.prompts_per_step=4",
+# their gradient, so the comparison measures how well the gradients agree. The SFT step's optimizer
+# too (algo.sft.optim): at its default 1e-8 one element of the agent case's first MLP stepped
+# 1.25e-5 apart on an AVX-512 Xeon (5.6e-7 at 1e-6).
+OVERRIDES = ["algo.actor.optim.eps=1e-6", "algo.sft.optim.eps=1e-6", "trainer.sft_steps=1", "trainer.sft_batch_size=8", "trainer.rl_steps=1", "trainer.prompts_per_step=4",
              "algo.actor.group_size=4", "data.eval_size=4", "trainer.progress=off", "trainer.plot=false", "trainer.checkpoint_interval=0"]
 GUESS_ENV = os.path.join(os.path.dirname(__file__), os.pardir, "cpu", "envs", "guess_env.py") + ":GuessEnv"
 # Multi-turn: SFT on the calculator task's demonstrations (a tool call, the tool's result masked
