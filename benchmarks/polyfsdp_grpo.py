@@ -16,8 +16,11 @@ from polyfsdp.trainer.data.example import Example
 from polyfsdp.trainer.data.tokenizers import load_tokenizer
 
 
-def _reward(data_source, solution_str, ground_truth, extra_info=None) -> float:
-    return addition_reward(solution_str, ground_truth)
+def _scoring(reward):
+    """A polyfsdp reward function around ``reward(completion, answer) -> float``."""
+    def score(data_source, solution_str, ground_truth, extra_info=None) -> float:
+        return reward(solution_str, ground_truth)
+    return score
 
 
 class PhaseTimer:
@@ -65,7 +68,7 @@ class PolyfsdpGRPO:
 
     def __init__(self, path: str, group_size: int, max_new_tokens: int, lr: float = 1e-5,
                  engine_kwargs: dict | None = None, optim_kwargs: dict | None = None,
-                 grpo_kwargs: dict | None = None, hf_generate: bool = False) -> None:
+                 grpo_kwargs: dict | None = None, hf_generate: bool = False, reward=addition_reward) -> None:
         self.tokenizer = load_tokenizer(path)
         self.engine = FSDPEngine(ModelConfig(path=path), EngineConfig(**(engine_kwargs or {})),
                                  OptimConfig(lr=lr, grad_clip=1.0, **(optim_kwargs or {}))).initialize()
@@ -73,18 +76,20 @@ class PolyfsdpGRPO:
                                                 temperature=1.0, kl_coef=0.0, entropy_coef=0.0, clip_ratio_low=0.2,
                                                 clip_ratio_high=0.28, **(grpo_kwargs or {})))
         self.loss = None  # built per step: the loss normalises over the step's prompt count
-        self.scorer = Scorer(_reward, "addition")
+        self.scorer = Scorer(_scoring(reward), "addition")
         self.hf_generate = hf_generate  # sample with HF generate instead of trainer/rollout/decode.py
         self.driver = default_driver()
 
-    def step(self, prompts: list[dict], seed: int) -> dict:
-        """One GRPO step on ``prompts`` (dicts with prompt/answer); returns its metrics."""
-        examples = [Example(prompt=p["prompt"], answer=p["answer"]) for p in prompts]
+    def step(self, prompts: list[dict], seed: int, row_seeds=None) -> dict:
+        """One GRPO step on ``prompts`` (dicts with prompt/answer, optionally prompt_ids: the chat
+        template's tokens); returns its metrics. ``row_seeds``: a RowSeeds, as the trainer passes."""
+        examples = [Example(prompt=p["prompt"], answer=p["answer"],
+                            prompt_ids=tuple(p["prompt_ids"]) if "prompt_ids" in p else None) for p in prompts]
         loss = self.cfg.actor_loss(len(prompts))
         with hf_generate_only(self.hf_generate):
             ctx = rl_step_mod.RLContext(self.engine, self.tokenizer, self.cfg, loss, scorer=self.scorer,
                                         mini_batches=self.cfg.actor.mini_batches(len(prompts)), driver=self.driver)
-            return rl_step_mod.rl_step(ctx, examples, rl_step_mod.StepSeeds(seed))
+            return rl_step_mod.rl_step(ctx, examples, rl_step_mod.StepSeeds(seed, rows=row_seeds))
 
     def run(self, batches: list[list[dict]], seed: int, warmup: int) -> tuple[list[float], list[float], dict]:
         """Step through ``batches``; per timed step its wall seconds and tokens, and the

@@ -20,14 +20,22 @@ def available() -> bool:
     return True
 
 
-def _reward(completions, answer, **kwargs) -> list[float]:
-    return [addition_reward(c, a) for c, a in zip(completions, answer)]
+def _scoring(reward):
+    """A TRL reward function around ``reward(completion, answer) -> float``; a conversational
+    completion is a list of messages, scored on its text."""
+    def score(completions, answer, **kwargs) -> list[float]:
+        texts = [c[-1]["content"] if isinstance(c, list) else c for c in completions]
+        return [reward(c, a) for c, a in zip(texts, answer)]
+    return score
 
 
 def run_trl(path: str, batches: list[list[dict]], group_size: int, max_new_tokens: int, seed: int, warmup: int,
-            lr: float = 1e-5) -> tuple[list[float], list[float]]:
-    """Train ``len(batches)`` GRPO steps (one batch of prompts each); per timed step its wall
-    seconds and real tokens (prompt + completion, as polyfsdp counts them)."""
+            lr: float = 1e-5, reward=addition_reward, extra_args: dict | None = None,
+            generation_times: list[float] | None = None) -> tuple[list[float], list[float]]:
+    """Train ``len(batches)`` GRPO steps (one batch of prompts each: dicts with prompt, a string
+    or chat messages, and answer); per timed step its wall seconds and real tokens (prompt +
+    completion, as polyfsdp counts them). ``extra_args``: more GRPOConfig fields;
+    ``generation_times`` collects the timed steps' generation seconds (``_generate``)."""
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
@@ -45,7 +53,7 @@ def run_trl(path: str, batches: list[list[dict]], group_size: int, max_new_token
         learning_rate=lr, lr_scheduler_type="constant", warmup_steps=0, max_grad_norm=1.0, beta=0.0,
         epsilon=0.2, epsilon_high=0.28, temperature=1.0, top_k=0, top_p=1.0, loss_type="dapo",
         shuffle_dataset=False, logging_steps=10**6, save_strategy="no", report_to=[], bf16=False, fp16=False,
-        dataloader_num_workers=0, disable_tqdm=True, log_completions=False)
+        dataloader_num_workers=0, disable_tqdm=True, log_completions=False, **(extra_args or {}))
     times: list[float] = []
     tokens: list[float] = []
 
@@ -60,7 +68,7 @@ def run_trl(path: str, batches: list[list[dict]], group_size: int, max_new_token
     timer = StepTimer()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        trainer = GRPOTrainer(model=model, reward_funcs=_reward, args=args, processing_class=tokenizer,
+        trainer = GRPOTrainer(model=model, reward_funcs=_scoring(reward), args=args, processing_class=tokenizer,
                               train_dataset=Dataset.from_list(rows), callbacks=[timer])
         original = trainer._generate_and_score_completions
 
@@ -70,5 +78,15 @@ def run_trl(path: str, batches: list[list[dict]], group_size: int, max_new_token
                 tokens.append(float(out["prompt_mask"].sum() + out["completion_mask"].sum()))
             return out
         trainer._generate_and_score_completions = counted
+        generate = trainer._generate
+
+        def timed_generate(*a, **kw):
+            t = time.perf_counter()
+            try:
+                return generate(*a, **kw)
+            finally:
+                if generation_times is not None and trainer.state.global_step >= warmup:
+                    generation_times.append(time.perf_counter() - t)
+        trainer._generate = timed_generate
         trainer.train()
     return times, tokens
