@@ -7,7 +7,8 @@ as the trainer passes them), measured three ways:
   LM head, MLP, attention projections, the SDPA call, the KV-cache write, RoPE, RMSNorm, the rest of
   the model forward, the next-token choice (shaping, the per-row Gumbel draw, log-probs) and the
   loop's own Python (what is left of the wall time), split into prefill and decoding steps;
-* torch.profiler's op table (self CPU time, grouped by input shapes) over one ``generate``.
+* torch.profiler's op table (self CPU time, grouped by input shapes) over one ``generate``;
+* the prefill over all rows against over each distinct prompt once (a group's 8 rows share it).
 
 The floor of the same rollout (benchmarks/real_model_floor.py) is printed beside it.
 
@@ -112,6 +113,44 @@ def sectioned(model, sec: Sections):
         yield
 
 
+def prefill_sharing(engine, prompts: list[list[int]], group: int, new_tokens: int, pad: int, reps: int = 3) -> dict:
+    """The decoding loop's prefill (trainer/rollout/decode.py: every row, logits of the last
+    position) over all rows, against over each distinct prompt once with its cache rows then
+    repeated ``group`` times (what a group's identical prompts allow): best seconds of each,
+    and the largest difference of their last-position logits."""
+    from polyfsdp.trainer.rollout import decode as decode_mod
+    from polyfsdp.trainer.rollout.generate import _left_padded
+
+    model = engine.module
+    ids, mask = _left_padded(prompts, pad)
+    capacity = ids.shape[1] + new_tokens
+
+    def prefill(ids, mask):
+        cache = decode_mod._preallocated_cache(model, capacity)
+        positions = (mask.cumsum(-1) - 1).clamp_(min=0)
+        out = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True, logits_to_keep=1,
+                    **{decode_mod._cache_keyword(model): cache})
+        return cache, out.logits
+
+    def shared():
+        cache, logits = prefill(ids[::group], mask[::group])
+        index = torch.arange(ids.shape[0] // group).repeat_interleave(group)
+        cache.batch_select_indices(index)
+        return cache, logits[index]
+
+    times = {}
+    with engine.eval_mode(), torch.inference_mode():
+        for name, fn in (("all rows", lambda: prefill(ids, mask)), ("distinct prompts", shared)):
+            best = float("inf")
+            for _ in range(reps):
+                t = time.perf_counter()
+                _, logits = fn()
+                best = min(best, time.perf_counter() - t)
+            times[name] = (best, logits)
+    diff = (times["all rows"][1] - times["distinct prompts"][1]).abs().max().item()
+    return {"all": times["all rows"][0], "shared": times["distinct prompts"][0], "max_logit_diff": diff}
+
+
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--path", default=None, help="the converted HF directory (default: convert the GGUF)")
@@ -155,6 +194,7 @@ def main(argv=None) -> dict:
         rollout()
         walls.append(time.perf_counter() - t)
     wall = statistics.median(walls)
+    share = prefill_sharing(engine, prompts, args.group, args.new_tokens, params.pad_token_id)
     sec = Sections()
     with sectioned(model, sec):
         t = time.perf_counter()
@@ -169,6 +209,9 @@ def main(argv=None) -> dict:
           f"{2 * (cal['body_params'] + cal['head_params']) * sum(lengths) / wall / 1e9:.1f} GFLOP/s of decode FLOPs; "
           f"floor {fl['total']:.2f} s (prefill {fl['prefill']:.2f}, decode GEMMs {fl['decode_compute']:.2f}, "
           f"weight reads {fl['decode_reads']:.2f}): {wall / fl['total']:.2f}x floor")
+    print(f"prefill: all {len(prompts)} rows {share['all']:.2f} s; the {len(prompts) // args.group} distinct prompts "
+          f"once, cache rows repeated x{args.group}: {share['shared']:.2f} s (saves {share['all'] - share['shared']:.2f}"
+          f" s a rollout; last-position logits differ by at most {share['max_logit_diff']:.1e})")
     accounted = sum(sec.exclusive.values())
     rest = sec_wall - accounted
     print(f"\nbreakdown (one sectioned run: {sec_wall:.2f} s; wrappers add about {sec_wall - wall:+.2f} s)")
@@ -183,7 +226,7 @@ def main(argv=None) -> dict:
     print("\ntorch.profiler, one generate (self CPU time, by op and input shapes; profiler overhead included):")
     print(prof.key_averages(group_by_input_shape=True).table(sort_by="self_cpu_time_total", row_limit=args.rows,
                                                              max_name_column_width=40, max_shapes_column_width=60))
-    return {"wall": wall, "floor": fl, "sections": dict(sec.exclusive), "rest": rest}
+    return {"wall": wall, "floor": fl, "sections": dict(sec.exclusive), "rest": rest, "prefill": share}
 
 
 if __name__ == "__main__":

@@ -93,6 +93,17 @@ def calibrate(cfg, reps: int = 3) -> dict:
             "body_params": body_params, "head_params": head_params, "hidden": cfg.hidden_size, "layers": layers}
 
 
+def best_of(*cals: dict) -> dict:
+    """Per entry the fastest of several calibrations (a floor is the best the machine did; other
+    work on the cores only slows a calibration down)."""
+    out = dict(cals[0])
+    for key in ("body_fwd", "body_bwd_in", "body_bwd_w", "head_fwd", "head_bwd_in", "head_bwd_w"):
+        out[key] = min(c[key] for c in cals)
+    out["decode"] = {m: min(c["decode"][m] for c in cals) for m in cals[0]["decode"]}
+    out["bandwidth"] = max(c["bandwidth"] for c in cals)
+    return out
+
+
 def decode_gemm_s(cal: dict, m: int) -> float:
     """Decode-step GEMM seconds at ``m`` rows, linear between the measured M."""
     ms = sorted(cal["decode"])

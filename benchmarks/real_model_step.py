@@ -11,8 +11,9 @@ grad clip 1.0, the same prompts per step, ``--threads`` threads. polyfsdp rows a
 trainer seeds them (one generator per completion). Rounds alternate which trainer goes first;
 medians over the timed steps (after ``--warmup``) and rounds.
 
-Before the runs, benchmarks/real_model_floor.py calibrates the GEMM rate at the model's shapes
-and the memory bandwidth; the phase table gives polyfsdp's median seconds per phase, the floor
+Before and after the runs, benchmarks/real_model_floor.py calibrates the GEMM rate at the model's
+shapes and the memory bandwidth (the floor takes the faster of the two per shape: other work on the
+cores only slows a calibration down); the phase table gives polyfsdp's median seconds per phase, the floor
 of each and the multiple. ``--profile-generation`` adds where the decoding loop's time goes
 (benchmarks/real_model_decode_profile.py).
 
@@ -272,6 +273,11 @@ def main(argv=None) -> None:
                        "ours_tok": med([x["tokens"] for x in ours]), "trl_tok": med([x["tokens"] for x in theirs]),
                        "reward": statistics.mean(x["reward"] for x in ours)})
         rounds[-1]["ratio"] = rounds[-1]["ours"] / rounds[-1]["trl"]
+    t = time.perf_counter()
+    cal = floor.best_of(cal, floor.calibrate(config))  # again after the runs: the faster of the two, per shape
+    print(f"\nfloor calibration, best of before and after the runs ({time.perf_counter() - t:.0f} s):")
+    for what, v in floor.rates(cal):
+        print(f"  {what:<50} {v:8.1f}")
     report(ours_all, theirs_all, rounds, cal, args)
     if args.profile_generation:
         import real_model_decode_profile
