@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import weakref
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -104,45 +105,56 @@ def varlen_sdpa_attention_forward(
         raise ValueError(f"{VARLEN_SDPA}: packed rows need as many keys as queries "
                          f"(got {key.shape[2]} keys, {query.shape[2]} queries); call with use_cache=False")
     gqa = key.shape[1] != query.shape[1]
-    # Written straight into the (1, total, H, D) layout the caller wants: no cat, no transpose copy.
-    out = query.new_empty(1, query.shape[2], query.shape[1], value.shape[-1])
-    for length, starts, index in _length_buckets(tuple(bounds), query.device):
-        if index is None:
-            s, e = starts[0], starts[0] + length
-            out[:, s:e] = _segment_attention(query[:, :, s:e], key[:, :, s:e], value[:, :, s:e], scaling, dropout,
-                                             sliding_window, gqa).transpose(1, 2)
-            continue
-        # Sequences of one length run as one batched SDPA call: (k, H, length, D).
-        k = len(starts)
-        q, kk, vv = (t[0][:, index].unflatten(1, (k, length)).transpose(0, 1) for t in (query, key, value))
-        seg = _segment_attention(q, kk, vv, scaling, dropout, sliding_window, gqa)
-        out[0, index] = seg.transpose(1, 2).reshape(k * length, seg.shape[1], seg.shape[-1])
-    return out, None
+    plan = _bucket_plan(tuple(bounds), query.device)
+    # One gather puts the tokens in bucket order (sequences of one length side by side), split
+    # gives each bucket a view, and one cat + one gather put the outputs back: the backward then
+    # moves each tensor O(1) times per layer. (Writing each bucket into slices of one output, or
+    # gathering each bucket from the whole row, made every bucket's backward fill and copy a
+    # whole-row tensor: about a fifth of a 30-layer update on 64 packed sequences.)
+    parts = [t[0].index_select(1, plan.order).split(plan.sizes, dim=1) for t in (query, key, value)]
+    outs = []
+    for (count, length), q, k, v in zip(plan.buckets, *parts):
+        # A bucket's sequences run as one batched SDPA call: (count, H, length, D).
+        q, k, v = (t.unflatten(1, (count, length)).transpose(0, 1) for t in (q, k, v))
+        seg = _segment_attention(q, k, v, scaling, dropout, sliding_window, gqa)
+        outs.append(seg.transpose(1, 2).reshape(count * length, seg.shape[1], seg.shape[-1]))
+    return torch.cat(outs).index_select(0, plan.restore).unsqueeze(0), None
 
 
-# Every layer of one forward sees the same boundaries: plan the length buckets once.
-_last_buckets: tuple = (None, None, None)
+@dataclass(frozen=True)
+class _BucketPlan:
+    """A packed row's tokens grouped by sequence length: ``order`` (flat positions, bucket by
+    bucket, each sequence's in order), ``sizes`` (tokens per bucket), ``buckets`` ((sequences,
+    length) per bucket) and ``restore`` (where each original position sits in ``order``)."""
+
+    order: torch.Tensor
+    sizes: list[int]
+    buckets: list[tuple[int, int]]
+    restore: torch.Tensor
 
 
-def _length_buckets(bounds: tuple, device) -> list[tuple[int, list[int], torch.Tensor | None]]:
-    """``(length, starts, token index)`` per distinct sequence length of a packed row; the
-    index (flat positions of those sequences, in order) is None for a lone sequence.
+# Every layer of one forward sees the same boundaries: plan the buckets once.
+_last_plan: tuple = (None, None, None)
+
+
+def _bucket_plan(bounds: tuple, device) -> _BucketPlan:
+    """The :class:`_BucketPlan` of a packed row with sequence ``bounds`` (built on the host).
     Per-sequence SDPA calls cost more than their arithmetic for short sequences."""
-    global _last_buckets
-    if _last_buckets[0] == bounds and _last_buckets[1] == device:
-        return _last_buckets[2]
+    global _last_plan
+    if _last_plan[0] == bounds and _last_plan[1] == device:
+        return _last_plan[2]
     starts_by_length: dict[int, list[int]] = {}
     for s, e in zip(bounds[:-1], bounds[1:]):
         if e > s:
             starts_by_length.setdefault(e - s, []).append(s)
-    buckets = []
-    for length, starts in starts_by_length.items():
-        index = None
-        if len(starts) > 1:
-            index = (torch.tensor(starts)[:, None] + torch.arange(length)).reshape(-1).to(device)
-        buckets.append((length, starts, index))
-    _last_buckets = (bounds, device, buckets)
-    return buckets
+    order = [p for length, starts in starts_by_length.items() for s in starts for p in range(s, s + length)]
+    host_order = torch.tensor(order, dtype=torch.long)
+    restore = torch.empty_like(host_order)
+    restore[host_order] = torch.arange(len(order))
+    plan = _BucketPlan(host_order.to(device), [len(starts) * length for length, starts in starts_by_length.items()],
+                       [(len(starts), length) for length, starts in starts_by_length.items()], restore.to(device))
+    _last_plan = (bounds, device, plan)
+    return plan
 
 
 def varlen_sdpa_mask(batch_size: int, q_length: int, kv_length: int, q_offset: int = 0, kv_offset: int = 0,
