@@ -155,11 +155,12 @@ def update_floor(cal: dict, lengths: list[int], head_tokens: int | None = None) 
     return {"gemm": gemm, "attention": attn, "adamw": adamw, "total": gemm + attn + adamw}
 
 
-def generation_floor(cal: dict, prompt_lengths: list[int], completion_lengths: list[int]) -> dict:
-    """Prefill plus one decoding step per further token, each at its live-row count."""
-    rows = len(prompt_lengths)
-    prefill = cal["body_fwd"] * sum(prompt_lengths) + cal["head_fwd"] * rows \
-        + _attention_flops(cal, prompt_lengths, False) / (2 * cal["body_params"] / cal["body_fwd"])
+def generation_floor(cal: dict, prompt_lengths: list[int], completion_lengths: list[int], group: int = 1) -> dict:
+    """Prefill plus one decoding step per further token, each at its live-row count. ``group``:
+    consecutive rows that share a prompt, which is prefilled once (trainer/rollout/decode.py)."""
+    distinct = prompt_lengths[::group]
+    prefill = cal["body_fwd"] * sum(distinct) + cal["head_fwd"] * len(distinct) \
+        + _attention_flops(cal, distinct, False) / (2 * cal["body_params"] / cal["body_fwd"])
     weight_read = 4 * (cal["body_params"] + cal["head_params"]) / cal["bandwidth"]
     compute = reads = steps = 0.0
     decode = 0.0

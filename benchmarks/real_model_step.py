@@ -143,7 +143,7 @@ def run_polyfsdp(path: str, batches_: list, args, seed: int) -> list[dict]:
                     "train": ph.get("train", 0.0), "decode": sum(c["s"] for c in probe.calls),
                     "prompts": [n for c in probe.calls for n in c["prompts"]],
                     "completions": [n for c in probe.calls for n in c["completions"]],
-                    "tokens": m["tokens"], "reward": m.get("reward", float("nan"))})
+                    "tokens": m["tokens"], "reward": m.get("reward", float("nan")), "group": args.group})
     del runner
     gc.collect()
     return out
@@ -168,7 +168,8 @@ def med(values) -> float:
 def floors(cal: dict, step: dict) -> dict:
     """The floor of each phase of one polyfsdp step (seconds)."""
     lengths = [p + c for p, c in zip(step["prompts"], step["completions"])]
-    gen = floor.generation_floor(cal, step["prompts"], step["completions"])
+    # The decoding loop prefills each distinct prompt once (rows of a group share it, consecutive).
+    gen = floor.generation_floor(cal, step["prompts"], step["completions"], group=step.get("group", 1))
     upd = floor.update_floor(cal, lengths)
     upd_lean = floor.update_floor(cal, lengths, head_tokens=sum(step["completions"]))
     return {"generation": gen, "update": upd, "update_lean": upd_lean,
@@ -197,19 +198,22 @@ def report(ours: list[dict], theirs: list[dict], rounds: list[dict], cal: dict, 
           f"per step's own lengths; {med([sum(x['prompts']) + sum(x['completions']) for x in ours]):.0f} tokens, "
           f"{med([sum(x['completions']) for x in ours]):.0f} of them completions)")
     rows = [("generation: decoding loop", m("decode"), g("generation")),
-            ("  prefill (forward over prompts)", None, g("generation", "prefill")),
+            ("  prefill (forward over distinct prompts)", None, g("generation", "prefill")),
             ("  decode steps: GEMMs at live rows", None, g("generation", "decode_compute")),
             ("  decode steps: weight reads at bandwidth", None, g("generation", "decode_reads")),
             ("rollout rest (tokenize, score, pad)", gen_rest, None)]
+    # The floors count the LM head on the completions only: polyfsdp (engines/head/rows.py) and TRL
+    # (logits_to_keep) both skip it over the prompts; the whole-head floor is shown beside.
     if m("old_log_probs") > 0:
-        rows.append(("old log-probs (no-grad forward)", m("old_log_probs"), med([f["forward"] for f in fl])))
-        rows.append(("  floor with head on completions only", None, med([f["forward_lean"] for f in fl])))
-    step_floor = g("generation") + g("update") + (med([f["forward"] for f in fl]) if m("old_log_probs") > 0 else 0)
-    rows += [("update: forward+backward+AdamW", m("train"), g("update")),
-             ("  GEMMs (6 x params x tokens)", None, g("update", "gemm")),
-             ("  attention (causal)", None, g("update", "attention")),
-             ("  AdamW at bandwidth", None, g("update", "adamw")),
-             ("  floor with head on completions only", None, g("update_lean")),
+        rows.append(("old log-probs (no-grad forward)", m("old_log_probs"), med([f["forward_lean"] for f in fl])))
+        rows.append(("  floor with head on every position", None, med([f["forward"] for f in fl])))
+    step_floor = g("generation") + g("update_lean") + \
+        (med([f["forward_lean"] for f in fl]) if m("old_log_probs") > 0 else 0)
+    rows += [("update: forward+backward+AdamW", m("train"), g("update_lean")),
+             ("  GEMMs (6 x params x tokens, head on completions)", None, g("update_lean", "gemm")),
+             ("  attention (causal)", None, g("update_lean", "attention")),
+             ("  AdamW at bandwidth", None, g("update_lean", "adamw")),
+             ("  floor with head on every position", None, g("update")),
              ("other (advantages, batching, sync)", other, None),
              ("step", m("step"), step_floor),
              ("TRL step (HF generate)", s_trl, step_floor),
