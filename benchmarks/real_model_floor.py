@@ -83,7 +83,7 @@ def calibrate(cfg, reps: int = 3) -> dict:
                     F.linear(xs[w.shape[1]], w)
                 F.linear(xs[cfg.hidden_size], head_w)
             decode[m] = _best(step, reps)
-        del weights, head_w
+        weights.clear()  # free the copies (the closure above is done with them)
         buf = torch.ones(BW_BYTES // 4)
         bandwidth = BW_BYTES / _best(lambda: buf.sum(), reps)
     body_params = layers * sum(k * n for k, n in layer_shapes(cfg))
