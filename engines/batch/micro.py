@@ -61,15 +61,6 @@ def token_index(offsets: torch.Tensor, seq_index: torch.Tensor, total: int) -> t
     return jagged.flat_index(starts, lengths, new_offsets, total)
 
 
-def _host_token_index(seq_lens: list[int], seq_ids: list[int]) -> torch.Tensor:
-    """:func:`token_index` on the host, from the host lengths (for host-side per-token data)."""
-    starts = [0]
-    for n in seq_lens:
-        starts.append(starts[-1] + n)
-    parts = [torch.arange(starts[i], starts[i + 1]) for i in seq_ids]
-    return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.long)
-
-
 def select(flat: FlatBatch, seq_ids: list[int]) -> tuple[FlatBatch, torch.Tensor]:
     """The sub-batch of sequences ``seq_ids`` and the flat index of its tokens in ``flat``."""
     device = flat.offsets.device
@@ -86,7 +77,10 @@ def select(flat: FlatBatch, seq_ids: list[int]) -> tuple[FlatBatch, torch.Tensor
         fields={k: v[tok] for k, v in flat.fields.items()},
         seq_fields={k: v[seq_index] for k, v in flat.seq_fields.items()},
         temperature=temperature,
-        scored=None if flat.scored is None else flat.scored[_host_token_index(flat.seq_lens, seq_ids)],
+        # The host mask is indexed on the host, from the host lengths (no device read).
+        scored=None if flat.scored is None else flat.scored[
+            token_index(jagged.offsets_from_lengths(torch.tensor(flat.seq_lens, dtype=torch.long)),
+                        torch.tensor(seq_ids, dtype=torch.long), total)],
     )
     return sub, tok
 

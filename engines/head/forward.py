@@ -134,20 +134,20 @@ def _fused_head(self, model_inputs: dict, labels: torch.Tensor, call: FusedHeadC
     if kept is None:
         hidden = call.to_flat(output)
     else:
-        hidden, labels = kept.from_grid(output), kept.take(labels)
-        temperature = kept.take(temperature) if torch.is_tensor(temperature) else temperature
+        hidden = kept.from_grid(output)
+        labels, temperature = kept.take(labels, temperature)
         if loss_of is not None:
             outer = loss_of
 
             def loss_of(log_probs, entropy):  # the caller's loss reads the flat layout
-                return outer(kept.scatter(log_probs), kept.scatter(entropy))
+                return outer(*kept.scatter(log_probs, entropy))
     # Labels and temperatures were validated at the batch edge (engines/batch/checks.py).
     options = dict(temperature=temperature, return_entropy=call.return_entropy, ignore_index=IGNORE_INDEX,
                    softcap=call.softcap, check_values=False, impl=call.impl, compile_fallback=call.compile_fallback)
     weight = self.lm_head.weight
     if loss_of is None:
         log_probs, entropy = fused_logprob_entropy(hidden, weight, labels, **options)
-        return (log_probs, entropy) if kept is None else (kept.scatter(log_probs), kept.scatter(entropy))
+        return (log_probs, entropy) if kept is None else kept.scatter(log_probs, entropy)
     if hidden.dtype in FULL_PRECISION and weight.dtype == hidden.dtype:
         loss, metrics, _, _ = fused_logprob_loss(hidden, weight, labels, loss_of, **options)
         return loss, metrics
@@ -248,8 +248,7 @@ def forward_logprobs(model, flat: FlatBatch, *, use_remove_padding: bool, fused:
     kept = _kept(flat, layout)
     logits = _kept_logits(model, layout.model_inputs(flat), kept, lambda out: layout.to_flat(out, flat))
     if kept is not None:
-        labels = kept.take(labels)
-        temperature = kept.take(temperature) if torch.is_tensor(temperature) else temperature
+        labels, temperature = kept.take(labels, temperature)
     log_probs, entropy = logprob_entropy_from_logits(logits, labels, temperature, return_entropy=return_entropy,
                                                      ignore_index=IGNORE_INDEX, check_values=False)
-    return (log_probs, entropy) if kept is None else (kept.scatter(log_probs), kept.scatter(entropy))
+    return (log_probs, entropy) if kept is None else kept.scatter(log_probs, entropy)

@@ -44,9 +44,11 @@ class KeptRows:
         """How many rows go through the head."""
         return self.positions.shape[0]
 
-    def take(self, values: torch.Tensor) -> torch.Tensor:
-        """A flat per-position ``(total, ...)`` tensor (labels, temperatures) at the kept rows."""
-        return values.index_select(0, self.positions)
+    def take(self, labels: torch.Tensor, temperature):
+        """``(labels, temperature)`` at the kept rows: flat per-position ``(total,)`` labels, and a
+        float temperature as it is or a per-position ``(total,)`` one."""
+        kept = labels.index_select(0, self.positions)
+        return kept, temperature.index_select(0, self.positions) if torch.is_tensor(temperature) else temperature
 
     def from_grid(self, output: torch.Tensor) -> torch.Tensor:
         """The kept rows ``(n, D)`` of a whole model output ``(..., D)``."""
@@ -57,11 +59,10 @@ class KeptRows:
         rows = output.reshape(-1, output.shape[-1])
         return rows if self.window_index is None else rows.index_select(0, self.window_index)
 
-    def scatter(self, values: torch.Tensor | None) -> torch.Tensor | None:
-        """Per-kept-row ``values (n,)`` placed in a zero ``(total,)`` tensor, differentiably."""
-        if values is None:
-            return None
-        return values.new_zeros(self.total).index_copy(0, self.positions, values)
+    def scatter(self, *values: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
+        """Each per-kept-row ``(n,)`` tensor (None stays None) placed in a zero ``(total,)`` tensor,
+        differentiably."""
+        return tuple(None if v is None else v.new_zeros(self.total).index_copy(0, self.positions, v) for v in values)
 
 
 def _to_device(index: torch.Tensor, device) -> torch.Tensor:

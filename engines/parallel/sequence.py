@@ -161,7 +161,7 @@ def _scored_rows(flat: FlatBatch, width: int, use_remove_padding: bool) -> torch
         return None
     if use_remove_padding:
         return torch.cat([flat.scored, flat.scored.new_zeros(width - flat.total)]).unsqueeze(0)
-    host_offsets = torch.tensor([0, *flat.seq_lens]).cumsum(0)
+    host_offsets = jagged.offsets_from_lengths(torch.tensor(flat.seq_lens, dtype=torch.long))
     return jagged.flat_to_dense(flat.scored, host_offsets, width, padding_value=False)
 
 
@@ -185,12 +185,12 @@ def sp_forward_logprobs(model, flat: FlatBatch, *, use_remove_padding: bool, fus
         if kept is None:
             logits = logits.reshape(-1, logits.shape[-1])
         else:
-            logits, labels = kept.from_grid(logits), kept.take(labels)
-            temperature = kept.take(temperature) if torch.is_tensor(temperature) else temperature
+            logits = kept.from_grid(logits)
+            labels, temperature = kept.take(labels, temperature)
         log_probs, entropy = logprob_entropy_from_logits(logits, labels, temperature, return_entropy=return_entropy,
                                                          ignore_index=IGNORE_INDEX, check_values=False)
         if kept is not None:
-            log_probs, entropy = kept.scatter(log_probs), kept.scatter(entropy)
+            log_probs, entropy = kept.scatter(log_probs, entropy)
     return part.to_flat(log_probs), (part.to_flat(entropy) if return_entropy else None)
 
 
