@@ -68,7 +68,8 @@ class PolyfsdpGRPO:
 
     def __init__(self, path: str, group_size: int, max_new_tokens: int, lr: float = 1e-5,
                  engine_kwargs: dict | None = None, optim_kwargs: dict | None = None,
-                 grpo_kwargs: dict | None = None, hf_generate: bool = False, reward=addition_reward) -> None:
+                 grpo_kwargs: dict | None = None, hf_generate: bool = False, reward=addition_reward,
+                 driver=None) -> None:
         self.tokenizer = load_tokenizer(path)
         self.engine = FSDPEngine(ModelConfig(path=path), EngineConfig(**(engine_kwargs or {})),
                                  OptimConfig(lr=lr, grad_clip=1.0, **(optim_kwargs or {}))).initialize()
@@ -78,7 +79,7 @@ class PolyfsdpGRPO:
         self.loss = None  # built per step: the loss normalises over the step's prompt count
         self.scorer = Scorer(_scoring(reward), "addition")
         self.hf_generate = hf_generate  # sample with HF generate instead of trainer/rollout/decode.py
-        self.driver = default_driver()
+        self.driver = driver or default_driver()  # e.g. a SingleTurnDriver over the vLLM engine
 
     def step(self, prompts: list[dict], seed: int, row_seeds=None) -> dict:
         """One GRPO step on ``prompts`` (dicts with prompt/answer, optionally prompt_ids: the chat

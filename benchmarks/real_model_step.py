@@ -128,34 +128,85 @@ def run_polyfsdp(path: str, batches_: list, args, seed: int) -> list[dict]:
     from polyfsdp.trainer.rollout.row_seeds import RowSeeds
 
     runner = PolyfsdpGRPO(path, args.group, args.new_tokens, lr=LR, optim_kwargs={"impl": "fused"},
-                          reward=arithmetic_reward)
+                          reward=arithmetic_reward, driver=vllm_driver(args) if args.rollout == "vllm" else None)
     out = []
-    for i, prompts in enumerate(batches_):
-        timer = PhaseTimer()
-        with timed_phases(runner.engine, runner.driver, timer), DecodeProbe() as probe:
-            t = time.perf_counter()
-            m = runner.step(prompts, seed * 100_003 + i, row_seeds=RowSeeds(seed, i))
-            step = time.perf_counter() - t
-        if i < args.warmup:
-            continue
-        ph = timer.times
-        out.append({"step": step, "rollout": ph.get("rollout", 0.0), "old_log_probs": ph.get("old_log_probs", 0.0),
-                    "train": ph.get("train", 0.0), "decode": sum(c["s"] for c in probe.calls),
-                    "prompts": [n for c in probe.calls for n in c["prompts"]],
-                    "completions": [n for c in probe.calls for n in c["completions"]],
-                    "tokens": m["tokens"], "reward": m.get("reward", float("nan")), "group": args.group})
+    try:
+        for i, prompts in enumerate(batches_):
+            timer = PhaseTimer()
+            with timed_phases(runner.engine, runner.driver, timer), DecodeProbe() as probe, \
+                    GenerateProbe(runner.driver.engine) as sampler:
+                t = time.perf_counter()
+                m = runner.step(prompts, seed * 100_003 + i, row_seeds=RowSeeds(seed, i))
+                step = time.perf_counter() - t
+            if i < args.warmup:
+                continue
+            ph = timer.times
+            calls = probe.calls or sampler.calls  # the decoding loop's, else the engine's generate calls
+            out.append({"step": step, "rollout": ph.get("rollout", 0.0), "old_log_probs": ph.get("old_log_probs", 0.0),
+                        "train": ph.get("train", 0.0), "decode": sum(c["s"] for c in calls),
+                        "sync": getattr(runner.driver.engine, "last_sync_s", None) or 0.0,
+                        "prompts": [n for c in calls for n in c["prompts"]],
+                        "completions": [n for c in calls for n in c["completions"]],
+                        "tokens": m["tokens"], "reward": m.get("reward", float("nan")), "group": args.group})
+    finally:
+        runner.driver.engine.close()
     del runner
     gc.collect()
     return out
 
 
+def vllm_driver(args):
+    """The rollout through the colocated vLLM engine (``rollout.engine=vllm``) instead of the
+    built-in decoding loop; its KV cache sized for the step's rows."""
+    from polyfsdp.backends import get_backend
+    from polyfsdp.trainer.config.sections import RolloutSection
+    from polyfsdp.trainer.rollout.build import build_rollout_engine
+    from polyfsdp.trainer.rollout.drivers.single_turn import SingleTurnDriver
+
+    section = RolloutSection(engine="vllm", check_sync=False,
+                             vllm={"max_num_seqs": args.prompts * args.group, "max_model_len": 512})
+    return SingleTurnDriver(build_rollout_engine(section, get_backend("cpu")))
+
+
+class GenerateProbe:
+    """Wraps a rollout engine's ``generate`` (the vLLM engine's sampling) and ``update_weights``
+    (its weight sync): wall seconds, prompt and completion lengths per call."""
+
+    def __init__(self, engine) -> None:
+        self.engine = engine
+        self.calls: list[dict] = []
+
+    def __enter__(self):
+        original = self.engine.generate
+
+        def probed(prompts, params, seeds=None):
+            t = time.perf_counter()
+            out = original(prompts, params, seeds)
+            self.calls.append({"s": time.perf_counter() - t, "prompts": [len(p) for p in prompts],
+                               "completions": [len(c) for c in out.token_ids]})
+            return out
+        self.engine.generate = probed
+        return self
+
+    def __exit__(self, *exc) -> None:
+        del self.engine.generate
+
+
 def run_trl(path: str, batches_: list, args, seed: int) -> list[dict]:
     gen: list[float] = []
-    times, tokens = trl_grpo.run_trl(path, batches_, args.group, args.new_tokens, seed, args.warmup, lr=LR,
-                                     reward=arithmetic_reward, generation_times=gen,
-                                     extra_args={"optim": "adamw_torch_fused", "adam_beta1": 0.9,
-                                                 "adam_beta2": 0.999, "adam_epsilon": 1e-8, "weight_decay": 0.0,
-                                                 "num_iterations": 1})
+    extra = {"optim": "adamw_torch_fused", "adam_beta1": 0.9, "adam_beta2": 0.999, "adam_epsilon": 1e-8,
+             "weight_decay": 0.0, "num_iterations": 1}
+    if args.rollout == "vllm":  # TRL's colocated vLLM: in this process, a share of host memory on CPU
+        extra.update(use_vllm=True, vllm_mode="colocate", vllm_gpu_memory_utilization=0.05,
+                     vllm_max_model_length=512, vllm_enable_sleep_mode=False)
+        # vLLM on CPU asks for its share of host memory minus this process's resident size (negative
+        # beside a loaded trainer); its KV cache size in GiB instead (polyfsdp passes 512 MiB itself).
+        os.environ["VLLM_CPU_KVCACHE_SPACE"] = "1"
+    try:
+        times, tokens = trl_grpo.run_trl(path, batches_, args.group, args.new_tokens, seed, args.warmup, lr=LR,
+                                         reward=arithmetic_reward, generation_times=gen, extra_args=extra)
+    finally:
+        os.environ.pop("VLLM_CPU_KVCACHE_SPACE", None)
     gc.collect()
     return [{"step": s, "generation": g, "tokens": n} for s, g, n in zip(times, gen, tokens)]
 
@@ -177,6 +228,14 @@ def floors(cal: dict, step: dict) -> dict:
             "forward_lean": floor.forward_floor(cal, sum(lengths), sum(step["completions"]))}
 
 
+def ours_sampler(args) -> str:
+    return "colocated vLLM" if args.rollout == "vllm" else "decoding loop"
+
+
+def trl_sampler(args) -> str:
+    return "colocated vLLM" if args.rollout == "vllm" else "HF generate"
+
+
 def report(ours: list[dict], theirs: list[dict], rounds: list[dict], cal: dict, args) -> None:
     """The side-by-side table, the ratio, the phase table against the floor."""
     print(f"\n{'round':>5} {'polyfsdp step s':>16} {'TRL step s':>11} {'ratio':>6} {'polyfsdp gen s':>15} "
@@ -188,16 +247,16 @@ def report(ours: list[dict], theirs: list[dict], rounds: list[dict], cal: dict, 
     ratios = [r["ratio"] for r in rounds]
     print(f"median over steps and rounds: polyfsdp {s_ours:.2f} s, TRL {s_trl:.2f} s, polyfsdp/TRL {s_ours / s_trl:.2f} "
           f"(per round {min(ratios):.2f}-{max(ratios):.2f}); generation polyfsdp {med([x['decode'] for x in ours]):.2f}"
-          f" s (decoding loop), TRL {med([x['generation'] for x in theirs]):.2f} s (HF generate)")
+          f" s ({ours_sampler(args)}), TRL {med([x['generation'] for x in theirs]):.2f} s ({trl_sampler(args)})")
     fl = [floors(cal, x) for x in ours]
     g = lambda key, sub="total": med([f[key][sub] for f in fl])  # noqa: E731
     m = lambda key: med([x[key] for x in ours])  # noqa: E731
-    other = med([x["step"] - x["rollout"] - x["old_log_probs"] - x["train"] for x in ours])
+    other = med([x["step"] - x["rollout"] - x["old_log_probs"] - x["train"] - x["sync"] for x in ours])
     gen_rest = med([x["rollout"] - x["decode"] for x in ours])
     print(f"\nphase table (polyfsdp, median over {len(ours)} timed steps; floors from the calibration above, "
           f"per step's own lengths; {med([sum(x['prompts']) + sum(x['completions']) for x in ours]):.0f} tokens, "
           f"{med([sum(x['completions']) for x in ours]):.0f} of them completions)")
-    rows = [("generation: decoding loop", m("decode"), g("generation")),
+    rows = [(f"generation: {ours_sampler(args)}", m("decode"), g("generation")),
             ("  prefill (forward over distinct prompts)", None, g("generation", "prefill")),
             ("  decode steps: GEMMs at live rows", None, g("generation", "decode_compute")),
             ("  decode steps: weight reads at bandwidth", None, g("generation", "decode_reads")),
@@ -214,10 +273,11 @@ def report(ours: list[dict], theirs: list[dict], rounds: list[dict], cal: dict, 
              ("  attention (causal)", None, g("update_lean", "attention")),
              ("  AdamW at bandwidth", None, g("update_lean", "adamw")),
              ("  floor with head on every position", None, g("update")),
-             ("other (advantages, batching, sync)", other, None),
+             ("weight sync into the sampler", m("sync"), None),
+             ("other (advantages, batching)", other, None),
              ("step", m("step"), step_floor),
-             ("TRL step (HF generate)", s_trl, step_floor),
-             ("TRL generation (HF generate)", med([x["generation"] for x in theirs]), g("generation"))]
+             (f"TRL step ({trl_sampler(args)})", s_trl, step_floor),
+             (f"TRL generation ({trl_sampler(args)})", med([x["generation"] for x in theirs]), g("generation"))]
     print(floor.phase_table(rows))
 
 
@@ -233,6 +293,9 @@ def main(argv=None) -> None:
     parser.add_argument("--cache", default=os.path.join(tempfile.gettempdir(), "polyfsdp_bench_real"),
                         help="where the converted checkpoint is kept")
     parser.add_argument("--no-trl", action="store_true")
+    parser.add_argument("--rollout", choices=("builtin", "vllm"), default="builtin",
+                        help="vllm: both sides sample with colocated vLLM (vllm-cpu): polyfsdp's rollout.engine=vllm, "
+                             "TRL's use_vllm with vllm_mode=colocate")
     parser.add_argument("--profile-generation", action="store_true",
                         help="also profile the decoding loop (benchmarks/real_model_decode_profile.py)")
     parser.add_argument("--quick", action="store_true", help="smoke run: 1 round, 1 warm-up + 1 timed step")

