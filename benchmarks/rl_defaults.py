@@ -112,7 +112,7 @@ def summarise(metrics: Path) -> dict:
 
 # The built-in model's tuned values, which a model.path run would otherwise replace with the
 # pretrained ones (configs/algo/grpo.yaml): these models are trained from scratch here, and the
-# README's table was measured with these.
+# table in docs/algorithms.md ("Tuning RL on your own task") was measured with these.
 BUILTIN_VALUES = {"algo.sft.optim.lr": "3e-3", "algo.actor.optim.lr": "1e-3", "algo.actor.kl_coef": "0.01",
                   "algo.actor.entropy_coef": "0.01"}
 

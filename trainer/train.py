@@ -26,7 +26,7 @@ Runs SFT warm-up then RL (GRPO) on the built-in task (defaults), or what the ove
   --help     this text
 Config groups (pick with GROUP=OPTION):
 {groups}
-RL choices (registered; docs: configs/algo/grpo.yaml, README):
+RL choices (registered; docs: configs/algo/grpo.yaml, docs/algorithms.md):
   algo.adv_estimator   {estimators}, or path/to/file.py:NAME / package.module:NAME
   algo.actor.policy_loss {losses}, or path/to/file.py:NAME / package.module:NAME
 Examples:

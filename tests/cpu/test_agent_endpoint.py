@@ -290,7 +290,7 @@ def test_the_verifiers_shaped_example_records_the_calculator_environments_sequen
     assert roll.rewards == [1.0, 1.0] and 0 in roll.loss_masks[0]
 
 
-def test_the_readmes_agent_trains_through_polyfsdp_train(tmp_path):
+def test_the_docs_agent_trains_through_polyfsdp_train(tmp_path):
     import re
 
     from test_cli import TINY
@@ -298,8 +298,8 @@ def test_the_readmes_agent_trains_through_polyfsdp_train(tmp_path):
     from polyfsdp.trainer.tracking.metrics import read_metrics
     from polyfsdp.trainer.train import main
 
-    readme = open(os.path.join(ROOT, "README.md")).read()
-    (tmp_path / "my_agent.py").write_text(re.findall(r"```python my_agent.py\n(.*?)```", readme, flags=re.S)[0])
+    page = open(os.path.join(ROOT, "docs", "multi-turn.md")).read()
+    (tmp_path / "my_agent.py").write_text(re.findall(r"```python my_agent.py\n(.*?)```", page, flags=re.S)[0])
     out = tmp_path / "run"
     code = main([*TINY, "algo.actor.group_size=2", "trainer.sft_steps=0", "trainer.rl_steps=1", "trainer.plot=false",
                  "trainer.export=false", "trainer.eval_interval=0", "eval.initial=false", "data=arith_words",

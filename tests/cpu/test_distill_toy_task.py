@@ -1,6 +1,6 @@
 """A student distilled from a teacher on the built-in task (benchmarks/distill_toy_task.py, a few
 steps of it): the mean per-token reverse KL to the teacher falls over the RL steps, and the
-student's held-out reward moves from its SFT start toward the teacher's. The README's table is
+student's held-out reward moves from its SFT start toward the teacher's. The table in docs/algorithms.md is
 the same script with more steps."""
 import os
 import sys

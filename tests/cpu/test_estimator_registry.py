@@ -14,7 +14,7 @@ from polyfsdp.trainer.config.job import load_config
 from polyfsdp.trainer.errors import ConfigError
 
 HERE = Path(__file__).resolve().parent
-README = HERE.parents[1] / "README.md"
+ALGORITHMS = HERE.parents[1] / "docs" / "algorithms.md"
 CUSTOM = f"{HERE / 'custom_estimator.py'}:median_baseline"
 
 
@@ -32,9 +32,9 @@ def _yaml_rows(marker: str) -> dict[str, str]:
     return rows
 
 
-def _readme_table(heading: str) -> list[list[str]]:
-    """The cells of the first table after ``heading`` in the README, backticks dropped."""
-    lines = README.read_text().splitlines()
+def _docs_table(heading: str) -> list[list[str]]:
+    """The cells of the first table after ``heading`` in docs/algorithms.md, backticks dropped."""
+    lines = ALGORITHMS.read_text().splitlines()
     start = lines.index(heading)
     rows = [line for line in lines[start:] if line.startswith("|")]
     end = next(i for i, line in enumerate(lines[start:]) if line.startswith("|"))
@@ -47,17 +47,17 @@ def _readme_table(heading: str) -> list[list[str]]:
     return table[2:]  # header and rule
 
 
-def test_the_yaml_comment_and_the_readme_list_the_registered_estimators():
+def test_the_yaml_comment_and_the_docs_list_the_registered_estimators():
     assert _yaml_rows("How advantages are computed") == {n: e.summary for n, e in ESTIMATORS.items()}
-    table = _readme_table("### Advantage estimators (`algo.adv_estimator`)")
+    table = _docs_table("### Advantage estimators (`algo.adv_estimator`)")
     assert [row[0] for row in table] == list(ESTIMATORS)
     assert {row[0]: (row[1], row[2]) for row in table} == \
         {n: (needs_text(e), e.summary) for n, e in ESTIMATORS.items()}
 
 
-def test_the_yaml_comment_and_the_readme_list_the_registered_policy_losses():
+def test_the_yaml_comment_and_the_docs_list_the_registered_policy_losses():
     assert _yaml_rows("The policy loss (trainer/algos/policy_losses.py)") == {n: p.summary for n, p in POLICY_LOSSES.items()}
-    table = _readme_table("### Policy losses (`algo.actor.policy_loss`)")
+    table = _docs_table("### Policy losses (`algo.actor.policy_loss`)")
     assert [row[0] for row in table] == list(POLICY_LOSSES)
     assert {row[0]: row[2] for row in table} == {n: p.summary for n, p in POLICY_LOSSES.items()}
     for name, declares, _ in table:

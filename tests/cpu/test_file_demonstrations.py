@@ -184,11 +184,11 @@ def test_demonstrations_without_an_environment_are_named_as_unused(tmp_path):
     assert unused_demonstrations_note([Example("p", "a")], None) is None
 
 
-def test_the_readmes_demonstration_record_reads_as_written(tmp_path):
+def test_the_docs_demonstration_record_reads_as_written(tmp_path):
     import pathlib
     import re
 
-    readme = (pathlib.Path(__file__).parents[2] / "README.md").read_text()
-    (block,) = [b for b in re.findall(r"```json\n(.*?)```", readme, re.DOTALL) if '"messages"' in b]
+    page = (pathlib.Path(__file__).parents[2] / "docs" / "multi-turn.md").read_text()
+    (block,) = [b for b in re.findall(r"```json\n(.*?)```", page, re.DOTALL) if '"messages"' in b]
     (ex,) = _read(_write(tmp_path / "demos.jsonl", [json.loads(block)]))
     assert ex.conversation == _read(_write(tmp_path / "same.jsonl", [_record(17, 23)]))[0].conversation

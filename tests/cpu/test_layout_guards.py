@@ -16,7 +16,8 @@ from polyfsdp.engines.config import EngineConfig, LoraConfig, OptimConfig
 ROOT = Path(__file__).resolve().parents[2]
 # Lower layers never import higher ones: trainer -> engines -> patches -> backends.
 LAYERS = {"backends": 0, "patches": 1, "engines": 2, "trainer": 3}
-DOCS = ("README.md", "docs/architecture.md")
+# The docs whose cited paths must exist: the README and every page of docs/ (docs_pages()).
+README = "README.md"
 CITED_PATH = re.compile(r"`((?:backends|patches|engines|trainer|configs|tests|benchmarks|scripts|docs)/[^`\s]*)`")
 
 
@@ -85,21 +86,41 @@ def test_the_wheel_lists_every_package():
     assert listed == _source_packages(), "pyproject [tool.setuptools] packages vs folders with __init__.py"
 
 
-def _cited_paths() -> list[tuple[str, str]]:
+def docs_pages(root: Path = ROOT) -> list[str]:
+    """README.md and every docs/*.md page, relative to ``root``."""
+    return [README, *sorted(p.relative_to(root).as_posix() for p in (root / "docs").glob("*.md"))]
+
+
+def _cited_paths(root: Path = ROOT) -> list[tuple[str, str]]:
     cited = []
-    for doc in DOCS:
-        for match in CITED_PATH.finditer((ROOT / doc).read_text()):
+    for doc in docs_pages(root):
+        for match in CITED_PATH.finditer((root / doc).read_text()):
             path = re.split(r"[:(]", match.group(1))[0]  # `file.py:Name`, `file.py::test`
             if not any(c in path for c in "<*{"):  # templates such as `backends/<name>.py`
                 cited.append((doc, path))
     return cited
 
 
+def _missing_cited_paths(root: Path = ROOT) -> list[str]:
+    return [f"{doc}: {path}" for doc, path in _cited_paths(root) if not (root / path).exists()]
+
+
 def test_every_path_the_docs_cite_exists():
     cited = _cited_paths()
     assert len(cited) > 50, "the citation pattern stopped matching the docs"
-    missing = [f"{doc}: {path}" for doc, path in cited if not (ROOT / path).exists()]
+    assert {doc for doc, _ in cited} >= {"README.md", "docs/architecture.md", "docs/checkpoints-and-resume.md"}
+    missing = _missing_cited_paths()
     assert not missing, "paths cited in the docs that do not exist:\n" + "\n".join(missing)
+
+
+def test_the_cited_path_check_reads_the_readme_and_every_page(tmp_path):
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "trainer").mkdir()
+    (tmp_path / "trainer" / "here.py").write_text("")
+    (tmp_path / "README.md").write_text("`trainer/here.py` and `trainer/gone.py`\n")
+    (tmp_path / "docs" / "a-new-page.md").write_text("`trainer/here.py:Name`, `tests/cpu/missing.py::test`, "
+                                                     "`backends/<name>.py`\n")
+    assert _missing_cited_paths(tmp_path) == ["README.md: trainer/gone.py", "docs/a-new-page.md: tests/cpu/missing.py"]
 
 
 def _defaults(config_class) -> dict:

@@ -1,4 +1,5 @@
-"""The README's Python example runs as written, and the config keys it names exist."""
+"""The docs' examples run as written (the engine from Python, own data, multi-turn), and the config keys
+they name exist."""
 from __future__ import annotations
 
 import json
@@ -9,15 +10,16 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
+DOCS = ROOT / "docs"
 
 
 def _python_blocks(text: str) -> list[str]:
     return re.findall(r"```python\n(.*?)```", text, flags=re.S)
 
 
-def test_readme_engine_example_runs():
-    blocks = _python_blocks((ROOT / "README.md").read_text())
-    assert len(blocks) == 1, "expected exactly one python example in the README"
+def test_python_api_engine_example_runs():
+    blocks = _python_blocks((DOCS / "python-api.md").read_text())
+    assert len(blocks) == 1, "expected exactly one python example in docs/python-api.md"
     result = subprocess.run([sys.executable, "-c", blocks[0]], capture_output=True, text=True, timeout=300,
                             env={"POLYFSDP_BACKEND": "cpu", "PATH": "/usr/bin:/bin", "HOME": str(ROOT)})
     assert result.returncode == 0, result.stderr[-3000:]
@@ -27,18 +29,23 @@ def test_readme_engine_example_runs():
         assert key in result.stdout
 
 
-def test_readme_patch_keys_exist_in_the_patches_config():
-    readme = (ROOT / "README.md").read_text()
+def test_patch_keys_the_docs_name_exist_in_the_patches_config():
+    page = (DOCS / "backends-and-patches.md").read_text()
     config = (ROOT / "configs" / "patches" / "default.yaml").read_text()
-    for key in set(re.findall(r"`patches\.(\w+)", readme)):
+    keys = set(re.findall(r"`patches\.(\w+)", page))
+    assert keys, "docs/backends-and-patches.md names no patches.* key"
+    for key in keys:
         assert re.search(rf"^{key}:", config, flags=re.M), key
 
 
-def _own_data_section(text: str) -> str:
-    return text.split("## Train on your own data", 1)[1].split("\n## ", 1)[0]
+def _own_data_section() -> str:
+    """docs/data.md: the whole page is the own-data section."""
+    text = (DOCS / "data.md").read_text()
+    assert text.startswith("# Train on your own data\n"), "docs/data.md is no longer the own-data page"
+    return text
 
 
-def test_readme_own_data_example_runs_as_written(tmp_path):
+def test_own_data_example_runs_as_written(tmp_path):
     # The section's files (```LANG NAME blocks) and its first command, on a tiny BPE chat
     # model saved as my_model/, with few steps: the command must work exactly as shown.
     import shlex
@@ -46,7 +53,7 @@ def test_readme_own_data_example_runs_as_written(tmp_path):
     sys.path.insert(0, str(ROOT / "tests" / "cpu"))
     from own_data_cases import write_model_dir
 
-    section = _own_data_section((ROOT / "README.md").read_text())
+    section = _own_data_section()
     files = dict((name, body) for name, body in re.findall(r"```\w+ (\S+)\n(.*?)```", section, flags=re.S))
     assert set(files) == {"train.jsonl", "val.jsonl", "my_reward.py"}
     for name, body in files.items():
@@ -64,19 +71,19 @@ def test_readme_own_data_example_runs_as_written(tmp_path):
     assert len(grpo) == 2 and all("reward/answered" in r and r["reward/response_tokens"] >= 1 for r in grpo)
 
 
-def test_readme_own_data_keys_exist_in_the_configs():
-    section = _own_data_section((ROOT / "README.md").read_text())
+def test_own_data_keys_exist_in_the_configs():
+    section = _own_data_section()
     configs = (ROOT / "configs" / "data" / "files.yaml").read_text() + (ROOT / "configs" / "reward" /
                                                                        "default.yaml").read_text()
     for key in set(re.findall(r"`(?:data|reward)\.(\w+)", section)):
         assert re.search(rf"^{key}:", configs, flags=re.M), key
 
 
-def test_readme_multi_turn_example_runs_as_written(tmp_path):
-    # The multi-turn section's environment file and command, with few steps.
+def test_multi_turn_example_runs_as_written(tmp_path):
+    # The multi-turn page's environment file and its first command, with few steps.
     import shlex
 
-    section = (ROOT / "README.md").read_text().split("## Multi-turn", 1)[1].split("\n## ", 1)[0]
+    section = (DOCS / "multi-turn.md").read_text()
     files = dict(re.findall(r"```python (\S+)\n(.*?)```", section, flags=re.S))
     assert set(files) == {"my_env.py", "my_agent.py"}  # my_agent.py: tests/cpu/test_agent_endpoint.py
     (tmp_path / "my_env.py").write_text(files["my_env.py"])

@@ -83,7 +83,7 @@ class Estimator:
     estimator also does so with ``algo.critic.kl_in_reward``. ``needs_old_log_probs``: the
     estimator reads them itself. ``agg_mode``: the loss aggregation its advantages assume (None:
     ``algo.actor.agg_mode``). ``multi_turn``: it handles environment turns (masked tokens inside
-    the response). ``summary``: the line of the docs' table (README, configs/algo/grpo.yaml).
+    the response). ``summary``: the line of the docs' table (docs/algorithms.md, configs/algo/grpo.yaml).
     """
 
     name: str
@@ -100,7 +100,7 @@ class Estimator:
 
 
 def needs_text(est: Estimator) -> str:
-    """What ``est`` declares it needs, in words (the README table's column)."""
+    """What ``est`` declares it needs, in words (the column of docs/algorithms.md's table)."""
     parts = (["a critic (algo.critic)"] if est.needs_critic else []) + \
         (["old and reference log-probs (the KL in the reward)"] if est.kl_in_reward else []) + \
         (["old log-probs"] if est.needs_old_log_probs else []) + \

@@ -2,7 +2,7 @@
 
 Its completions score by chance, the group-normalised advantages are noise, and the updates walk
 the model away from what the SFT warm-up taught (measured: a LoRA warm-up of a from-scratch
-preset; README, Tuning).
+preset; docs/algorithms.md, "Tuning RL on your own task").
 """
 from __future__ import annotations
 

@@ -34,8 +34,8 @@ def parse_completion(answer, want_log_probs: bool, where: str) -> tuple[list[int
         log_probs = [float(x) for x in choice["logprobs"]["token_logprobs"]] if want_log_probs else None
     except (KeyError, IndexError, TypeError, ValueError) as exc:
         raise ServerError(f"{where}: a completion without token ids or log-probs ({type(exc).__name__}: {exc}); "
-                          f"is it a vLLM OpenAI server (>= 0.32) started as README's rollout-servers section "
-                          f"says?") from None
+                          f"is it a vLLM OpenAI server (>= 0.32) started as docs/rollouts-and-servers.md's "
+                          f"rollout-servers section says?") from None
     if log_probs is not None and len(log_probs) != len(tokens):
         raise ServerError(f"{where}: {len(tokens)} token ids but {len(log_probs)} log-probs in one completion")
     return tokens, log_probs
