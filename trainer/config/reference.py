@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Iterator
 
 from polyfsdp.engines.config import EngineConfig
+from polyfsdp.patches.toggles import PatchToggles
 
 from .algo import ActorSection, AlgoSection, CriticSection
 from .bounds import MAX_MAGNITUDE, declared_fields, describe_type, field_range, section_of
@@ -21,10 +22,10 @@ PAGE = Path(__file__).resolve().parents[2] / "docs" / "config-reference.md"
 
 
 def group_sections() -> dict[str, type]:
-    """The declared section of each config group (``patches`` is the patch registry's own)."""
-    return {"backend": BackendSection, "model": ModelSection, "engine": EngineConfig, "algo": AlgoSection,
-            "data": DataSection, "reward": RewardSection, "rollout": RolloutSection, "eval": EvalSection,
-            "trainer": TrainerSection}
+    """The declared section of each config group."""
+    return {"backend": BackendSection, "model": ModelSection, "engine": EngineConfig, "patches": PatchToggles,
+            "algo": AlgoSection, "data": DataSection, "reward": RewardSection, "rollout": RolloutSection,
+            "eval": EvalSection, "trainer": TrainerSection}
 
 
 def optional_sections() -> dict[str, type]:
@@ -68,7 +69,7 @@ def page() -> str:
     """docs/config-reference.md."""
     out = ["# Configuration reference", "",
            "Generated from the declarations (trainer/config/sections.py, trainer/config/algo.py, "
-           "engines/config.py, trainer/rollout/servers/settings.py) by "
+           "engines/config.py, patches/toggles.py, trainer/rollout/servers/settings.py) by "
            "`python -m polyfsdp.trainer.config.reference`; do not edit by hand. A default here is the "
            "declaration's; a preset of `configs/` (a group option such as `algo=grpo`, or `task=...`) may set "
            "another, which `polyfsdp-train --cfg` shows. A number outside its range, NaN or infinite, is "
