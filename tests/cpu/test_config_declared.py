@@ -84,7 +84,7 @@ def test_help_lists_every_key_with_its_default_and_range(capsys):
     assert main(["--help"]) == 0
     text = capsys.readouterr().out
     assert "  trainer.seed = 0  [0, 4294967295]" in text
-    assert "  algo.sft.optim.lr = 1e-05  [-1e9, 1.0]" in text
+    assert '  algo.sft.optim.lr = 1e-05 (default job: "${if_model_path:1.0e-5,3.0e-3}")  [-1e9, 1.0]' in text
     assert "  rollout.server.count = 1" in text
 
 

@@ -56,12 +56,34 @@ def declared_rows(cls: type, prefix: str) -> Iterator[tuple[str, str, str, str, 
             span or entries, f.metadata.get("doc", "")
 
 
+def default_job_values() -> dict[str, str]:
+    """The default job's value of each key where its preset sets another than the declaration
+    (unresolved: ``${if_model_path:A,B}`` stays as written)."""
+    from omegaconf import OmegaConf
+
+    from .composition import compose
+
+    composed = OmegaConf.to_container(compose([]), resolve=False)
+    out = {}
+    for group, cls in group_sections().items():
+        for key, _, default, _, _ in declared_rows(cls, group):
+            node = composed
+            for part in key.split("."):
+                node = node.get(part) if isinstance(node, dict) else None
+            if node is not None and _show(node) != default:  # None: not in the default job (algo.critic)
+                out[key] = _show(node)
+    return out
+
+
 def help_text() -> str:
     """Every key with its default, range and meaning, for ``polyfsdp-train --help``."""
-    lines = ["Keys (KEY=VALUE; default, [range]; the shipped presets may set other values: --cfg shows them):"]
+    preset = default_job_values()
+    lines = ["Keys (KEY=VALUE; the declared default, the default job's value where its preset sets another, "
+             "[range], meaning):"]
     for group, cls in group_sections().items():
         for key, _, default, span, doc in declared_rows(cls, group):
-            lines.append(f"  {key} = {default}" + (f"  {span}" if span else "") + (f"  {doc}" if doc else ""))
+            shipped = f" (default job: {preset[key]})" if key in preset else ""
+            lines.append(f"  {key} = {default}{shipped}" + (f"  {span}" if span else "") + (f"  {doc}" if doc else ""))
     return "\n".join(lines)
 
 
@@ -70,15 +92,20 @@ def page() -> str:
     out = ["# Configuration reference", "",
            "Generated from the declarations (trainer/config/sections.py, trainer/config/algo.py, "
            "engines/config.py, patches/toggles.py, trainer/rollout/servers/settings.py) by "
-           "`python -m polyfsdp.trainer.config.reference`; do not edit by hand. A default here is the "
-           "declaration's; a preset of `configs/` (a group option such as `algo=grpo`, or `task=...`) may set "
-           "another, which `polyfsdp-train --cfg` shows. A number outside its range, NaN or infinite, is "
-           "refused before anything runs; a number without a declared range lies in [-1e9, 1e9].", ""]
+           "`python -m polyfsdp.trainer.config.reference`; do not edit by hand. `default` is the "
+           "declaration's; `default job` is what `polyfsdp-train` with no arguments uses where the presets of "
+           "`configs/` it composes set another (`${if_model_path:A,B}`: A with a model.path, B with the built-in "
+           "model); another group option (`algo=ppo`, `task=...`) may set others, which `polyfsdp-train --cfg` "
+           "shows. A number outside its range, NaN or infinite, is refused before anything runs; a number "
+           "without a declared range lies in [-1e9, 1e9].", ""]
+    preset = default_job_values()
     for group, cls in group_sections().items():
-        out += [f"## {group}", "", "| key | type | default | range | meaning |", "| --- | --- | --- | --- | --- |"]
-        for row in declared_rows(cls, group):
-            out.append("| " + " | ".join(f"`{c}`" if i < 3 and c else c.replace("|", "\\|")
-                                          for i, c in enumerate(row)) + " |")
+        out += [f"## {group}", "", "| key | type | default | default job | range | meaning |",
+                "| --- | --- | --- | --- | --- | --- |"]
+        for key, kind, default, span, doc in declared_rows(cls, group):
+            cells = [f"`{key}`", f"`{kind}`", f"`{default}`", f"`{preset[key]}`" if key in preset else "", span,
+                     doc.replace("|", "\\|")]
+            out.append("| " + " | ".join(cells) + " |")
         out.append("")
     return "\n".join(out)
 
