@@ -1,6 +1,8 @@
-"""The job configuration: Hydra composition (trainer/config/composition.py), then strict conversion of
-every group into validated dataclasses (the sections of trainer/config/sections.py and
-trainer/config/algo.py, the engine's where they exist).
+"""The job configuration: Hydra composition (trainer/config/composition.py), every group converted
+into its declared section by the one converter (trainer/config/bounds.py) and checked by the
+section itself (sections.py, algo.py, the engine's configs), and here the checks that span
+sections (the replicas' split of the batches, a phase optimizer's step count, the reward and the
+rollout together).
 
 Any mistake a user can make on the command line (unknown key, value outside its choices,
 wrong type, bad override syntax) becomes one :class:`ConfigError` with a one-line message.
@@ -26,7 +28,6 @@ from ..errors import ConfigError
 from .rollout_check import SEPARATE_SAMPLERS, check_rollout
 
 logger = logging.getLogger(__name__)
-
 
 
 # --------------------------------------------------------------------------- checks
