@@ -7,17 +7,14 @@ reports the key the user typed without rewriting messages.
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
 import math
 from dataclasses import dataclass
+from collections.abc import Mapping
 from typing import Any, Sequence
 
-import torch
-
-from .presets import PRESETS
-
-TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-DTYPES = tuple(TORCH_DTYPES)
+DTYPES = ("float32", "bfloat16", "float16")
 PAD_MODES = ("no_padding", "left_right")
 LR_SCHEDULERS = ("constant", "warmup_cosine")
 # torch's AdamW kernels: "auto" is torch's own choice (per-tensor loop on CPU), "foreach"
@@ -32,6 +29,44 @@ OFFLOAD_MODES = ("none", "optimizer", "params")
 # The fused head's chunk kernels: "eager" torch ops (the reference), "compiled" through
 # torch.compile, "auto" compiled where the backend declares torch.compile usable and worth it.
 FUSED_KERNEL_IMPLS = ("auto", "eager", "compiled")
+
+
+class TorchDtypes(Mapping):
+    """:data:`DTYPES` -> torch's dtypes, imported on first lookup: declaring and checking a
+    configuration (the trainer's --help, a mistyped key) must not import torch."""
+
+    def _table(self) -> dict:
+        import torch
+
+        return {name: getattr(torch, name) for name in DTYPES}
+
+    def __getitem__(self, name: str):
+        return self._table()[name]
+
+    def __iter__(self):
+        return iter(DTYPES)
+
+    def __len__(self) -> int:
+        return len(DTYPES)
+
+
+TORCH_DTYPES = TorchDtypes()
+
+
+def setting(default: Any = dataclasses.MISSING, *, doc: str = "", low: float | None = None,
+            high: float | None = None, entries: dict | None = None) -> Any:
+    """A configuration field, declared once: its default (a list, dict or section class is
+    built fresh per instance), what it means (``polyfsdp-train --help``,
+    docs/config-reference.md) and, for a number, the range checked before anything runs
+    (``low``/``high``; None: the trainer's default range, trainer/config/bounds.py). With
+    ``entries`` the field is a free-form mapping handed to someone else: its numbers are only
+    refused when not finite, except the entries it names, ``{key: (low, high)}``."""
+    metadata = {"doc": doc, "low": low, "high": high, "entries": entries}
+    if isinstance(default, type):
+        return dataclasses.field(default_factory=default, metadata=metadata)
+    if isinstance(default, (list, dict)):
+        return dataclasses.field(default_factory=lambda: copy.deepcopy(default), metadata=metadata)
+    return dataclasses.field(default=default, metadata=metadata)
 
 
 class ConfigFieldError(ValueError):
@@ -107,10 +142,11 @@ class LoraConfig(_FromDict):
     fused head reads its plain weight.
     """
 
-    rank: int = 0
-    alpha: float = 16.0
-    dropout: float = 0.0
-    target_modules: Any = LORA_ALL_LINEAR
+    rank: int = setting(0, doc="adapter rank; 0 trains every weight (pip install -e \".[lora]\")", high=2**16)
+    # alpha / rank scales every adapter's output: beyond 2**16 the first step is non-finite.
+    alpha: float = setting(16.0, doc="adapter scale: alpha / rank", high=2**16)
+    dropout: float = setting(0.0, doc="dropout on the adapters' inputs, in [0, 1)")
+    target_modules: Any = setting(LORA_ALL_LINEAR, doc="all-linear, or module names, e.g. [q_proj, v_proj]")
 
     def __post_init__(self) -> None:
         _check_type("LoraConfig", "rank", self.rank, (int,), "an int >= 0 (0: no LoRA)")
@@ -181,6 +217,8 @@ class ModelConfig(_FromDict):
             raise ConfigFieldError("ModelConfig", "preset", f"set exactly one of preset or path "
                                    f"(got preset={self.preset!r}, path={self.path!r})")
         if self.preset is not None:
+            from .presets import PRESETS  # transformers' configs: only where a model is described
+
             _choice("ModelConfig", "preset", self.preset, sorted(PRESETS))
         _choice("ModelConfig", "dtype", self.dtype, DTYPES)
         if self.attn_implementation is not None:
@@ -224,21 +262,26 @@ class EngineConfig(_FromDict):
     the model's dtype (FSDP2's mixed precision does those casts). ``True`` always shards.
     """
 
-    use_remove_padding: bool = True
-    use_fused_kernels: bool = False
-    fused_kernel_impl: str = "auto"
-    fuse_loss_into_head: bool = True
-    pad_mode: str = "no_padding"
-    param_dtype: str = "float32"
-    reduce_dtype: str = "float32"
-    reshard_policy: str = "default"
-    gradient_checkpointing: bool = False
-    max_tokens_per_micro_batch: int | None = None
-    check_inputs: bool = True
-    ulysses_sp_size: int = 1
-    balance_dp_tokens: bool = False
-    offload: str = "none"
-    shard_single_rank: bool = False
+    use_remove_padding: bool = setting(True, doc="pack sequences without padding (every mode gives the same numbers)")
+    use_fused_kernels: bool = setting(False, doc="the fused chunked LM head")
+    fused_kernel_impl: str = setting("auto", doc="auto | eager | compiled: the fused head's chunk kernels "
+                                                 "(auto: compiled on GPUs/NPUs, eager on CPU)")
+    fuse_loss_into_head: bool = setting(True, doc="with the fused head and a token-separable loss: the loss "
+                                                  "gradient inside the head's forward (3 GEMMs, not 4)")
+    pad_mode: str = setting("no_padding", doc="no_padding | left_right")
+    param_dtype: str = setting("float32", doc="float32 | bfloat16 | float16")
+    reduce_dtype: str = setting("float32", doc="float32 | bfloat16 | float16")
+    reshard_policy: str = setting("default", doc="default | always | never (FSDP2 reshard after forward)")
+    gradient_checkpointing: bool = setting(False, doc="recompute activations in the backward")
+    max_tokens_per_micro_batch: int | None = setting(None, doc="null: the whole batch in one micro-batch")
+    check_inputs: bool = setting(True, doc="validate batch values once per batch (one device read)")
+    ulysses_sp_size: int = setting(1, doc="Ulysses sequence parallelism: ranks per data-parallel replica; "
+                                          "must divide the world size")
+    balance_dp_tokens: bool = setting(False, doc="re-assign sequences over ranks by tokens each batch")
+    offload: str = setting("none", doc="none | optimizer (AdamW state + step on the host) | params (FSDP2 "
+                                       "CPUOffloadPolicy); no-op on cpu")
+    shard_single_rank: bool = setting(False, doc="true: FSDP2 even on one rank (false runs 1 rank as the "
+                                                 "plain model)")
 
     def __post_init__(self) -> None:
         for name in ("use_remove_padding", "use_fused_kernels", "fuse_loss_into_head", "gradient_checkpointing",
@@ -271,16 +314,19 @@ class OptimConfig(_FromDict):
     same update, fewer (and faster) op launches for ``foreach``/``fused``.
     """
 
-    lr: float = 1e-5
-    betas: tuple[float, float] = (0.9, 0.999)
-    eps: float = 1e-8
-    weight_decay: float = 0.0
-    grad_clip: float | None = 1.0
-    lr_scheduler: str = "constant"
-    warmup_steps: int = 0
-    total_steps: int | None = None
-    min_lr_ratio: float = 0.0
-    impl: str = "auto"
+    # AdamW moves each weight by about lr per step: above 1 nothing is left to train.
+    lr: float = setting(1e-5, doc="learning rate", high=1.0)
+    betas: tuple[float, float] = setting((0.9, 0.999), doc="AdamW's betas, two numbers in [0, 1)")
+    eps: float = setting(1e-8, doc="AdamW's eps", high=1.0)
+    weight_decay: float = setting(0.0, doc="decoupled weight decay")
+    grad_clip: float | None = setting(1.0, doc="gradient norm clip; null: no clipping")
+    lr_scheduler: str = setting("constant", doc="constant | warmup_cosine")
+    warmup_steps: int = setting(0, doc="linear warm-up steps")
+    total_steps: int | None = setting(None, doc="null: the phase's optimizer steps (trainer.sft_steps or "
+                                                "trainer.rl_steps x updates per rollout)")
+    min_lr_ratio: float = setting(0.0, doc="warmup_cosine decays to min_lr_ratio * lr")
+    impl: str = setting("auto", doc="AdamW kernel: auto (torch: per-tensor loop on CPU) | for_loop | foreach "
+                                    "| fused")
 
     def __post_init__(self) -> None:
         _choice("OptimConfig", "impl", self.impl, ADAMW_IMPLS)

@@ -25,10 +25,12 @@ class PatchToggles:
     question (``patches.registry.validate_toggles``, which ``apply_patches`` also calls).
     """
 
-    enabled: bool = True
-    disable_families: tuple[str, ...] = field(default_factory=tuple)
-    disable: tuple[str, ...] = field(default_factory=tuple)
-    verify: bool = False
+    # ``doc``: what the key means, for the trainer's --help and docs/config-reference.md.
+    enabled: bool = field(default=True, metadata={"doc": "false turns every patch off"})
+    disable_families: tuple[str, ...] = field(default_factory=tuple,
+                                              metadata={"doc": "whole families off, e.g. [qwen2]"})
+    disable: tuple[str, ...] = field(default_factory=tuple, metadata={"doc": "single patches off, e.g. [qwen2.rope]"})
+    verify: bool = field(default=False, metadata={"doc": "check each patched module against the original once"})
 
     def __post_init__(self) -> None:
         for name in ("enabled", "verify"):

@@ -26,7 +26,7 @@ Runs SFT warm-up then RL (GRPO) on the built-in task (defaults), or what the ove
   --help     this text
 Config groups (pick with GROUP=OPTION):
 {groups}
-RL choices (registered; docs: configs/algo/grpo.yaml, docs/algorithms.md):
+RL choices (registered; docs: docs/config-reference.md, docs/algorithms.md):
   algo.adv_estimator   {estimators}, or path/to/file.py:NAME / package.module:NAME
   algo.actor.policy_loss {losses}, or path/to/file.py:NAME / package.module:NAME
 Examples:
@@ -110,9 +110,11 @@ def _say_stop(line: str) -> None:
 def _usage() -> str:
     from .config.composition import GROUPS, PRESET_GROUPS, available_options
     from .algos.rl_choices import ESTIMATOR_NAMES, POLICY_LOSS_NAMES
+    from .config.reference import help_text
 
     groups = "\n".join(f"  {g:<8} {', '.join(available_options(g))}" for g in GROUPS + PRESET_GROUPS)
-    return USAGE.format(groups=groups, estimators=", ".join(ESTIMATOR_NAMES), losses=", ".join(POLICY_LOSS_NAMES))
+    usage = USAGE.format(groups=groups, estimators=", ".join(ESTIMATOR_NAMES), losses=", ".join(POLICY_LOSS_NAMES))
+    return usage + help_text()
 
 
 # Hydra's own spelling is ``--cfg job`` (or all/hydra): accepted, so Hydra habits work.

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-import yaml
+from polyfsdp.trainer.config.composition import compose, to_container
 
 from engine_cases import PRESET, engine_config
 from engine_reference import (full_state_dict, prompt_lengths, reference_logprobs, reference_model, sequences,
@@ -33,7 +33,6 @@ from polyfsdp.trainer.train import main
 from test_cli import TINY
 from vllm_cases import write_checkpoint
 
-CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 TEMPERATURE = 0.7
 # (pad_mode, use_remove_padding, max_tokens_per_micro_batch): both layouts, packed and padded
 # rows, and micro-batches under a token budget.
@@ -95,7 +94,7 @@ def test_per_token_reverse_kl_equals_a_float64_reference_on_logits(mode):
 
 
 def test_the_yaml_defaults_are_the_dataclass_defaults():
-    distill = yaml.safe_load((CONFIGS / "algo" / "grpo.yaml").read_text())["distill"]
+    distill = to_container(compose([]))["algo"]["distill"]
     assert distill == {f.name: f.default for f in dataclasses.fields(DistillSection)}
     assert load_config([]).algo.distill == DistillSection()
 

@@ -9,9 +9,9 @@ import re
 import tomllib
 from pathlib import Path
 
-import yaml
 
 from polyfsdp.engines.config import EngineConfig, LoraConfig, OptimConfig
+from polyfsdp.trainer.config.composition import compose, to_container
 
 ROOT = Path(__file__).resolve().parents[2]
 # Lower layers never import higher ones: trainer -> engines -> patches -> backends.
@@ -131,14 +131,14 @@ def _plain(value):
     return list(value) if isinstance(value, tuple) else value
 
 
-def test_engine_yaml_defaults_equal_engine_config_defaults():
-    shipped = yaml.safe_load((ROOT / "configs" / "engine" / "default.yaml").read_text())
+def test_composed_engine_defaults_equal_engine_config_defaults():
+    shipped = to_container(compose(["trainer.output_dir=x"]))["engine"]
     assert shipped == {name: _plain(value) for name, value in _defaults(EngineConfig).items()}
 
 
-def test_model_lora_yaml_defaults_equal_lora_config_defaults():
+def test_model_lora_defaults_equal_lora_config_defaults():
     for family in sorted((ROOT / "configs" / "model").glob("*.yaml")):
-        lora = yaml.safe_load(family.read_text())["lora"]
+        lora = to_container(compose([f"model={family.stem}", "trainer.output_dir=x"]))["model"]["lora"]
         assert lora == {name: _plain(value) for name, value in _defaults(LoraConfig).items()}, family.name
 
 
@@ -150,7 +150,8 @@ JOB_TUNED_OPTIM_FIELDS = {"lr", "impl"}
 def test_phase_optim_yaml_has_every_optim_field_and_api_defaults_elsewhere():
     api = {name: _plain(value) for name, value in _defaults(OptimConfig).items()}
     for algo in sorted((ROOT / "configs" / "algo").glob("*.yaml")):
-        for phase, section in yaml.safe_load(algo.read_text()).items():
+        composed = to_container(compose([f"algo={algo.stem}", "trainer.output_dir=x"]))["algo"]
+        for phase, section in composed.items():
             if not isinstance(section, dict) or "optim" not in section:
                 continue
             optim = section["optim"]

@@ -7,11 +7,10 @@ reward.model logs both and trains, each logged rollout reward equal to 0.5 x cha
 model's score of its text; one-line errors naming the source and the record."""
 import dataclasses
 import json
-from pathlib import Path
 
 import pytest
 import torch
-import yaml
+from polyfsdp.trainer.config.composition import compose, to_container
 from transformers import AutoModelForSequenceClassification
 
 from polyfsdp.backends.registry import get_backend
@@ -27,7 +26,6 @@ from polyfsdp.trainer.rewards.rules import char_match
 from polyfsdp.trainer.rewards.sources import FunctionSource, WeightedReward
 from polyfsdp.trainer.train import main
 
-CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 TOL = 1e-5
 
 
@@ -51,7 +49,7 @@ def hf_scores(path, sequences):
 
 
 def test_reward_yaml_defaults_equal_the_dataclasses():
-    shipped = yaml.safe_load((CONFIGS / "reward" / "default.yaml").read_text())
+    shipped = to_container(compose([]))["reward"]
     assert shipped["model"] == dataclasses.asdict(RewardModelSection())
     expected = {f.name: getattr(RewardSection(), f.name) for f in dataclasses.fields(RewardSection) if f.name != "model"}
     assert {k: v for k, v in shipped.items() if k != "model"} == expected

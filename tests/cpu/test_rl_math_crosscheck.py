@@ -5,7 +5,7 @@ from dataclasses import replace
 
 import pytest
 import torch
-import yaml
+from polyfsdp.trainer.config.composition import compose, to_container
 
 from loss_cases import loss_inputs_from_sequences
 from polyfsdp.engines.losses import DEFAULT_CLIP_RATIO_HIGH, PPOLoss, kl_penalty
@@ -50,9 +50,7 @@ def test_a_nan_kl_off_the_response_leaves_reinforce_pp_advantages_finite():
 
 
 def test_ppo_loss_and_the_shipped_config_share_one_clip_ratio_high():
-    from importlib.resources import files
-
-    shipped = yaml.safe_load((files("polyfsdp.configs") / "algo" / "grpo.yaml").read_text())
+    shipped = to_container(compose([]))["algo"]
     # The shipped config leaves the clip range to the policy loss (null): the ppo loss it builds
     # has PPOLoss' own default.
     assert shipped["actor"]["clip_ratio_high"] is None and shipped["actor"]["policy_loss"] == "ppo"

@@ -1,15 +1,14 @@
 """Issue 42's new keys (items 4, 6, 7): the sampling controls of ``algo.actor`` and ``eval``,
-``eval.initial`` and ``trainer.log_rollout_samples``: YAML defaults equal the dataclasses',
+``eval.initial`` and ``trainer.log_rollout_samples``: composed defaults equal the dataclasses',
 bad values are one line naming the key, and a short job logs each RL step's rollout samples
 and skips the initial evaluation when asked."""
 import dataclasses
 import json
-from pathlib import Path
 
 import pytest
-import yaml
 
 from polyfsdp.trainer.config.algo import ActorSection
+from polyfsdp.trainer.config.composition import compose, to_container
 from polyfsdp.trainer.config.job import load_config
 from polyfsdp.trainer.config.sampling import SamplingControls
 from polyfsdp.trainer.config.sections import EvalSection, TrainerSection
@@ -17,7 +16,6 @@ from polyfsdp.trainer.errors import ConfigError
 from polyfsdp.trainer.tracking.metrics import read_metrics
 from polyfsdp.trainer.train import main
 
-CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 CONTROLS = [f.name for f in dataclasses.fields(SamplingControls)]
 
 
@@ -26,10 +24,9 @@ def _default(cls, name):
     return field.default_factory() if field.default_factory is not dataclasses.MISSING else field.default
 
 
-def test_yaml_defaults_equal_the_dataclasses():
-    actor = yaml.safe_load((CONFIGS / "algo" / "grpo.yaml").read_text())["actor"]
-    evaluation = yaml.safe_load((CONFIGS / "eval" / "default.yaml").read_text())
-    trainer = yaml.safe_load((CONFIGS / "trainer" / "default.yaml").read_text())
+def test_composed_defaults_equal_the_dataclasses():
+    raw = to_container(compose([]))
+    actor, evaluation, trainer = raw["algo"]["actor"], raw["eval"], raw["trainer"]
     for name in CONTROLS:
         assert actor[name] == _default(ActorSection, name), name
         assert evaluation[name] == _default(EvalSection, name), name

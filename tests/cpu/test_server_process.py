@@ -13,8 +13,8 @@ import time
 from dataclasses import asdict
 
 import pytest
-import yaml
 
+from polyfsdp.trainer.config.composition import compose, to_container
 from polyfsdp.trainer.errors import ConfigError
 from polyfsdp.trainer.rollout.servers.launch import ServerLaunch, log_excerpt, server_environment
 from polyfsdp.trainer.rollout.servers.settings import ServerSettings
@@ -36,9 +36,8 @@ def test_a_bad_server_setting_is_one_line_naming_the_key(section, key):
     assert key in str(err.value) and "\n" not in str(err.value)
 
 
-def test_the_yaml_defaults_are_the_declared_ones():
-    with open(os.path.join(ROOT, "configs", "rollout", "default.yaml")) as fh:
-        section = yaml.safe_load(fh)["server"]
+def test_the_composed_defaults_are_the_declared_ones():
+    section = to_container(compose(["trainer.output_dir=x"]))["rollout"]["server"]
     assert ServerSettings.from_section(section) == ServerSettings()
     assert set(section) == set(asdict(ServerSettings()))
 

@@ -1,6 +1,8 @@
-"""The job's configuration: Hydra composition of the shipped YAML (composition.py), the typed
-sections (sections.py, algo.py) converted strictly from it (job.py), the bounds every number is checked
-against first (bounds.py), loading the user's code a key names (plugins.py), a run's saved
+"""The job's configuration: the typed sections, each key declared once with its default, range
+and meaning (sections.py, algo.py), Hydra composition of their defaults with the shipped YAML
+presets (composition.py), the one converter checking every value's type and range against its
+declaration (bounds.py), the checks that span sections (job.py), --help's list and
+docs/config-reference.md from the declarations (reference.py), loading the user's code a key names (plugins.py), a run's saved
 config.yaml read as data (saved_run.py), the directory a run started in, which its relative
 paths are read from (run_start.py), and whether this machine can hold the job at all (machine_fit.py).
 

@@ -5,19 +5,23 @@ policy loss need what is declared with them (trainer/algos/estimators.py, traine
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
-from polyfsdp.engines.config import OptimConfig
-from polyfsdp.engines.losses import AGG_MODES, KL_TYPES, MASK_LEVELS, PPO_AGG_MODES, PPOLoss
-from polyfsdp.engines.losses.value import ValueLoss
+from polyfsdp.engines.config import OptimConfig, setting
 
 from ..errors import ConfigError
-from .plugins import first_line
+from .bounds import MAX_BATCH, MAX_GROUP_SIZE, MAX_TOKENS
 from .sampling import SamplingControls
-from ..algos.estimators import Estimator, resolve_estimator
-from ..algos.policy_losses import POLICY_LOSSES, UserLoss, check_on_a_made_up_batch, policy_loss_entry, \
-    wrap_user_loss
+
+if TYPE_CHECKING:
+    from polyfsdp.engines.losses import PPOLoss
+    from polyfsdp.engines.losses.value import ValueLoss
+
+    from ..algos.estimators import Estimator
+    from ..algos.policy_losses import UserLoss
+# The losses, estimators and policy losses (torch) are imported where a section is checked or
+# used: declaring the sections (--help, a mistyped key) stays free of torch.
 
 # algo presets with an RL phase after the SFT warm-up (configs/algo/<name>.yaml).
 RL_ALGOS = ("grpo", "ppo")
@@ -39,10 +43,12 @@ def check_min(key: str, value: int, minimum: int) -> None:
 class SFTSection:
     """SFT phase: its optimizer (``optim``, the engine's OptimConfig) and the loss aggregation."""
 
-    optim: OptimConfig = field(default_factory=OptimConfig)
-    agg_mode: str = "token-mean"
+    optim: OptimConfig = setting(OptimConfig, doc="the SFT phase's AdamW and schedule")
+    agg_mode: str = setting("token-mean", doc="token-mean | seq-mean-token-sum | seq-mean-token-mean")
 
     def validate(self, where: str) -> None:
+        from polyfsdp.engines.losses import AGG_MODES
+
         check_choice(f"{where}.agg_mode", self.agg_mode, AGG_MODES)
 
 
@@ -52,23 +58,29 @@ class ActorSection(SamplingControls):
     controls of :class:`SamplingControls`), advantage normalisation, the policy loss and its
     terms, and how one rollout is split into optimizer steps."""
 
-    optim: OptimConfig = field(default_factory=OptimConfig)
-    group_size: int = 8
-    temperature: float = 1.0
-    max_new_tokens: int = 8
-    policy_loss: str = "ppo"
-    clip_ratio_low: float | None = None   # None: the policy loss's default (trainer/algos/policy_losses.py)
-    clip_ratio_high: float | None = None
-    dual_clip_c: float | None = None
-    kl_coef: float = 0.01
-    kl_type: str = "k3"
-    entropy_coef: float = 0.01
-    agg_mode: str = "token-mean"
-    norm_adv_by_std: bool = True
-    mini_batch_size: int | None = None
-    epochs: int = 1
-    filter_groups: bool = False
-    max_sample_batches: int = 4
+    optim: OptimConfig = setting(OptimConfig, doc="the policy's AdamW and schedule")
+    group_size: int = setting(8, doc="completions sampled per prompt", high=MAX_GROUP_SIZE)
+    # Sampling divides logits by it: below 1e-3 float32 logits overflow, above 1e3 it is noise.
+    temperature: float = setting(1.0, doc="sampling temperature", low=1e-3, high=1e3)
+    max_new_tokens: int = setting(8, doc="tokens per completion (per turn)", high=MAX_TOKENS)
+    policy_loss: str = setting("ppo", doc="ppo | gspo | gspo_token, or path/to/file.py:NAME / "
+                                          "package.module:NAME (trainer/algos/policy_losses.py)")
+    clip_ratio_low: float | None = setting(None, doc="null: the policy loss's default (ppo 0.2, gspo 3e-4)")
+    clip_ratio_high: float | None = setting(None, doc="null: the policy loss's default (ppo 0.28, gspo 4e-4)")
+    dual_clip_c: float | None = setting(None, doc="dual-clip PPO's c; null: off")
+    kl_coef: float = setting(0.01, doc="weight of the KL to the reference")
+    kl_type: str = setting("k3", doc="k1 | k3")
+    entropy_coef: float = setting(0.01, doc="weight of the entropy bonus")
+    agg_mode: str = setting("token-mean", doc="token-mean | seq-mean-token-sum | seq-mean-token-mean | "
+                                              "seq-mean-token-sum-norm")
+    norm_adv_by_std: bool = setting(True, doc="GRPO: (r - mean) / std within each group")
+    mini_batch_size: int | None = setting(None, doc="prompts per optimizer step, all ranks; null: "
+                                                    "prompts_per_step", high=MAX_BATCH)
+    epochs: int = setting(1, doc="passes over each rollout", high=1024)
+    filter_groups: bool = setting(False, doc="DAPO dynamic sampling: drop groups whose rewards are all equal, "
+                                             "resample")
+    max_sample_batches: int = setting(4, doc="with filter_groups: at most this many sampling rounds per step",
+                                      high=1024)
 
     def mini_batches(self, prompts_per_step: int) -> int:
         """Optimizer steps per pass over one rollout."""
@@ -79,6 +91,10 @@ class ActorSection(SamplingControls):
         return self.epochs * self.mini_batches(prompts_per_step)
 
     def validate(self, where: str, prompts_per_step: int, world_size: int) -> None:
+        from polyfsdp.engines.losses import KL_TYPES, PPO_AGG_MODES
+
+        from ..algos.policy_losses import policy_loss_entry
+
         check_min(f"{where}.group_size", self.group_size, 2)
         check_min(f"{where}.max_new_tokens", self.max_new_tokens, 1)
         check_min(f"{where}.epochs", self.epochs, 1)
@@ -106,17 +122,21 @@ class CriticSection:
     init, clipped value loss, warm-up) and GAE's discounts. The rollout and the actor's loss
     are ``algo.actor``'s."""
 
-    optim: OptimConfig = field(default_factory=OptimConfig)
-    gamma: float = 1.0
-    lam: float = 1.0
-    kl_in_reward: bool = False
-    critic_warmup: int = 0
-    cliprange_value: float | None = 0.5
-    value_agg_mode: str = "token-mean"
-    value_head_init_std: float = 0.01
-    value_head_path: str | None = None  # a saved head (final/value_head.safetensors of a ppo run)
+    optim: OptimConfig = setting(OptimConfig, doc="the critic's AdamW and schedule")
+    gamma: float = setting(1.0, doc="discount per response token")
+    lam: float = setting(1.0, doc="GAE lambda (1: Monte-Carlo returns minus the value baseline)")
+    kl_in_reward: bool = setting(False, doc="true: -kl_coef * (logp_old - logp_ref) per token in the reward, "
+                                            "not in the loss")
+    critic_warmup: int = setting(0, doc="RL steps that train only the critic before the actor starts")
+    cliprange_value: float | None = setting(0.5, doc="clipped value loss around the rollout's values; null: no "
+                                                     "clipping")
+    value_agg_mode: str = setting("token-mean", doc="token-mean | seq-mean-token-sum | seq-mean-token-mean")
+    value_head_init_std: float = setting(0.01, doc="the scalar head's N(0, std) weights, zero bias")
+    value_head_path: str | None = setting(None, doc="or a saved head: final/value_head.safetensors of a ppo run")
 
     def validate(self, where: str) -> None:
+        from polyfsdp.engines.losses import AGG_MODES
+
         for key in ("gamma", "lam"):
             if not 0.0 <= getattr(self, key) <= 1.0:
                 raise ConfigError(f"{where}.{key}: expected a number in [0, 1], got {getattr(self, key)}")
@@ -133,6 +153,8 @@ class CriticSection:
 
     def value_loss(self) -> ValueLoss:
         """The critic's clipped value loss."""
+        from polyfsdp.engines.losses.value import ValueLoss
+
         return ValueLoss(cliprange_value=self.cliprange_value, agg_mode=self.value_agg_mode)
 
 
@@ -154,11 +176,14 @@ class RolloutCorrectionSection:
     token by min(r, tis_cap), and mask (weight 0) a token, or a whole sequence by its geometric
     mean ratio, whose r lies outside [mask_low, mask_high] (engines/losses/correction.py)."""
 
-    report_mismatch: bool | str = "auto"  # auto: with a separate sampler or rollout.max_staleness > 0
-    tis_cap: float | str | None = "auto"  # auto: ASYNC_TIS_CAP with rollout.max_staleness > 0, else null
-    mask_low: float | None = None
-    mask_high: float | None = None
-    mask_level: str = "token"
+    report_mismatch: bool | str = setting("auto", doc="log |logp_rollout - logp_train| and KL (auto: with a "
+                                                       "separate sampler or rollout.max_staleness > 0)")
+    tis_cap: float | str | None = setting("auto", doc="truncated importance sampling: weight min(r, cap); null: "
+                                                      "off (auto: 2.0 with rollout.max_staleness > 0 and "
+                                                      "policy_loss=ppo)")
+    mask_low: float | None = setting(None, doc="masked importance sampling: weight 0 where r < mask_low")
+    mask_high: float | None = setting(None, doc="... where r > mask_high")
+    mask_level: str = setting("token", doc="token | sequence (the geometric mean r masks all its tokens)")
 
     def resolve(self, where: str, separate_sampler: bool, max_staleness: int = 0,
                 per_token_corrections: bool = True) -> None:
@@ -174,6 +199,8 @@ class RolloutCorrectionSection:
             self.tis_cap = auto_tis_cap(max_staleness, per_token_corrections)
 
     def validate(self, where: str) -> None:
+        from polyfsdp.engines.losses import MASK_LEVELS
+
         if self.tis_cap is not None and not self.tis_cap > 0:
             raise ConfigError(f"{where}.tis_cap: expected > 0 or null, got {self.tis_cap}")
         for key in ("mask_low", "mask_high"):
@@ -214,9 +241,10 @@ class DistillSection:
     each response token's advantage is ``task_weight * A_task - coef * (log pi_student -
     log pi_teacher)`` on the student's own sampled tokens (``task_weight=0``: pure distillation)."""
 
-    teacher: str | None = None
-    coef: float = 1.0
-    task_weight: float = 1.0
+    teacher: str | None = setting(None, doc="a Hugging Face checkpoint directory with the student's tokenizer; "
+                                            "null: off")
+    coef: float = setting(1.0, doc="weight of the per-token reverse KL in the advantage")
+    task_weight: float = setting(1.0, doc="weight of the task's advantage; 0: pure distillation")
 
     @property
     def enabled(self) -> bool:
@@ -249,13 +277,15 @@ class AlgoSection:
     the critic estimator gae and its ``critic`` section) or ``algo=sft`` (SFT only). What the
     RL phase computes follows from ``adv_estimator`` and ``actor.policy_loss``."""
 
-    name: str = "grpo"
-    adv_estimator: str = "grpo"
-    sft: SFTSection = field(default_factory=SFTSection)
-    actor: ActorSection | None = None
-    critic: CriticSection | None = None
-    rollout_correction: RolloutCorrectionSection = field(default_factory=RolloutCorrectionSection)
-    distill: DistillSection = field(default_factory=DistillSection)
+    name: str = setting("grpo", doc="grpo | ppo | sft: the preset chosen with algo=NAME")
+    adv_estimator: str = setting("grpo", doc="grpo | dr_grpo | rloo | reinforce_plus_plus | gae, or "
+                                             "path/to/file.py:NAME (trainer/algos/estimators.py)")
+    sft: SFTSection = setting(SFTSection, doc="the SFT phase")
+    actor: ActorSection | None = setting(None, doc="the RL phase's policy (algo=grpo, ppo)")
+    critic: CriticSection | None = setting(None, doc="a critic estimator's critic (algo=ppo)")
+    rollout_correction: RolloutCorrectionSection = setting(RolloutCorrectionSection, doc="sampler vs trainer "
+                                                                                         "log-probs")
+    distill: DistillSection = setting(DistillSection, doc="on-policy distillation")
 
     @property
     def rl(self) -> bool:
@@ -265,6 +295,8 @@ class AlgoSection:
     @property
     def estimator(self) -> Estimator:
         """The registered (or user's) estimator ``adv_estimator`` names."""
+        from ..algos.estimators import resolve_estimator
+
         return resolve_estimator(self.adv_estimator)
 
     @property
@@ -283,6 +315,9 @@ class AlgoSection:
 
     def validate_rl(self, prompts_per_step: int, world_size: int) -> None:
         """The RL settings, together (estimator, critic, policy loss, correction)."""
+        from ..algos.policy_losses import POLICY_LOSSES, check_on_a_made_up_batch, policy_loss_entry
+        from .plugins import first_line
+
         est = self.estimator
         if est.needs_critic and self.critic is None:
             raise ConfigError(f"algo.adv_estimator: {self.adv_estimator} learns a critic, which needs the algo.critic "
@@ -332,6 +367,8 @@ class AlgoSection:
         per rollout the old log-probs are the current ones (ratio == 1), never computed. An
         estimator with the KL in the reward (reinforce_plus_plus, algo.critic.kl_in_reward)
         takes it out of the loss. A user's loss comes wrapped: its failures are one line."""
+        from ..algos.policy_losses import POLICY_LOSSES, policy_loss_entry, wrap_user_loss
+
         g = self.actor
         entry = policy_loss_entry(g.policy_loss)
         agg_mode = self.estimator.agg_mode or entry.agg_mode or g.agg_mode

@@ -147,10 +147,47 @@ def _if_model_path(when_path, otherwise, *, _root_):
     return when_path if _root_.model.get("path") else otherwise
 
 
+# ``${required:}``: a key a preset needs the user to set (data=jsonl's data.path). OmegaConf's
+# ``???`` cannot say it over a declared default: merging ``???`` onto a value keeps the value.
+REQUIRED_RESOLVER = "required"
+
+
+def _required(*, _node_):
+    from omegaconf.errors import MissingMandatoryValue
+
+    raise MissingMandatoryValue(f"Missing mandatory value: {_node_._get_full_key(None)}")
+
+
 def register_resolvers() -> None:
     """The shipped YAML's resolvers (idempotent)."""
     if not OmegaConf.has_resolver(MODEL_PATH_RESOLVER):
         OmegaConf.register_new_resolver(MODEL_PATH_RESOLVER, _if_model_path)
+    if not OmegaConf.has_resolver(REQUIRED_RESOLVER):
+        OmegaConf.register_new_resolver(REQUIRED_RESOLVER, _required)
+
+
+# Hydra's ConfigStore holds each group's declared defaults as the option ``base``
+# (configs/<group>/*.yaml start with ``defaults: [base, _self_]``) and an optional sub-section's
+# as ``schema/<path>`` (configs/algo/grpo.yaml: ``/schema/algo/actor@actor``). Plain dicts, not
+# OmegaConf structured configs: OmegaConf 2.3 refuses Union fields other than Optional
+# (``data.train_files: list | str | None``, ``rollout.unshard: bool | str``), and the declared
+# types and ranges are checked by one converter anyway (trainer/config/bounds.py).
+BASE_OPTION = "base"
+
+
+def register_declared_defaults() -> None:
+    """Store every group's and optional sub-section's declared defaults (idempotent)."""
+    from hydra.core.config_store import ConfigStore
+
+    from .bounds import defaults_of
+    from .reference import group_sections, optional_sections
+
+    store = ConfigStore.instance()
+    for group, cls in group_sections().items():
+        store.store(group=group, name=BASE_OPTION, node=defaults_of(cls))
+    for path, cls in optional_sections().items():
+        *parents, leaf = path.split(".")
+        store.store(group="/".join(["schema", *parents]), name=leaf, node=defaults_of(cls))
 
 
 def compose(overrides: list[str]) -> DictConfig:
@@ -162,6 +199,7 @@ def compose(overrides: list[str]) -> DictConfig:
     from omegaconf.errors import OmegaConfBaseException
 
     register_resolvers()
+    register_declared_defaults()
     GlobalHydra.instance().clear()
     try:
         with initialize_config_module(config_module=CONFIG_MODULE, version_base=None):

@@ -1,6 +1,8 @@
-"""The job configuration: Hydra composition (trainer/config/composition.py), then strict conversion of
-every group into validated dataclasses (the sections of trainer/config/sections.py and
-trainer/config/algo.py, the engine's where they exist).
+"""The job configuration: Hydra composition (trainer/config/composition.py), every group converted
+into its declared section by the one converter (trainer/config/bounds.py) and checked by the
+section itself (sections.py, algo.py, the engine's configs), and here the checks that span
+sections (the replicas' split of the batches, a phase optimizer's step count, the reward and the
+rollout together).
 
 Any mistake a user can make on the command line (unknown key, value outside its choices,
 wrong type, bad override syntax) becomes one :class:`ConfigError` with a one-line message.
@@ -10,97 +12,66 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-import typing
 from typing import Any
 
 from polyfsdp.backends.registry import BACKEND_NAMES
-from polyfsdp.engines.config import ADAPTER_EXPORTS, EngineConfig, OptimConfig
+from polyfsdp.engines.config import EngineConfig, OptimConfig
 from polyfsdp.engines.model.lora import require_peft
 
-from .algo import (RL_ALGOS, ActorSection, AlgoSection, CriticSection,
-                          DistillSection, RolloutCorrectionSection, SFTSection, check_choice, check_min)
+from .algo import RL_ALGOS, AlgoSection, DistillSection, check_choice
 from ..algos.policy_losses import policy_loss_entry
 from .composition import GROUPS, VERL_EQUIVALENTS, available_options, compose, renamed_key, to_container
-from .bounds import check_bounds
-from .sections import (DataSection, EvalSection, JobConfig, ModelSection,
-                              RewardModelSection, RewardSection, RolloutSection, TrainerSection)
+from .bounds import check_bounds, convert
+from .sections import (BackendSection, DataSection, EvalSection, JobConfig, ModelSection, RewardSection,
+                       RolloutSection, TrainerSection)
 from ..errors import ConfigError
 from .rollout_check import SEPARATE_SAMPLERS, check_rollout
-from ..tracking import check_loggers
 
 logger = logging.getLogger(__name__)
-
-DATA_SOURCES = ("builtin", "jsonl", "parquet", "files", "verifiers")
-TASKS = ("reverse", "arith_words", "calculator")
-OVERLONG_POLICIES = ("filter", "error", "truncate")
-PROGRESS_MODES = ("auto", "bar", "lines", "off")
 
 
 # --------------------------------------------------------------------------- checks
 
 
-def _type_ok(value: Any, hint: Any) -> bool:
-    origin = typing.get_origin(hint)
-    if origin in (typing.Union, getattr(__import__("types"), "UnionType", None)):
-        return any(_type_ok(value, h) for h in typing.get_args(hint))
-    if hint is type(None):
-        return value is None
-    if hint is bool:
-        return isinstance(value, bool)
-    if hint is int:
-        return isinstance(value, int) and not isinstance(value, bool)
-    if hint is float:
-        return isinstance(value, (int, float)) and not isinstance(value, bool)
-    if hint is str:
-        return isinstance(value, str)
-    if hint is dict or origin is dict:
-        return isinstance(value, dict)
-    return True
+def _unknown_key(key: str) -> str | None:
+    """Why dotted ``key`` is not a key: it was renamed, or it is verl's name for one of ours."""
+    if renamed_key(key):
+        return renamed_key(key)
+    if key in VERL_EQUIVALENTS:
+        return f"verl's key; here it is {VERL_EQUIVALENTS[key]}"
+    return None
 
 
-def _describe(hint: Any) -> str:
-    args = typing.get_args(hint)
-    if args:
-        return " or ".join("null" if a is type(None) else a.__name__ for a in args)
-    return getattr(hint, "__name__", str(hint))
+def _section(cls, where: str, data: Any):
+    """Section ``cls`` from its composed mapping (trainer/config/bounds.py: convert)."""
+    return convert(cls, data, where, unknown_key=_unknown_key)
 
 
-def _section(cls, where: str, data: Any, nested: dict | None = None):
-    """Build dataclass ``cls`` from a plain mapping: unknown keys and wrong types are ConfigErrors."""
-    if not isinstance(data, dict):
-        raise ConfigError(f"{where}: expected a mapping, got {data!r}")
-    hints = typing.get_type_hints(cls)
-    known = [f.name for f in dataclasses.fields(cls)]
-    for key in data:
-        if key not in known:
-            if renamed_key(f"{where}.{key}"):
-                raise ConfigError(f"{where}.{key}: {renamed_key(f'{where}.{key}')}")
-            if f"{where}.{key}" in VERL_EQUIVALENTS:
-                raise ConfigError(f"{where}.{key}: verl's key; here it is {VERL_EQUIVALENTS[f'{where}.{key}']}")
-            raise ConfigError(f"{where}.{key}: unknown key; known keys: {', '.join(known)}")
-    kwargs = {}
-    for key, value in data.items():
-        if nested and key in nested:
-            kwargs[key] = None if value is None else _section(nested[key], f"{where}.{key}", value)
-            continue
-        if isinstance(value, int) and not isinstance(value, bool) and _type_ok(1.0, hints[key]) \
-                and not _type_ok(1, hints[key]):
-            value = float(value)
-        if not _type_ok(value, hints[key]):
-            raise ConfigError(f"{where}.{key}: expected {_describe(hints[key])}, got {value!r}")
-        kwargs[key] = value
-    return cls(**kwargs)
+# An optimizer whose ``total_steps`` is null takes its phase's step count, which spans sections
+# (trainer.sft_steps, trainer.rl_steps x the actor's updates per rollout): converted first with
+# a stand-in its schedule accepts (at least its warm-up), then rebuilt by _optim.
+def _with_stand_in_steps(algo_raw: Any) -> tuple[Any, set[str]]:
+    """``algo_raw`` with each phase optimizer's null ``total_steps`` replaced by a stand-in, and
+    the phases that had one."""
+    if not isinstance(algo_raw, dict):
+        return algo_raw, set()
+    algo_raw, derived = dict(algo_raw), set()
+    for phase in ("sft", "actor", "critic"):
+        optim = algo_raw[phase].get("optim") if isinstance(algo_raw.get(phase), dict) else None
+        if isinstance(optim, dict) and optim.get("total_steps") is None:
+            warmup = optim.get("warmup_steps", 0)
+            stand_in = max(warmup, 1) if isinstance(warmup, int) and not isinstance(warmup, bool) else 1
+            algo_raw[phase] = {**algo_raw[phase], "optim": {**optim, "total_steps": stand_in}}
+            derived.add(phase)
+    return algo_raw, derived
 
 
-def _optim(where: str, data: Any, phase_steps: int, steps_key: str) -> OptimConfig:
-    """A phase's OptimConfig; ``total_steps: null`` means the phase's own step count (from
-    ``steps_key``)."""
-    if not isinstance(data, dict):
-        raise ConfigError(f"{where}: expected a mapping of optimizer settings, got {data!r}")
-    data = dict(data)
-    derived = data.get("total_steps") is None
-    if derived:
-        data["total_steps"] = max(phase_steps, 1)
+def _optim(where: str, optim: OptimConfig, derived: bool, phase_steps: int, steps_key: str) -> OptimConfig:
+    """A phase's OptimConfig; ``total_steps: null`` (``derived``) means the phase's own step count
+    (from ``steps_key``)."""
+    if not derived:
+        return optim
+    data = {**dataclasses.asdict(optim), "total_steps": max(phase_steps, 1)}
     try:
         return OptimConfig.from_dict(data, where=where)
     except (ValueError, TypeError) as exc:
@@ -125,72 +96,6 @@ def _check_replica_split(t: TrainerSection, algo: AlgoSection, world_size: int, 
             raise ConfigError(f"{key}: must be a multiple of {words}, got {value}")
 
 
-def _validate_trainer(t: TrainerSection, algo: AlgoSection) -> None:
-    for key in ("sft_steps", "rl_steps", "eval_interval", "checkpoint_interval"):
-        check_min(f"trainer.{key}", getattr(t, key), 0)
-    for key in ("sft_batch_size", "prompts_per_step", "log_interval", "keep_checkpoints"):
-        check_min(f"trainer.{key}", getattr(t, key), 1)
-    check_choice("trainer.progress", t.progress, PROGRESS_MODES)
-    check_choice("trainer.export_lora", t.export_lora, ADAPTER_EXPORTS)
-    t.logger = check_loggers(t.logger)
-    check_min("trainer.log_val_generations", t.log_val_generations, 0)
-    check_min("trainer.log_rollout_samples", t.log_rollout_samples, 0)
-    if not isinstance(t.tags, list) or not all(isinstance(tag, str) and tag for tag in t.tags):
-        raise ConfigError(f"trainer.tags: expected a list of names, e.g. trainer.tags=[baseline,lr1e-6], "
-                          f"got {t.tags!r}")
-    if t.cpu_threads is not None:
-        check_min("trainer.cpu_threads", t.cpu_threads, 1)
-    if t.resume not in ("auto", "never") and not os.path.isdir(t.resume):
-        raise ConfigError(f"trainer.resume: expected auto, never or an existing checkpoint directory, "
-                          f"got {t.resume!r}")
-    if algo.name == "sft" and t.sft_steps < 1:
-        raise ConfigError("trainer.sft_steps: algo=sft needs at least 1 step, got 0")
-
-
-def _file_list(key: str, value) -> list | None:
-    if value is None:
-        return None
-    files = [value] if isinstance(value, str) else value
-    if not isinstance(files, list) or not files or not all(isinstance(f, str) and f for f in files):
-        raise ConfigError(f"{key}: expected a list of file paths, e.g. {key}=[a.parquet,b.jsonl], got {value!r}")
-    return files
-
-
-def _validate_data(d: DataSection) -> None:
-    check_choice("data.source", d.source, DATA_SOURCES)
-    check_choice("data.overlong", d.overlong, OVERLONG_POLICIES)
-    if d.max_prompt_length is not None:
-        check_min("data.max_prompt_length", d.max_prompt_length, 1)
-    if not d.prompt_key or (d.answer_key is not None and not d.answer_key):
-        raise ConfigError("data.prompt_key / data.answer_key: expected a (dotted) field name, got an empty one")
-    d.train_files = _file_list("data.train_files", d.train_files)
-    d.val_files = _file_list("data.val_files", d.val_files)
-    if d.source == "builtin" and (d.train_files or d.val_files):
-        raise ConfigError("data.train_files/val_files: data=builtin does not read files; add data=files to train "
-                          "on them")
-    if d.source != "builtin" and d.train_files and d.path:
-        raise ConfigError(f"data.path / data.train_files: give one of them, got both ({d.path!r} and "
-                          f"{d.train_files})")
-    if d.source == "files" and not d.train_files:
-        raise ConfigError("data.train_files: data=files needs data.train_files=[FILE,...]")
-    if d.source == "builtin":
-        check_choice("data.task", d.task, TASKS)
-        if not d.alphabet.isalpha():
-            raise ConfigError(f"data.alphabet: expected letters, got {d.alphabet!r}")
-        if not 1 <= d.min_len <= d.max_len:
-            raise ConfigError(f"data.min_len/max_len: need 1 <= min_len <= max_len, got {d.min_len}, {d.max_len}")
-        if d.path is not None:
-            raise ConfigError(f"data.path: data=builtin does not read a file, got data.path={d.path!r}; "
-                              f"add data=jsonl (or data=parquet) to train on it")
-    elif d.source == "verifiers":
-        if d.path or d.train_files or d.val_files:
-            raise ConfigError("data.path/train_files/val_files: data=verifiers reads the tasks of rollout.agent's "
-                              "verifiers environment, not files")
-    elif not d.path and not d.train_files:
-        raise ConfigError(f"data.path: data={d.source} needs data.path=FILE")
-    check_min("data.eval_size", d.eval_size, 1)
-
-
 def _validate_reward(r: RewardSection) -> None:
     from ..rewards.rules import BUILTIN_REWARDS
 
@@ -203,18 +108,6 @@ def _validate_reward(r: RewardSection) -> None:
     from ..rewards.sources import validate_sources
 
     validate_sources(r)  # reward.model and the weights, routing and names of the sources
-
-
-def _validate_eval(e: EvalSection) -> None:
-    check_min("eval.n_samples", e.n_samples, 1)
-    if e.temperature < 0:
-        raise ConfigError(f"eval.temperature: expected >= 0 (0: greedy), got {e.temperature}")
-    if e.n_samples > 1 and e.temperature == 0:
-        raise ConfigError(f"eval.n_samples={e.n_samples}: greedy completions (eval.temperature=0) are all the same; "
-                          f"set eval.temperature>0 (e.g. 1.0) or eval.n_samples=1")
-    e.validate_sampling("eval")
-    if not isinstance(e.initial, bool):
-        raise ConfigError(f"eval.initial: expected true or false, got {e.initial!r}")
 
 
 def _check_preset_overrides(model: ModelSection) -> None:
@@ -267,8 +160,7 @@ def build_job_config(raw: dict, world_size: int = 1) -> JobConfig:
                           f"({', '.join(available_options(missing[0]))})")
     check_bounds(raw)  # first: NaN or a huge size would otherwise reach checks that assume a sane number
     raw = without_unused_preset(raw)
-    backend = _section(dataclasses.make_dataclass("BackendSection", [("name", str)]), "backend",
-                       raw.get("backend", {})).name
+    backend = _section(BackendSection, "backend", raw.get("backend", {})).name
     check_choice("backend", backend, BACKEND_NAMES)
 
     model = _section(ModelSection, "model", raw["model"])
@@ -287,10 +179,7 @@ def build_job_config(raw: dict, world_size: int = 1) -> JobConfig:
     if model.path and not os.path.isdir(model.path):
         raise ConfigError(f"model.path: {model.path!r} is not a directory (or a .gguf file)")
 
-    try:
-        engine = EngineConfig.from_dict(raw["engine"], where="engine")
-    except (ValueError, TypeError) as exc:
-        raise ConfigError(str(exc)) from None
+    engine = _section(EngineConfig, "engine", raw["engine"])
     sp_size = engine.ulysses_sp_size
     if world_size % sp_size:
         raise ConfigError(f"engine.ulysses_sp_size={sp_size}: must divide the world size {world_size} (each "
@@ -305,16 +194,16 @@ def build_job_config(raw: dict, world_size: int = 1) -> JobConfig:
         raise ConfigError(str(exc) if str(exc).startswith("patches") else f"patches: {exc}") from None
 
     trainer = _section(TrainerSection, "trainer", raw["trainer"])
-    algo = _section(AlgoSection, "algo", raw["algo"], nested={"sft": SFTSection, "actor": ActorSection,
-                                                              "critic": CriticSection,
-                                                              "rollout_correction": RolloutCorrectionSection,
-                                                              "distill": DistillSection})
+    algo_raw, derived = _with_stand_in_steps(raw["algo"])
+    algo = _section(AlgoSection, "algo", algo_raw)
     check_choice("algo.name", algo.name, RL_ALGOS + ("sft",))
     if algo.sft is None:
         raise ConfigError("algo.sft: expected a mapping (every algo has an SFT section), got None")
-    algo.sft.optim = _optim("algo.sft.optim", algo.sft.optim, trainer.sft_steps, "trainer.sft_steps")
+    algo.sft.optim = _optim("algo.sft.optim", algo.sft.optim, "sft" in derived, trainer.sft_steps, "trainer.sft_steps")
     algo.sft.validate("algo.sft")
-    _validate_trainer(trainer, algo)
+    trainer.check()
+    if algo.name == "sft" and trainer.sft_steps < 1:
+        raise ConfigError("trainer.sft_steps: algo=sft needs at least 1 step, got 0")
     _check_replica_split(trainer, algo, world_size, sp_size)
     replicas = world_size // sp_size
     rollout = _section(RolloutSection, "rollout", raw.get("rollout") or {})
@@ -330,23 +219,23 @@ def build_job_config(raw: dict, world_size: int = 1) -> JobConfig:
             raise ConfigError(f"algo.actor: algo={algo.name} needs its actor section")
         # The schedule counts optimizer steps: several per rollout with mini-batches or epochs.
         updates = algo.actor.updates_per_rollout(trainer.prompts_per_step)
-        algo.actor.optim = _optim("algo.actor.optim", algo.actor.optim, trainer.rl_steps * max(updates, 1),
-                                  "trainer.rl_steps")
+        steps = trainer.rl_steps * max(updates, 1)
+        algo.actor.optim = _optim("algo.actor.optim", algo.actor.optim, "actor" in derived, steps, "trainer.rl_steps")
         if algo.critic is not None:
-            algo.critic.optim = _optim("algo.critic.optim", algo.critic.optim, trainer.rl_steps * max(updates, 1),
-                                   "trainer.rl_steps")
+            algo.critic.optim = _optim("algo.critic.optim", algo.critic.optim, "critic" in derived, steps,
+                                       "trainer.rl_steps")
         algo.validate_rl(trainer.prompts_per_step, replicas)
     algo.distill = algo.distill or DistillSection()  # distill: null is no teacher
     algo.distill.validate("algo.distill", algo.rl)
     data = _section(DataSection, "data", raw["data"])
-    _validate_data(data)
+    data.check()
     if data.eval_size < world_size:
         raise ConfigError(f"data.eval_size: every rank needs an evaluation prompt; expected >= world size "
                           f"{world_size}, got {data.eval_size}")
-    reward = _section(RewardSection, "reward", raw["reward"], nested={"model": RewardModelSection})
+    reward = _section(RewardSection, "reward", raw["reward"])
     _validate_reward(reward)
     evaluation = _section(EvalSection, "eval", raw.get("eval") or {})
-    _validate_eval(evaluation)
+    evaluation.check()
     lora_enabled = model.model_config().lora.enabled
     if trainer.export_lora != "merged" and not lora_enabled:
         raise ConfigError(f"trainer.export_lora={trainer.export_lora!r} exports LoRA adapters; set model.lora.rank > 0")

@@ -37,12 +37,6 @@ def check_rollout(rollout, world_size: int = 1) -> None:
         raise ConfigError(f"rollout.sync_bucket_mb: expected a number > 0, got {rollout.sync_bucket_mb!r}")
     if not rollout.check_sync_tol > 0:
         raise ConfigError(f"rollout.check_sync_tol: expected a number > 0, got {rollout.check_sync_tol!r}")
-    from ..rollout.vllm import VllmSettings
-
-    VllmSettings.from_section(rollout.vllm)
-    from ..rollout.servers.settings import ServerSettings
-
-    ServerSettings.from_section(rollout.server)
     if isinstance(rollout.max_turns, bool) or not isinstance(rollout.max_turns, int) or rollout.max_turns < 1:
         raise ConfigError(f"rollout.max_turns: expected an int >= 1, got {rollout.max_turns!r}")
     if rollout.env is not None and rollout.agent is not None:

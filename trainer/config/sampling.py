@@ -3,7 +3,9 @@
 trainer/rollout/controls/stop_strings.py)."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+
+from polyfsdp.engines.config import setting
 
 from ..errors import ConfigError
 
@@ -13,10 +15,11 @@ class SamplingControls:
     """``top_p`` (1: off), ``top_k`` (0 or -1: off), ``repetition_penalty`` (1: off) and
     ``stop`` (strings ending a completion) as vLLM and Hugging Face define them."""
 
-    top_p: float = 1.0
-    top_k: int = 0
-    repetition_penalty: float = 1.0
-    stop: list = field(default_factory=list)
+    top_p: float = setting(1.0, doc="nucleus: the most likely tokens up to this probability mass; 1: off")
+    top_k: int = setting(0, doc="the k most likely tokens; 0 (or -1): off")
+    repetition_penalty: float = setting(1.0, doc="tokens already in the prompt or completion: logit / p (> 0) "
+                                                 "or * p (< 0); 1: off")
+    stop: list | str = setting([], doc="strings that end a completion (kept, with the token completing them); one string: one stop")
 
     def validate_sampling(self, where: str) -> None:
         if not 0.0 < self.top_p <= 1.0:

@@ -33,7 +33,6 @@ import shutil
 import tempfile
 import time
 import weakref
-from dataclasses import dataclass, fields
 
 import torch
 
@@ -44,6 +43,7 @@ from ..data.batch import build_batch, per_sequence
 from ..errors import ConfigError
 from .engines import Completions, RolloutEngine, SamplingParams
 from .controls.stop_strings import cut_completions
+from .servers.settings import VllmSettings
 
 logger = logging.getLogger(__name__)
 
@@ -55,38 +55,6 @@ def kv_cache_mb(configured: int | None, backend) -> int | None:
     """The KV cache a vLLM engine or server gets: ``rollout.vllm.kv_cache_mb``, else HOST_KV_CACHE_MB
     where device memory is host memory (CPU); None: vLLM sizes it from its memory share."""
     return configured or (HOST_KV_CACHE_MB if backend.memory_is_host else None)
-
-
-@dataclass
-class VllmSettings:
-    """``rollout.vllm``: passed to vLLM (null: its default, or the backend's where noted)."""
-
-    gpu_memory_utilization: float = 0.5   # share of device memory for vLLM (GPU/NPU), colocated with training
-    kv_cache_mb: int | None = None        # KV cache size; null: 512 where device memory is host memory (CPU)
-    max_model_len: int | None = None      # null: the model's max_position_embeddings
-    max_num_seqs: int | None = None
-    sleep_level: int | str = "auto"       # auto: the backend's (2; 1 with LoRA and on NPUs; none on CPU); 0: never
-
-    @classmethod
-    def from_section(cls, data) -> "VllmSettings":
-        """Checked settings from the ``rollout.vllm`` mapping; ConfigError naming a bad key."""
-        data = dict(data or {})
-        known = [f.name for f in fields(cls)]
-        for key in data:
-            if key not in known:
-                raise ConfigError(f"rollout.vllm.{key}: unknown key; known keys: {', '.join(known)}")
-        settings = cls(**data)
-        if isinstance(settings.gpu_memory_utilization, bool) or not (
-                isinstance(settings.gpu_memory_utilization, (int, float)) and 0 < settings.gpu_memory_utilization <= 1):
-            raise ConfigError(f"rollout.vllm.gpu_memory_utilization: expected a number in (0, 1], "
-                              f"got {settings.gpu_memory_utilization!r}")
-        for key in ("kv_cache_mb", "max_model_len", "max_num_seqs"):
-            value = getattr(settings, key)
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-                raise ConfigError(f"rollout.vllm.{key}: expected null or an integer >= 1, got {value!r}")
-        if settings.sleep_level not in ("auto", 0, 1, 2):
-            raise ConfigError(f"rollout.vllm.sleep_level: expected auto, 0, 1 or 2, got {settings.sleep_level!r}")
-        return settings
 
 
 def probe_length(max_model_len: int) -> int:
@@ -159,7 +127,7 @@ class VllmRolloutEngine(RolloutEngine):
 
     def __init__(self, rollout, backend, lora: bool = False) -> None:
         self.rollout, self.backend = rollout, backend
-        self.settings = VllmSettings.from_section(rollout.vllm)
+        self.settings = rollout.vllm
         self.sleep_level = sleep_level(self.settings, backend, lora)
         if self.sleep_level:
             conflict = backend.vllm_sleep_mode_conflict(True, os.environ)

@@ -365,10 +365,10 @@ def _setting(cfg, backend, policy: ModelMemory, lora: bool, est: JobEstimate) ->
         if cfg.rollout.engine == "vllm_server" else []
     if cfg.rollout.engine != "vllm":
         return _Setting(backend.memory_is_host, lora, rows, None)
-    from ..rollout.vllm import VllmSettings, colocated_memory
+    from ..rollout.vllm import colocated_memory
 
     weights = policy.sampler_params * policy.compute_bytes
-    awake, asleep, how = colocated_memory(VllmSettings.from_section(cfg.rollout.vllm), weights, backend, lora)
+    awake, asleep, how = colocated_memory(cfg.rollout.vllm, weights, backend, lora)
     rows[f"vLLM ({how})"] = asleep
     est.notes.append(f"rollout.engine=vllm: vLLM holds its own copy of the weights ({weights / MIB:.2f} MiB: "
                      f"{cfg.engine.param_dtype}, the output embedding untied) and its KV cache (rollout.vllm."

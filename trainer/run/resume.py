@@ -19,7 +19,8 @@ from ..config.algo import auto_tis_cap
 from ..config.composition import renamed_key
 from ..config.sections import JobConfig, RolloutSection
 from ..config.job import without_unused_preset
-from ..config.sampling import SamplingControls
+from ..config.bounds import defaults_of
+from ..config.reference import group_sections, optional_sections
 from ..config.saved_run import read_saved_yaml
 from ..errors import ConfigError
 from ..evaluation.generations_log import GENERATIONS_FILE
@@ -50,11 +51,6 @@ RL_STARTED_TRAINER_KEYS = ("sft_steps",)
 SAME_RUN_IGNORED = ("reward.timeout_s",)
 # The rollout keys that define the task a multi-turn run trains on (its engine may change).
 SAME_RUN_ROLLOUT_KEYS = ("env", "agent", "env_kwargs", "max_turns", "max_total_tokens", "env_add_reward_fn")
-# Algo keys added after runs were saved without them: such a run sampled (and trained) with their defaults.
-LATER_ALGO_DEFAULTS = {**{f"algo.actor.{name}": value for name, value in SamplingControls().sampling_options().items()},
-                       "algo.rollout_correction.mask_low": None, "algo.rollout_correction.mask_high": None,
-                       "algo.rollout_correction.mask_level": "token", "algo.distill.teacher": None,
-                       "algo.distill.coef": 1.0, "algo.distill.task_weight": 1.0}
 # A key whose value may be ``auto``: spelled differently in the two runs (auto in one, the value it
 # means in the other, e.g. a config.yaml saved when null was the default), it compares by the value
 # each run uses.
@@ -193,6 +189,25 @@ def _leaves(tree, prefix: str) -> dict:
     return out
 
 
+def _merged(defaults, saved):
+    if not (isinstance(defaults, dict) and isinstance(saved, dict)):
+        return saved
+    return {**defaults, **{key: _merged(defaults.get(key), value) for key, value in saved.items()}}
+
+
+def _with_declared_defaults(saved_raw: dict) -> dict:
+    """A saved config with each key it was saved without at its declared default: a key added
+    since (the sampling controls, distillation, a data source's unused keys) had that value."""
+    out = {**saved_raw, **{group: _merged(defaults_of(cls), saved_raw[group])
+                           for group, cls in group_sections().items() if isinstance(saved_raw.get(group), dict)}}
+    for path, cls in optional_sections().items():
+        group, leaf = path.split(".")
+        section = out.get(group)
+        if isinstance(section, dict) and isinstance(section.get(leaf), dict):
+            out[group] = {**section, leaf: _merged(defaults_of(cls), section[leaf])}
+    return out
+
+
 def _algo_leaves(before_raw: dict, now_raw: dict) -> tuple[dict, dict]:
     """The algo settings to compare: all of them, except that an algo=sft run may continue into
     an RL algorithm (it has no RL settings to keep yet; only its SFT settings must stay)."""
@@ -254,6 +269,7 @@ def check_same_run(cfg: JobConfig, run_dir: Path) -> None:
     if trained and ((run_dir / "checkpoints" / LEGACY_RL_PHASE).is_dir()
                     or any(renamed_key(f"algo.{key}") for key in (_section(before_raw, "algo") or {}))):
         raise ConfigError(legacy_run_line(run_dir))
+    before_raw = _with_declared_defaults(before_raw)
     before, now = {}, {}
     for dotted in SAME_RUN_SECTIONS if trained else ("model",):
         if dotted == "algo":
@@ -263,9 +279,6 @@ def check_same_run(cfg: JobConfig, run_dir: Path) -> None:
             new = _leaves(_section(cfg.raw, dotted) or {}, dotted)
         before.update(old)
         now.update(new)
-    for name, default in LATER_ALGO_DEFAULTS.items():
-        if name in now and name not in before:
-            before[name] = list(default) if isinstance(default, tuple) else default
     _tis_cap_as_used(before, now, before_raw, cfg)
     trainer_keys = SAME_RUN_TRAINER_KEYS if trained else ()
     if sft_complete(run_dir) or (run_dir / "checkpoints" / RL_PHASE).is_dir():

@@ -34,12 +34,11 @@ from polyfsdp.engines.model.weight_stream import full_weights, weight_buckets
 from ...rank_errors import on_every_rank
 from ..engines import Completions, RolloutEngine, SamplingParams
 from ..controls.stop_strings import cut_completions
-from ..vllm import (PROBE_LENGTH, kv_cache_mb, VllmSettings, probe_difference, probe_ids, probe_length,
+from ..vllm import (PROBE_LENGTH, kv_cache_mb, probe_difference, probe_ids, probe_length,
                     refuse_probe_difference)
 from .completions import prompt_log_probs, sample_rows
 from .http import ServerError, ServerHttp
 from .launch import SERVED_MODEL_NAME, ServerLaunch, ServerProcess, free_ports, host_memory_share, server_environment
-from .settings import ServerSettings
 from .weight_sender import CPU_TRANSFER, ServerWeightSender
 
 logger = logging.getLogger(__name__)
@@ -55,8 +54,8 @@ class ServerRolloutEngine(RolloutEngine):
 
     def __init__(self, rollout, backend, lora: bool = False, log_dir: str | None = None) -> None:
         self.rollout, self.backend = rollout, backend
-        self.settings = ServerSettings.from_section(rollout.server)
-        self.vllm = VllmSettings.from_section(rollout.vllm)
+        self.settings = rollout.server
+        self.vllm = rollout.vllm
         self.log_dir = log_dir
         self.processes: list[ServerProcess] = []
         self.servers: list[ServerHttp] = []

@@ -1,45 +1,74 @@
-"""``rollout.server``: where the rollout servers of ``rollout.engine=vllm_server`` run and how
-polyfsdp reaches them (the vLLM settings they share with the colocated engine stay in
-``rollout.vllm``)."""
+"""``rollout.vllm`` and ``rollout.server``: vLLM's own settings (the colocated engine's and the
+servers') and where the rollout servers of ``rollout.engine=vllm_server`` run and how polyfsdp
+reaches them. A leaf without torch: the job's configuration declares them as its sections."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass
+
+from polyfsdp.engines.config import setting
 
 from ...errors import ConfigError
+from ...config.bounds import convert
+
+
+@dataclass
+class VllmSettings:
+    """``rollout.vllm``: passed to vLLM (null: its default, or the backend's where noted)."""
+
+    gpu_memory_utilization: float = setting(0.5, doc="share of device memory vLLM takes (GPU/NPU), next to "
+                                                     "training")
+    kv_cache_mb: int | None = setting(None, doc="KV cache size; null: vLLM's choice, 512 on CPU")
+    max_model_len: int | None = setting(None, doc="null: the model's max_position_embeddings")
+    max_num_seqs: int | None = setting(None, doc="null: vLLM's default")
+    sleep_level: int | str = setting("auto", doc="between rollouts; auto: 2 (1 with LoRA, 1 on NPUs; CPU: no "
+                                                 "sleep); 0: never")
+
+    def __post_init__(self) -> None:
+        if isinstance(self.gpu_memory_utilization, bool) or not (
+                isinstance(self.gpu_memory_utilization, (int, float)) and 0 < self.gpu_memory_utilization <= 1):
+            raise ConfigError(f"rollout.vllm.gpu_memory_utilization: expected a number in (0, 1], "
+                              f"got {self.gpu_memory_utilization!r}")
+        for key in ("kv_cache_mb", "max_model_len", "max_num_seqs"):
+            value = getattr(self, key)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ConfigError(f"rollout.vllm.{key}: expected null or an integer >= 1, got {value!r}")
+        if self.sleep_level not in ("auto", 0, 1, 2):
+            raise ConfigError(f"rollout.vllm.sleep_level: expected auto, 0, 1 or 2, got {self.sleep_level!r}")
 
 
 @dataclass
 class ServerSettings:
-    count: int = 1                        # servers polyfsdp starts (ignored with urls)
-    urls: list[str] | None = None         # servers someone else started (other nodes); null: start `count`
-    host: str = "127.0.0.1"               # address the started servers listen on
-    port: int = 0                         # first started server's port (the i-th: port + i); 0: free ports
-    tensor_parallel_size: int = 1         # devices per started server
-    devices: list[str] | None = None      # per started server: its devices (GPU/NPU ids, CPU cores), e.g. ["2,3"]
-    extra_args: list[str] = field(default_factory=list)  # more vLLM server arguments, as on its command line
-    transfer_address: str | None = None   # how the servers reach trainer rank 0 for weights; null: host, or
-    #                                       this node's name with urls
-    start_timeout_s: float = 900.0        # a started server must answer /health within this
-    request_timeout_s: float = 600.0      # one HTTP request (a completion, one weight bucket)
-    max_concurrent_requests: int = 64     # completions in flight per trainer rank, over all servers
+    """``rollout.server``: the rollout servers of ``rollout.engine=vllm_server``."""
+
+    count: int = setting(1, doc="servers polyfsdp starts, each under a keeper that ends it with the trainer")
+    urls: list[str] | None = setting(None, doc="or servers started elsewhere, e.g. [http://10.0.0.2:8000]: then "
+                                               "count is unused")
+    host: str = setting("127.0.0.1", doc="address the started servers listen on")
+    port: int = setting(0, doc="first started server's port (the i-th: port + i); 0: free ports")
+    tensor_parallel_size: int = setting(1, doc="devices per started server")
+    devices: list[str] | None = setting(None, doc="per started server its devices: GPU/NPU ids (\"2,3\") or CPU "
+                                                  "cores (\"0-3\")")
+    extra_args: list[str] = setting([], doc="more vLLM server arguments, e.g. [--max-num-batched-tokens, "
+                                            "\"8192\"]")
+    transfer_address: str | None = setting(None, doc="how servers reach trainer rank 0 for weights; null: host, "
+                                                     "or this node's name")
+    start_timeout_s: float = setting(900.0, doc="a started server must answer /health within this")
+    request_timeout_s: float = setting(600.0, doc="one HTTP request (a completion, one weight bucket)")
+    max_concurrent_requests: int = setting(64, doc="completions in flight per trainer rank, over all servers")
+
+    def __post_init__(self) -> None:
+        for key in ("urls", "devices", "extra_args"):
+            value = getattr(self, key)
+            if value is not None:
+                if isinstance(value, str) or not all(isinstance(v, (str, int)) for v in value):
+                    raise ConfigError(f"rollout.server.{key}: expected a list of strings, got {value!r}")
+                setattr(self, key, [str(v) for v in value])
+        self._check()
 
     @classmethod
     def from_section(cls, data) -> "ServerSettings":
-        """Checked settings from the ``rollout.server`` mapping; ConfigError naming a bad key."""
-        data = dict(data or {})
-        known = [f.name for f in fields(cls)]
-        for key in data:
-            if key not in known:
-                raise ConfigError(f"rollout.server.{key}: unknown key; known keys: {', '.join(known)}")
-        for key in ("urls", "devices", "extra_args"):
-            if data.get(key) is not None:
-                value = data[key]
-                if isinstance(value, str) or not all(isinstance(v, (str, int)) for v in value):
-                    raise ConfigError(f"rollout.server.{key}: expected a list of strings, got {value!r}")
-                data[key] = [str(v) for v in value]
-        settings = cls(**data)
-        settings._check()
-        return settings
+        """Checked settings from a ``rollout.server`` mapping; ConfigError naming a bad key."""
+        return convert(cls, dict(data or {}), "rollout.server")
 
     def _check(self) -> None:
         for key, low in (("count", 1), ("tensor_parallel_size", 1), ("max_concurrent_requests", 1), ("port", 0)):
