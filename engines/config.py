@@ -188,6 +188,8 @@ class ModelConfig(_FromDict):
     :meth:`FSDPEngine.export_value_head` writes it). ``score_head=True`` builds a reward model
     (engines/head/score.py): a ``*ForSequenceClassification`` checkpoint (or preset), or a causal
     LM with the value head at ``value_head_path``, scoring each sequence at its last token.
+    ``freeze_vision=True`` (a vision-language model) freezes the vision tower but its mergers
+    (engines/model/vision.py).
     """
 
     preset: str | None = None
@@ -201,6 +203,7 @@ class ModelConfig(_FromDict):
     value_head_path: str | None = None
     score_head: bool = False
     lora: LoraConfig | dict | None = None
+    freeze_vision: bool = False
 
     def __post_init__(self) -> None:
         if self.lora is None:
@@ -230,6 +233,7 @@ class ModelConfig(_FromDict):
         _check_type("ModelConfig", "seed", self.seed, (int,), "an int")
         _check_type("ModelConfig", "value_head", self.value_head, (bool,), "a bool")
         _check_type("ModelConfig", "score_head", self.score_head, (bool,), "a bool")
+        _check_type("ModelConfig", "freeze_vision", self.freeze_vision, (bool,), "a bool")
         if self.score_head and self.value_head:
             raise ConfigFieldError("ModelConfig", "score_head", "a reward model's score head and a critic's value "
                                    "head exclude each other")

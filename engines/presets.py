@@ -3,7 +3,8 @@ from __future__ import annotations
 
 from typing import Callable
 
-from transformers import Gemma2Config, LlamaConfig, PretrainedConfig, Qwen2Config, Qwen3Config
+from transformers import (Gemma2Config, LlamaConfig, PretrainedConfig, Qwen2_5_VLConfig, Qwen2Config, Qwen2VLConfig,
+                          Qwen3Config, Qwen3VLConfig)
 
 _COMMON = dict(
     vocab_size=128,
@@ -37,6 +38,44 @@ def _gemma2(**overrides) -> PretrainedConfig:
                            "attn_logit_softcapping": None, "sliding_window": 4, **overrides})
 
 
+# Vision-language presets (docs/vision-language.md): the tiny text decoder above under a two-block
+# vision tower of 14x14 patches merged 2x2, so a 28x28 image is one image token and a 56x56 one
+# four. mrope_section splits the 4 rotary frequencies of an 8-wide head over (t, h, w). The
+# special tokens sit at the top of the 128-token vocabulary.
+VLM_TOKENS = dict(vision_start_token_id=124, vision_end_token_id=125, image_token_id=126, video_token_id=127)
+_VLM_TEXT = {**_COMMON, "tie_word_embeddings": False,
+             "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [1, 1, 2]}}
+_VISION = dict(depth=2, num_heads=4, patch_size=14, spatial_merge_size=2, temporal_patch_size=2, in_channels=3)
+
+
+def _vlm(config_class, vision: dict, text_extra: dict | None = None, **overrides) -> PretrainedConfig:
+    # Text fields (vocab_size, num_hidden_layers, ...) belong to the text config; the rest to the whole.
+    text = {**_VLM_TEXT, **(text_extra or {})}
+    outer = {}
+    for key, value in overrides.items():
+        (text if key in text else outer)[key] = value
+    if "rope_parameters" in (text_extra or {}):
+        text["rope_parameters"] = {**_VLM_TEXT["rope_parameters"], **text_extra["rope_parameters"]}
+    return config_class(text_config=text, vision_config=vision, tie_word_embeddings=False, **VLM_TOKENS, **outer)
+
+
+def _qwen2_vl(**overrides) -> PretrainedConfig:
+    return _vlm(Qwen2VLConfig, {**_VISION, "embed_dim": 32, "hidden_size": 32, "mlp_ratio": 2}, **overrides)
+
+
+def _qwen2_5_vl(**overrides) -> PretrainedConfig:
+    # Window attention over 56-pixel windows in block 0, full attention in block 1.
+    return _vlm(Qwen2_5_VLConfig, {**_VISION, "hidden_size": 32, "intermediate_size": 64, "out_hidden_size": 32,
+                                   "window_size": 56, "fullatt_block_indexes": [1]}, **overrides)
+
+
+def _qwen3_vl(**overrides) -> PretrainedConfig:
+    # Interleaved mrope, and block 0's features added into the first decoder layer (deepstack).
+    return _vlm(Qwen3VLConfig, {**_VISION, "hidden_size": 32, "intermediate_size": 64, "out_hidden_size": 32,
+                                "num_position_embeddings": 64, "deepstack_visual_indexes": [0]},
+                {"head_dim": 8, "rope_parameters": {"mrope_interleaved": True}}, **overrides)
+
+
 # Benchmark size (Qwen2-style, 4 layers, hidden 256, 8 heads x 32), as in the issue's measurements.
 _SMALL = dict(vocab_size=8192, hidden_size=256, intermediate_size=768, num_hidden_layers=4,
               num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=4096)
@@ -48,6 +87,9 @@ PRESETS: dict[str, Callable[..., PretrainedConfig]] = {
     "llama-tiny": _llama,
     "gemma2-tiny": _gemma2,
     "qwen2-small": lambda **o: _qwen2(**{**_SMALL, **o}),
+    "qwen2-vl-tiny": _qwen2_vl,
+    "qwen2.5-vl-tiny": _qwen2_5_vl,
+    "qwen3-vl-tiny": _qwen3_vl,
 }
 
 

@@ -45,6 +45,9 @@ def _packed_boundaries(query: torch.Tensor, attention_mask, kwargs: dict) -> lis
     """Sequence boundaries of a packed row, or None when the call is not packed."""
     if query.shape[0] != 1 or attention_mask is not None:
         return None
+    if kwargs.get("is_causal") is False:
+        # A bidirectional call (a vision tower's image patches) is never a row of causal sequences.
+        return None
     host = kwargs.get(HOST_CU_SEQ_LENS)
     if host is not None:
         return list(host)

@@ -7,13 +7,14 @@ from pathlib import Path
 
 import torch
 from safetensors import SafetensorError, safe_open
-from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification
+from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText, AutoModelForSequenceClassification
 
 from polyfsdp.backends.base import Backend
 
 from ..attention import register_attention
 from ..config import TORCH_DTYPES, ModelConfig
 from ..presets import preset_config
+from .vision import install_vision
 
 logger = logging.getLogger(__name__)
 
@@ -90,6 +91,14 @@ def model_class(config: ModelConfig):
     return AutoModelForCausalLM
 
 
+def _for_config(auto, hf_config):
+    """A vision-language config (one with a ``vision_config``) is built by transformers'
+    image-text-to-text class (e.g. Qwen2VLForConditionalGeneration), never a plain causal LM."""
+    if auto is AutoModelForCausalLM and getattr(hf_config, "vision_config", None) is not None:
+        return AutoModelForImageTextToText
+    return auto
+
+
 def _build(config: ModelConfig, dtype: torch.dtype, attn: str, backend: Backend, patch_toggles,
            compute_dtype: torch.dtype):
     auto = model_class(config)
@@ -100,6 +109,7 @@ def _build(config: ModelConfig, dtype: torch.dtype, attn: str, backend: Backend,
             raise ValueError(f"ModelConfig.vocab_size: applies to presets only; a checkpoint's vocabulary is "
                              f"fixed by its weights (got vocab_size={config.vocab_size} with path={config.path!r})")
         hf_config = read_hf_config(config.path)
+        auto = _for_config(auto, hf_config)
         # trust_remote_code stays False and .bin weights load weights-only: nothing in the
         # directory runs.
         try:
@@ -113,7 +123,7 @@ def _build(config: ModelConfig, dtype: torch.dtype, attn: str, backend: Backend,
                              f"safetensors ({' '.join(str(exc).split())}); truncated or damaged?") from None
         untrained = [key for key in info.get("missing_keys", ()) if key.split(".")[0] == "score"]
         drawn = sorted(set(info.get("missing_keys", ())) & dict(model.named_parameters()).keys())
-        if auto is AutoModelForCausalLM and drawn:
+        if auto is not AutoModelForSequenceClassification and drawn:
             # transformers draws missing weights at random: a policy (or teacher) with a random head.
             named = ", ".join(getattr(hf_config, "architectures", None) or []) or "its config.json"
             raise ValueError(f"ModelConfig.path: {config.path!r} is not a whole causal LM checkpoint ({drawn[0]} is "
@@ -129,11 +139,15 @@ def _build(config: ModelConfig, dtype: torch.dtype, attn: str, backend: Backend,
         if auto is AutoModelForSequenceClassification:
             overrides["num_labels"] = 1  # a preset reward model scores with one number
         hf_config = preset_config(config.preset, **overrides)
+        auto = _for_config(auto, hf_config)
         # The seed fixes the initial weights, so every rank (and a reference) builds the same model.
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(config.seed)
             model = auto.from_config(hf_config, dtype=dtype, attn_implementation=attn)
     model.config.use_cache = False
+    frozen = install_vision(model, config.freeze_vision)  # a text model: nothing (engines/model/vision.py)
+    if frozen:
+        logger.debug("freeze_vision: %d vision-tower parameters frozen", len(frozen))
     from polyfsdp.patches import apply_patches
 
     # The backend judges its fused ops by the dtype FSDP computes in, not the stored one.

@@ -18,13 +18,34 @@ logger = logging.getLogger(__name__)
 
 
 def decoder_layers(model: nn.Module) -> list[nn.Module]:
-    """The transformer blocks of an HF causal LM (``model.model.layers``)."""
+    """The transformer blocks of an HF causal LM (``model.model.layers``), or of a
+    vision-language model's text decoder (``model.model.language_model.layers``)."""
     body = getattr(model, "model", None)
     layers = getattr(body, "layers", None)
     if layers is None:
+        layers = getattr(getattr(body, "language_model", None), "layers", None)
+    if layers is None:
         raise ValueError(f"{type(model).__name__}: expected decoder layers at model.model.layers "
-                         f"(a decoder-only Hugging Face causal LM)")
+                         f"(a decoder-only Hugging Face causal LM) or model.model.language_model.layers "
+                         f"(a vision-language model)")
     return list(layers)
+
+
+def vision_tower(model: nn.Module) -> nn.Module | None:
+    """A vision-language model's vision tower (Qwen2-VL, Qwen2.5-VL, Qwen3-VL: ``model.model.visual``,
+    its blocks and the merger that projects into the decoder's width), or None for a text model."""
+    return getattr(getattr(model, "model", None), "visual", None)
+
+
+def vision_units(model: nn.Module) -> list[nn.Module]:
+    """The vision tower's FSDP2 units, innermost first: each block, each merger (the projector,
+    and Qwen3-VL's deepstack mergers), then the tower itself (patch and position embeddings)."""
+    tower = vision_tower(model)
+    if tower is None:
+        return []
+    mergers = [m for name, m in tower.named_children() if name == "merger"]
+    mergers += list(getattr(tower, "deepstack_merger_list", None) or [])
+    return [*getattr(tower, "blocks", []), *mergers, tower]
 
 
 def reshard_after_forward(policy: str) -> tuple[bool, bool | None]:
@@ -84,7 +105,9 @@ def parallelize_model(model: nn.Module, mesh: DeviceMesh, config: EngineConfig,
     layer_reshard, root_reshard = reshard_after_forward(config.reshard_policy)
     offload = {} if offload_policy is None else {"offload_policy": offload_policy}
     layers = decoder_layers(model)
-    for layer in layers:
+    # A vision tower is sharded like the decoder: every block, the mergers, then the tower, each
+    # unit gathered only while it runs (engines/model/vision.py keeps every rank running it).
+    for layer in [*vision_units(model), *layers]:
         fully_shard(layer, mesh=mesh, mp_policy=mp, reshard_after_forward=layer_reshard, **offload)
     fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=root_reshard, **offload)
     for name in forward_methods:

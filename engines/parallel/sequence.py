@@ -32,6 +32,7 @@ from ..jagged import IGNORE_INDEX
 from ..attention.ulysses import SP_KWARG, UlyssesContext, install_ulysses
 from ..head.rows import KeptRows, shard_kept_rows
 from ..head.value import VALUE_HEAD_METHOD
+from .fsdp import vision_tower
 
 logger = logging.getLogger(__name__)
 
@@ -50,6 +51,10 @@ def setup_sequence_parallel(model: torch.nn.Module, topo: Topology) -> SequenceP
     on ``model``. Call on every rank, before FSDP wraps the model."""
     if topo.sp_size == 1:
         return None
+    if vision_tower(model) is not None:
+        # Splitting a packed row would cut images and their four-row mrope positions across ranks.
+        raise ValueError(f"ulysses_sp_size={topo.sp_size}: sequence parallelism does not support vision-language "
+                         f"models yet ({type(model).__name__}); use ulysses_sp_size=1")
     install_ulysses(model, topo.sp_size)
     logger.debug("Ulysses sequence parallelism: sp=%d, dp=%d", topo.sp_size, topo.dp_size)
     return SequenceParallel(topo.sp_group, topo.sp_size, topo.sp_rank)

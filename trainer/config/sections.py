@@ -67,6 +67,8 @@ class ModelSection:
                                        "intermediate_size": (1, 2**20), "num_attention_heads": (1, 2**20),
                                        "num_key_value_heads": (1, 2**20), "head_dim": (1, 2**20)})
     lora: LoraConfig = setting(LoraConfig, doc="LoRA adapters through peft")
+    freeze_vision: bool = setting(False, doc="a vision-language model: freeze its vision tower but the merger "
+                                  "(no gradients, not in the optimizer; docs/vision-language.md)")
 
     def model_config(self, vocab_size: int | None = None, path: str | None = None) -> ModelConfig:
         """The engine's ModelConfig: from ``path`` (given or configured) else the preset;
@@ -75,7 +77,8 @@ class ModelSection:
         return ModelConfig.from_dict({"preset": None if path else self.preset, "path": path, "dtype": self.dtype,
                                       "attn_implementation": self.attn_implementation,
                                       "vocab_size": None if path else vocab_size, "seed": self.seed,
-                                      "lora": dataclasses.asdict(self.lora)}, where="model")
+                                      "lora": dataclasses.asdict(self.lora), "freeze_vision": self.freeze_vision},
+                                     where="model")
 
 
 @dataclass
