@@ -23,6 +23,7 @@ from polyfsdp.backends.distributed import all_gather_object
 from polyfsdp.backends.topology import Topology
 
 from .flat import FlatBatch
+from .images import ImageInputs
 from .micro import plan_micro_batches
 
 
@@ -49,7 +50,8 @@ def _sequence(flat: FlatBatch, i: int) -> dict:
     temperature = flat.temperature[i] if torch.is_tensor(flat.temperature) else torch.tensor(flat.temperature)
     return {"input_ids": flat.input_ids[start:end], "fields": {k: v[start:end] for k, v in flat.fields.items()},
             "seq_fields": {k: v[i] for k, v in flat.seq_fields.items()}, "temperature": temperature,
-            "scored": None if flat.scored is None else flat.scored[start:end]}
+            "scored": None if flat.scored is None else flat.scored[start:end],
+            "images": None if flat.images is None else flat.images.select([i])}
 
 
 def _assemble(sequences: list[dict], like: FlatBatch, device) -> FlatBatch:
@@ -67,8 +69,15 @@ def _assemble(sequences: list[dict], like: FlatBatch, device) -> FlatBatch:
     # Scored positions travel only when every sequence brought them (else the whole head runs).
     scored = None if any(s["scored"] is None for s in sequences) else cat([s["scored"] for s in sequences],
                                                                           torch.zeros(0, dtype=torch.bool))
+    # A sequence's images travel with it (engines/batch/images.py); a replica's batch without
+    # images (text-only callers) contributes none.
+    images = None if like.images is None else ImageInputs.cat(
+        [s["images"] for s in sequences if s["images"] is not None] or [like.images.select([])])
+    if images is not None and len(images.images_per_seq) != len(sequences):
+        raise ValueError("balance_dp_tokens: some replicas' batches carry images and some do not; pass "
+                         "pixel_values and image_grid_thw on every rank (empty for text-only sequences)")
     flat = FlatBatch(cat([s["input_ids"] for s in sequences], like.input_ids[:0].cpu()), offsets, lengths,
-                     fields, seq_fields, temperature, scored)
+                     fields, seq_fields, temperature, scored, images)
     return flat.to(device)  # tensors already on ``device`` are kept, not copied
 
 

@@ -14,6 +14,7 @@ import torch
 from tensordict import TensorDict
 
 from .. import jagged
+from .images import IMAGE_KEYS, ImageInputs, images_from_batch
 
 STRUCTURAL_KEYS = ("input_ids", "attention_mask", "position_ids")
 
@@ -24,7 +25,8 @@ class FlatBatch:
     lengths; per-token ``fields`` flat like ``input_ids``; per-sequence ``seq_fields``
     ``(B, ...)``; ``temperature``: one float, or one value per sequence ``(B,)``; ``scored``: the
     positions whose head outputs are read, a host bool ``(total,)`` (None: every position;
-    engines/head/rows.py), which stays on the host when the batch moves."""
+    engines/head/rows.py), which stays on the host when the batch moves; ``images``: a
+    vision-language batch's per-sequence pixel inputs (engines/batch/images.py), or None."""
 
     input_ids: torch.Tensor
     offsets: torch.Tensor
@@ -33,6 +35,7 @@ class FlatBatch:
     seq_fields: dict[str, torch.Tensor] = field(default_factory=dict)
     temperature: float | torch.Tensor = 1.0
     scored: torch.Tensor | None = None
+    images: ImageInputs | None = None
 
     @property
     def num_seqs(self) -> int:
@@ -85,7 +88,8 @@ class FlatBatch:
             return t.to(device, non_blocking=True) if torch.is_tensor(t) else t
         return FlatBatch(move(self.input_ids), move(self.offsets), self.seq_lens,
                          {k: move(v) for k, v in self.fields.items()},
-                         {k: move(v) for k, v in self.seq_fields.items()}, move(self.temperature), self.scored)
+                         {k: move(v) for k, v in self.seq_fields.items()}, move(self.temperature), self.scored,
+                         None if self.images is None else self.images.to(device))
 
 
 def _check_jagged(name: str, value) -> None:
@@ -124,7 +128,8 @@ def batch_to_flat(batch: TensorDict, pad_mode: str, keys=None) -> FlatBatch:
     offsets = jagged.offsets(nt)
     # The one read of the lengths to the host (a no-op copy for host batches).
     flat = FlatBatch(nt.values(), offsets, offsets.diff().tolist())
-    names = [k for k in batch.keys() if k not in STRUCTURAL_KEYS] if keys is None else list(keys)
+    flat.images = images_from_batch(batch, flat.num_seqs)
+    names = [k for k in batch.keys() if k not in STRUCTURAL_KEYS + IMAGE_KEYS] if keys is None else list(keys)
     bsz = flat.num_seqs
     for name in names:
         value = batch[name]

@@ -81,6 +81,7 @@ def select(flat: FlatBatch, seq_ids: list[int]) -> tuple[FlatBatch, torch.Tensor
         scored=None if flat.scored is None else flat.scored[
             token_index(jagged.offsets_from_lengths(torch.tensor(flat.seq_lens, dtype=torch.long)),
                         torch.tensor(seq_ids, dtype=torch.long), total)],
+        images=None if flat.images is None else flat.images.select(seq_ids),
     )
     return sub, tok
 
@@ -91,7 +92,9 @@ def placeholder(flat: FlatBatch) -> FlatBatch:
     offsets = torch.tensor([0, 1], dtype=flat.offsets.dtype, device=flat.offsets.device)
     # Per-token fields get one harmless value (1) so the forward sees shapes that match its token.
     fields = {k: v.new_ones((1, *v.shape[1:])) for k, v in flat.fields.items()}
-    return FlatBatch(ids, offsets, [1], fields=fields)
+    # No image: a vision-language model still runs its tower on a dummy (engines/model/vision.py).
+    images = None if flat.images is None else flat.images.select([])
+    return FlatBatch(ids, offsets, [1], fields=fields, images=images)
 
 
 def is_placeholder(index: torch.Tensor | None) -> bool:

@@ -28,6 +28,7 @@ from polyfsdp.backends.base import HOST_CU_SEQ_LENS
 
 from .. import jagged
 from ..batch.flat import FlatBatch
+from ..batch.images import mrope_positions
 from .fused import check_labels_on_host, fused_logprob_entropy
 from .fused_loss import FULL_PRECISION, LossOf, fused_logprob_loss
 from .rows import KeptRows, kept_rows
@@ -41,20 +42,59 @@ _LOGIT_SCALE_ATTRS = ("logit_scale", "logits_scaling", "lm_head_multiplier", "ou
 
 
 # ----------------------------------------------------------------------------- model inputs
+class VisionPositions:
+    """A vision-language model's rotary positions (engines/batch/images.py): three rows
+    (temporal, height, width) per sequence from the model's own ``get_rope_index``."""
+
+    def __init__(self, model):
+        body = model.model
+        self.rope_index = body.get_rope_index
+        self.image_token_id = model.config.image_token_id
+        self.merge = model.config.vision_config.spatial_merge_size
+
+    @staticmethod
+    def of(model) -> "VisionPositions | None":
+        """For a model with a vision tower (``model.model.visual``), else None."""
+        body = getattr(model, "model", None)
+        return VisionPositions(model) if getattr(body, "visual", None) is not None else None
+
+    def per_sequence(self, flat: FlatBatch) -> list[torch.Tensor]:
+        """Each sequence's ``(3, length)`` positions, on the host: the ids are read back once
+        per micro-batch (a device read on accelerators; docs/vision-language.md)."""
+        return mrope_positions(self.rope_index, self.image_token_id, self.merge, flat.input_ids, flat.seq_lens,
+                               flat.images)
+
+    @staticmethod
+    def image_inputs(flat: FlatBatch) -> dict:
+        """The model's image keywords of ``flat`` (none without images)."""
+        return {} if flat.images is None else flat.images.model_inputs()
+
+
 class PackedRowInputs:
     """remove-padding: one ``(1, total)`` row, position ids restarting per sequence, and the
-    ``cu_seq_lens`` keywords varlen attention kernels read."""
+    ``cu_seq_lens`` keywords varlen attention kernels read. A vision-language model gets four
+    position rows: the restarting text positions (transformers finds packed boundaries in
+    row 0) above the three mrope rows, each sequence's computed alone."""
+
+    def __init__(self, vision: VisionPositions | None = None):
+        self.vision = vision
 
     def model_inputs(self, flat: FlatBatch) -> dict:
         """Keyword arguments for the model's forward."""
-        position_ids = jagged.positions_in_sequences(flat.offsets, flat.total)
+        position_ids = jagged.positions_in_sequences(flat.offsets, flat.total).unsqueeze(0)
+        images = {}
+        if self.vision is not None:
+            mrope = torch.cat(self.vision.per_sequence(flat), dim=1).to(position_ids.device)
+            position_ids = torch.cat([position_ids, mrope]).unsqueeze(1)  # (4, 1, total)
+            images = self.vision.image_inputs(flat)
         cu = flat.offsets.to(torch.int32)
         host_cu = [0]
         for n in flat.seq_lens:
             host_cu.append(host_cu[-1] + n)
         return {
+            **images,
             "input_ids": flat.input_ids.unsqueeze(0),
-            "position_ids": position_ids.unsqueeze(0),
+            "position_ids": position_ids,
             "cu_seq_lens_q": cu,
             "cu_seq_lens_k": cu,
             "max_length_q": flat.max_len,
@@ -68,7 +108,11 @@ class PackedRowInputs:
 
 
 class PaddedRowInputs:
-    """No remove-padding: right-padded ``(B, L)`` with an attention mask."""
+    """No remove-padding: right-padded ``(B, L)`` with an attention mask. A vision-language
+    model gets its three mrope rows ``(3, B, L)`` per row (0 on padding)."""
+
+    def __init__(self, vision: VisionPositions | None = None):
+        self.vision = vision
 
     def model_inputs(self, flat: FlatBatch) -> dict:
         """Keyword arguments for the model's forward."""
@@ -76,7 +120,13 @@ class PaddedRowInputs:
         input_ids = jagged.flat_to_dense(flat.input_ids, flat.offsets, length, padding_value=0)
         positions = torch.arange(length, device=flat.offsets.device)
         attention_mask = (positions[None, :] < flat.lengths[:, None]).to(torch.long)
-        return {"input_ids": input_ids, "attention_mask": attention_mask}
+        if self.vision is None:
+            return {"input_ids": input_ids, "attention_mask": attention_mask}
+        position_ids = torch.zeros(3, flat.num_seqs, length, dtype=torch.long)
+        for row, seq_positions in enumerate(self.vision.per_sequence(flat)):
+            position_ids[:, row, :seq_positions.shape[1]] = seq_positions
+        return {**self.vision.image_inputs(flat), "input_ids": input_ids, "attention_mask": attention_mask,
+                "position_ids": position_ids.to(input_ids.device)}
 
     def to_flat(self, output: torch.Tensor, flat: FlatBatch) -> torch.Tensor:
         """``(B, L, ...)`` -> ``(total, ...)``, keeping only real tokens."""
@@ -84,9 +134,11 @@ class PaddedRowInputs:
         return values
 
 
-def row_inputs(use_remove_padding: bool) -> PackedRowInputs | PaddedRowInputs:
-    """The model-input layout for a remove-padding setting."""
-    return PackedRowInputs() if use_remove_padding else PaddedRowInputs()
+def row_inputs(use_remove_padding: bool, model=None) -> PackedRowInputs | PaddedRowInputs:
+    """The model-input layout for a remove-padding setting (with ``model``'s mrope positions
+    when it is a vision-language model)."""
+    vision = None if model is None else VisionPositions.of(model)
+    return PackedRowInputs(vision) if use_remove_padding else PaddedRowInputs(vision)
 
 
 # ----------------------------------------------------------------------------- fused head
@@ -226,7 +278,7 @@ def forward_loss(model, flat: FlatBatch, loss_of: LossOf, *, use_remove_padding:
     """``(loss, metrics)`` of a token-separable ``loss_of(log_probs, entropy)`` on a non-empty
     ``flat`` through the fused head, with the loss gradient taken inside the head's forward
     (engines/head/fused_loss.py); ``loss.backward()`` then only scales the stored gradients."""
-    return _fused_head_call(model, flat, row_inputs(use_remove_padding), softcap=softcap,
+    return _fused_head_call(model, flat, row_inputs(use_remove_padding, model), softcap=softcap,
                             return_entropy=return_entropy, fused_impl=fused_impl, loss_of=loss_of)
 
 
@@ -239,7 +291,7 @@ def forward_logprobs(model, flat: FlatBatch, *, use_remove_padding: bool, fused:
     if flat.total == 0:
         empty = flat.input_ids.new_zeros(0, dtype=torch.float32)
         return empty, (empty if return_entropy else None)
-    layout = row_inputs(use_remove_padding)
+    layout = row_inputs(use_remove_padding, model)
     if fused:
         return _fused_head_call(model, flat, layout, softcap=softcap, return_entropy=return_entropy,
                                 fused_impl=fused_impl)

@@ -63,7 +63,7 @@ def forward_scores(model, flat: FlatBatch, *, use_remove_padding: bool) -> torch
     out = torch.zeros(flat.total, dtype=torch.float32, device=flat.input_ids.device)
     if flat.total == 0:
         return out
-    layout = row_inputs(use_remove_padding)
+    layout = row_inputs(use_remove_padding, model)
     # The host lengths pick the sequences that have a last token (no device read).
     nonempty = torch.tensor([i for i, n in enumerate(flat.seq_lens) if n], dtype=torch.long, device=out.device)
     last = (flat.offsets[1:] - 1)[nonempty]

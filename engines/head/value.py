@@ -63,7 +63,7 @@ def forward_values(model, flat: FlatBatch, *, use_remove_padding: bool) -> torch
     sequence 0), with autograd when enabled; packed or padded rows as for log-probs."""
     if flat.total == 0:
         return flat.input_ids.new_zeros(0, dtype=torch.float32)
-    layout = row_inputs(use_remove_padding)
+    layout = row_inputs(use_remove_padding, model)
     values = getattr(model, VALUE_HEAD_METHOD)(layout.model_inputs(flat), lambda h: layout.to_flat(h, flat))[:, 0]
     has_next = next_token_labels_flat(flat.input_ids, flat.offsets, fill=IGNORE_INDEX) != IGNORE_INDEX
     return torch.where(has_next, values.float(), torch.zeros((), dtype=torch.float32, device=values.device))
