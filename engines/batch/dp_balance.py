@@ -72,7 +72,7 @@ def _assemble(sequences: list[dict], like: FlatBatch, device) -> FlatBatch:
     # A sequence's images travel with it (engines/batch/images.py); a replica's batch without
     # images (text-only callers) contributes none.
     images = None if like.images is None else ImageInputs.cat(
-        [s["images"] for s in sequences if s["images"] is not None] or [like.images.select([])])
+        [s["images"] for s in sequences if s["images"] is not None] or [like.images.without_images(0)])
     if images is not None and len(images.images_per_seq) != len(sequences):
         raise ValueError("balance_dp_tokens: some replicas' batches carry images and some do not; pass "
                          "pixel_values and image_grid_thw on every rank (empty for text-only sequences)")

@@ -59,6 +59,10 @@ class ImageInputs:
                            self.grid_thw[torch.tensor(images, dtype=torch.long, device=device)],
                            [self.images_per_seq[s] for s in seq_ids], [self.patches[i] for i in images])
 
+    def without_images(self, num_seqs: int) -> "ImageInputs":
+        """``num_seqs`` sequences holding no image (a placeholder's), on this batch's device."""
+        return ImageInputs(self.pixel_values[:0], self.grid_thw[:0], [0] * num_seqs, [])
+
     def to(self, device) -> "ImageInputs":
         """The same images with their tensors on ``device``."""
         return ImageInputs(self.pixel_values.to(device, non_blocking=True), self.grid_thw.to(device, non_blocking=True),

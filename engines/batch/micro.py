@@ -93,7 +93,7 @@ def placeholder(flat: FlatBatch) -> FlatBatch:
     # Per-token fields get one harmless value (1) so the forward sees shapes that match its token.
     fields = {k: v.new_ones((1, *v.shape[1:])) for k, v in flat.fields.items()}
     # No image: a vision-language model still runs its tower on a dummy (engines/model/vision.py).
-    images = None if flat.images is None else flat.images.select([])
+    images = None if flat.images is None else flat.images.without_images(1)
     return FlatBatch(ids, offsets, [1], fields=fields, images=images)
 
 

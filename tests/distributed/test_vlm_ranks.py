@@ -36,3 +36,16 @@ def test_gradients_summed_over_ranks_equal_the_reference(ranks, run):
         for name, grad in grads.items():
             diff = (grad.double() - expected[name].double()).abs().max().item()
             assert diff <= 1e-5 * scale, (rank, run, name, diff, scale)
+
+
+@pytest.mark.parametrize("run", RUNS)
+def test_sft_step_gradients_equal_the_reference(ranks, run):
+    """forward_backward with SFTLoss (token-mean over both ranks' response tokens): the
+    gradients are the reference's masked log-prob sum's, times -1 / tokens."""
+    tokens = ranks[0]["response_tokens"]
+    expected = {n: -g / tokens for n, g in ranks[0]["expected_grads"].items()}
+    scale = max(g.abs().max().item() for g in expected.values())
+    for rank, results in enumerate(ranks):
+        for name, grad in results[f"sft_grads_{run}"].items():
+            diff = (grad.double() - expected[name].double()).abs().max().item()
+            assert diff <= 1e-5 * scale, (rank, run, name, diff, scale)

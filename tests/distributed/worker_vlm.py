@@ -18,6 +18,7 @@ from polyfsdp.backends import destroy_distributed  # noqa: E402
 from polyfsdp.engines.batch.flat import batch_to_flat  # noqa: E402
 from polyfsdp.engines.config import EngineConfig, ModelConfig  # noqa: E402
 from polyfsdp.engines.engine import FSDPEngine  # noqa: E402
+from polyfsdp.engines.losses import SFTLoss  # noqa: E402
 
 PRESET = "qwen2-vl-tiny"
 SPECS = {0: [["small"], ["wide", "square"], ["square"]], 1: [[], [], ["small"], []]}
@@ -38,7 +39,7 @@ def main(out_dir):
     every = {r: vlm_sequences(spec, seed=20 + r) for r, spec in SPECS.items()}
     seqs = every[rank]
     results = {}
-    for name, config in (("plain", {}), ("budget", {"max_tokens_per_micro_batch": 10}),
+    for name, config in (("plain", {}), ("budget", {"max_tokens_per_micro_batch": 6}),
                          ("balanced", {"balance_dp_tokens": True}), ("padded", {"use_remove_padding": False})):
         engine = FSDPEngine(ModelConfig(preset=PRESET, seed=4), EngineConfig(**config)).initialize()
         out = engine.infer_batch(vlm_batch(seqs, "no_padding"))
@@ -49,11 +50,17 @@ def main(out_dir):
             log_probs, _ = engine.forward_flat(flat, return_entropy=False)
             (log_probs * flat.fields["response_mask"]).sum().backward()
         results[f"grads_{name}"] = full_grads(engine.module)
+        engine.optimizer.zero_grad(set_to_none=True)
+        # A training pass through micro-batches (placeholders where a rank has fewer), the head
+        # fused or not: SFT's token-mean loss over both ranks' response tokens.
+        engine.engine_config = EngineConfig(**{**config, "use_fused_kernels": name != "padded"})
+        engine.forward_backward(batch, SFTLoss())
+        results[f"sft_grads_{name}"] = full_grads(engine.module)
         if name == "plain":
             reference = vlm_reference_model(PRESET, full_state_dict(engine.module))
             with torch.no_grad():
                 results["expected"] = vlm_reference_logprobs(reference, seqs, [1.0] * len(seqs))
-            total = 0
+            total, results["response_tokens"] = 0, sum(m.sum().item() for t in every.values() for m in masks_for(t))
             for r, theirs in every.items():
                 lps, _ = vlm_reference_logprobs(reference, theirs, [1.0] * len(theirs))
                 total = total + sum(lp.dot(m.double()) for lp, m in zip(lps, masks_for(theirs)))
