@@ -43,7 +43,8 @@ def _gemma2(**overrides) -> PretrainedConfig:
 # four. mrope_section splits the 4 rotary frequencies of an 8-wide head over (t, h, w). The
 # special tokens sit at the top of the 128-token vocabulary.
 VLM_TOKENS = dict(vision_start_token_id=124, vision_end_token_id=125, image_token_id=126, video_token_id=127)
-_VLM_TEXT = {**_COMMON, "tie_word_embeddings": False,
+# The text configs' default bos/eos ids (151643, 151645) lie outside the tiny vocabulary.
+_VLM_TEXT = {**_COMMON, "tie_word_embeddings": False, "bos_token_id": None, "eos_token_id": None,
              "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [1, 1, 2]}}
 _VISION = dict(depth=2, num_heads=4, patch_size=14, spatial_merge_size=2, temporal_patch_size=2, in_channels=3)
 

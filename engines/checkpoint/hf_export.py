@@ -26,12 +26,12 @@ logger = logging.getLogger(__name__)
 
 def _plain_model(config, full: dict, dtype: torch.dtype | None):
     """A fresh, unsharded model built on the meta device holding ``full`` (no second copy)."""
-    from transformers import AutoModelForCausalLM
+    from ..model.builder import auto_class_for  # a vision-language model: its image-text-to-text class
 
     if dtype is not None:
         full = {k: v.to(dtype) if v.is_floating_point() else v for k, v in full.items()}
     with torch.device("meta"):
-        fresh = AutoModelForCausalLM.from_config(config)
+        fresh = auto_class_for(config).from_config(config)
     result = fresh.load_state_dict(full, strict=False, assign=True)
     fresh.tie_weights()
     still_meta = [n for n, p in fresh.named_parameters() if p.is_meta]

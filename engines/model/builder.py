@@ -91,7 +91,7 @@ def model_class(config: ModelConfig):
     return AutoModelForCausalLM
 
 
-def _for_config(auto, hf_config):
+def auto_class_for(hf_config, auto=AutoModelForCausalLM):
     """A vision-language config (one with a ``vision_config``) is built by transformers'
     image-text-to-text class (e.g. Qwen2VLForConditionalGeneration), never a plain causal LM."""
     if auto is AutoModelForCausalLM and getattr(hf_config, "vision_config", None) is not None:
@@ -109,7 +109,7 @@ def _build(config: ModelConfig, dtype: torch.dtype, attn: str, backend: Backend,
             raise ValueError(f"ModelConfig.vocab_size: applies to presets only; a checkpoint's vocabulary is "
                              f"fixed by its weights (got vocab_size={config.vocab_size} with path={config.path!r})")
         hf_config = read_hf_config(config.path)
-        auto = _for_config(auto, hf_config)
+        auto = auto_class_for(hf_config, auto)
         # trust_remote_code stays False and .bin weights load weights-only: nothing in the
         # directory runs.
         try:
@@ -139,7 +139,7 @@ def _build(config: ModelConfig, dtype: torch.dtype, attn: str, backend: Backend,
         if auto is AutoModelForSequenceClassification:
             overrides["num_labels"] = 1  # a preset reward model scores with one number
         hf_config = preset_config(config.preset, **overrides)
-        auto = _for_config(auto, hf_config)
+        auto = auto_class_for(hf_config, auto)
         # The seed fixes the initial weights, so every rank (and a reference) builds the same model.
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(config.seed)
