@@ -16,7 +16,9 @@ Installed per instance by ``build_model`` (the model's classes are never edited)
 """
 from __future__ import annotations
 
+import re
 import types
+import warnings
 
 import torch
 from torch.distributed.fsdp import FSDPModule
@@ -102,4 +104,9 @@ def install_vision(model: torch.nn.Module, freeze: bool) -> list[str]:
         return []
     _text_keywords_dropped(tower)
     _keep_tower_running(model.model, tower)
+    # The model's output carries the tower's per-image features, views of one split, which
+    # nothing in the engine reads or changes in place; FSDP2 warns about views in a sharded
+    # root's output on every forward. Silenced for this model class only.
+    warnings.filterwarnings("ignore", category=UserWarning, message=rf"FSDP2-wrapped module "
+                            rf"\(FSDP{re.escape(type(model).__name__)}\) returned a view tensor")
     return freeze_vision(model) if freeze else []

@@ -332,3 +332,21 @@ def test_sharded_checkpoint_round_trip_after_a_step_with_a_frozen_tower(tmp_path
     again = fresh.infer_batch(batch)
     for key in ("log_probs", "entropy"):
         assert torch.equal(again[key].values(), trained[key].values())
+
+
+@pytest.mark.parametrize("preset", VLM_PRESETS)
+def test_bfloat16_compute_stays_near_the_float32_reference(family, preset):
+    """param_dtype=bfloat16 (FSDP2's casts, the tower included): within bf16's rounding of the
+    fp32 reference, and the model's output carries no tower views for FSDP2 to warn about."""
+    import warnings
+
+    fam = family(preset)
+    batch = vlm_batch(fam.seqs, "no_padding", per_token={"response_mask": _response_masks(fam.seqs)})
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")  # the engine's own filter, added when it builds, comes first
+        engine = FSDPEngine(ModelConfig(preset=preset, seed=3), EngineConfig(param_dtype="bfloat16"),
+                            OptimConfig()).initialize()
+        out = engine.infer_batch(batch, temperature=TEMPS)
+        engine.forward_backward(batch, SFTLoss())
+    assert not [w for w in caught if "view tensor" in str(w.message)]
+    _assert_matches(out, batch, "no_padding", fam.expected, tol=1e-2)
