@@ -108,9 +108,9 @@ def plain_model_with_adapters(hf_config, config: LoraConfig, state: dict, dtype:
     """A fresh, unsharded peft model on the CPU holding ``state`` (the engine's full state dict,
     keys as in the adapted model). Returns peft's wrapper (for ``merge_and_unload`` or
     ``save_pretrained``)."""
-    from transformers import AutoModelForCausalLM
+    from .builder import auto_class_for  # a vision-language model: its image-text-to-text class
 
-    model = AutoModelForCausalLM.from_config(hf_config)
+    model = auto_class_for(hf_config).from_config(hf_config)
     wrapped = _peft_model(model, config)
     result = wrapped.get_base_model().load_state_dict(state, strict=False)
     tied = getattr(hf_config, "tie_word_embeddings", False)
