@@ -368,3 +368,16 @@ def test_lora_step_then_merged_export_gives_the_same_log_probs(tmp_path):
     again = merged.infer_batch(batch)
     for key in ("log_probs", "entropy"):
         assert (again[key].values() - trained[key].values()).abs().max() <= TOL
+
+
+def test_the_docs_example_runs_as_written():
+    """docs/vision-language.md's example: one image row and one text row, outputs like input_ids."""
+    import re
+    from pathlib import Path
+
+    page = (Path(__file__).resolve().parents[2] / "docs" / "vision-language.md").read_text()
+    blocks = re.findall(r"```python\n(.*?)```", page, flags=re.S)
+    assert len(blocks) == 1
+    scope = {}
+    exec(blocks[0], scope)
+    assert torch.equal(scope["out"]["log_probs"].offsets(), torch.tensor([0, 7, 10]))
