@@ -128,11 +128,12 @@ def _check_image_tokens(seq: int, types: list[int], tokens_per_image: list[int])
 
 
 def mrope_positions(rope_index, image_token_id: int, merge: int, input_ids: torch.Tensor, seq_lens: list[int],
-                    images: ImageInputs | None) -> list[torch.Tensor]:
+                    images: ImageInputs | None, video_token_id: int | None = None) -> list[torch.Tensor]:
     """Each sequence's ``(3, length)`` rotary positions, computed alone by the model's
     ``rope_index`` (``get_rope_index``), on the host: ``input_ids`` is the flat ``(total,)`` row.
     A text-only sequence counts 0, 1, 2, ... on all three rows. Raises, naming the sequence,
-    when its image tokens do not match its grids."""
+    when its image tokens do not match its grids, or when it holds video tokens (not supported:
+    they would run as text)."""
     ids = input_ids.cpu()
     grid_host = None if images is None else images.grid_thw.cpu()
     first_image = [0, *itertools.accumulate(images.images_per_seq)] if images is not None else None
@@ -140,6 +141,9 @@ def mrope_positions(rope_index, image_token_id: int, merge: int, input_ids: torc
     for seq, length in enumerate(seq_lens):
         row = ids[start:start + length]
         start += length
+        if video_token_id is not None and bool((row == video_token_id).any()):
+            raise ValueError(f"sequence {seq}: holds video tokens (id {video_token_id}); videos are not supported "
+                             f"yet (docs/vision-language.md)")
         types = (row == image_token_id).to(torch.int)
         grids = grid_host[first_image[seq]:first_image[seq + 1]] if images is not None else grid_host
         tokens_per_image = [] if grids is None else (grids.prod(-1) // (merge * merge)).tolist()

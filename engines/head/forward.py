@@ -50,6 +50,7 @@ class VisionPositions:
         body = model.model
         self.rope_index = body.get_rope_index
         self.image_token_id = model.config.image_token_id
+        self.video_token_id = getattr(model.config, "video_token_id", None)
         self.merge = model.config.vision_config.spatial_merge_size
 
     @staticmethod
@@ -62,7 +63,7 @@ class VisionPositions:
         """Each sequence's ``(3, length)`` positions, on the host: the ids are read back once
         per micro-batch (a device read on accelerators; docs/vision-language.md)."""
         return mrope_positions(self.rope_index, self.image_token_id, self.merge, flat.input_ids, flat.seq_lens,
-                               flat.images)
+                               flat.images, self.video_token_id)
 
     @staticmethod
     def image_inputs(flat: FlatBatch) -> dict:

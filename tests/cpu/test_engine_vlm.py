@@ -11,13 +11,14 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from engine_reference import full_state_dict, jagged_of
+from polyfsdp.backends.base import HOST_CU_SEQ_LENS
 from polyfsdp.engines.batch.flat import batch_to_flat
 from polyfsdp.engines.batch.images import mrope_positions
 from polyfsdp.engines.config import EngineConfig, ModelConfig, OptimConfig
 from polyfsdp.engines.engine import FSDPEngine
-from polyfsdp.backends.base import HOST_CU_SEQ_LENS
 from polyfsdp.engines.head.forward import PackedRowInputs
 from polyfsdp.engines.losses import SFTLoss
+from polyfsdp.engines.presets import VLM_TOKENS
 from vlm_reference import (IMAGE, MERGE, VLM_PRESETS, vlm_batch, vlm_reference_logprobs, vlm_reference_model,
                            vlm_sequences)
 
@@ -280,6 +281,11 @@ def test_malformed_images_are_one_line_naming_the_sequence(family):
               pixel_values=jagged_of([pixels[0], pixels[0], *pixels[2:]])),
          r"^sequence 1: its image tokens form runs of \[\] tokens, its image_grid_thw gives \[1\]"),
     ]
+    # A video token in sequence 4 (text-only): videos would run as text, so they are refused.
+    video = [s["ids"].clone() for s in seqs]
+    video[4][1] = VLM_TOKENS["video_token_id"]
+    cases.append((dict(input_ids=jagged_of(video)), r"^sequence 4: holds video tokens \(id 127\); videos are "
+                                                    r"not supported yet"))
     for fields, message in cases:
         with pytest.raises(ValueError, match=message) as caught:
             engine.infer_batch(_malformed(seqs, **fields))
