@@ -16,6 +16,7 @@ from contextlib import contextmanager
 import torch
 
 from ..config import LORA_ALL_LINEAR, LoraConfig
+from .vision import freeze_vision, vision_is_frozen
 
 INSTALL_HINT = 'pip install -e ".[lora]"'
 
@@ -63,12 +64,17 @@ def add_adapters(model: torch.nn.Module, config: LoraConfig, seed: int = 0) -> t
     base in bf16). A target that matches nothing raises peft's error.
     """
     base_dtype = next(model.parameters()).dtype
+    tower_frozen = vision_is_frozen(model)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed + ADAPTER_SEED_OFFSET)
         wrapped = _peft_model(model, config)
     inner = wrapped.get_base_model()
     if inner is not model:
         raise RuntimeError("peft returned a different model object; expected in-place injection")
+    if tower_frozen:
+        # freeze_vision holds for the adapters peft put on the tower's linears too: they stay at
+        # their initial value (B = 0, the identity), so exports and checkpoints need no exception.
+        freeze_vision(model)
     # peft upcasts adapters of a half-precision base already; this keeps that a guarantee.
     for param in model.parameters():
         if param.requires_grad and base_dtype != torch.float32:

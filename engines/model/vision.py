@@ -46,6 +46,13 @@ def freeze_vision(model: torch.nn.Module) -> list[str]:
     return frozen
 
 
+def vision_is_frozen(model: torch.nn.Module) -> bool:
+    """Whether ``model`` has a vision tower that :func:`freeze_vision` froze."""
+    tower = vision_tower(model)
+    return tower is not None and not any(p.requires_grad for name, p in tower.named_parameters()
+                                         if "merger" not in name)
+
+
 def _text_keywords_dropped(tower: torch.nn.Module) -> None:
     inner = tower.forward
 

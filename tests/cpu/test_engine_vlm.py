@@ -387,3 +387,19 @@ def test_the_docs_example_runs_as_written():
     scope = {}
     exec(blocks[0], scope)
     assert torch.equal(scope["out"]["log_probs"].offsets(), torch.tensor([0, 7, 10]))
+
+
+def test_freeze_vision_keeps_lora_adapters_on_the_tower_frozen():
+    """With LoRA over every linear, the tower's adapters stay frozen (at B = 0) under
+    freeze_vision; the merger's and the decoder's adapters train."""
+    engine = FSDPEngine(ModelConfig(preset="qwen2-vl-tiny", seed=3, lora={"rank": 4}, freeze_vision=True),
+                        EngineConfig(), OptimConfig(lr=1e-2)).initialize()
+    seqs = vlm_sequences(SPEC, seed=5)
+    engine.forward_backward(vlm_batch(seqs, "no_padding", per_token={"response_mask": _response_masks(seqs)}),
+                            SFTLoss())
+    adapters = {name: p for name, p in engine.module.named_parameters() if "lora_" in name}
+    tower = {name for name in adapters if ".visual." in name and "merger" not in name}
+    assert tower and all(adapters[name].grad is None and not adapters[name].requires_grad for name in tower)
+    trained = [name for name in adapters if name not in tower]
+    assert any("merger" in name for name in trained) and any("language_model" in name for name in trained)
+    assert all(adapters[name].grad is not None for name in trained)
