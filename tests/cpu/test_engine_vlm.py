@@ -403,3 +403,27 @@ def test_freeze_vision_keeps_lora_adapters_on_the_tower_frozen():
     trained = [name for name in adapters if name not in tower]
     assert any("merger" in name for name in trained) and any("language_model" in name for name in trained)
     assert all(adapters[name].grad is not None for name in trained)
+
+
+@pytest.mark.parametrize("rmpad", [True, False], ids=["rmpad1", "rmpad0"])
+def test_critic_values_equal_the_hf_body_times_the_value_head(rmpad):
+    """A critic on a vision-language model: per-token values are HF's body hidden states of
+    each sequence alone (its own positions) through the value head, the last position 0."""
+    engine = FSDPEngine(ModelConfig(preset="qwen2.5-vl-tiny", seed=3, value_head=True, value_head_init_std=0.5),
+                        EngineConfig(use_remove_padding=rmpad)).initialize()
+    state = full_state_dict(engine.module)
+    weight, bias = state.pop("lm_head.weight"), state.pop("lm_head.bias")
+    reference = vlm_reference_model("qwen2.5-vl-tiny", {**state, "lm_head.weight": torch.zeros(128, 32)})
+    seqs = vlm_sequences(SPEC, seed=5)
+    expected = []
+    with torch.no_grad():
+        for seq in seqs:
+            images = {} if not len(seq["grids"]) else {
+                "pixel_values": seq["pixels"], "image_grid_thw": seq["grids"],
+                "mm_token_type_ids": (seq["ids"] == IMAGE).int()[None]}
+            hidden = reference.model(input_ids=seq["ids"][None], use_cache=False, **images).last_hidden_state[0]
+            values = (hidden.double() @ weight.double().T + bias.double())[:, 0]
+            values[-1] = 0.0
+            expected.append(values)
+    got = engine.infer_values(vlm_batch(seqs, "no_padding"))["values"].values()
+    assert (got.double() - torch.cat(expected)).abs().max() <= TOL
