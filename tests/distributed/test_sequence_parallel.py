@@ -6,18 +6,16 @@ shorter than sp, of length 1, and a padded (odd) total. Also the attention funct
 SDPA and the NPU fusion attention in TND layout on the plain-torch reference op) and SP ranks
 holding different batches. sp=2 runs in the suite; sp=2 x dp=2 (4 processes) is marked slow."""
 import os
-import sys
 
 import pytest
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "cpu"))
-from engine_cases import PRESET, engine_config, masks_for  # noqa: E402
-from engine_reference import (full_state_dict, left_right_batch, no_padding_batch, reference_logprobs,  # noqa: E402
+from tests.helpers.engine_cases import PRESET, engine_config, masks_for  # noqa: E402
+from tests.helpers.engine_reference import (full_state_dict, left_right_batch, no_padding_batch, reference_logprobs,  # noqa: E402
                               reference_model, sequences)
-from sequence_parallel_cases import (CRITIC_CLIP, CRITIC_MODES, INFER_LENGTHS, MODES, TRAIN_LENGTHS,  # noqa: E402
+from tests.helpers.sequence_parallel_cases import (CRITIC_CLIP, CRITIC_MODES, INFER_LENGTHS, MODES, TRAIN_LENGTHS,  # noqa: E402
                                      critic_fields, temperatures)
-from value_reference import CriticReference  # noqa: E402
+from tests.helpers.value_reference import CriticReference  # noqa: E402
 from torchrun_launcher import run_and_load  # noqa: E402
 
 from polyfsdp.engines.config import ModelConfig  # noqa: E402
