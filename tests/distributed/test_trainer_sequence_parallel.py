@@ -8,7 +8,7 @@ prompts (1e-5),
 for GRPO, PPO (actor and critic, GAE whitened over replicas), PPO with LoRA (the critic's
 value head training beside its adapters) and a multi-turn environment (multi-turn SFT on
 demonstrations with tool turns, GRPO over conversations with environment turns); and dp=2 x
-sp=2 on 4 processes those of dp=2 x sp=1 on 2 (slow). Since sampling is seeded per global
+sp=2 on 4 processes those of dp=2 x sp=1 on 2 (extended). Since sampling is seeded per global
 sample (trainer/rollout/row_seeds.py), 2 replicas of sp=1 draw the same completions too and end GRPO's
 step with the same parameters; seeded per replica (what polyfsdp did before), they drew other
 completions for half the prompts and differed by far more than the tolerance
@@ -131,7 +131,7 @@ def test_agents_on_two_replicas_train_as_on_one_rank(tmp_path):
     assert _max_diff(_weights(two), _weights(one)) <= TOL
 
 
-@pytest.mark.slow
+@pytest.mark.extended
 def test_dp2_sp2_on_four_processes_equals_dp2_sp1_on_two(tmp_path):
     _launch(tmp_path / "dp2", 2, "algo=ppo")
     _launch(tmp_path / "dp2sp2", 4, "algo=ppo", "engine.ulysses_sp_size=2")

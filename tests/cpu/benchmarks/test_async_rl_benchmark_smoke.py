@@ -1,6 +1,6 @@
 """benchmarks/async_rl.py: its summary of a run (medians over steps 3..N-1, train time, the
 held-out reward at the asynchronous run's wall time) on made-up records, and with vLLM installed
-(``pytest -m slow``: two polyfsdp-train jobs with a rollout server, ~2 minutes) the --quick run
+(``pytest -m extended``: two polyfsdp-train jobs with a rollout server, ~2 minutes) the --quick run
 end to end, printing its table."""
 import os
 import sys
@@ -47,7 +47,7 @@ def test_summary_and_the_reward_at_equal_wall_time():
     assert async_rl.reward_at(sync["evals"], fast["rl_wall_s"]) == pytest.approx(0.32)
 
 
-@pytest.mark.slow
+@pytest.mark.extended
 def test_quick_run_prints_the_table(capsys, tmp_path):
     from tests.helpers.vllm_cases import require_vllm
 

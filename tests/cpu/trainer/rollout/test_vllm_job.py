@@ -3,7 +3,7 @@ against the same job sampled by our decoding loop: the greedy evaluations before
 (so vLLM followed the weights across phases: SFT's engine, then GRPO's), and every GRPO
 step's sampled log-probs equal the trainer's (the mismatch metric, on by default with vLLM); a
 run killed and resumed with vLLM sampling continues the uninterrupted run's curve (slow: run with
-``pytest -m slow``)."""
+``pytest -m extended``)."""
 import signal
 import subprocess
 import sys
@@ -47,7 +47,7 @@ def test_vllm_job_agrees_with_the_builtin_loop(tmp_path):
 
 
 
-@pytest.mark.slow
+@pytest.mark.extended
 def test_kill_and_resume_with_vllm_sampling_continues_the_same_curve(tmp_path):
     """SIGKILL after RL step 2's checkpoint, then resume=auto: vLLM starts afresh from the
     checkpoint's weights and, seeded per request, draws what the uninterrupted run drew. Marked
