@@ -2,7 +2,7 @@
 (docs/architecture.md, "Ranks, replicas and sequence-parallel groups").
 
 torchrun's ``RANK``, ``WORLD_SIZE`` and ``LOCAL_RANK`` are read here and nowhere else
-(:func:`launch_env`; ``tests/cpu/test_topology.py`` holds every other module to it). Once
+(:func:`launch_env`; ``tests/cpu/backends/test_topology.py`` holds every other module to it). Once
 the process group exists, :func:`topology` gives the :class:`Topology` of a
 sequence-parallel degree: the ranks ``r * sp ... r * sp + sp - 1`` form data-parallel
 replica ``r`` (one sequence-parallel group, holding one batch), built once per degree with
@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Sequence
 
 # torch loads on first use, not on import: polyfsdp-train's --help and config errors ask
-# launch_env() for the rank before anything imports torch (tests/cpu/test_cli_startup.py).
+# launch_env() for the rank before anything imports torch (tests/cpu/trainer/test_cli_startup.py).
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 

@@ -13,7 +13,7 @@ Settings (all with ``algo.actor.kl_coef=0``: the student starts far from any ref
     distill+task  the reverse-KL advantage added to GRPO's task advantage (``task_weight=1``)
     grpo          GRPO alone, the teacher only measured (``algo.distill.coef=0``): the control
 
-tests/cpu/test_distill_toy_task.py runs a few steps of it.
+tests/cpu/benchmarks/test_distill_toy_task.py runs a few steps of it.
 """
 from __future__ import annotations
 

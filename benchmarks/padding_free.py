@@ -10,7 +10,7 @@ and, as a cross-check, its best process CPU time; ratios are to the padded, unfu
 
 Every mode's log-probs and entropy (inference and the training forward) are checked against
 an independent reference: a plain Hugging Face model (eager attention) holding the same
-weights (final norm scaled x4 so outputs are peaked, not near-uniform), each sequence alone, float64 softmax (tests/cpu/engine_reference.py). A mismatch
+weights (final norm scaled x4 so outputs are peaked, not near-uniform), each sequence alone, float64 softmax (tests/helpers/engine_reference.py). A mismatch
 beyond REFERENCE_TOL exits 1. ``--check`` also enforces the speed target of the backend
 (TARGETS; a backend without a measured target only reports its ratio).
 

@@ -64,7 +64,7 @@ part "benchmark fused_logprob --check" "${limits[3]}" \
 # completions equal our decoding loop's, and GRPO steps whose sampled log-probs equal the policy's
 # after every weight sync (with sleep/wake_up between rollouts on the device).
 part "pytest vllm rollouts" "${limits[4]}" "$python" -m pytest -q -rs -p no:cacheprovider \
-  tests/cpu/test_vllm_rollout.py -k "greedy or grpo_step"
+  tests/cpu/trainer/rollout/test_vllm_rollout.py -k "greedy or grpo_step"
 
 {
   echo "# polyfsdp accelerator report"

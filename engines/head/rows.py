@@ -9,7 +9,7 @@ position without a next token does today.
 
 The mask travels as a host tensor (``FlatBatch.scored``) so that every index here is built on
 the host, from host lengths, and reaches the device in one non-blocking copy: choosing rows
-never reads a device tensor back (tests/cpu/test_host_syncs.py). A mask that arrives on an
+never reads a device tensor back (tests/cpu/engines/test_host_syncs.py). A mask that arrives on an
 accelerator is not read: those passes keep the whole head.
 
 :class:`KeptRows` says where the kept rows are in each layout the head sees:

@@ -1,11 +1,5 @@
-import os
-import sys
-
 import pytest
 import torch
-
-# Test helpers in this folder (stand-ins, references) import by bare module name.
-sys.path.insert(0, os.path.dirname(__file__))
 
 
 @pytest.fixture(autouse=True)

@@ -6,15 +6,12 @@ GEMM/attention kernels reorder sums differently from the CPU ones; CPU measures 
 bf16 compute: engine_reference.BF16_TOLERANCE (3x the worst bf16 error measured on CPU, per
 preset). Negative control per comparison: the output must NOT match a 0.9 x temperature reference.
 """
-import os
-import sys
 from dataclasses import replace
 
 import pytest
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "cpu"))
-from engine_reference import (BF16_TOLERANCE, SHARP_LENGTHS, SHARP_TEMPS,  # noqa: E402
+from tests.helpers.engine_reference import (BF16_TOLERANCE, SHARP_LENGTHS, SHARP_TEMPS,  # noqa: E402
                               assert_matches_and_rejects_wrong_temperature, left_right_batch, no_padding_batch,
                               sequences, sharp_reference, sharpen_outputs)
 

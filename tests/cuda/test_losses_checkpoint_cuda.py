@@ -5,15 +5,12 @@ algorithms (torch.use_deterministic_algorithms; cuBLAS workspace set in conftest
 attention (SDPA's fused backward kernels are not deterministic)."""
 from __future__ import annotations
 
-import os
 import random
-import sys
 
 import pytest
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "cpu"))
-from loss_cases import loss_inputs_from_sequences  # noqa: E402
+from tests.helpers.loss_cases import loss_inputs_from_sequences  # noqa: E402
 from polyfsdp.engines.losses import AGG_MODES, PPOLoss  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

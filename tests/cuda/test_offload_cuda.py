@@ -2,16 +2,13 @@
 without offload, the same losses within bf16 tolerance (also run by scripts/validate_accelerator.sh)."""
 from __future__ import annotations
 
-import os
-import sys
 
 import pytest
 import torch
 from torch.distributed.tensor import DTensor
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "cpu"))
-from engine_cases import masks_for  # noqa: E402
-from engine_reference import no_padding_batch  # noqa: E402
+from tests.helpers.engine_cases import masks_for  # noqa: E402
+from tests.helpers.engine_reference import no_padding_batch  # noqa: E402
 from polyfsdp.engines.config import EngineConfig, ModelConfig, OptimConfig  # noqa: E402
 from polyfsdp.engines.engine import FSDPEngine  # noqa: E402
 from polyfsdp.engines.losses import SFTLoss  # noqa: E402

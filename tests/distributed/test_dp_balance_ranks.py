@@ -1,7 +1,7 @@
 """Token-balanced data-parallel batches (gloo): with ``balance_dp_tokens`` every rank gets
 back its own sequences' log-probs/entropy in its own order, the loss and the gradients equal
 the unbalanced run's, and the imbalance metric drops on a skewed batch. 2 ranks in the suite;
-2 sequence-parallel groups of 2 (4 processes) marked slow."""
+2 sequence-parallel groups of 2 (4 processes) marked extended."""
 import os
 import sys
 
@@ -71,7 +71,7 @@ def test_imbalance_metric_drops_on_a_skewed_batch(world2):
     check_imbalance_metric(world2)
 
 
-@pytest.mark.slow
+@pytest.mark.extended
 def test_balance_over_two_sequence_parallel_groups_of_two(tmp_path_factory):
     ranks = _launch(tmp_path_factory, 4, 2)
     for pad_mode in PAD_MODES:

@@ -13,13 +13,15 @@ import torch
 
 from torchrun_launcher import run_torchrun
 
+from tests.helpers import root_on_pythonpath
+
 WORKER = os.path.join(os.path.dirname(__file__), "worker_elastic.py")
 SHARED = {".metadata", "trainer_state.pt"}
 
 
 def _run(mode, out, world):
     if world == 1:  # a plain process: one rank without torchrun
-        env = {**os.environ, "POLYFSDP_BACKEND": "cpu", "OMP_NUM_THREADS": "1"}
+        env = root_on_pythonpath({**os.environ, "POLYFSDP_BACKEND": "cpu", "OMP_NUM_THREADS": "1"})
         result = subprocess.run([sys.executable, WORKER, mode, str(out)], capture_output=True, text=True,
                                 timeout=300, env=env)
     else:

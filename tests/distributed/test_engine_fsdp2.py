@@ -14,15 +14,13 @@ Tolerances: on the CPU, world 2 vs world 1 <= 1e-6 and vs the reference <= 1e-5 
 mode matrix's bound). On an accelerator 10x looser (GPU/NPU kernels reorder sums; the reference
 runs on the CPU)."""
 import os
-import sys
 
 import pytest
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "cpu"))
-from engine_cases import (DIST_CASES, LENGTHS, LR, PRESET, engine_config, optim_config, masks_for,  # noqa: E402
+from tests.helpers.engine_cases import (DIST_CASES, LENGTHS, LR, PRESET, engine_config, optim_config, masks_for,  # noqa: E402
                           reference_sft_step, train_loss)
-from engine_reference import (assert_params_close_after_adam_step, full_state_dict, left_right_batch,  # noqa: E402
+from tests.helpers.engine_reference import (assert_params_close_after_adam_step, full_state_dict, left_right_batch,  # noqa: E402
                               no_padding_batch, reference_logprobs, reference_model, sequences)
 from torchrun_launcher import run_torchrun  # noqa: E402
 

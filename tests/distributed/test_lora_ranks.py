@@ -3,18 +3,16 @@ every batch, and after each step the adapters equal a one-process engine's on th
 (1e-5) while the base stays untouched; the 2-rank checkpoint holds only adapters (plus AdamW
 state) and resumes in a one-rank engine to the same next step."""
 import os
-import sys
 
 import pytest
 import torch
 from torch.distributed.checkpoint import FileSystemReader
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "cpu"))
-from engine_reference import full_state_dict  # noqa: E402
+from tests.helpers.engine_reference import full_state_dict  # noqa: E402
 from torchrun_launcher import run_and_load  # noqa: E402
 
 pytest.importorskip("peft", reason="LoRA tests need peft (pip install -e '.[lora]')")
-from lora_cases import STEPS, lora_engine, step_batch  # noqa: E402
+from tests.helpers.lora_cases import STEPS, lora_engine, step_batch  # noqa: E402
 
 from polyfsdp.engines.losses import SFTLoss  # noqa: E402
 

@@ -2,7 +2,6 @@
 ``Qwen2ForSequenceClassification`` forward of the same checkpoint on its own sequences, in both
 pad modes, when the ranks plan different numbers of forwards and when one rank has no row."""
 import os
-import sys
 
 import torch
 from transformers import AutoModelForSequenceClassification
@@ -10,8 +9,7 @@ from transformers import AutoModelForSequenceClassification
 from torchrun_launcher import run_and_load
 
 HERE = os.path.dirname(__file__)
-sys.path.insert(0, os.path.join(HERE, "..", "cpu"))
-from test_reward_sources import write_reward_model  # noqa: E402
+from tests.cpu.trainer.rewards.test_reward_sources import write_reward_model  # noqa: E402
 
 from polyfsdp.trainer.data.tokenizers import CharTokenizer  # noqa: E402
 

@@ -4,20 +4,18 @@ after one forward_backward (1e-5), with sequences ending exactly on a shard boun
 shorter than sp, of length 1, and a padded (odd) total. Also the attention function alone
 (GQA key/value heads split over ranks, and repeated when fewer than ranks; polyfsdp's varlen
 SDPA and the NPU fusion attention in TND layout on the plain-torch reference op) and SP ranks
-holding different batches. sp=2 runs in the suite; sp=2 x dp=2 (4 processes) is marked slow."""
+holding different batches. sp=2 runs in the suite; sp=2 x dp=2 (4 processes) is marked extended."""
 import os
-import sys
 
 import pytest
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "cpu"))
-from engine_cases import PRESET, engine_config, masks_for  # noqa: E402
-from engine_reference import (full_state_dict, left_right_batch, no_padding_batch, reference_logprobs,  # noqa: E402
+from tests.helpers.engine_cases import PRESET, engine_config, masks_for  # noqa: E402
+from tests.helpers.engine_reference import (full_state_dict, left_right_batch, no_padding_batch, reference_logprobs,  # noqa: E402
                               reference_model, sequences)
-from sequence_parallel_cases import (CRITIC_CLIP, CRITIC_MODES, INFER_LENGTHS, MODES, TRAIN_LENGTHS,  # noqa: E402
+from tests.helpers.sequence_parallel_cases import (CRITIC_CLIP, CRITIC_MODES, INFER_LENGTHS, MODES, TRAIN_LENGTHS,  # noqa: E402
                                      critic_fields, temperatures)
-from value_reference import CriticReference  # noqa: E402
+from tests.helpers.value_reference import CriticReference  # noqa: E402
 from torchrun_launcher import run_and_load  # noqa: E402
 
 from polyfsdp.engines.config import ModelConfig  # noqa: E402
@@ -146,7 +144,7 @@ def test_sp_ranks_with_different_batches_are_refused(sp2):
         assert "must pass the same batch" in results["different_batches"]
 
 
-@pytest.mark.slow
+@pytest.mark.extended
 def test_sp2_dp2_four_processes_every_mode_matches_the_reference(tmp_path_factory, reference):
     ranks = _launch(tmp_path_factory, 4, 2)
     check_modes(ranks, reference)

@@ -8,7 +8,7 @@ prompts (1e-5),
 for GRPO, PPO (actor and critic, GAE whitened over replicas), PPO with LoRA (the critic's
 value head training beside its adapters) and a multi-turn environment (multi-turn SFT on
 demonstrations with tool turns, GRPO over conversations with environment turns); and dp=2 x
-sp=2 on 4 processes those of dp=2 x sp=1 on 2 (slow). Since sampling is seeded per global
+sp=2 on 4 processes those of dp=2 x sp=1 on 2 (extended). Since sampling is seeded per global
 sample (trainer/rollout/row_seeds.py), 2 replicas of sp=1 draw the same completions too and end GRPO's
 step with the same parameters; seeded per replica (what polyfsdp did before), they drew other
 completions for half the prompts and differed by far more than the tolerance
@@ -25,6 +25,7 @@ from safetensors.torch import load_file
 
 from torchrun_launcher import free_port
 
+from tests.helpers import HELPERS
 from polyfsdp.trainer.tracking.metrics import read_metrics
 
 TOL = 1e-5
@@ -43,7 +44,7 @@ def score(data_source, solution_str, ground_truth, extra_info=None):
 # 1.25e-5 apart on an AVX-512 Xeon (5.6e-7 at 1e-6).
 OVERRIDES = ["algo.actor.optim.eps=1e-6", "algo.sft.optim.eps=1e-6", "trainer.sft_steps=1", "trainer.sft_batch_size=8", "trainer.rl_steps=1", "trainer.prompts_per_step=4",
              "algo.actor.group_size=4", "data.eval_size=4", "trainer.progress=off", "trainer.plot=false", "trainer.checkpoint_interval=0"]
-GUESS_ENV = os.path.join(os.path.dirname(__file__), os.pardir, "cpu", "envs", "guess_env.py") + ":GuessEnv"
+GUESS_ENV = os.path.join(HELPERS, "envs", "guess_env.py") + ":GuessEnv"
 # Multi-turn: SFT on the calculator task's demonstrations (a tool call, the tool's result masked
 # out of the loss, the answer), then GRPO over conversations with a user environment from a test
 # file that answers "higher"/"lower" for up to 3 turns. The untrained policy seldom guesses right
@@ -51,7 +52,7 @@ GUESS_ENV = os.path.join(os.path.dirname(__file__), os.pardir, "cpu", "envs", "g
 # environment turns (checked); the length reward is added so the rewards carry a signal.
 ENV = ["task=calculator", f"rollout.env={GUESS_ENV}", "rollout.max_turns=3",
        "rollout.env_add_reward_fn=true"]
-AGENT = [f"rollout.agent={os.path.join(os.path.dirname(__file__), os.pardir, 'cpu', 'envs', 'agents.py')}:guess",
+AGENT = [f"rollout.agent={os.path.join(HELPERS, 'envs', 'agents.py')}:guess",
          "task=calculator", "rollout.env=null", "rollout.max_turns=3", "rollout.env_add_reward_fn=true",
          "rollout.agent_concurrency=4"]
 ALGOS = {"grpo": [], "ppo": ["algo=ppo"], "ppo_lora": ["algo=ppo", "model.lora.rank=4"], "env": ENV}
@@ -130,7 +131,7 @@ def test_agents_on_two_replicas_train_as_on_one_rank(tmp_path):
     assert _max_diff(_weights(two), _weights(one)) <= TOL
 
 
-@pytest.mark.slow
+@pytest.mark.extended
 def test_dp2_sp2_on_four_processes_equals_dp2_sp1_on_two(tmp_path):
     _launch(tmp_path / "dp2", 2, "algo=ppo")
     _launch(tmp_path / "dp2sp2", 4, "algo=ppo", "engine.ulysses_sp_size=2")

@@ -17,6 +17,7 @@ import pytest
 
 from torchrun_launcher import free_port
 
+from tests.helpers import HELPERS
 from polyfsdp.trainer.tracking.metrics import TIMING_KEYS, read_metrics
 
 OVERRIDES = [
@@ -150,7 +151,7 @@ def test_an_error_on_one_rank_stops_every_rank_promptly_with_one_line(tmp_path):
 def test_sigterm_on_one_rank_checkpoints_every_rank_and_resume_completes(tmp_path, at, step, left):
     # "rollout": the signal lands in rank 1's sampling of step 2; both ranks abandon that step at
     # the same cancellation point (an all-reduce each) and save step 1's boundary.
-    child = os.path.join(os.path.dirname(__file__), "..", "cpu", "cli_sigterm_child.py")
+    child = os.path.join(HELPERS, "cli_sigterm_child.py")
     out = tmp_path / "two"
     env = {**os.environ, "POLYFSDP_BACKEND": "cpu", "OMP_NUM_THREADS": "1", "SIGTERM_RANK": "1", "SIGTERM_AT": at}
     steps = ["trainer.sft_steps=0", "trainer.export=false", "trainer.checkpoint_interval=0"]
@@ -176,7 +177,7 @@ def test_sigterm_on_one_rank_checkpoints_every_rank_and_resume_completes(tmp_pat
 def test_an_async_run_on_two_ranks_resumes_each_ranks_queue_exactly(tmp_path):
     # rollout.max_staleness=1: the checkpoint after rl step 2 holds step 3's batch, a different
     # share on each rank (gathered to rank 0's trainer state, handed back per rank on resume).
-    child = os.path.join(os.path.dirname(__file__), "..", "cpu", "cli_sigterm_child.py")
+    child = os.path.join(HELPERS, "cli_sigterm_child.py")
     steps = ["trainer.sft_steps=0", "trainer.export=false", "trainer.checkpoint_interval=0", "trainer.rl_steps=3",
              "rollout.max_staleness=1"]
     reference = _launch(tmp_path / "reference", 2, *steps)

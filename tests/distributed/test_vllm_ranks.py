@@ -3,14 +3,12 @@ FSDP2 policy: on every rank vLLM's greedy completions equal our decoding loop's,
 after an optimizer step (the sync gathers every shard; check_sync holds vLLM to the policy at
 1e-5)."""
 import os
-import sys
 
 import pytest
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "cpu"))
 from torchrun_launcher import run_and_load  # noqa: E402
-from vllm_cases import require_vllm  # noqa: E402
+from tests.helpers.vllm_cases import require_vllm  # noqa: E402
 
 HERE = os.path.dirname(__file__)
 

@@ -7,6 +7,8 @@ import socket
 import subprocess
 import sys
 
+from tests.helpers import root_on_pythonpath
+
 
 def free_port() -> int:
     """An unused TCP port on the loopback interface."""
@@ -21,6 +23,7 @@ def run_torchrun(script: str, nproc: int = 2, args: tuple[str, ...] = (), timeou
     workers' ``get_backend()``); returns the finished process."""
     env = dict(os.environ)
     env.update({"POLYFSDP_BACKEND": backend, "OMP_NUM_THREADS": "1"})
+    env = root_on_pythonpath(env)  # workers import tests.helpers
     env.update(env_extra or {})
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
                "--master_addr", "127.0.0.1", "--master_port", str(free_port()), script, *args]

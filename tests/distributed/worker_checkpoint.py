@@ -12,8 +12,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "cpu"))
-from checkpoint_cases import VOCAB, build_sharded, full_params, train_steps  # noqa: E402
+from tests.helpers.checkpoint_cases import VOCAB, build_sharded, full_params, train_steps  # noqa: E402
 
 from polyfsdp.backends import destroy_distributed, get_backend, init_distributed  # noqa: E402
 from polyfsdp.engines import checkpoint as ckpt  # noqa: E402

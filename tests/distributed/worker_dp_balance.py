@@ -6,9 +6,8 @@ import sys
 
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "cpu"))
-from engine_cases import PRESET, engine_config, masks_for, train_loss  # noqa: E402
-from engine_reference import left_right_batch, no_padding_batch, sequences  # noqa: E402
+from tests.helpers.engine_cases import PRESET, engine_config, masks_for, train_loss  # noqa: E402
+from tests.helpers.engine_reference import left_right_batch, no_padding_batch, sequences  # noqa: E402
 
 from rank_results import full_grads, save_every_rank  # noqa: E402
 

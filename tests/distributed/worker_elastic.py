@@ -14,12 +14,11 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "cpu"))
 sys.path.insert(0, os.path.dirname(__file__))
-from engine_cases import masks_for, rank_share  # noqa: E402
-from engine_reference import no_padding_batch, sequences  # noqa: E402
-from lora_cases import lora_engine  # noqa: E402
-from lora_reference import randomize_adapters  # noqa: E402
+from tests.helpers.engine_cases import masks_for, rank_share  # noqa: E402
+from tests.helpers.engine_reference import no_padding_batch, sequences  # noqa: E402
+from tests.helpers.lora_cases import lora_engine  # noqa: E402
+from tests.helpers.lora_reference import randomize_adapters  # noqa: E402
 from rank_results import save_every_rank  # noqa: E402
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict  # noqa: E402
 

@@ -5,9 +5,8 @@ import sys
 
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "cpu"))
-from engine_cases import DIST_CASES, LENGTHS, PRESET, engine_config, optim_config, masks_for, rank_share, train_loss  # noqa: E402
-from engine_reference import full_state_dict, left_right_batch, no_padding_batch, sequences  # noqa: E402
+from tests.helpers.engine_cases import DIST_CASES, LENGTHS, PRESET, engine_config, optim_config, masks_for, rank_share, train_loss  # noqa: E402
+from tests.helpers.engine_reference import full_state_dict, left_right_batch, no_padding_batch, sequences  # noqa: E402
 
 from polyfsdp.backends import destroy_distributed  # noqa: E402
 from polyfsdp.engines.config import ModelConfig  # noqa: E402

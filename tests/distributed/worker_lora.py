@@ -4,10 +4,9 @@ Rank 0 saves the full trained parameters after each step, the metrics and the in
 import os
 import sys
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "cpu"))
-from engine_cases import rank_share  # noqa: E402
-from engine_reference import full_state_dict  # noqa: E402
-from lora_cases import STEPS, lora_engine, step_batch  # noqa: E402
+from tests.helpers.engine_cases import rank_share  # noqa: E402
+from tests.helpers.engine_reference import full_state_dict  # noqa: E402
+from tests.helpers.lora_cases import STEPS, lora_engine, step_batch  # noqa: E402
 
 import torch  # noqa: E402
 

@@ -4,10 +4,9 @@ loaded into a fresh offload=optimizer engine that takes step 3 again. Rank 0 sav
 import os
 import sys
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "cpu"))
-from backend_standins import HostMemoryAccelerator  # noqa: E402
-from engine_cases import LENGTHS, PRESET, engine_config, masks_for, optim_config, rank_share  # noqa: E402
-from engine_reference import full_state_dict, no_padding_batch, sequences  # noqa: E402
+from tests.helpers.backend_standins import HostMemoryAccelerator  # noqa: E402
+from tests.helpers.engine_cases import LENGTHS, PRESET, engine_config, masks_for, optim_config, rank_share  # noqa: E402
+from tests.helpers.engine_reference import full_state_dict, no_padding_batch, sequences  # noqa: E402
 
 import torch  # noqa: E402
 

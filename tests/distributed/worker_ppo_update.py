@@ -7,8 +7,7 @@ from types import SimpleNamespace
 
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "cpu"))
-from engine_reference import full_state_dict  # noqa: E402
+from tests.helpers.engine_reference import full_state_dict  # noqa: E402
 
 from polyfsdp.backends import destroy_distributed  # noqa: E402
 from polyfsdp.engines.config import EngineConfig, ModelConfig  # noqa: E402

@@ -8,8 +8,7 @@ from types import SimpleNamespace
 
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "cpu"))
-from engine_reference import left_right_batch, no_padding_batch, sequences  # noqa: E402
+from tests.helpers.engine_reference import left_right_batch, no_padding_batch, sequences  # noqa: E402
 
 from rank_results import save_every_rank  # noqa: E402
 

@@ -8,11 +8,9 @@ import types
 
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "cpu"))
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "npu"))
-from engine_cases import PRESET, engine_config, masks_for, train_loss  # noqa: E402
-from engine_reference import left_right_batch, no_padding_batch, sequences  # noqa: E402
-from sequence_parallel_cases import (CRITIC_CLIP, CRITIC_MODES, INFER_LENGTHS, MODES, TRAIN_LENGTHS,  # noqa: E402
+from tests.helpers.engine_cases import PRESET, engine_config, masks_for, train_loss  # noqa: E402
+from tests.helpers.engine_reference import left_right_batch, no_padding_batch, sequences  # noqa: E402
+from tests.helpers.sequence_parallel_cases import (CRITIC_CLIP, CRITIC_MODES, INFER_LENGTHS, MODES, TRAIN_LENGTHS,  # noqa: E402
                                      critic_fields, temperatures)
 
 from rank_results import full_grads, save_every_rank  # noqa: E402
@@ -26,7 +24,7 @@ from polyfsdp.engines.losses.value import ValueLoss  # noqa: E402
 from polyfsdp.engines.attention.ulysses import SP_KWARG, UlyssesContext, ulysses_attention  # noqa: E402
 from polyfsdp.backends.base import HOST_CU_SEQ_LENS  # noqa: E402
 from polyfsdp.patches.fused_attention import OP_ATTR, fusion_attention_forward  # noqa: E402
-from reference_ops import npu_fusion_attention  # noqa: E402
+from tests.npu.reference_ops import npu_fusion_attention  # noqa: E402
 
 # The Ulysses wrapper around each inner attention: polyfsdp's varlen SDPA, and the NPU
 # fusion attention (TND layout) running Ascend's documented op in plain torch.

@@ -7,8 +7,7 @@ one) and saves what it saw as rank<R>.pt."""
 import os
 import sys
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "cpu"))
-from vllm_cases import write_checkpoint  # noqa: E402
+from tests.helpers.vllm_cases import write_checkpoint  # noqa: E402
 
 import torch  # noqa: E402
 

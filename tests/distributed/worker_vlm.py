@@ -8,9 +8,8 @@ import sys
 
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "cpu"))
-from engine_reference import full_state_dict  # noqa: E402
-from vlm_reference import vlm_batch, vlm_reference_logprobs, vlm_reference_model, vlm_sequences  # noqa: E402
+from tests.helpers.engine_reference import full_state_dict  # noqa: E402
+from tests.helpers.vlm_reference import vlm_batch, vlm_reference_logprobs, vlm_reference_model, vlm_sequences  # noqa: E402
 
 from rank_results import full_grads, save_every_rank  # noqa: E402
 

@@ -2,15 +2,12 @@
 reference_ops.py behind the same patches): every mode against the independent plain-HF reference."""
 from __future__ import annotations
 
-import os
-import sys
 from dataclasses import replace
 
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "cpu"))
-from engine_cases import LENGTHS, LR, PRESET, engine_config, masks_for, optim_config, reference_sft_step  # noqa: E402
-from engine_reference import (SHARP_LENGTHS, SHARP_TEMPS, assert_matches_and_rejects_wrong_temperature,  # noqa: E402
+from tests.helpers.engine_cases import LENGTHS, LR, PRESET, engine_config, masks_for, optim_config, reference_sft_step  # noqa: E402
+from tests.helpers.engine_reference import (SHARP_LENGTHS, SHARP_TEMPS, assert_matches_and_rejects_wrong_temperature,  # noqa: E402
                               assert_params_close_after_adam_step, full_state_dict, left_right_batch,
                               no_padding_batch, sequences, sharp_reference, sharpen_outputs)
 

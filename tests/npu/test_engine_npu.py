@@ -1,7 +1,7 @@
 """FSDPEngine on an Ascend NPU (skipped elsewhere by conftest): every mode with every fused-op patch
 (npu_fusion_attention TND/BSND, npu_rotary_mul, npu_rms_norm, npu_swiglu) and the fused head, bf16
 and fp32 inference and an fp32 training step through the ops' backward, against the plain-HF
-reference. tests/cpu/test_engine_npu_ops.py runs the same checks on the CPU with the reference ops.
+reference. tests/cpu/backends/test_engine_npu_ops.py runs the same checks on the CPU with the reference ops.
 
 Tolerances: not yet measured on hardware. fp32 1e-4 (as test_patches_npu.py; the CPU twin holds
 1e-5); bf16 engine_reference.BF16_TOLERANCE (3x the CPU bf16 error; fused NPU kernels may round
@@ -11,7 +11,7 @@ import pytest
 
 from polyfsdp.backends import get_backend
 from tests.npu.engine_checks import MODES, check_infer_every_mode, check_train_step
-from engine_reference import BF16_TOLERANCE  # noqa: E402  (tests/cpu, on sys.path through engine_checks)
+from tests.helpers.engine_reference import BF16_TOLERANCE  # noqa: E402
 
 FP32_TOL = 1e-4
 

@@ -9,13 +9,11 @@ Without the wheel or the gguf extra the tier skips; CI sets ``POLYFSDP_REQUIRE_R
 """
 import importlib.util
 import os
-import sys
 from pathlib import Path
 
 import pytest
 
-# The engine tests' batch builders and per-sequence reference live in tests/cpu.
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "cpu"))
+# The engine tests' batch builders and per-sequence reference live in tests/helpers.
 
 REQUIRE_ENV = "POLYFSDP_REQUIRE_REAL_MODEL"
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"

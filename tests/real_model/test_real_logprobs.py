@@ -9,7 +9,7 @@ head's chunked log-softmax). Measured (transformers 5.19, torch 2.13 CPU): the e
 3.3e-5 (log-probs) and 3.4e-5 (entropy) without LoRA, 3.8e-5 and 4.9e-5 with it, the same in
 all 8 modes; HF's own fp32 forward is off from its fp64 forward by 3.6e-5 (log-probs) and
 1.7e-5 (entropy), and HF eager vs HF SDPA by 2.0e-5: 30 layers of fp32 rounding, which the tiny
-models' 1e-5 (tests/cpu/test_engine_modes.py) cannot absorb. 1e-4 is twice the largest
+models' 1e-5 (tests/cpu/engines/test_engine_modes.py) cannot absorb. 1e-4 is twice the largest
 measured difference; a real error (a shifted position, a wrong token) moves log-probs by nats.
 """
 from dataclasses import replace
@@ -18,8 +18,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from engine_reference import left_right_batch, no_padding_batch, per_sequence, full_state_dict, reference_logprobs
-from lora_reference import merged_by_hand, randomize_adapters
+from tests.helpers.engine_reference import left_right_batch, no_padding_batch, per_sequence, full_state_dict, reference_logprobs
+from tests.helpers.lora_reference import merged_by_hand, randomize_adapters
 from polyfsdp.engines.config import EngineConfig, LoraConfig, ModelConfig
 from polyfsdp.engines.engine import FSDPEngine
 

@@ -11,7 +11,7 @@ from polyfsdp.trainer.config.sections import RolloutSection
 from polyfsdp.trainer.data.tokenizers import load_tokenizer
 from polyfsdp.trainer.rollout.build import build_rollout_engine
 from polyfsdp.trainer.rollout.engines import PolicyDecoding, SamplingParams
-from vllm_cases import LOAD_WARNINGS, require_vllm, vllm_differences, vllm_log
+from tests.helpers.vllm_cases import LOAD_WARNINGS, require_vllm, vllm_differences, vllm_log
 
 SYSTEM = {"role": "system", "content": "You are a helpful assistant. Answer briefly."}
 QUESTIONS = ["What is the capital of France?", "Say hello.", "Name three colours.", "What is 2 plus 2?"]

@@ -1,7 +1,7 @@
 """What the declarations say, for people and for Hydra: the section each config group converts
 to, every key's type, default, range and meaning as ``polyfsdp-train --help`` lists them and
 as docs/config-reference.md tabulates them (``python -m polyfsdp.trainer.config.reference``
-rewrites the page; tests/cpu/test_config_declared.py checks the committed one is current).
+rewrites the page; tests/cpu/trainer/config/test_config_declared.py checks the committed one is current).
 """
 from __future__ import annotations
 

@@ -1,0 +1,1 @@
+"""CPU tests, in folders that mirror the packages (tests/helpers holds what they share)."""

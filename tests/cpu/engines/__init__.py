@@ -1,0 +1,1 @@
+"""Tests of engines/ (engine-level here, one folder per subpackage)."""

@@ -1,0 +1,1 @@
+"""Whole-project checks: docs, README, layout, import cycles, device names."""

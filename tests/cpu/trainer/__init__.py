@@ -1,0 +1,1 @@
+"""Tests of trainer/ (command-line level here, one folder per subpackage)."""
