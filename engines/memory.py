@@ -72,12 +72,17 @@ def hf_config_of(model_config: ModelConfig):
 
 def meta_model(model_config: ModelConfig, hf_config=None):
     """The model (with its LoRA adapters) on the meta device: shapes and dtypes, no storage.
-    ``hf_config`` replaces the one ``model_config`` names (e.g. a preset resized by the trainer)."""
-    from transformers import AutoModelForCausalLM
+    ``hf_config`` replaces the one ``model_config`` names (e.g. a preset resized by the trainer).
+    A vision-language model is built by its own class, its tower frozen as ``freeze_vision`` says."""
+    from .model.builder import auto_class_for
 
+    hf_config = hf_config or hf_config_of(model_config)
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(hf_config or hf_config_of(model_config),
-                                                 dtype=TORCH_DTYPES[model_config.dtype])
+        model = auto_class_for(hf_config).from_config(hf_config, dtype=TORCH_DTYPES[model_config.dtype])
+        if model_config.freeze_vision:
+            from .model.vision import freeze_vision
+
+            freeze_vision(model)
         if model_config.lora.enabled:
             from .model.lora import add_adapters
 
@@ -106,6 +111,7 @@ def lora_targets_per_layer(model) -> list[int]:
 
 def _attention_dims(hf_config) -> tuple[int, int]:
     """``(query width, key/value width)`` of one attention layer."""
+    hf_config = hf_config.get_text_config()  # a vision-language model's text decoder
     heads = hf_config.num_attention_heads
     head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads
     kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
@@ -120,6 +126,7 @@ def saved_per_token(hf_config, lora_ranks: list[int] = ()) -> dict[str, int]:
     - the gated MLP: gate, act(gate), up and their product (4 x intermediate);
     - a LoRA linear: its ``lora_A`` output (rank).
     """
+    hf_config = hf_config.get_text_config()
     h = hf_config.hidden_size
     q_dim, kv_dim = _attention_dims(hf_config)
     norm = 3 * h + 1
@@ -132,6 +139,7 @@ def layer_working_set_per_token(hf_config) -> int:
     (log-prob passes, generation's prefill): the residual stream and the normed input (2h)
     beside the larger of attention's q, k, v, output and rotated q, k (3q + 3kv) and the gated
     MLP's activated gate, up and their product (3 x intermediate)."""
+    hf_config = hf_config.get_text_config()
     h = hf_config.hidden_size
     q_dim, kv_dim = _attention_dims(hf_config)
     return 2 * h + max(3 * q_dim + 3 * kv_dim, 3 * hf_config.intermediate_size)
@@ -147,7 +155,7 @@ def kv_cache_bytes(hf_config, rows: int, positions: int, compute_bytes: int) -> 
     """Generation's KV cache: keys and values of every layer, ``rows x positions`` (the
     decoding loop preallocates prompt width + max_new_tokens positions, trainer/rollout/decode.py)."""
     _, kv_dim = _attention_dims(hf_config)
-    return 2 * hf_config.num_hidden_layers * rows * positions * kv_dim * compute_bytes
+    return 2 * hf_config.get_text_config().num_hidden_layers * rows * positions * kv_dim * compute_bytes
 
 
 class ModelMemory:
@@ -167,7 +175,9 @@ class ModelMemory:
             with torch.device("meta"):
                 install_value_head(model, init_std=0.01, seed=0)
         self.engine_config, self.world_size, self.value_head = engine_config, world_size, value_head
-        self.hf_config = model.config
+        # The per-token terms follow the text decoder (a vision-language model's text_config); the
+        # vision tower counts in the state bytes, its activations per image patch do not (yet).
+        self.hf_config = model.config.get_text_config()
         params = list(model.parameters())
         trainable = [p for p in params if p.requires_grad]
         shard_bytes = lambda ps: sum(shard_numel(p.shape, world_size) * p.element_size() for p in ps)  # noqa: E731

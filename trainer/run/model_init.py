@@ -22,7 +22,7 @@ logger = logging.getLogger(__name__)
 def write_initial_model(directory: str, preset: str, overrides: dict, tokenizer, seed: int) -> str:
     """Rank 0 writes preset ``preset`` with ``overrides`` (weights from ``seed``) and the
     tokenizer into ``directory``; every rank waits for it. Returns ``directory``."""
-    from transformers import AutoModelForCausalLM
+    from polyfsdp.engines.model.builder import auto_class_for
 
     if current_rank() == 0 and not os.path.isfile(os.path.join(directory, "config.json")):
         special = {"vocab_size": tokenizer.vocab_size, "pad_token_id": tokenizer.pad_token_id,
@@ -33,7 +33,7 @@ def write_initial_model(directory: str, preset: str, overrides: dict, tokenizer,
             config = preset_config(preset, **{**dict(overrides), **special})
             with torch.random.fork_rng(devices=[]):
                 torch.manual_seed(seed)
-                model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+                model = auto_class_for(config).from_config(config, dtype=torch.float32)
                 with torch.no_grad():
                     model(torch.tensor([[tokenizer.eos_token_id] * 2]), use_cache=False)
         except Exception as exc:

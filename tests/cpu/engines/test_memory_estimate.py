@@ -47,6 +47,28 @@ def test_parameter_gradient_and_optimizer_figures_equal_a_built_model(lora_rank)
         assert rows["gradients (trainable only)"] * 4 < rows["parameters (sharded, master dtype)"]
 
 
+@pytest.mark.parametrize("freeze_vision", [False, True])
+def test_a_vision_language_models_figures_equal_the_built_model(freeze_vision):
+    """Qwen2-VL (its own model class, the text decoder's dims in text_config): parameters,
+    gradients and AdamW state equal the engine's after one step on rows with images; a frozen
+    tower leaves the estimate's gradients and optimizer state as the engine's."""
+    from tests.helpers.vlm_reference import vlm_batch, vlm_sequences
+
+    model_config = ModelConfig(preset="qwen2-vl-tiny", freeze_vision=freeze_vision)
+    engine_config = EngineConfig()
+    rows = estimate_memory(model_config, engine_config, world_size=1, tokens=64).rows
+    engine = FSDPEngine(model_config, engine_config, OptimConfig(lr=1e-3)).initialize()
+    assert rows["parameters (sharded, master dtype)"] == _nbytes(engine.module.parameters())
+    seqs = vlm_sequences([["small"], ["wide", "square"], []], seed=1)
+    masks = [torch.ones(len(s["ids"]), dtype=torch.bool) for s in seqs]
+    engine.forward_backward(vlm_batch(seqs, "no_padding", per_token={"response_mask": masks}), SFTLoss())
+    grads = [p.grad for p in engine.module.parameters() if p.grad is not None]
+    assert rows["gradients (trainable only)"] == _nbytes(grads)
+    engine.optimizer_step()
+    state = [v for s in engine.optimizer.state.values() for v in s.values() if torch.is_tensor(v)]
+    assert rows["optimizer state (AdamW, trainable only)"] == _nbytes(state)
+
+
 def test_sharding_pads_dim_zero_to_the_world_size():
     assert shard_numel(torch.Size([5, 3]), 2) == 9  # rows 3 + 2, padded to 3 per rank
     assert shard_numel(torch.Size([8]), 4) == 2
