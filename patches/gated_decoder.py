@@ -1,7 +1,11 @@
 """Fused-op patches shared by gated decoder families (Qwen2, Qwen3, Llama): RMSNorm, rotary, SwiGLU MLP, attention.
 
 These families share module shapes in transformers; a :class:`FamilySpec` names the
-family's classes and its one structural difference (per-head q/k norms in Qwen3).
+family's classes and its one structural difference (per-head q/k norms in Qwen3). A
+vision-language family (Qwen2-VL, ...) patches its text decoder only
+(``model.model.language_model``): the vision tower's modules are never edited, and the
+rotary and attention patches are skipped with their reason (mrope, and an attention config
+that is the text sub-config, are not what they reproduce).
 Model code is located lazily (only when a model of that type is patched) and checked
 for the shape these patches assume, so a transformers change skips a patch with a reason
 instead of breaking it.
@@ -11,7 +15,7 @@ from __future__ import annotations
 import copy
 import importlib
 import inspect
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable
 
 import torch
@@ -35,6 +39,10 @@ class FamilySpec:
     module: str
     prefix: str
     qk_norm: bool
+    # A class whose name is not prefix + suffix (Qwen2-VL's text MLP is Qwen2MLP): suffix -> name.
+    class_names: tuple[tuple[str, str], ...] = ()
+    # A vision-language family: only the text decoder is patched (module docstring).
+    vision_language: bool = False
 
     def resolve(self, suffix: str) -> tuple[type | None, str | None]:
         """(class, None) for e.g. suffix 'RMSNorm', or (None, reason) when transformers lacks it."""
@@ -42,10 +50,21 @@ class FamilySpec:
             module = importlib.import_module(self.module)
         except Exception as exc:
             return None, f"cannot import {self.module}: {type(exc).__name__}: {exc}"
-        cls = getattr(module, self.prefix + suffix, None)
+        name = dict(self.class_names).get(suffix, self.prefix + suffix)
+        cls = getattr(module, name, None)
         if cls is None:
-            return None, f"{self.module} has no {self.prefix}{suffix} (transformers changed)"
+            return None, f"{self.module} has no {name} (transformers changed)"
         return cls, None
+
+    def scope(self, model: nn.Module) -> nn.Module:
+        """The part of ``model`` this family's patches edit: a vision-language model's text
+        decoder, else the whole model."""
+        if not self.vision_language:
+            return model
+        decoder = getattr(getattr(model, "model", None), "language_model", None)
+        if decoder is None:
+            raise RuntimeError(f"{type(model).__name__} has no model.language_model (transformers changed)")
+        return decoder
 
 
 def _instances(model: nn.Module, cls: type) -> list[nn.Module]:
@@ -63,7 +82,7 @@ def _shape_problem(spec: FamilySpec, suffix: str, model: nn.Module, attrs: tuple
     cls, reason = spec.resolve(suffix)
     if reason:
         return None, reason
-    found = _instances(model, cls)
+    found = _instances(spec.scope(model), cls)
     if not found:
         return None, f"model has no {cls.__name__} modules"
     missing = [a for a in attrs if not hasattr(found[0], a)]
@@ -157,7 +176,7 @@ def _swiglu_patch(spec: FamilySpec) -> Patch:
     needs = ("self.act_fn(self.gate_proj(x)) * self.up_proj(x)",)
 
     def check(model, ops):
-        act = getattr(model.config, "hidden_act", None)
+        act = getattr(model.config.get_text_config(), "hidden_act", None)
         if act not in ("silu", "swish"):
             return f"hidden_act is {act!r}; the fused swiglu op computes silu"
         return _shape_problem(spec, "MLP", model, attrs, needs)[1]
@@ -315,6 +334,17 @@ def _attention_patch(spec: FamilySpec) -> Patch:
                  _attention_probe(spec), "attention -> fused fusion_attention (BSND padded, TND packed)")
 
 
+def _not_for_vision_language(patch: Patch, reason: str) -> Patch:
+    """``patch`` with a readiness check that always skips it, saying why."""
+    return replace(patch, check=lambda model, ops: reason)
+
+
 def build_patches(spec: FamilySpec) -> list[Patch]:
     """The four patches of one family, in the order they are applied."""
-    return [_rms_norm_patch(spec), _rope_patch(spec), _swiglu_patch(spec), _attention_patch(spec)]
+    rope, attention = _rope_patch(spec), _attention_patch(spec)
+    if spec.vision_language:
+        rope = _not_for_vision_language(rope, "mrope (three position rows) is not the rotary_mul this patch "
+                                              "reproduces; transformers' rotary runs")
+        attention = _not_for_vision_language(attention, "the fused attention patch does not support "
+                                                        "vision-language models yet; transformers' attention runs")
+    return [_rms_norm_patch(spec), rope, _swiglu_patch(spec), attention]

@@ -12,6 +12,8 @@ def model_facts(model: nn.Module, compute_dtype: torch.dtype | None = None) -> M
     ``compute_dtype``: the dtype the model will compute in (FSDP ``param_dtype``); default the
     dtype of its first parameter."""
     config = getattr(model, "config", None)
+    if hasattr(config, "get_text_config"):  # a vision-language model: its text decoder's shape
+        config = config.get_text_config()
     heads = getattr(config, "num_attention_heads", None)
     hidden = getattr(config, "hidden_size", None)
     if not isinstance(heads, int) or not isinstance(hidden, int) or heads < 1:
