@@ -14,7 +14,9 @@ seeds (trainer/rollout/generate.py); from the process's generator the stream is 
 differently from ``generate``'s.
 Positions follow ``generate``'s rule for left-padded prompts (count of real tokens before).
 Rows that share a prompt (a GRPO group) share its prefill: the distinct prompts run once and
-their cache rows are copied, which divides the prefill's FLOPs by the group size.
+their cache rows are copied, which divides the prefill's FLOPs by the group size. Prompts with
+images (a vision-language model) prefill with their pixel inputs and mrope positions, and
+decode with the positions carried on by each row's rope delta (trainer/rollout/decode_images.py).
 """
 from __future__ import annotations
 
@@ -26,6 +28,7 @@ from transformers.cache_utils import DynamicCache, DynamicLayer
 from polyfsdp.engines.attention import VARLEN_SDPA
 
 from .controls.logits_shaping import penalized, shape_logits
+from .decode_images import PromptImages
 from .row_sampler import RowSampler
 from .controls.stop_strings import StopStrings
 
@@ -115,10 +118,14 @@ def _fsdp_free(model) -> bool:
     return not any(isinstance(m, FSDPModule) for m in model.modules())
 
 
-def _distinct_prompts(ids: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+def _distinct_prompts(ids: torch.Tensor, mask: torch.Tensor, images: PromptImages | None = None,
+                      ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """``(first row of each distinct prompt, each row's prompt among them)``, or None when no
-    two rows share a prompt. A GRPO batch holds each prompt ``group_size`` times."""
+    two rows share a prompt. A GRPO batch holds each prompt ``group_size`` times. With
+    ``images``, rows share only when their images are the same objects too."""
     key = torch.cat([ids, mask.to(ids.dtype)], dim=1)
+    if images is not None:
+        key = torch.cat([key, images.row_keys()[:, None].to(ids.dtype)], dim=1)
     distinct, which = torch.unique(key, dim=0, return_inverse=True)
     if distinct.shape[0] == key.shape[0]:
         return None
@@ -127,37 +134,48 @@ def _distinct_prompts(ids: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tens
     return first.scatter_reduce_(0, which, rows, reduce="amin"), which
 
 
-def _prefill(model, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, cache_arg: dict):
+def _prefill(model, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, cache_arg: dict,
+             images: PromptImages | None = None):
     """The prompts' forward into the cache, last position's logits only. Rows with the same
     prompt share one forward: the distinct prompts run once and their cache rows and logits are
     copied to every row that holds them (a row's cache depends on its prompt alone)."""
-    shared = _distinct_prompts(ids, mask)
+    shared = _distinct_prompts(ids, mask, images)
+
+    def inputs(rows):
+        if images is not None:
+            return images.prefill_inputs(rows)
+        return {"position_ids": positions if rows is None else positions[rows]}
+
     if shared is None:
-        return model(input_ids=ids, attention_mask=mask, position_ids=positions, **cache_arg, use_cache=True,
+        return model(input_ids=ids, attention_mask=mask, **inputs(None), **cache_arg, use_cache=True,
                      logits_to_keep=1)
     first, which = shared
-    out = model(input_ids=ids[first], attention_mask=mask[first], position_ids=positions[first], **cache_arg,
+    out = model(input_ids=ids[first], attention_mask=mask[first], **inputs(first), **cache_arg,
                 use_cache=True, logits_to_keep=1)
     next(iter(cache_arg.values())).batch_select_indices(which)
     out.logits = out.logits[which]
     return out
 
 
-def decode(model, ids: torch.Tensor, mask: torch.Tensor, params, row_seeds: list[int] | None = None):
+def decode(model, ids: torch.Tensor, mask: torch.Tensor, params, row_seeds: list[int] | None = None,
+           images: list | None = None):
     """Completions of left-padded prompts (see :func:`_decode`), in inference mode when the
     model is FSDP-free, else without gradients."""
     with torch.inference_mode() if _fsdp_free(model) else torch.no_grad():
-        return _decode(model, ids, mask, params, row_seeds)
+        return _decode(model, ids, mask, params, row_seeds, images)
 
 
-def _decode(model, ids: torch.Tensor, mask: torch.Tensor, params, row_seeds: list[int] | None = None):
+def _decode(model, ids: torch.Tensor, mask: torch.Tensor, params, row_seeds: list[int] | None = None,
+            images: list | None = None):
     """Completions of left-padded prompts ``ids``/``mask`` (B, width) sampled as ``params`` (a
     SamplingParams) says: per row its new tokens, ending at and including a stop token when
     produced (or the token that completed a stop string), at most ``params.max_new_tokens``;
     with ``params.return_log_probs`` also ``(completions, log-probs)``, each token's log-prob
     under the distribution it was drawn from (trainer/rollout/controls/logits_shaping.py).
     ``row_seeds`` (one per row): each row samples with its own generator
-    (trainer/rollout/row_sampler.py); without them, from the process's generator."""
+    (trainer/rollout/row_sampler.py); without them, from the process's generator. ``images``
+    (one per row: its prompt's Example with ``pixel_values``/``image_grid_thw``, or None) feed a
+    vision-language model's prefill (trainer/rollout/decode_images.py)."""
     max_new_tokens, return_log_probs = params.max_new_tokens, params.return_log_probs
     stop_ids, stop_strings = set(params.stop_token_ids), StopStrings(params)
     batch = ids.shape[0]
@@ -170,8 +188,10 @@ def _decode(model, ids: torch.Tensor, mask: torch.Tensor, params, row_seeds: lis
     width, capacity = ids.shape[1], ids.shape[1] + max_new_tokens
     cache = _preallocated_cache(model, capacity)
     cache_arg = {_cache_keyword(model): cache}
-    out = _prefill(model, ids, mask, positions, cache_arg)
+    vision = PromptImages.of(model, ids, mask, images)
+    out = _prefill(model, ids, mask, positions, cache_arg, vision)
     next_position = mask.long().sum(-1, keepdim=True)
+    deltas = None if vision is None else vision.deltas  # each row's rotary offset past its text position
     # Which cached positions each row attends to: its prompt's real tokens, then every new one.
     # Sliced to the cache length each step (no growing cat); as a ready 4D mask where
     # transformers' per-step mask building can be skipped.
@@ -204,9 +224,11 @@ def _decode(model, ids: torch.Tensor, mask: torch.Tensor, params, row_seeds: lis
             index = torch.tensor(keep, device=tokens.device)
             cache.batch_select_indices(index)
             rows, tokens, key_mask, next_position = rows[keep], tokens[index], key_mask[index], next_position[index]
+            deltas = None if deltas is None else deltas[index]
         length = width + step + 1
         step_mask = key_mask[:, None, None, :length] if ready_mask else key_mask[:, :length]
-        out = model(input_ids=tokens[:, None], attention_mask=step_mask, position_ids=next_position,
+        step_positions = next_position if deltas is None else PromptImages.step_positions(next_position, deltas)
+        out = model(input_ids=tokens[:, None], attention_mask=step_mask, position_ids=step_positions,
                     **cache_arg, use_cache=True)
         next_position = next_position + 1
     return (completions, log_probs) if return_log_probs else completions
