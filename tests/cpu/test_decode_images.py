@@ -1,4 +1,4 @@
-"""The built-in decoding loop with images (trainer/rollout/decode.py, decode_images.py): on the tiny
+"""The built-in decoding loop with images (trainer/rollout/decode.py): on the tiny
 Qwen2-VL, Qwen2.5-VL and Qwen3-VL presets, prompts made by the model family's processor (0, 1 and
 2 images, rows with the same tokens but other pixels, a GRPO-like repeated row) decode greedily to
 exactly Hugging Face ``generate``'s tokens, finished rows leaving the batch; and the engine's

@@ -61,7 +61,7 @@ def _hf_generate(model, ids, mask, params: SamplingParams, synced: bool, row_see
     from transformers import GenerationConfig, LogitsProcessorList
 
     from .decode import prompt_tokens_seen
-    from .decode_images import generate_image_inputs
+    from .decode import generate_image_inputs
     from .controls.logits_shaping import penalized
     from .row_sampler import shaping_processor
 
@@ -124,7 +124,7 @@ def generate(engine, prompts: list[list[int]], params: SamplingParams, unshard="
     ``loop`` (``rollout.engine``) forces one of them: ``builtin`` or ``hf``. ``row_seeds`` (one
     per prompt, trainer/rollout/row_seeds.py): each row samples with its own generator, on either path.
     ``images`` (one per prompt: its Example with ``pixel_values``/``image_grid_thw``, or None): a
-    vision-language policy's pixel inputs, on either path (trainer/rollout/decode_images.py).
+    vision-language policy's pixel inputs, on either path (trainer/rollout/decode.py).
     """
     from .decode import decode
     from .controls.stop_strings import cut_completions
