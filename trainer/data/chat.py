@@ -26,7 +26,7 @@ class PromptEncoder:
 
     def __init__(self, tokenizer, apply_chat_template: bool = False, max_prompt_length: int | None = None,
                  overlong: str = "filter", model_path: str | None = None, grow_vocabulary: bool = False,
-                 processor=None) -> None:
+                 processor=None, processor_factory=None) -> None:
         if overlong not in OVERLONG_POLICIES:
             raise ValueError(f"data.overlong: got {overlong!r}; allowed values: {', '.join(OVERLONG_POLICIES)}")
         self.tokenizer, self.chat = tokenizer, apply_chat_template
@@ -34,7 +34,9 @@ class PromptEncoder:
         self.model_path = model_path
         self.grow_vocabulary = grow_vocabulary
         self.added_characters = ""
-        self.processor = processor
+        # A preset's processor wraps the character tokenizer: built at first use, once the
+        # tokenizer has learnt the data's characters (learn_characters).
+        self.processor, self.processor_factory = processor, processor_factory
 
     def learn_characters(self, examples) -> None:
         """With ``grow_vocabulary`` (a preset's character tokenizer, before its model is
@@ -65,6 +67,8 @@ class PromptEncoder:
     def _encode_with_images(self, example: Example) -> Example:
         from .vision import encode_image_prompt
 
+        if self.processor is None and self.processor_factory is not None:
+            self.processor = self.processor_factory()
         if self.processor is None:
             which = f"model.path={self.model_path}" if self.model_path else "the model"
             raise DataError(f"{example.where}: field 'images': the record has {len(example.images)} images, but "

@@ -24,6 +24,12 @@ logger = logging.getLogger(__name__)
 RL_DATA_STREAM = "grpo"
 
 
+def _identity(ex: Example) -> tuple:
+    """What tells two generated examples apart: the prompt, and for a task whose prompts share
+    their text (trainer/data/count_squares.py) what ``where`` says was drawn."""
+    return ex.prompt, ex.where
+
+
 class BuiltinSource:
     """The built-in task's generator; evaluation prompts are excluded from training."""
 
@@ -46,7 +52,7 @@ class BuiltinSource:
             if len(seen) >= eval_size:
                 break
             ex = task.sample(rng)
-            seen.setdefault(ex.prompt, ex)
+            seen.setdefault(_identity(ex), ex)
         self._eval_prompts = set(seen)
         self.eval_examples = list(seen.values())
         if encoder is not None:
@@ -64,7 +70,7 @@ class BuiltinSource:
             if attempts > 1000 * count:
                 raise DataError(f"data.max_prompt_length: almost every {self.task.name} prompt is longer; raise it")
             ex = self.task.sample(rng)
-            if ex.prompt in self._eval_prompts:
+            if _identity(ex) in self._eval_prompts:
                 continue
             if self.encoder is not None:
                 ex = self.encoder.encode(ex)  # None: over data.max_prompt_length, filtered
@@ -276,6 +282,10 @@ def build_source(data, seed: int, encoder=None, rollout=None):
             from .arith_words import ArithWordsTask
 
             task = ArithWordsTask()
+        elif data.task == "count_squares":
+            from .count_squares import CountSquaresTask
+
+            task = CountSquaresTask()
         elif data.task == "calculator":
             from ..rollout.tool_task import CalculatorTask
 

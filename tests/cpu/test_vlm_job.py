@@ -1,0 +1,83 @@
+"""Vision-language jobs through ``polyfsdp-train`` (docs/vision-language.md): the built-in visual
+task ``data.task=count_squares`` (its images and answers), and an SFT + GRPO job on the tiny
+Qwen2-VL preset that runs end to end with every trained and sampled batch carrying the
+prompts' pixels; an image record for a text model is one line."""
+from __future__ import annotations
+
+import json
+import random
+import warnings
+
+import numpy
+
+from polyfsdp.engines.engine import FSDPEngine
+from polyfsdp.trainer.data.count_squares import QUESTION, CountSquaresTask
+from polyfsdp.trainer.data.sources import build_source
+from polyfsdp.trainer.rollout import decode as decode_module
+from polyfsdp.trainer.train import main
+from polyfsdp.trainer.tracking.metrics import read_metrics
+
+warnings.filterwarnings("ignore", message=".*torchvision.*")
+TINY = ["trainer.sft_steps=2", "trainer.rl_steps=2", "trainer.sft_batch_size=4", "trainer.prompts_per_step=2",
+        "algo.actor.group_size=2", "trainer.progress=off", "trainer.plot=false", "trainer.export=false",
+        "trainer.checkpoint_interval=0", "data.eval_size=4", "algo.actor.max_new_tokens=3"]
+
+
+def test_count_squares_images_hold_as_many_squares_as_the_answer_says():
+    task = CountSquaresTask()
+    rng = random.Random(0)
+    for _ in range(20):
+        ex = task.sample(rng)
+        image, = ex.images
+        assert image.size == (56, 56) and ex.prompt == QUESTION and ex.data_source == "count_squares"
+        coloured = int((numpy.asarray(image) != 255).any(-1).sum())
+        assert coloured == 100 * int(ex.answer)  # 10x10 squares in separate cells
+        assert ex.messages[0]["content"][0] == {"type": "image"}
+    assert task.distinct_prompts > 10_000
+
+
+def test_held_out_drawings_are_never_trained_on():
+    from polyfsdp.trainer.config.sections import DataSection
+
+    source = build_source(DataSection(task="count_squares", eval_size=16), seed=1)
+    held_out = {ex.where for ex in source.eval_examples}
+    assert len(held_out) == 16
+    trained = {ex.where for step in range(20) for ex in source.batch("grpo", step, 8)}
+    assert not held_out & trained
+
+
+def test_sft_and_grpo_job_on_a_tiny_vlm_runs_with_images(tmp_path, monkeypatch):
+    trained, sampled = [], []
+    train_batch, decode = FSDPEngine.train_batch, decode_module.decode
+
+    def spy_train(self, batch, *args, **kwargs):
+        trained.append("pixel_values" in batch.keys() and batch["image_grid_thw"].values().shape[0])
+        return train_batch(self, batch, *args, **kwargs)
+
+    def spy_decode(model, ids, mask, params, row_seeds=None, images=None):
+        sampled.append(images is not None and all(x.pixel_values is not None for x in images))
+        return decode(model, ids, mask, params, row_seeds, images)
+
+    monkeypatch.setattr(FSDPEngine, "train_batch", spy_train)
+    monkeypatch.setattr(decode_module, "decode", spy_decode)
+    out = tmp_path / "run"
+    assert main([*TINY, "model=qwen2_vl", "data.task=count_squares", f"trainer.output_dir={out}"]) == 0
+    # 2 SFT steps of 4 images, 2 GRPO updates of 2 prompts x 2 completions; every rollout with images.
+    assert trained == [4, 4, 4, 4] and sampled and all(sampled)
+    records = read_metrics(str(out / "metrics.jsonl"))
+    assert [r["phase"] for r in records if r["phase"] in ("sft", "rl")] == ["sft", "sft", "rl", "rl"]
+    config = json.loads((out / "init_model" / "config.json").read_text())
+    assert config["model_type"] == "qwen2_vl" and config["image_token_id"] == 126
+
+
+def test_image_records_for_a_text_model_are_one_line(tmp_path, capsys):
+    from PIL import Image
+
+    Image.new("RGB", (28, 28), (255, 0, 0)).save(tmp_path / "red.png")
+    path = tmp_path / "train.jsonl"
+    path.write_text("".join(json.dumps({"prompt": "colour?", "answer": "red", "images": ["red.png"]}) + "\n"
+                            for _ in range(3)))
+    code = main([*TINY, "data=jsonl", f"data.path={path}", "data.eval_size=1", f"trainer.output_dir={tmp_path / 'r'}"])
+    err = capsys.readouterr().err
+    assert code != 0
+    assert f"{path} line 1: field 'images': the record has 1 images, but the model has no image processor" in err
