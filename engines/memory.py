@@ -73,11 +73,12 @@ def hf_config_of(model_config: ModelConfig):
 def meta_model(model_config: ModelConfig, hf_config=None):
     """The model (with its LoRA adapters) on the meta device: shapes and dtypes, no storage.
     ``hf_config`` replaces the one ``model_config`` names (e.g. a preset resized by the trainer)."""
-    from transformers import AutoModelForCausalLM
+    from .model.builder import auto_class_for
 
+    hf_config = hf_config or hf_config_of(model_config)
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(hf_config or hf_config_of(model_config),
-                                                 dtype=TORCH_DTYPES[model_config.dtype])
+        # A vision-language config builds its image-text-to-text class, tower included.
+        model = auto_class_for(hf_config).from_config(hf_config, dtype=TORCH_DTYPES[model_config.dtype])
         if model_config.lora.enabled:
             from .model.lora import add_adapters
 
@@ -167,7 +168,8 @@ class ModelMemory:
             with torch.device("meta"):
                 install_value_head(model, init_std=0.01, seed=0)
         self.engine_config, self.world_size, self.value_head = engine_config, world_size, value_head
-        self.hf_config = model.config
+        # Activations and the KV cache are the text decoder's (a vision tower's are not counted yet).
+        self.hf_config = model.config.get_text_config()
         params = list(model.parameters())
         trainable = [p for p in params if p.requires_grad]
         shard_bytes = lambda ps: sum(shard_numel(p.shape, world_size) * p.element_size() for p in ps)  # noqa: E731

@@ -81,3 +81,16 @@ def test_image_records_for_a_text_model_are_one_line(tmp_path, capsys):
     err = capsys.readouterr().err
     assert code != 0
     assert f"{path} line 1: field 'images': the record has 1 images, but the model has no image processor" in err
+
+
+def test_estimate_counts_the_image_tokens_and_builds_the_vision_model():
+    from polyfsdp.trainer.config.job import load_config
+    from polyfsdp.trainer.data.tokenizers import CharTokenizer
+    from polyfsdp.trainer.run.estimate import _Lengths, estimate_job
+
+    cfg = load_config(["model=qwen2_vl", "data.task=count_squares", "trainer.rl_steps=1", "trainer.sft_steps=1"])
+    lengths = _Lengths(cfg)
+    ex = lengths.source.eval_examples[0]
+    text_only = len(CharTokenizer().apply_chat_template([{"role": "user", "content": QUESTION}]))
+    assert lengths.prompt(ex) == text_only + 1 + 4 + 1  # vision start, a 56x56 image's 4 tokens, vision end
+    assert "peak over phases" in estimate_job(cfg, 1).table()
