@@ -94,3 +94,32 @@ def test_estimate_counts_the_image_tokens_and_builds_the_vision_model():
     text_only = len(CharTokenizer().apply_chat_template([{"role": "user", "content": QUESTION}]))
     assert lengths.prompt(ex) == text_only + 1 + 4 + 1  # vision start, a 56x56 image's 4 tokens, vision end
     assert "peak over phases" in estimate_job(cfg, 1).table()
+
+
+def test_export_holds_the_processor_and_a_job_continues_from_it(tmp_path):
+    from PIL import Image
+
+    from polyfsdp.engines.config import ModelConfig
+    from polyfsdp.engines.presets import preset_config
+    from polyfsdp.trainer.data.tokenizers import load_tokenizer
+    from polyfsdp.trainer.data.vision import load_processor, tiny_vision_processor
+
+    first = tmp_path / "first"
+    args = [a for a in TINY if not a.startswith("trainer.export")]
+    assert main([*args, "model=qwen2_vl", "data.task=count_squares", "trainer.export=true",
+                 f"trainer.output_dir={first}"]) == 0
+    final = first / "final"
+    processor = load_processor(str(final))
+    assert processor is not None and load_processor(str(first / "init_model")) is None
+    tokenizer = load_tokenizer(str(final))  # the character tokenizer, as before
+    built = tiny_vision_processor(tokenizer, preset_config("qwen2-vl-tiny"))
+    messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": QUESTION}]}]
+    image = Image.new("RGB", (56, 28), (9, 9, 200))
+    outs = [p(text=[p.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)], images=[image],
+              return_tensors="pt", add_special_tokens=False) for p in (processor, built)]
+    assert outs[0]["input_ids"].tolist() == outs[1]["input_ids"].tolist()
+    assert (outs[0]["pixel_values"] - outs[1]["pixel_values"]).abs().max() == 0
+    assert ModelConfig(path=str(final)).path  # an ordinary checkpoint directory
+    # A new run from the export (model.path): its processor and character tokenizer are the export's.
+    assert main([*args, "trainer.sft_steps=0", f"model.path={final}", "data.task=count_squares",
+                 f"trainer.output_dir={tmp_path / 'second'}"]) == 0

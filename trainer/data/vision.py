@@ -19,7 +19,9 @@ from .char_tokenizer_hf import hf_tokenizer_of
 
 VISION_TOKENS = {"vision_start_token_id": "<|vision_start|>", "vision_end_token_id": "<|vision_end|>",
                  "image_token_id": "<|image_pad|>", "video_token_id": "<|video_pad|>"}
-PROCESSOR_FILE = "preprocessor_config.json"
+# A processor's files: transformers 5 writes processor_config.json, checkpoints on the hub hold
+# preprocessor_config.json.
+PROCESSOR_FILES = ("preprocessor_config.json", "processor_config.json")
 # The character tokenizer's chat rendering (CharTokenizer.chat_text) with Qwen2-VL's image markup.
 CHAT_TEMPLATE = ("{{ bos_token }}{% for message in messages %}[{{ message['role'] }}] "
                  "{% if message['content'] is string %}{{ message['content'] }}{% else %}"
@@ -92,12 +94,25 @@ def tiny_vision_processor(char_tokenizer, config, min_pixels: int = TINY_MIN_PIX
 
 
 def load_processor(directory: str):
-    """The processor saved in a model directory, or None when it holds none (a text model)."""
-    if not os.path.isfile(os.path.join(directory, PROCESSOR_FILE)):
+    """The processor saved in a model directory, or None when it holds none (a text model).
+    Where transformers cannot build the family's processor (its video processor needs
+    torchvision) it hands back the bare tokenizer: then the family's image-only processor is
+    built from the directory's image processor and tokenizer."""
+    if not any(os.path.isfile(os.path.join(directory, name)) for name in PROCESSOR_FILES):
         return None
-    from transformers import AutoProcessor
+    from transformers import AutoConfig, AutoImageProcessor, AutoProcessor, AutoTokenizer
 
-    return AutoProcessor.from_pretrained(directory, local_files_only=True, trust_remote_code=False)
+    local = dict(local_files_only=True, trust_remote_code=False)
+    try:
+        processor = AutoProcessor.from_pretrained(directory, **local)
+        if getattr(processor, "image_processor", None) is not None:
+            return processor
+    except (ImportError, AttributeError, ValueError, TypeError):
+        pass  # no torchvision: the family's processor cannot be built whole
+    tokenizer = AutoTokenizer.from_pretrained(directory, **local)
+    cls = _image_only_processor_class(AutoConfig.from_pretrained(directory, **local).model_type)
+    return cls(image_processor=AutoImageProcessor.from_pretrained(directory, **local), tokenizer=tokenizer,
+               chat_template=tokenizer.chat_template)
 
 
 def encode_image_prompt(processor, example):
