@@ -123,3 +123,26 @@ def test_export_holds_the_processor_and_a_job_continues_from_it(tmp_path):
     # A new run from the export (model.path): its processor and character tokenizer are the export's.
     assert main([*args, "trainer.sft_steps=0", f"model.path={final}", "data.task=count_squares",
                  f"trainer.output_dir={tmp_path / 'second'}"]) == 0
+
+
+def test_resume_after_sigkill_continues_the_same_curve(tmp_path):
+    import subprocess
+    import sys
+
+    from kill_at_checkpoint import kill_after_checkpoint
+
+    args = [a for a in TINY if not a.startswith(("trainer.checkpoint_interval", "trainer.rl_steps"))]
+    overrides = [*args, "model=qwen2_vl", "data.task=count_squares", "trainer.rl_steps=4",
+                 "trainer.checkpoint_interval=2", "algo.actor.temperature=1.0"]
+    assert main([*overrides, f"trainer.output_dir={tmp_path / 'full'}"]) == 0
+    reference = read_metrics(str(tmp_path / "full" / "metrics.jsonl"))
+    out = tmp_path / "killed"
+    proc, seen = kill_after_checkpoint([*overrides, f"trainer.output_dir={out}"])
+    assert proc.returncode < 0, "".join(seen)
+    resumed = subprocess.run([sys.executable, "-m", "polyfsdp.trainer.train", *overrides, f"trainer.output_dir={out}",
+                              "trainer.resume=auto"], capture_output=True, text=True, timeout=300)
+    assert resumed.returncode == 0 and "resuming rl from" in resumed.stdout, resumed.stderr[-2000:]
+    timing = ("time_s", "step_time_s", "tokens_per_s", "gen_time_s", "weight_sync_time_s")
+    comparable = lambda records: [{k: v for k, v in r.items() if k not in timing and not k.endswith("_s")}  # noqa: E731
+                                  for r in records]
+    assert comparable(read_metrics(str(out / "metrics.jsonl"))) == comparable(reference)
