@@ -1,8 +1,9 @@
 """The built-in decoding loop with images (trainer/rollout/decode.py): on the tiny
 Qwen2-VL, Qwen2.5-VL and Qwen3-VL presets, prompts made by the model family's processor (0, 1 and
 2 images, rows with the same tokens but other pixels, a GRPO-like repeated row) decode greedily to
-exactly Hugging Face ``generate``'s tokens, finished rows leaving the batch; and the engine's
-log-probs of sampled completions equal the sampler's."""
+exactly Hugging Face ``generate``'s tokens, finished rows leaving the batch; neither samples the
+image/video placeholders; the engine's log-probs of sampled completions are HF's, the sampler's
+are HF's renormalized without the placeholders."""
 from __future__ import annotations
 
 import warnings
@@ -19,10 +20,11 @@ from polyfsdp.trainer.data.chat import PromptEncoder
 from polyfsdp.trainer.data.example import Example
 from polyfsdp.trainer.data.tokenizers import CharTokenizer
 from polyfsdp.trainer.data.vision import tiny_vision_processor
-from polyfsdp.trainer.rollout.decode import decode
+from polyfsdp.trainer.rollout.decode import decode, placeholder_tokens
 from polyfsdp.trainer.rollout.engines import SamplingParams
 from polyfsdp.trainer.rollout.generate import _hf_generate, _left_padded, generate
-from vlm_reference import VLM_PRESETS
+from engine_reference import full_state_dict
+from vlm_reference import VLM_PRESETS, vlm_reference_model
 
 warnings.filterwarnings("ignore", message=".*torchvision.*")
 TOK = CharTokenizer()
@@ -98,12 +100,37 @@ def test_images_change_what_is_decoded(setup):
     assert with_images[0] != pytest.approx(without[0], abs=1e-4)
 
 
+def _reference_log_probs(engine, rows, completions, temperature, placeholders):
+    """HF's own forward of each prompt + completion alone: log-probs of the completion's tokens
+    over the full vocabulary (the trainer's) and without the placeholder tokens (the sampler's)."""
+    model = vlm_reference_model(engine.model_config.preset, full_state_dict(engine.module))
+    full, renormalized = [], []
+    for row, completion in zip(rows, completions):
+        ids = torch.tensor(list(row.prompt_ids) + completion)
+        images = {} if row.pixel_values is None else {
+            "pixel_values": row.pixel_values, "image_grid_thw": row.image_grid_thw,
+            "mm_token_type_ids": (ids == engine.module.config.image_token_id).int()[None]}
+        with torch.no_grad():
+            logits = model(input_ids=ids[None], use_cache=False, **images).logits[0].double() / temperature
+        start = len(row.prompt_ids) - 1
+        steps, targets = logits[start:start + len(completion)], torch.tensor(completion)[:, None]
+        full.append(torch.log_softmax(steps, -1).gather(-1, targets)[:, 0])
+        steps[:, placeholders] = float("-inf")
+        renormalized.append(torch.log_softmax(steps, -1).gather(-1, targets)[:, 0])
+    return full, renormalized
+
+
 @pytest.mark.parametrize("pad_mode", ["no_padding", "left_right"])
-def test_trainer_logprobs_of_sampled_tokens_equal_the_samplers(setup, pad_mode):
+def test_trainer_and_sampler_logprobs_of_sampled_tokens(setup, pad_mode):
+    """The engine's log-probs are HF's over the full vocabulary; the sampler's are HF's without the
+    image/video placeholders, which it never draws (a sampled one would be an image slot)."""
     engine, rows, ids, mask = setup
+    placeholders = placeholder_tokens(engine.module)
+    assert placeholders == [engine.module.config.image_token_id, engine.module.config.video_token_id]
     params = _params(8, TOK.eos_token_id, temperature=0.8, return_log_probs=True)
     out = generate(engine, [list(r.prompt_ids) for r in rows], params, loop="builtin", row_seeds=[11, 12, 13, 14, 15],
                    images=rows)
+    assert not any(t in placeholders for c in out.token_ids for t in c)
     batch = build_batch([(r.prompt_ids, c) for r, c in zip(rows, out.token_ids)], pad_mode, TOK.pad_token_id,
                         images=rows)
     saved = engine.engine_config
@@ -112,7 +139,18 @@ def test_trainer_logprobs_of_sampled_tokens_equal_the_samplers(setup, pad_mode):
         got = engine.infer_batch(batch, temperature=torch.full((len(rows),), 0.8))["log_probs"]
     finally:
         engine.engine_config = saved
-    for row, seq, sampled in zip(rows, per_sequence(got, batch, pad_mode), out.log_probs):
+    full, renormalized = _reference_log_probs(engine, rows, out.token_ids, 0.8, placeholders)
+    for row, seq, sampled, want_full, want_sampled in zip(rows, per_sequence(got, batch, pad_mode), out.log_probs,
+                                                          full, renormalized):
         start = len(row.prompt_ids) - 1
         trained = seq[start:start + len(sampled)].double()
-        assert (trained - torch.tensor(sampled, dtype=torch.float64)).abs().max().item() <= 1e-5
+        assert (trained - want_full).abs().max().item() <= 1e-5
+        assert (torch.tensor(sampled, dtype=torch.float64) - want_sampled).abs().max().item() <= 1e-5
+
+
+def test_hf_generate_never_samples_the_placeholders(setup):
+    engine, rows, ids, mask = setup
+    model = engine.module.eval()
+    completions = _hf_generate(model, ids, mask, _params(8, TOK.eos_token_id, return_log_probs=True), False,
+                               row_seeds=[1, 2, 3, 4, 5], images=rows)[0]
+    assert not any(t in placeholder_tokens(model) for c in completions for t in c)

@@ -9,6 +9,7 @@ import random
 import warnings
 
 import numpy
+import pytest
 
 from polyfsdp.engines.engine import FSDPEngine
 from polyfsdp.trainer.data.count_squares import QUESTION, CountSquaresTask
@@ -46,7 +47,8 @@ def test_held_out_drawings_are_never_trained_on():
     assert not held_out & trained
 
 
-def test_sft_and_grpo_job_on_a_tiny_vlm_runs_with_images(tmp_path, monkeypatch):
+@pytest.mark.parametrize("preset", ["qwen2-vl-tiny", "qwen2.5-vl-tiny", "qwen3-vl-tiny"])
+def test_sft_and_grpo_job_on_a_tiny_vlm_runs_with_images(tmp_path, monkeypatch, preset):
     trained, sampled = [], []
     train_batch, decode = FSDPEngine.train_batch, decode_module.decode
 
@@ -61,13 +63,15 @@ def test_sft_and_grpo_job_on_a_tiny_vlm_runs_with_images(tmp_path, monkeypatch):
     monkeypatch.setattr(FSDPEngine, "train_batch", spy_train)
     monkeypatch.setattr(decode_module, "decode", spy_decode)
     out = tmp_path / "run"
-    assert main([*TINY, "model=qwen2_vl", "data.task=count_squares", f"trainer.output_dir={out}"]) == 0
+    assert main([*TINY, "model=qwen2_vl", f"model.preset={preset}", "data.task=count_squares",
+                 f"trainer.output_dir={out}"]) == 0
     # 2 SFT steps of 4 images, 2 GRPO updates of 2 prompts x 2 completions; every rollout with images.
     assert trained == [4, 4, 4, 4] and sampled and all(sampled)
     records = read_metrics(str(out / "metrics.jsonl"))
     assert [r["phase"] for r in records if r["phase"] in ("sft", "rl")] == ["sft", "sft", "rl", "rl"]
     config = json.loads((out / "init_model" / "config.json").read_text())
-    assert config["model_type"] == "qwen2_vl" and config["image_token_id"] == 126
+    assert config["model_type"] == preset.removesuffix("-tiny").replace("-", "_").replace(".", "_")
+    assert config["image_token_id"] == 126
 
 
 def test_image_records_for_a_text_model_are_one_line(tmp_path, capsys):

@@ -94,6 +94,19 @@ class PromptImages:
         return (next_position + deltas)[None].expand(3, -1, -1)
 
 
+def placeholder_tokens(model) -> list[int]:
+    """A vision-language model's image and video placeholder ids, which sampling never draws: the
+    model's forward would take a sampled one for an image slot with no pixels behind it (a
+    trained model gives them no mass; a random one does). Sampling renormalizes over the rest
+    of the vocabulary, so the sampler's log-probs exceed the trainer's (full vocabulary) by
+    -log(1 - their mass). None for a text model."""
+    if getattr(getattr(model, "model", None), "visual", None) is None:
+        return []
+    config = model.config
+    return [i for i in (getattr(config, "image_token_id", None), getattr(config, "video_token_id", None))
+            if i is not None]
+
+
 def generate_image_inputs(model, ids: torch.Tensor, images: list | None) -> dict:
     """Hugging Face ``generate``'s image keywords for left-padded prompts ``ids`` (none when no
     row holds images): the rows' pixel inputs in row order and the token types it builds the
@@ -273,12 +286,17 @@ def _decode(model, ids: torch.Tensor, mask: torch.Tensor, params, row_seeds: lis
     key_mask[:, :width] = mask.bool()
     ready_mask = _ready_mask_ok(model, cache)
     sampler = RowSampler(row_seeds, ids.device) if not params.greedy and row_seeds is not None else None
+    placeholders = placeholder_tokens(model)
+    placeholders = torch.tensor(placeholders, device=ids.device) if placeholders else None
     # With a repetition penalty: per original row, the tokens of its prompt and completion so far.
     seen = prompt_tokens_seen(ids, mask, out.logits.shape[-1]) if penalized(params) else None
     for step in range(max_new_tokens):
         live = rows.tolist()
         index = None if seen is None else rows.to(seen.device)
-        tokens, lp = _next_tokens(out.logits[:, -1], params, return_log_probs, sampler, live,
+        logits = out.logits[:, -1]
+        if placeholders is not None:
+            logits = logits.float().index_fill(-1, placeholders, float("-inf"))
+        tokens, lp = _next_tokens(logits, params, return_log_probs, sampler, live,
                                   None if seen is None else seen[index])
         if seen is not None:
             seen[index, tokens] = True

@@ -61,7 +61,7 @@ def _hf_generate(model, ids, mask, params: SamplingParams, synced: bool, row_see
     from transformers import GenerationConfig, LogitsProcessorList
 
     from .decode import prompt_tokens_seen
-    from .decode import generate_image_inputs
+    from .decode import generate_image_inputs, placeholder_tokens
     from .controls.logits_shaping import penalized
     from .row_sampler import shaping_processor
 
@@ -82,6 +82,7 @@ def _hf_generate(model, ids, mask, params: SamplingParams, synced: bool, row_see
     config = GenerationConfig(max_new_tokens=params.max_new_tokens, do_sample=do_sample, pad_token_id=pad,
                               eos_token_id=stops if len(stops) > 1 else stops[0], use_cache=True,
                               return_dict_in_generate=scores_out, output_scores=scores_out,
+                              suppress_tokens=placeholder_tokens(model) or None,
                               **({"temperature": temperature, "top_k": 0, "top_p": 1.0} if do_sample else {}))
     out = model.generate(input_ids=ids, attention_mask=mask, generation_config=config, synced_gpus=synced,
                          logits_processor=LogitsProcessorList([chooser] if chooser is not None else []),
