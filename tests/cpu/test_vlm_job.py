@@ -150,3 +150,22 @@ def test_resume_after_sigkill_continues_the_same_curve(tmp_path):
     comparable = lambda records: [{k: v for k, v in r.items() if k not in timing and not k.endswith("_s")}  # noqa: E731
                                   for r in records]
     assert comparable(read_metrics(str(out / "metrics.jsonl"))) == comparable(reference)
+
+
+def test_a_rollout_engine_without_images_refuses_image_prompts_in_one_line():
+    import torch
+
+    from polyfsdp.trainer.data.example import Example
+    from polyfsdp.trainer.data.tokenizers import CharTokenizer
+    from polyfsdp.trainer.errors import ConfigError
+    from polyfsdp.trainer.rollout.drivers.single_turn import SingleTurnDriver
+    from polyfsdp.trainer.rollout.engines import RolloutEngine, SamplingParams
+
+    class TextOnly(RolloutEngine):
+        name = "vllm"
+
+    ex = Example(prompt="q", answer="1", prompt_ids=(1, 5), pixel_values=torch.zeros(4, 1176),
+                 image_grid_thw=torch.tensor([[1, 2, 2]]))
+    with pytest.raises(ConfigError, match=r"^rollout.engine=vllm: prompts with images are sampled by "
+                                          r"rollout.engine=builtin, hf or auto only"):
+        SingleTurnDriver(TextOnly()).rollout(CharTokenizer(), [ex], 2, SamplingParams(4, stop_token_ids=(2,)))
