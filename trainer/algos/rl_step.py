@@ -198,7 +198,7 @@ def train_on_rollout(ctx: RLContext, roll, pairs, shuffle_seed: int, train_actor
     g, est = algo.actor, algo.estimator
     device = policy.device
     pad_mode = policy.engine_config.pad_mode
-    batch = build_batch(pairs, pad_mode, tokenizer.pad_token_id)
+    batch = build_batch(pairs, pad_mode, tokenizer.pad_token_id, images=roll.images)
     masks = [response_mask(*pair) for pair in pairs]
     token_fields: dict[str, list[torch.Tensor]] = {}
     if roll.log_probs is not None:
@@ -232,13 +232,13 @@ def train_on_rollout(ctx: RLContext, roll, pairs, shuffle_seed: int, train_actor
     if critic is not None:
         out.update(value_metrics(values, result.returns, masks, over_ranks))
         critic_updates = run_updates(critic, pairs, {"old_values": values, "returns": result.returns}, plan,
-                                     ctx.value_loss, tokenizer.pad_token_id, 1.0)
+                                     ctx.value_loss, tokenizer.pad_token_id, 1.0, images=roll.images)
         out.update(_as_critic(summarise_updates(critic_updates)))
         critic_records = [_as_critic(u) for u in critic_updates]
     actor_records: list[dict] = []
     if train_actor:
         actor_records = run_updates(policy, pairs, token_fields, plan, actor_loss, tokenizer.pad_token_id,
-                                    g.temperature)
+                                    g.temperature, images=roll.images)
         out.update(summarise_updates(actor_records))
     if critic_records and actor_records:
         return out, [{**c, **a} for c, a in zip(critic_records, actor_records)]

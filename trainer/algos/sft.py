@@ -27,7 +27,8 @@ def sft_step(engine, tokenizer, examples: list[Example], loss_fn: SFTLoss, conve
     t0 = time.perf_counter()
     pairs = sft_pairs(tokenizer, examples) if conversations is None else \
         conversation_sequences(conversations, tokenizer, examples)
-    batch = build_batch(pairs, engine.engine_config.pad_mode, tokenizer.pad_token_id)
+    images = examples if conversations is None else None  # a prompt's images (trainer/data/batch.py)
+    batch = build_batch(pairs, engine.engine_config.pad_mode, tokenizer.pad_token_id, images=images)
     metrics = engine.train_batch(batch, loss_fn)
     metrics["tokens"] = sum(len(pair[0]) + len(pair[1]) for pair in pairs)
     metrics["step_time_s"] = time.perf_counter() - t0

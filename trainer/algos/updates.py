@@ -29,13 +29,15 @@ def mini_batch_plan(num_groups: int, group_size: int, mini_batches: int, epochs:
 
 
 def run_updates(policy, pairs: list, token_fields: dict[str, list[torch.Tensor]], plan: list[list[int]],
-                loss_fn, pad_token_id: int, temperature: float) -> list[dict]:
-    """One optimizer step (and scheduler step) per entry of ``plan``; their metrics."""
+                loss_fn, pad_token_id: int, temperature: float, images: list | None = None) -> list[dict]:
+    """One optimizer step (and scheduler step) per entry of ``plan``; their metrics. ``images``:
+    per row, the Example whose prompt holds images, or None (trainer/data/batch.py)."""
     pad_mode = policy.engine_config.pad_mode
     results = []
     for indices in plan:
         batch = build_batch([pairs[i] for i in indices], pad_mode, pad_token_id,
-                            token_fields={k: [v[i] for i in indices] for k, v in token_fields.items()})
+                            token_fields={k: [v[i] for i in indices] for k, v in token_fields.items()},
+                            images=None if images is None else [images[i] for i in indices])
         results.append(policy.train_batch(batch, loss_fn, temperature=temperature))
     return results
 

@@ -37,6 +37,7 @@ def check_fits(cfg, world_size: int) -> None:
     rows = t.prompts_per_step // (world_size // cfg.engine.ulysses_sp_size) * g.group_size  # a rank's share
     hf_config = hf_config_of(cfg.model.model_config()) if cfg.model.path else \
         preset_config(cfg.model.preset, **dict(cfg.model.overrides))
+    hf_config = hf_config.get_text_config()  # a vision-language model's cache is its text decoder's
     floor = kv_cache_bytes(hf_config, rows, 1 + g.max_new_tokens, TORCH_DTYPES[cfg.engine.param_dtype].itemsize)
     if floor > capacity:
         raise ConfigError(

@@ -26,7 +26,7 @@ from ..rollout.servers.settings import ServerSettings, VllmSettings
 
 # data.source's values, the built-in tasks, what happens to an overlong prompt; trainer.progress's modes.
 DATA_SOURCES = ("builtin", "jsonl", "parquet", "files", "verifiers")
-TASKS = ("reverse", "arith_words", "calculator")
+TASKS = ("reverse", "arith_words", "calculator", "count_squares")
 OVERLONG_POLICIES = ("filter", "error", "truncate")
 PROGRESS_MODES = ("auto", "bar", "lines", "off")
 
@@ -86,7 +86,8 @@ class DataSection:
     """Where prompts and answers come from: the built-in task or a local file."""
 
     source: str = setting("builtin", doc="builtin | jsonl | parquet | files | verifiers")
-    task: str = setting("reverse", doc="data=builtin: reverse | arith_words | calculator")
+    task: str = setting("reverse", doc="data=builtin: reverse | arith_words | calculator | "
+                                                "count_squares (a vision-language preset)")
     alphabet: str = setting("abcdefgh", doc="task=reverse: the letters of its strings")
     min_len: int = setting(3, doc="task=reverse: the shortest string", high=4096)
     max_len: int = setting(5, doc="task=reverse: the longest string", high=4096)

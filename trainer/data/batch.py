@@ -28,11 +28,15 @@ def _seq_values(prompt: Sequence[int], response: Sequence[int],
 
 
 def build_batch(pairs: Sequence[tuple[Sequence[int], Sequence[int]]], pad_mode: str, pad_token_id: int,
-                token_fields: dict[str, Sequence[torch.Tensor]] | None = None) -> TensorDict:
+                token_fields: dict[str, Sequence[torch.Tensor]] | None = None,
+                images: Sequence | None = None) -> TensorDict:
     """A TensorDict with ``input_ids``, ``response_mask`` (and ``attention_mask`` for
     ``left_right``) for sequences ``prompt + response``; a pair may carry a third item, the
     response's loss mask (multi-turn: 0 for environment tokens). ``token_fields`` are extra
-    per-token fields, one flat tensor per sequence (length = its prompt + response)."""
+    per-token fields, one flat tensor per sequence (length = its prompt + response). ``images``:
+    per sequence, the Example whose prompt it is (or anything with ``pixel_values`` and
+    ``image_grid_thw``, None for none); when one holds images the batch gets the engine's jagged
+    image fields (docs/vision-language.md)."""
     if not pairs:
         raise ValueError("build_batch: expected at least one (prompt, response) pair, got none")
     for prompt, *_ in pairs:
@@ -50,12 +54,13 @@ def build_batch(pairs: Sequence[tuple[Sequence[int], Sequence[int]]], pad_mode: 
                                  f"expected {lengths[i]}")
         fields[name] = [v.to(torch.float32) for v in values]
     ids = [torch.tensor(s, dtype=torch.long) for s, _ in seqs]
+    image_fields = _image_fields(images, len(seqs))
     if pad_mode == "no_padding":
         offsets = torch.tensor([0] + lengths).cumsum(0)
         data = {"input_ids": make_jagged(torch.cat(ids), offsets)}
         for name, values in fields.items():
             data[name] = make_jagged(torch.cat(values), offsets)
-        return TensorDict(data, batch_size=[len(seqs)])
+        return TensorDict({**data, **image_fields}, batch_size=[len(seqs)])
     if pad_mode == "left_right":
         # Prompts left-padded to a common end, responses right-padded after it.
         p_len = max(len(pair[0]) for pair in pairs)
@@ -71,8 +76,26 @@ def build_batch(pairs: Sequence[tuple[Sequence[int], Sequence[int]]], pad_mode: 
             attention[i, start:end] = 1
             for name, values in fields.items():
                 dense_fields[name][i, start:end] = values[i]
-        return TensorDict({"input_ids": dense, "attention_mask": attention, **dense_fields}, batch_size=[len(seqs)])
+        return TensorDict({"input_ids": dense, "attention_mask": attention, **dense_fields, **image_fields},
+                          batch_size=[len(seqs)])
     raise ValueError(f"pad_mode: got {pad_mode!r}; allowed values: 'no_padding', 'left_right'")
+
+
+def _image_fields(images: Sequence | None, num_seqs: int) -> dict:
+    """The jagged ``pixel_values`` / ``image_grid_thw`` of ``images`` (one entry per sequence),
+    none when no sequence holds an image: a text batch stays exactly as it was."""
+    if images is None or all(getattr(x, "pixel_values", None) is None for x in images):
+        return {}
+    if len(images) != num_seqs:
+        raise ValueError(f"build_batch: images for {len(images)} sequences, expected {num_seqs}")
+    holders = [x for x in images if getattr(x, "pixel_values", None) is not None]
+    width, dtype = holders[0].pixel_values.shape[1], holders[0].pixel_values.dtype
+    pixels = [x.pixel_values if getattr(x, "pixel_values", None) is not None else torch.zeros(0, width, dtype=dtype)
+              for x in images]
+    grids = [x.image_grid_thw.long() if getattr(x, "pixel_values", None) is not None
+             else torch.zeros(0, 3, dtype=torch.long) for x in images]
+    return {"pixel_values": make_jagged(torch.cat(pixels), torch.tensor([0] + [len(p) for p in pixels]).cumsum(0)),
+            "image_grid_thw": make_jagged(torch.cat(grids), torch.tensor([0] + [len(g) for g in grids]).cumsum(0))}
 
 
 def response_mask(prompt: Sequence[int], response: Sequence[int], loss_mask: Sequence[int] | None = None) -> torch.Tensor:

@@ -21,10 +21,12 @@ OVERLONG_POLICIES = ("filter", "error", "truncate")
 
 class PromptEncoder:
     """Encodes an Example's prompt: chat messages through the tokenizer's template; a string
-    as ``<bos>`` + its tokens, or as one user message when ``apply_chat_template``."""
+    as ``<bos>`` + its tokens, or as one user message when ``apply_chat_template``. A prompt
+    with images goes through ``processor`` (a vision-language model's; trainer/data/vision.py)."""
 
     def __init__(self, tokenizer, apply_chat_template: bool = False, max_prompt_length: int | None = None,
-                 overlong: str = "filter", model_path: str | None = None, grow_vocabulary: bool = False) -> None:
+                 overlong: str = "filter", model_path: str | None = None, grow_vocabulary: bool = False,
+                 processor=None, processor_factory=None) -> None:
         if overlong not in OVERLONG_POLICIES:
             raise ValueError(f"data.overlong: got {overlong!r}; allowed values: {', '.join(OVERLONG_POLICIES)}")
         self.tokenizer, self.chat = tokenizer, apply_chat_template
@@ -32,6 +34,9 @@ class PromptEncoder:
         self.model_path = model_path
         self.grow_vocabulary = grow_vocabulary
         self.added_characters = ""
+        # A preset's processor wraps the character tokenizer: built at first use, once the
+        # tokenizer has learnt the data's characters (learn_characters).
+        self.processor, self.processor_factory = processor, processor_factory
 
     def learn_characters(self, examples) -> None:
         """With ``grow_vocabulary`` (a preset's character tokenizer, before its model is
@@ -59,9 +64,27 @@ class PromptEncoder:
                             f"token to start it; every prompt needs at least one token")
         return ids
 
+    def _encode_with_images(self, example: Example) -> Example:
+        from .vision import encode_image_prompt
+
+        if self.processor is None and self.processor_factory is not None:
+            self.processor = self.processor_factory()
+        if self.processor is None:
+            which = f"model.path={self.model_path}" if self.model_path else "the model"
+            raise DataError(f"{example.where}: field 'images': the record has {len(example.images)} images, but "
+                            f"{which} has no image processor (not a vision-language model)")
+        return encode_image_prompt(self.processor, example)
+
     def encode(self, example: Example) -> Example | None:
         """``example`` with ``prompt_ids`` set, after the length policy (None: filtered out)."""
-        ids = self.ids(example)
+        if example.images:
+            example = self._encode_with_images(example)
+            if self.max_len is not None and len(example.prompt_ids) > self.max_len and self.overlong == "truncate":
+                # Cutting the front would cut image tokens away from their pixels.
+                raise DataError(f"{example.where}: prompt with images has {len(example.prompt_ids)} tokens, more "
+                                f"than data.max_prompt_length={self.max_len}, and data.overlong=truncate cannot cut "
+                                f"a prompt with images; raise it or set data.overlong=filter")
+        ids = list(example.prompt_ids) if example.images else self.ids(example)
         if self.max_len is not None and len(ids) > self.max_len:
             if self.overlong == "error":
                 raise DataError(f"{example.where}: prompt has {len(ids)} tokens, more than data.max_prompt_length="

@@ -11,6 +11,7 @@ import logging
 import os
 import random
 
+from .images import content_parts, message_text, place_images, read_images
 from .demonstrations import MESSAGES_FIELD, DemonstrationError, final_answer, opening, plain_value, read_conversation
 from ..errors import DataError
 from .tokenizers import CharTokenizer
@@ -21,6 +22,12 @@ logger = logging.getLogger(__name__)
 # The stream the RL phase's prompts are drawn under (``batch(stream, step, count)``): kept from
 # when the phase was called grpo, so a seed draws the same prompts as it did then.
 RL_DATA_STREAM = "grpo"
+
+
+def _identity(ex: Example) -> tuple:
+    """What tells two generated examples apart: the prompt, and for a task whose prompts share
+    their text (trainer/data/count_squares.py) what ``where`` says was drawn."""
+    return ex.prompt, ex.where
 
 
 class BuiltinSource:
@@ -45,7 +52,7 @@ class BuiltinSource:
             if len(seen) >= eval_size:
                 break
             ex = task.sample(rng)
-            seen.setdefault(ex.prompt, ex)
+            seen.setdefault(_identity(ex), ex)
         self._eval_prompts = set(seen)
         self.eval_examples = list(seen.values())
         if encoder is not None:
@@ -63,7 +70,7 @@ class BuiltinSource:
             if attempts > 1000 * count:
                 raise DataError(f"data.max_prompt_length: almost every {self.task.name} prompt is longer; raise it")
             ex = self.task.sample(rng)
-            if ex.prompt in self._eval_prompts:
+            if _identity(ex) in self._eval_prompts:
                 continue
             if self.encoder is not None:
                 ex = self.encoder.encode(ex)  # None: over data.max_prompt_length, filtered
@@ -131,12 +138,17 @@ def _lookup(raw: dict, dotted: str):
 
 
 def _messages(value, where: str, key: str) -> tuple:
-    """A chat prompt: a non-empty list of ``{"role": str, "content": str}``."""
+    """A chat prompt: a non-empty list of ``{"role": str, "content": str}``; a content may also be
+    a list of image and text parts (trainer/data/images.py)."""
     if not value:
         raise DataError(f"{where}: field {key!r} is an empty list of chat messages")
     out = []
     for i, message in enumerate(value):
         message = plain_value(message)
+        if isinstance(message, dict) and isinstance(message.get("role"), str) \
+                and isinstance(plain_value(message.get("content")), list):
+            out.append({"role": message["role"], "content": content_parts(message["content"], where, key, i)})
+            continue
         if not (isinstance(message, dict) and isinstance(message.get("role"), str)
                 and isinstance(message.get("content"), str)):
             raise DataError(f"{where}: field {key!r} message {i} must be {{\"role\": text, \"content\": text}}, "
@@ -145,10 +157,11 @@ def _messages(value, where: str, key: str) -> tuple:
     return tuple(out)
 
 
-def _record(raw, where: str, prompt_key: str, answer_key: str | None) -> Example:
+def _record(raw, where: str, prompt_key: str, answer_key: str | None, base_dir: str = "") -> Example:
     """An Example from one record in verl's RL layout (or today's ``{"prompt", "answer"}``),
     with the demonstration conversation of its ``messages`` field (trainer/data/demonstrations.py)
-    when it has one (and ``messages`` is not its prompt)."""
+    when it has one (and ``messages`` is not its prompt), and its images (trainer/data/images.py;
+    a path is relative to ``base_dir``, the data file's directory)."""
     answer_keys = (answer_key,) if answer_key else AUTO_ANSWER_KEYS
     if not isinstance(raw, dict):
         raise DataError(f"{where}: expected an object with fields {prompt_key!r} and {answer_keys[-1]!r}, "
@@ -176,10 +189,13 @@ def _record(raw, where: str, prompt_key: str, answer_key: str | None) -> Example
                             f"data.answer_key to the name your file uses")
         key, answer = MESSAGES_FIELD, final_answer(conversation)
     prompt, answer = plain_value(prompt), plain_value(answer)
+    images = read_images(raw, where, base_dir)
     messages = None
+    if images and isinstance(prompt, str):
+        prompt = [{"role": "user", "content": prompt}]  # the images go in front of its text
     if isinstance(prompt, list):
-        messages = _messages(prompt, where, prompt_key)
-        prompt = "\n".join(m["content"] for m in messages)
+        messages = place_images(_messages(prompt, where, prompt_key), len(images), where, prompt_key)
+        prompt = "\n".join(message_text(m) for m in messages)
     for name, value in ((prompt_key, prompt), (key, answer)):
         if isinstance(value, bool) or not isinstance(value, (str, int, float)):
             kind = "text or a list of chat messages" if name == prompt_key else "text"
@@ -191,7 +207,7 @@ def _record(raw, where: str, prompt_key: str, answer_key: str | None) -> Example
     if extra_info is not None and not isinstance(extra_info, dict):
         raise DataError(f"{where}: field 'extra_info' must be an object, got {type(extra_info).__name__}")
     return Example(prompt=str(prompt), answer=str(answer), messages=messages, data_source=data_source,
-                   extra_info=extra_info, where=where, conversation=conversation)
+                   extra_info=extra_info, where=where, conversation=conversation, images=images)
 
 
 def read_jsonl(path: str, prompt_key: str = "prompt", answer_key: str | None = None) -> list[Example]:
@@ -206,7 +222,7 @@ def read_jsonl(path: str, prompt_key: str = "prompt", answer_key: str | None = N
                     raw = json.loads(line)
                 except json.JSONDecodeError as exc:
                     raise DataError(f"{path} line {number}: not valid JSON ({exc.msg})") from None
-                out.append(_record(raw, f"{path} line {number}", prompt_key, answer_key))
+                out.append(_record(raw, f"{path} line {number}", prompt_key, answer_key, os.path.dirname(path)))
     except UnicodeDecodeError as exc:
         raise DataError(f"{path}: not UTF-8 text ({exc.reason}); JSON lines files must be UTF-8") from None
     return out
@@ -235,7 +251,7 @@ def read_parquet(path: str, prompt_key: str = "prompt", answer_key: str | None =
     except Exception as exc:  # pyarrow's ArrowInvalid and friends: not a parquet file
         detail = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise DataError(f"{path}: not a readable parquet file ({detail})") from None
-    return [_record(r, f"{path} row {i}", prompt_key, answer_key) for i, r in enumerate(rows)]
+    return [_record(r, f"{path} row {i}", prompt_key, answer_key, os.path.dirname(path)) for i, r in enumerate(rows)]
 
 
 READERS = {".jsonl": read_jsonl, ".json": read_jsonl, ".parquet": read_parquet, ".pq": read_parquet}
@@ -266,6 +282,10 @@ def build_source(data, seed: int, encoder=None, rollout=None):
             from .arith_words import ArithWordsTask
 
             task = ArithWordsTask()
+        elif data.task == "count_squares":
+            from .count_squares import CountSquaresTask
+
+            task = CountSquaresTask()
         elif data.task == "calculator":
             from ..rollout.tool_task import CalculatorTask
 
@@ -301,7 +321,8 @@ def tokenized_text(ex: Example) -> str:
     """The text of ``ex`` the character tokenizer sees: a chat prompt as it renders the
     messages, not ``ex.prompt`` (the contents joined by newlines), plus the answer and a
     demonstration conversation's contents."""
-    text = (CharTokenizer.chat_text(ex.messages) if ex.messages else ex.prompt) + ex.answer
+    messages = [{**m, "content": message_text(m)} for m in ex.messages or ()]  # image parts hold no characters
+    text = (CharTokenizer.chat_text(messages) if messages else ex.prompt) + ex.answer
     return text + "".join(m["content"] for m in ex.conversation or ())
 
 

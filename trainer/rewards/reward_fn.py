@@ -28,7 +28,8 @@ from .rules import BUILTIN_ANSWERS, BUILTIN_REWARDS
 from .timeout import CallDeadline, RewardTimeout
 
 # The rule each built-in task is scored with when reward.fn=auto.
-TASK_DEFAULT_REWARD = {"reverse": "char_match", "arith_words": "gsm8k", "calculator": "gsm8k"}
+TASK_DEFAULT_REWARD = {"reverse": "char_match", "arith_words": "gsm8k", "calculator": "gsm8k",
+                       "count_squares": "exact_match"}
 FILE_DEFAULT_REWARD = "char_match"
 # Rewards (and their numeric extras) beyond this magnitude are refused: group means and
 # variances of larger values overflow float32 (1e308 is finite, its square is not).

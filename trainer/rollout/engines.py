@@ -71,6 +71,8 @@ class RolloutEngine:
     # True where generate() needs neither the trainer's device nor a collective (a server's HTTP
     # requests): it may run on a background thread while the trainer trains (trainer/algos/sample_ahead.py).
     samples_beside_training = False
+    # True where generate() takes prompts with images (``images=``: one Example or None per prompt).
+    takes_images = False
     weight_version = 0               # syncs done
     last_sync_s: float | None = None
 
@@ -100,6 +102,8 @@ class PolicyDecoding(RolloutEngine):
     (trainer/rollout/generate.py); ``unshard`` is ``rollout.unshard``. Its "weights" are the
     policy's own: :meth:`update_weights` binds the policy to sample with."""
 
+    takes_images = True
+
     def __init__(self, loop: str = "auto", unshard="auto") -> None:
         self.loop, self.unshard, self.name = loop, unshard, loop
         self.policy = None
@@ -107,9 +111,10 @@ class PolicyDecoding(RolloutEngine):
     def update_weights(self, policy) -> None:
         self.policy = policy
 
-    def generate(self, prompts, params, seeds=None):
+    def generate(self, prompts, params, seeds=None, images=None):
         if self.policy is None:
             raise RuntimeError(f"rollout engine {self.name}: generate before update_weights (no policy to sample with)")
         from .generate import generate  # the implementation imports this interface
 
-        return generate(self.policy, prompts, params, unshard=self.unshard, loop=self.loop, row_seeds=seeds)
+        return generate(self.policy, prompts, params, unshard=self.unshard, loop=self.loop, row_seeds=seeds,
+                        images=images)

@@ -50,7 +50,8 @@ def decode_loop_ok(gather_once: bool) -> bool:
     return gather_once or current_world_size() == 1
 
 
-def _hf_generate(model, ids, mask, params: SamplingParams, synced: bool, row_seeds: list[int] | None = None):
+def _hf_generate(model, ids, mask, params: SamplingParams, synced: bool, row_seeds: list[int] | None = None,
+                 images: list | None = None):
     """HF ``generate``'s completions (and log-probs), cut as :func:`generate` documents. The
     distribution comes from our processor (trainer/rollout/row_sampler.py: the controls of
     trainer/rollout/controls/logits_shaping.py) whenever a control beyond the temperature is set or rows
@@ -60,6 +61,7 @@ def _hf_generate(model, ids, mask, params: SamplingParams, synced: bool, row_see
     from transformers import GenerationConfig, LogitsProcessorList
 
     from .decode import prompt_tokens_seen
+    from .decode import generate_image_inputs, placeholder_tokens
     from .controls.logits_shaping import penalized
     from .row_sampler import shaping_processor
 
@@ -80,9 +82,11 @@ def _hf_generate(model, ids, mask, params: SamplingParams, synced: bool, row_see
     config = GenerationConfig(max_new_tokens=params.max_new_tokens, do_sample=do_sample, pad_token_id=pad,
                               eos_token_id=stops if len(stops) > 1 else stops[0], use_cache=True,
                               return_dict_in_generate=scores_out, output_scores=scores_out,
+                              suppress_tokens=placeholder_tokens(model) or None,
                               **({"temperature": temperature, "top_k": 0, "top_p": 1.0} if do_sample else {}))
     out = model.generate(input_ids=ids, attention_mask=mask, generation_config=config, synced_gpus=synced,
-                         logits_processor=LogitsProcessorList([chooser] if chooser is not None else []))
+                         logits_processor=LogitsProcessorList([chooser] if chooser is not None else []),
+                         **generate_image_inputs(model, ids, images))
     token_log_probs = None
     if scores_out:
         steps = torch.stack(out.scores, dim=1).float()  # (B, new tokens, vocab)
@@ -107,7 +111,7 @@ def _hf_generate(model, ids, mask, params: SamplingParams, synced: bool, row_see
 
 @torch.no_grad()
 def generate(engine, prompts: list[list[int]], params: SamplingParams, unshard="auto", loop: str = "auto",
-             row_seeds: list[int] | None = None) -> Completions:
+             row_seeds: list[int] | None = None, images: list | None = None) -> Completions:
     """Completions (ending at and including a stop token when produced, or after a stop string)
     of ``prompts``, left-padded with ``params.pad_token_id``; with ``params.return_log_probs``,
     also each completion token's log-prob under the distribution it was drawn from
@@ -120,6 +124,8 @@ def generate(engine, prompts: list[list[int]], params: SamplingParams, unshard="
     every rank calling forward until all are done, as FSDP's per-layer all-gathers require.
     ``loop`` (``rollout.engine``) forces one of them: ``builtin`` or ``hf``. ``row_seeds`` (one
     per prompt, trainer/rollout/row_seeds.py): each row samples with its own generator, on either path.
+    ``images`` (one per prompt: its Example with ``pixel_values``/``image_grid_thw``, or None): a
+    vision-language policy's pixel inputs, on either path (trainer/rollout/decode.py).
     """
     from .decode import decode
     from .controls.stop_strings import cut_completions
@@ -137,11 +143,11 @@ def generate(engine, prompts: list[list[int]], params: SamplingParams, unshard="
             raise ValueError("rollout.engine=builtin: on several ranks our decoding loop needs the model gathered "
                              "once, and rollout.unshard decided against it; set rollout.engine=hf or auto")
         if own_loop:
-            out = decode(engine.module, ids, mask, params, row_seeds)
+            out = decode(engine.module, ids, mask, params, row_seeds, images)
         else:
             # HF generate stops on stop tokens only: stop strings cut its completions after.
             out = _hf_generate(engine.module, ids, mask, params, synced=current_world_size() > 1 and not once,
-                               row_seeds=row_seeds)
+                               row_seeds=row_seeds, images=images)
             tokens, log_probs = out if params.return_log_probs else (out, None)
             tokens, log_probs = cut_completions(tokens, log_probs, params)
             out = (tokens, log_probs) if params.return_log_probs else tokens

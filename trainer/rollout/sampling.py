@@ -39,7 +39,8 @@ def _select(roll: Rollout, groups: list[int], n: int) -> Rollout:
     pick = lambda values: None if values is None else [values[r] for r in rows]  # noqa: E731
     return Rollout(pick(roll.prompt_ids), pick(roll.response_ids), pick(roll.texts), pick(roll.rewards),
                    {k: pick(v) for k, v in roll.reward_metrics.items()}, pick(roll.log_probs),
-                   answers=pick(roll.answers), loss_masks=pick(roll.loss_masks), rollout_metrics=roll.rollout_metrics)
+                   answers=pick(roll.answers), loss_masks=pick(roll.loss_masks), rollout_metrics=roll.rollout_metrics,
+                   images=pick(roll.images))
 
 
 def concat_rollouts(parts: list[Rollout]) -> Rollout:
@@ -48,10 +49,12 @@ def concat_rollouts(parts: list[Rollout]) -> Rollout:
     log_probs = None if parts[0].log_probs is None else join("log_probs")
     loss_masks = None if parts[0].loss_masks is None else join("loss_masks")
     answers = None if parts[0].answers is None else join("answers")
+    images = None if all(p.images is None for p in parts) else \
+        [x for p in parts for x in (p.images if p.images is not None else [None] * len(p.prompt_ids))]
     keys = parts[0].reward_metrics.keys()
     return Rollout(join("prompt_ids"), join("response_ids"), join("texts"), join("rewards"),
                    {k: [x for p in parts for x in p.reward_metrics.get(k, [])] for k in keys}, log_probs,
-                   answers=answers, loss_masks=loss_masks,
+                   answers=answers, loss_masks=loss_masks, images=images,
                    rollout_metrics={k: [x for p in parts for x in p.rollout_metrics.get(k, [])]
                                     for k in parts[0].rollout_metrics})
 

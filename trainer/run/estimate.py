@@ -115,9 +115,10 @@ class _Lengths:
     """Token counts of the job's prompts and answers, read from its data as the job reads it."""
 
     def __init__(self, cfg) -> None:
-        from ..data.chat import PromptEncoder, example_prompt_tokens
+        from ..data.chat import example_prompt_tokens
         from ..data.sources import build_source, max_answer_tokens
         from ..data.tokenizers import CharTokenizer, load_tokenizer
+        from .job_data import job_encoder  # with the job's processor: image tokens count as the job counts them
 
         self.note = None
         self.turns = None  # with rollout.env: the multi-turn job's lengths (trainer/run/estimate_turns.py)
@@ -128,9 +129,7 @@ class _Lengths:
             tokenizer = CharTokenizer()
             self.note = (f"model.path={cfg.model.path} has no tokenizer: prompt and answer lengths counted in "
                          f"characters (an upper bound for a BPE tokenizer)")
-        encoder = PromptEncoder(tokenizer, cfg.data.apply_chat_template, cfg.data.max_prompt_length,
-                                cfg.data.overlong, cfg.model.path,
-                                grow_vocabulary=cfg.model.path is None or self.note is not None)
+        encoder = job_encoder(cfg, tokenizer, grow_vocabulary=cfg.model.path is None or self.note is not None)
         self.source = build_source(cfg.data, cfg.trainer.seed, encoder, cfg.rollout)
         self.tokenizer = tokenizer
         self.prompt = lambda ex: len(example_prompt_tokens(tokenizer, ex))  # noqa: E731

@@ -19,10 +19,27 @@ from .resume import STATE_FILE
 CRITIC_HEAD_FILE = "value_head.safetensors"  # final/: the critic's head (ModelConfig.value_head_path)
 
 
+def processor_of(engine, tokenizer):
+    """A vision-language model's processor to export beside it: the one its checkpoint holds, else
+    (a tiny preset's) its family's around the character tokenizer; None for a text model."""
+    from ..data.tokenizers import CharTokenizer
+    from ..data.vision import load_processor, tiny_vision_processor
+
+    config = engine.module.config
+    if getattr(config, "vision_config", None) is None:
+        return None
+    source = engine.model_config.path
+    loaded = load_processor(source) if source else None
+    if loaded is None and isinstance(tokenizer, CharTokenizer):
+        return tiny_vision_processor(tokenizer, config)
+    return loaded
+
+
 def export_model(engine, directory: Path, tokenizer, state: dict | None = None, lora: str = "merged",
                  critic=None) -> None:
     """Export ``engine``'s model + ``tokenizer`` to ``directory`` atomically (tmp + rename); a
-    LoRA model as merged weights or (``lora="adapter"``) a peft adapter directory; ``state``
+    LoRA model as merged weights or (``lora="adapter"``) a peft adapter directory, a vision-language
+    model with its processor (:func:`processor_of`); ``state``
     (JSON) as ``STATE_FILE`` beside it; ``critic``'s value head as ``CRITIC_HEAD_FILE``
     (``algo.critic.value_head_path`` of a later run starts its critic's head there). A failed
     write leaves no partial directory; an old ``directory`` that is a symbolic link is
@@ -33,6 +50,11 @@ def export_model(engine, directory: Path, tokenizer, state: dict | None = None, 
         remove_path(tmp)
     try:
         engine.export_hf(str(tmp), tokenizer=tokenizer, lora=lora)
+        processor = processor_of(engine, tokenizer) if rank == 0 else None
+        if processor is not None:
+            # After the tokenizer: the processor's tokenizer files (the vision tokens included) replace
+            # its text-only ones; char_tokenizer.json stays for the trainer (trainer/data/vision.py).
+            processor.save_pretrained(str(tmp))
         if rank == 0:
             if state is not None:
                 (tmp / STATE_FILE).write_text(json.dumps(state))

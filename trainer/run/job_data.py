@@ -19,6 +19,31 @@ from ..data.tokenizers import TOKENIZER_FILE, load_tokenizer
 from ..algos.distill.teacher import check_teacher_tokenizer
 
 
+def job_processor(cfg: JobConfig, tokenizer):
+    """The vision-language model's processor (trainer/data/vision.py): a checkpoint's own, or
+    for a preset its family's built around the character tokenizer; None for a text model."""
+    from ..data.vision import load_processor, tiny_vision_processor
+
+    if cfg.model.path:
+        try:
+            return load_processor(cfg.model.path)
+        except Exception as exc:  # noqa: BLE001 - unreadable processor files: one line naming them
+            raise ConfigError(f"model.path={cfg.model.path}: its processor cannot be loaded: "
+                              f"{' '.join(str(exc).split())[:200]}") from None
+    from polyfsdp.engines.presets import preset_config
+
+    config = preset_config(cfg.model.preset, **dict(cfg.model.overrides))
+    return tiny_vision_processor(tokenizer, config) if getattr(config, "vision_config", None) is not None else None
+
+
+def job_encoder(cfg: JobConfig, tokenizer, grow_vocabulary: bool) -> PromptEncoder:
+    """The job's prompt encoder (trainer/data/chat.py), with the model's processor for prompts
+    with images (built at first use: a preset's wraps the tokenizer once it knows the data)."""
+    return PromptEncoder(tokenizer, cfg.data.apply_chat_template, cfg.data.max_prompt_length, cfg.data.overlong,
+                         cfg.model.path, grow_vocabulary=grow_vocabulary,
+                         processor_factory=lambda: job_processor(cfg, tokenizer))
+
+
 def load_job_data(cfg: JobConfig, out: Path, rank: int, say) -> tuple:
     """``(tokenizer, source, eval_tokens)`` of the job writing to ``out``: ``eval_tokens`` is the
     evaluation's completion budget (the actor's, or the longest answer's for algo=sft)."""
@@ -30,8 +55,7 @@ def load_job_data(cfg: JobConfig, out: Path, rank: int, say) -> tuple:
         tokenizer = load_tokenizer(tokenizer_dir)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
-    encoder = PromptEncoder(tokenizer, cfg.data.apply_chat_template, cfg.data.max_prompt_length,
-                            cfg.data.overlong, cfg.model.path, grow_vocabulary=tokenizer_dir is None)
+    encoder = job_encoder(cfg, tokenizer, grow_vocabulary=tokenizer_dir is None)
     # A file missing on one rank stops every rank; then all must have read the same records.
     source = on_every_rank(lambda: build_source(cfg.data, cfg.trainer.seed, encoder, cfg.rollout))
     check_same_data(source, cfg.data)

@@ -162,7 +162,7 @@ def _assert_one_line_error(proc: subprocess.CompletedProcess, expected: str) -> 
 @pytest.mark.parametrize("overrides,expected", [
     (["engine.use_remov_padding=false"], "engine.use_remov_padding: unknown key"),
     (["engine.pad_mode=sideways"], "engine.pad_mode: got 'sideways'; allowed values: 'no_padding', 'left_right'"),
-    (["model=gpt5"], "model=gpt5: no such option; choose one of llama, qwen2, qwen3"),
+    (["model=gpt5"], "model=gpt5: no such option; choose one of llama, qwen2, qwen2_vl, qwen3"),
 ])
 def test_bad_override_exits_nonzero_with_one_line(overrides, expected, tmp_path):
     proc = _cli(*overrides, f"trainer.output_dir={tmp_path / 'x'}", console_script=overrides[0].startswith("engine.use"))

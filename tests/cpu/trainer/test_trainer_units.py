@@ -140,7 +140,7 @@ def test_parquet_without_a_reader_says_what_to_install(tmp_path, monkeypatch):
     (["+trainer.sft_stepz=1"], "trainer.sft_stepz: unknown key"),
     (["engine.pad_mode=diagonal"], "engine.pad_mode: got 'diagonal'; allowed values: 'no_padding', 'left_right'"),
     (["backend=tpu"], "backend=tpu: no such option; choose one of auto, cpu, cuda, npu"),
-    (["model=gpt5"], "model=gpt5: no such option; choose one of llama, qwen2, qwen3"),
+    (["model=gpt5"], "model=gpt5: no such option; choose one of llama, qwen2, qwen2_vl, qwen3"),
     (["algo.actor.kl_type=k9"], "algo.actor.kl_type: got 'k9'; allowed values: k1, k3"),
     (["trainer.sft_steps=many"], "trainer.sft_steps: expected int, got 'many'"),
     (["engine.lr=1"], "engine.lr: unknown key"),

@@ -22,6 +22,9 @@ class Rollout:
     loss_masks: list[list[int]] | None = None
     # Per-trajectory values of the rollout itself (multi-turn: turns, tool calls, truncations).
     rollout_metrics: dict[str, list[float]] = field(default_factory=dict)
+    # Per row, the Example whose prompt holds images (its pixel_values/image_grid_thw; a
+    # vision-language policy), or None: trainer/data/batch.py carries them into the batches.
+    images: list | None = None
 
     def pairs(self) -> list[tuple]:
         """(prompt, response) per row, with the row's loss mask as a third item when there is one

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from ...data.chat import example_prompt_tokens
 from ...data.example import Example
+from ...errors import ConfigError
 from ...rank_errors import on_every_rank
 from ..engines import Completions, PolicyDecoding, RolloutEngine, SamplingParams
 from .result import Rollout
@@ -34,7 +35,17 @@ class SingleTurnDriver:
         :func:`default_scorer`); ``with_answers``: each completion's answer for majority votes;
         ``prefetched``: the engine's completions of :meth:`prompts`, generated already."""
         prompts = self.prompts(tokenizer, examples, n)
-        out = self.engine.generate(prompts, params, row_seeds) if prefetched is None else prefetched
+        rows = [ex for ex in examples for _ in range(n)]
+        images = rows if any(ex.pixel_values is not None for ex in rows) else None
+        if images is not None and not getattr(self.engine, "takes_images", False):
+            raise ConfigError(f"rollout.engine={self.name}: prompts with images are sampled by rollout.engine=builtin, "
+                              f"hf or auto only (vLLM and servers do not take images yet; docs/vision-language.md)")
+        if prefetched is not None:
+            out = prefetched
+        elif images is not None:
+            out = self.engine.generate(prompts, params, row_seeds, images=images)
+        else:
+            out = self.engine.generate(prompts, params, row_seeds)
         if len(out.token_ids) != len(prompts):
             raise RuntimeError(f"{self.name}: {len(out.token_ids)} completions for {len(prompts)} prompts")
         responses = out.token_ids
@@ -44,7 +55,7 @@ class SingleTurnDriver:
         rewards, extras = on_every_rank(lambda: (scorer or default_scorer()).score_all(examples, texts, responses,
                                                                                         group=n, answers=answers))
         return Rollout(prompts, responses, texts, rewards, extras, out.log_probs if params.return_log_probs else None,
-                       answers)
+                       answers, images=images)
 
 
 def default_driver() -> SingleTurnDriver:
