@@ -118,10 +118,26 @@ def _check_preset_overrides(model: ModelSection) -> None:
     if not isinstance(model.overrides, dict):
         raise ConfigError(f"model.overrides: expected a mapping of Hugging Face config fields, got {model.overrides!r}")
     try:
-        preset_config(model.preset, **dict(model.overrides))
+        config = preset_config(model.preset, **dict(model.overrides))
     except (ValueError, TypeError) as exc:
         text = str(exc)
         raise ConfigError(text if text.startswith("model.") else f"model.overrides: {text}") from None
+    _check_mrope_fits(model, config)
+
+
+def _check_mrope_fits(model: ModelSection, config) -> None:
+    """A vision-language preset rotates by mrope sections that must fill half a head: the text
+    presets' overrides (the default model group's) change the head and break it in the forward."""
+    text = config.get_text_config()
+    sections = (getattr(text, "rope_parameters", None) or {}).get("mrope_section")
+    if not sections or not getattr(text, "num_attention_heads", None):
+        return
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+    if 2 * sum(sections) != head_dim:
+        raise ConfigError(f"model.overrides: give {model.preset} a head of {head_dim} (hidden_size "
+                          f"{text.hidden_size} / {text.num_attention_heads} heads) and its mrope sections "
+                          f"{list(sections)} need {2 * sum(sections)}; the default model group's overrides are a "
+                          f"text preset's: use model=qwen2_vl (model.preset=... for the other families)")
 
 
 def _hf_directory(model: ModelSection) -> str | None:

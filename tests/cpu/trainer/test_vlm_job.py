@@ -169,3 +169,16 @@ def test_a_rollout_engine_without_images_refuses_image_prompts_in_one_line():
     with pytest.raises(ConfigError, match=r"^rollout.engine=vllm: prompts with images are sampled by "
                                           r"rollout.engine=builtin, hf or auto only"):
         SingleTurnDriver(TextOnly()).rollout(CharTokenizer(), [ex], 2, SamplingParams(4, stop_token_ids=(2,)))
+
+
+def test_a_vision_language_preset_under_a_text_presets_overrides_is_one_line_naming_the_fix():
+    """The default model group's overrides (a text preset's head) break the mrope sections in the
+    forward; the configuration check says so before any work, and model=qwen2_vl fits."""
+    from polyfsdp.trainer.config.job import load_config
+    from polyfsdp.trainer.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"^model\.overrides: give qwen2-vl-tiny a head of 24 .* mrope sections "
+                                          r"\[1, 1, 2\] need 8; .* use model=qwen2_vl"):
+        load_config(["model.preset=qwen2-vl-tiny"])
+    for preset in ("qwen2-vl-tiny", "qwen2.5-vl-tiny", "qwen3-vl-tiny"):
+        assert load_config(["model=qwen2_vl", f"model.preset={preset}"]).model.preset == preset
