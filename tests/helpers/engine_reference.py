@@ -186,3 +186,17 @@ def assert_matches_and_rejects_wrong_temperature(got, reference, key, tol, label
         real = reference["right"][key][reference["right"][key] != 0]
         spread = (real.max() - real.min()).item()
         assert spread > 2 * tol, f"{label} entropy spread {spread:.3g} <= 2 x tol: a constant would pass"
+
+
+def built_once_per_key(build):
+    """A module-scoped fixture's body: yields ``get(key)``, which builds ``build(key)`` (an engine
+    and its reference outputs, say) the first time a key is asked for and reuses it after."""
+    built = {}
+
+    def get(key):
+        if key not in built:
+            built[key] = build(key)
+        return built[key]
+
+    yield get
+    built.clear()

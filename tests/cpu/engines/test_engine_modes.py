@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch.distributed.tensor import DTensor
 
-from tests.helpers.engine_reference import (full_state_dict, left_right_batch, no_padding_batch, prompt_lengths,
+from tests.helpers.engine_reference import (built_once_per_key, full_state_dict, left_right_batch, no_padding_batch, prompt_lengths,
                               reference_logprobs, reference_model, sequences)
 from polyfsdp.engines.config import EngineConfig, ModelConfig
 from polyfsdp.engines.engine import FSDPEngine
@@ -39,18 +39,9 @@ class Family:
                 self.expected[name] = reference_logprobs(self.reference, self.seqs, t)
 
 
-_families = {}
-
-
 @pytest.fixture(scope="module")
 def family():
-    def get(preset):
-        if preset not in _families:
-            _families[preset] = Family(preset)
-        return _families[preset]
-
-    yield get
-    _families.clear()
+    yield from built_once_per_key(Family)
 
 
 def _flat_from_caller(out, batch, pad_mode):

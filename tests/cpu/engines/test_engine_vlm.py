@@ -10,7 +10,7 @@ import torch
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
-from tests.helpers.engine_reference import full_state_dict, jagged_of
+from tests.helpers.engine_reference import built_once_per_key, full_state_dict, jagged_of
 from polyfsdp.backends.base import HOST_CU_SEQ_LENS
 from polyfsdp.engines.batch.flat import batch_to_flat
 from polyfsdp.engines.batch.images import mrope_positions
@@ -49,18 +49,9 @@ class Family:
         return batch, self.engine.infer_batch(batch, temperature=TEMPS)
 
 
-_families = {}
-
-
 @pytest.fixture(scope="module")
 def family():
-    def get(preset):
-        if preset not in _families:
-            _families[preset] = Family(preset)
-        return _families[preset]
-
-    yield get
-    _families.clear()
+    yield from built_once_per_key(Family)
 
 
 def _flat(out, batch, pad_mode):
