@@ -22,24 +22,23 @@ logger = logging.getLogger(__name__)
 def write_initial_model(directory: str, preset: str, overrides: dict, tokenizer, seed: int) -> str:
     """Rank 0 writes preset ``preset`` with ``overrides`` (weights from ``seed``) and the
     tokenizer into ``directory``; every rank waits for it. Returns ``directory``."""
-    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+    from polyfsdp.engines.model.builder import auto_class_for
 
     if current_rank() == 0 and not os.path.isfile(os.path.join(directory, "config.json")):
         special = {"vocab_size": tokenizer.vocab_size, "pad_token_id": tokenizer.pad_token_id,
                    "eos_token_id": tokenizer.eos_token_id, "bos_token_id": tokenizer.bos_token_id}
-        vision = getattr(preset_config(preset), "vision_config", None) is not None
-        if vision:
+        plain = preset_config(preset)
+        if getattr(plain, "vision_config", None) is not None:
             # The vision tokens sit at the top of the preset's vocabulary (trainer/data/vision.py):
             # the vocabulary keeps its size while the characters fit below them.
-            special["vocab_size"] = max(tokenizer.vocab_size, preset_config(preset).text_config.vocab_size)
+            special["vocab_size"] = max(tokenizer.vocab_size, plain.text_config.vocab_size)
         # Overrides are user input: Hugging Face rejects some in the config (its own exception
         # types), others only fail in forward (heads that do not divide), so run one token pair.
         try:
             config = preset_config(preset, **{**dict(overrides), **special})
             with torch.random.fork_rng(devices=[]):
                 torch.manual_seed(seed)
-                auto = AutoModelForImageTextToText if vision else AutoModelForCausalLM
-                model = auto.from_config(config, dtype=torch.float32)
+                model = auto_class_for(config).from_config(config, dtype=torch.float32)
                 with torch.no_grad():
                     model(torch.tensor([[tokenizer.eos_token_id] * 2]), use_cache=False)
         except Exception as exc:
