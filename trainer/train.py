@@ -244,33 +244,36 @@ def _main(argv: list[str] | None, starting: SigtermWhileStarting) -> int:
         return _error(ConfigError(line))
     finished = False
     starting.job_starts()
-    try:
-        with job.stop:
+    # The job's SIGTERM flag stays installed until the failure below is reported: a launcher that saw
+    # a peer rank die sends SIGTERM to the survivors, and its default action would end this rank
+    # while it looks for the lost peer, before it said which one.
+    with job.stop:
+        try:
             job.run()
-        finished = True
-    except user_errors as exc:
-        return _error(exc)
-    except Preempted as exc:
-        finished = True  # every rank stopped at the same step boundary
-        if _rank() == 0:
-            _say_stop(f"polyfsdp-train: {exc}; continue with: {continue_command(overrides, job.out, world_size)}")
-        return EXIT_TERMINATED
-    except (KeyboardInterrupt, BrokenPipeError) as exc:
-        # Ctrl-C is how runs are stopped (and a closed output pipe stops it too): say how to
-        # continue instead of a traceback.
-        if _rank() == 0:
-            cause = "" if isinstance(exc, KeyboardInterrupt) else " (the output pipe closed)"
-            _say_stop(f"polyfsdp-train: {_interrupted_line(job)}{cause}; continue with: "
-                      f"{continue_command(overrides, job.out, world_size)}")
-        return EXIT_INTERRUPTED
-    except Exception as exc:
-        line = _known_failure(exc)
-        if line is None:
-            raise
-        return _error(ConfigError(line))
-    finally:
-        if owned_group:
-            destroy_distributed(wait_for_peers=finished)
+            finished = True
+        except user_errors as exc:
+            return _error(exc)
+        except Preempted as exc:
+            finished = True  # every rank stopped at the same step boundary
+            if _rank() == 0:
+                _say_stop(f"polyfsdp-train: {exc}; continue with: {continue_command(overrides, job.out, world_size)}")
+            return EXIT_TERMINATED
+        except (KeyboardInterrupt, BrokenPipeError) as exc:
+            # Ctrl-C is how runs are stopped (and a closed output pipe stops it too): say how to
+            # continue instead of a traceback.
+            if _rank() == 0:
+                cause = "" if isinstance(exc, KeyboardInterrupt) else " (the output pipe closed)"
+                _say_stop(f"polyfsdp-train: {_interrupted_line(job)}{cause}; continue with: "
+                          f"{continue_command(overrides, job.out, world_size)}")
+            return EXIT_INTERRUPTED
+        except Exception as exc:
+            line = _known_failure(exc)
+            if line is None:
+                raise
+            return _error(ConfigError(line))
+        finally:
+            if owned_group:
+                destroy_distributed(wait_for_peers=finished)
     return 0
 
 

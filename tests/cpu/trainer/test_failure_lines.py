@@ -212,6 +212,38 @@ def test_the_startup_sigterm_handler_hands_over_to_the_job_and_is_restored(tmp_p
         signal.signal(signal.SIGTERM, previous)
 
 
+def test_a_sigterm_while_a_lost_peer_is_reported_does_not_end_the_rank_before_its_line(tmp_path, monkeypatch, capsys):
+    """torchrun sends SIGTERM to the survivors as soon as it sees a worker die: the rank that is
+    still looking for which peer was lost must keep the job's flag handler until it said so."""
+    import signal
+
+    from polyfsdp.backends import distributed
+    from polyfsdp.trainer.run import job
+    from polyfsdp.trainer.run.stop import StopRequest
+
+    def collective_fails(self):
+        raise RuntimeError("[gloo/transport/tcp/pair.cc:534] Connection closed by peer [127.0.0.1]:41234")
+
+    handlers = []
+
+    def looking_for_the_peer(exc):
+        handlers.append(signal.getsignal(signal.SIGTERM))
+        if isinstance(getattr(handlers[-1], "__self__", None), StopRequest):  # (the default action would end pytest)
+            signal.raise_signal(signal.SIGTERM)  # the launcher's SIGTERM lands here
+        return "lost rank 1 (pid 4242): its process ended during a collective"
+
+    monkeypatch.setattr(job.Job, "run", collective_fails)
+    monkeypatch.setattr(distributed, "collective_failure", looking_for_the_peer)
+    previous = signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    try:
+        code = main([*FAST, "trainer.sft_steps=1", f"trainer.output_dir={tmp_path / 'out'}"])
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    assert [isinstance(getattr(h, "__self__", None), StopRequest) for h in handlers] == [True]
+    err = _error_lines(capsys)
+    assert code == 2 and err == ["polyfsdp-train: error: lost rank 1 (pid 4242): its process ended during a collective"]
+
+
 @pytest.mark.parametrize("module", ["torch", "transformers"])
 def test_ctrl_c_while_importing_is_one_line_and_status_130(tmp_path, module):
     proc = subprocess.run([sys.executable, "-c", INTERRUPT_AT_IMPORT, module, str(tmp_path / "out")],
