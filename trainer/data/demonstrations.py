@@ -73,8 +73,12 @@ def _message(message, where: str) -> dict:
     calls = plain_value(message.get("tool_calls")) or []
     if content is None and calls:
         content = ""  # OpenAI's format: a turn that only calls tools has no content
+    if isinstance(plain_value(content), list) and role in ("user", "system") and not calls:
+        # Image and text parts (trainer/data/images.py checks them where the prompt is read).
+        return {"role": role, "content": [plain_value(part) for part in plain_value(content)]}
     if not isinstance(content, str):
-        raise DemonstrationError(f"{where} 'content' must be text, got {type(content).__name__}")
+        kind = "text" if role in ("assistant", "tool") else "text or a list of image and text parts"
+        raise DemonstrationError(f"{where} 'content' must be {kind}, got {type(content).__name__}")
     if calls and role != "assistant":
         raise DemonstrationError(f"{where} has 'tool_calls' but role {role!r}; only assistant turns call tools")
     if not isinstance(calls, list):
@@ -102,6 +106,10 @@ def read_conversation(value) -> tuple[dict, ...]:
     if "tool" in roles[:first]:
         raise DemonstrationError(f"field {field} message {roles.index('tool')} is a tool result before any "
                                  f"assistant turn called a tool")
+    later = next((i for i in range(first, len(conversation)) if not isinstance(conversation[i]["content"], str)), None)
+    if later is not None:
+        raise DemonstrationError(f"field {field} message {later} holds image parts after the first assistant turn; only "
+                                 f"the prompt's messages (before it) may hold images")
     return conversation
 
 
@@ -118,7 +126,8 @@ def final_answer(conversation) -> str:
 def unused_demonstrations_note(examples, env) -> str | None:
     """A note when records carry demonstrations but no ``rollout.env`` is set: SFT then trains
     prompt -> final answer only, which a user who wrote conversations likely did not intend."""
-    if env or not any(ex.conversation for ex in examples):
+    # A single exchange (the prompt's messages, then one assistant answer) is what SFT trains anyway.
+    if env or not any(ex.conversation and len(ex.conversation) > len(opening(ex.conversation)) + 1 for ex in examples):
         return None
     return (f"data: the records' {MESSAGES_FIELD!r} conversations are not trained on without rollout.env: SFT "
             f"trains each prompt -> its final answer; set rollout.env (and rollout.max_turns) to train the "

@@ -146,7 +146,7 @@ def _messages(value, where: str, key: str) -> tuple:
     for i, message in enumerate(value):
         message = plain_value(message)
         if isinstance(message, dict) and isinstance(message.get("role"), str) \
-                and isinstance(plain_value(message.get("content")), list):
+                and isinstance(plain_value(message.get("content")), (list, tuple)):
             out.append({"role": message["role"], "content": content_parts(message["content"], where, key, i)})
             continue
         if not (isinstance(message, dict) and isinstance(message.get("role"), str)
@@ -173,8 +173,9 @@ def _record(raw, where: str, prompt_key: str, answer_key: str | None, base_dir: 
         except DemonstrationError as exc:
             raise DataError(f"{where}: {exc}") from None
     found, prompt = _lookup(raw, prompt_key)
+    prompt_field = prompt_key
     if not found and conversation is not None:
-        found, prompt = True, list(opening(conversation))
+        found, prompt, prompt_field = True, list(opening(conversation)), MESSAGES_FIELD
     if not found:
         raise DataError(f"{where}: missing field {prompt_key!r} (record has {sorted(raw)}); set "
                         f"data.prompt_key to the name your file uses")
@@ -194,7 +195,7 @@ def _record(raw, where: str, prompt_key: str, answer_key: str | None, base_dir: 
     if images and isinstance(prompt, str):
         prompt = [{"role": "user", "content": prompt}]  # the images go in front of its text
     if isinstance(prompt, list):
-        messages = place_images(_messages(prompt, where, prompt_key), len(images), where, prompt_key)
+        messages = place_images(_messages(prompt, where, prompt_field), len(images), where, prompt_field)
         prompt = "\n".join(message_text(m) for m in messages)
     for name, value in ((prompt_key, prompt), (key, answer)):
         if isinstance(value, bool) or not isinstance(value, (str, int, float)):
@@ -323,7 +324,7 @@ def tokenized_text(ex: Example) -> str:
     demonstration conversation's contents."""
     messages = [{**m, "content": message_text(m)} for m in ex.messages or ()]  # image parts hold no characters
     text = (CharTokenizer.chat_text(messages) if messages else ex.prompt) + ex.answer
-    return text + "".join(m["content"] for m in ex.conversation or ())
+    return text + "".join(message_text(m) for m in ex.conversation or ())
 
 
 NEW_TOKENIZER_FIX = "use model.path=DIR with a tokenizer that covers them"

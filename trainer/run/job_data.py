@@ -59,6 +59,12 @@ def load_job_data(cfg: JobConfig, out: Path, rank: int, say) -> tuple:
     # A file missing on one rank stops every rank; then all must have read the same records.
     source = on_every_rank(lambda: build_source(cfg.data, cfg.trainer.seed, encoder, cfg.rollout))
     check_same_data(source, cfg.data)
+    if cfg.rollout.env or cfg.rollout.agent:  # before any model is built: its conversations are text
+        from ..rollout.drivers.result import refuse_images
+
+        key = "rollout.agent" if cfg.rollout.agent else "rollout.env"
+        refuse_images([*getattr(source, "train_examples", ()), *getattr(source, "eval_examples", ())], key,
+                      cfg.rollout.agent or cfg.rollout.env)
     note = unused_demonstrations_note(getattr(source, "train_examples", ()), cfg.rollout.env)
     if note:
         say(note)

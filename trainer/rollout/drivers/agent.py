@@ -47,6 +47,7 @@ from ...rewards.reward_fn import user_frame
 from ..environments import EnvStep, is_finite_reward, parse_tool_calls
 from .agent_server import MODEL_NAME, AgentServer, prompt_text
 from .multi_turn import ChatTurns, MultiTurnDriver, TextTurns, Trajectory
+from .result import refuse_images
 
 API_KEY = "polyfsdp-local"  # the endpoint checks no key; clients insist on one
 logger = logging.getLogger(__name__)
@@ -306,6 +307,7 @@ class AgentDriver(MultiTurnDriver):
 
     def start(self, examples, n: int, tokenizer):
         """Every agent starts at once (each on its thread), then their first requests are read."""
+        refuse_images(examples, self.label_key, self.settings.env)
         if self.server is None:
             self.server = AgentServer()
         envs = []

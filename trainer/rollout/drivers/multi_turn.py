@@ -31,7 +31,7 @@ from ...rank_errors import on_every_rank
 from ...rewards.timeout import CallDeadline
 from ..row_seeds import turn_seed
 from ...rewards.reward_fn import MAX_ABS_REWARD, call_user_code
-from .result import Rollout
+from .result import Rollout, refuse_images
 
 # A placeholder exchange: the tokens the template puts around an environment turn are the
 # difference between rendering it after this exchange and rendering the exchange alone.
@@ -174,6 +174,7 @@ class MultiTurnDriver:
         """``n`` fresh conversations per example (the environment's ``reset``, its prompt tokens),
         each with its renderer (``Trajectory.render``); the SFT phase starts its demonstrations
         here too (trainer/algos/tool_sft.py), so both tokenize a conversation alike."""
+        refuse_images(examples, self.label_key, self.settings.env)
         trajectories, turns = [], None
         for example in examples:
             for _ in range(n):

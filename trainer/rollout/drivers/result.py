@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from ...errors import ConfigError
+
 
 @dataclass
 class Rollout:
@@ -32,3 +34,14 @@ class Rollout:
         if self.loss_masks is None:
             return list(zip(self.prompt_ids, self.response_ids))
         return list(zip(self.prompt_ids, self.response_ids, self.loss_masks))
+
+
+def refuse_images(examples, key: str, name: str) -> None:
+    """A one-line ConfigError naming the first of ``examples`` whose prompt holds images: the
+    conversations of ``key`` (``rollout.env`` or ``rollout.agent``) ``name`` are text, so the policy
+    would be trained on them without ever seeing the images."""
+    held = next((ex for ex in examples if getattr(ex, "images", None)), None)
+    if held is not None:
+        raise ConfigError(f"{key}={name}: {held.where or 'a record'} holds images, and multi-turn conversations are "
+                          f"text only (the images would be dropped); train prompts with images without {key}, "
+                          f"single-turn (docs/vision-language.md)")

@@ -79,6 +79,59 @@ def test_image_parts_place_images_where_the_content_says(image_dir):
     assert ex.prompt == "count\nleft  right "
 
 
+def test_a_demonstration_with_image_parts_is_an_image_prompt_and_its_answer(image_dir):
+    """TRL's and verl's SFT layout: only ``messages`` (the prompt's user turn with image parts, the
+    assistant's answer) and the images; SFT then trains prompt -> answer with the pixels."""
+    from polyfsdp.trainer.data.demonstrations import unused_demonstrations_note
+
+    messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "how many?"}]},
+                {"role": "assistant", "content": "2"}]
+    ex, = read_jsonl(write_jsonl(image_dir / "sft.jsonl", [{"messages": messages, "images": ["pics/a.png"]}]))
+    assert ex.messages == ({"role": "user", "content": ({"type": "image"}, {"type": "text", "text": "how many?"})},)
+    assert ex.prompt == "how many?" and ex.answer == "2" and len(ex.images) == 1
+    assert unused_demonstrations_note([ex], None) is None  # one exchange: what SFT trains anyway
+    encoded = PromptEncoder(CharTokenizer(), processor=tiny_vision_processor(CharTokenizer(), preset_config(
+        "qwen2-vl-tiny"))).encode(ex)
+    assert encoded.image_grid_thw.tolist() == [[1, 2, 4]] and VLM_TOKENS["image_token_id"] in encoded.prompt_ids
+
+
+@pytest.mark.parametrize("messages, message", [
+    ([{"role": "user", "content": [{"type": "image"}]}, {"role": "assistant", "content": [{"type": "text", "text": "2"}]}],
+     "field 'messages' message 1 'content' must be text, got list"),
+    ([{"role": "user", "content": [{"type": "image"}]}, {"role": "assistant", "content": "2"},
+      {"role": "user", "content": [{"type": "image"}]}, {"role": "assistant", "content": "3"}],
+     "field 'messages' message 2 holds image parts after the first assistant turn"),
+    ([{"role": "user", "content": [{"type": "video"}]}, {"role": "assistant", "content": "2"}],
+     "field 'messages' message 0 part 0 must be"),
+    ([{"role": "user", "content": [{"type": "image"}, {"type": "image"}]}, {"role": "assistant", "content": "2"}],
+     "field 'messages' has 2 image parts, but the record gives 1 images"),
+])
+def test_malformed_image_demonstrations_are_one_line(image_dir, messages, message):
+    path = write_jsonl(image_dir / "bad.jsonl", [{"messages": messages, "images": ["pics/a.png"]}])
+    with pytest.raises(DataError) as info:
+        read_jsonl(path)
+    text = str(info.value)
+    assert "\n" not in text and text.startswith(f"{path} line 1: ") and message in text, text
+
+
+def test_multi_turn_conversations_refuse_prompts_with_images(image_dir, tmp_path):
+    """A conversation's messages are text: an environment or agent would train without the pixels."""
+    from polyfsdp.trainer.errors import ConfigError
+    from polyfsdp.trainer.rollout.drivers.multi_turn import MultiTurnDriver, MultiTurnSettings
+    from polyfsdp.trainer.rollout.engines import PolicyDecoding
+    from polyfsdp.trainer.train import main
+
+    path = write_jsonl(image_dir / "mt.jsonl", [record(), record(images=["pics/a.png"])])
+    driver = MultiTurnDriver(PolicyDecoding(), MultiTurnSettings("calculator", {}, 2, None, False), None)
+    with pytest.raises(ConfigError, match=r"^rollout.env=calculator: .*mt.jsonl line 2 holds images, and multi-turn "
+                                          r"conversations are text only"):
+        driver.start(read_jsonl(path), 1, CharTokenizer())
+    # The job says it before building any model.
+    assert main(["model=qwen2_vl", "data=jsonl", f"data.path={path}", "data.eval_size=1", "rollout.env=calculator",
+                 f"trainer.output_dir={tmp_path / 'out'}"]) == 2
+    assert not (tmp_path / "out" / "init_model").exists()
+
+
 def test_parquet_images_as_bytes_and_datasets_structs(tmp_path):
     pyarrow = pytest.importorskip("pyarrow")
     import pyarrow.parquet as pq

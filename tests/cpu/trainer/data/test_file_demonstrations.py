@@ -106,7 +106,7 @@ class _Fixed:
     ([{"role": "user", "content": "q"}, {"role": "robot", "content": "a"}],
      "field 'messages' message 1 has role 'robot'; expected one of system, user, assistant, tool"),
     ([{"role": "user", "content": 3}, {"role": "assistant", "content": "a"}],
-     "field 'messages' message 0 'content' must be text, got int"),
+     "field 'messages' message 0 'content' must be text or a list of image and text parts, got int"),
     ([{"role": "user", "content": "q"}, "a"], "field 'messages' message 1 must be an object"),
     ([{"role": "user", "content": "q"}, {"role": "assistant", "content": None, "tool_calls": [{"function": {}}]}],
      "field 'messages' message 1 tool call 0 must be {\"function\": {\"name\": text"),
@@ -183,6 +183,10 @@ def test_demonstrations_without_an_environment_are_named_as_unused(tmp_path):
     assert "not trained on without rollout.env" in unused_demonstrations_note(examples, None)
     assert unused_demonstrations_note(examples, "calculator") is None
     assert unused_demonstrations_note([Example("p", "a")], None) is None
+    # One exchange (the prompt's messages, then the answer) is what SFT trains without an environment.
+    single = _read(_write(tmp_path / "single.jsonl", [{"messages": [{"role": "user", "content": "17*23"},
+                                                                   {"role": "assistant", "content": "391"}]}]))
+    assert unused_demonstrations_note(single, None) is None
 
 
 def test_the_docs_demonstration_record_reads_as_written(tmp_path):
