@@ -68,6 +68,10 @@ class Backend(ABC):
 
     # The vLLM build for this device (trainer/rollout/vllm_adapter.py names it in the install hint).
     vllm_package: str = "vllm"
+    # Whether vLLM may split a prompt's prefill over steps (chunked prefill) while requests carry
+    # their own seeds (polyfsdp's always do): it then rewinds a request's generator, which needs
+    # a generator with an offset.
+    vllm_chunked_prefill: bool = True
     # Rollout servers (trainer/rollout/servers/): the environment variable that gives a server its
     # devices (rollout.server.devices), and the weight-transfer backend that pushes the trainer's
     # weights to them: polyfsdp_cpu moves bytes through host memory over gloo, which works with every

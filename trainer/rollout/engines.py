@@ -73,6 +73,9 @@ class RolloutEngine:
     samples_beside_training = False
     # True where generate() takes prompts with images (``images=``: one Example or None per prompt).
     takes_images = False
+    # Builds the policy's processor (trainer/data/vision.py), for engines that process images themselves
+    # (vLLM's): the job sets it.
+    processor_factory: Callable | None = None
     weight_version = 0               # syncs done
     last_sync_s: float | None = None
 

@@ -33,6 +33,12 @@ class StartOptions:
     max_model_len: int | None = None
     max_num_seqs: int | None = None
     enable_sleep_mode: bool = False
+    # False: every prompt is prefilled in one step (the backend's vllm_chunked_prefill); vLLM's
+    # per-step token budget is then raised to hold ``positions`` (the model's longest sequence).
+    chunked_prefill: bool = True
+    positions: int | None = None
+    tokenizer: bool = False   # a vision-language model's processor needs its tokenizer
+    max_images: int = 0       # images per prompt (a vision-language model; videos: none)
 
 
 def import_vllm(install: str):
@@ -77,11 +83,16 @@ def start(options: StartOptions, install: str):
                                            ("kv_cache_memory_bytes", options.kv_cache_bytes),
                                            ("max_model_len", options.max_model_len),
                                            ("max_num_seqs", options.max_num_seqs)) if value is not None}
+    if not options.chunked_prefill:
+        extra.update(unchunked_prefill(options.max_model_len or options.positions))
+    if options.max_images:
+        extra["limit_mm_per_prompt"] = {"image": options.max_images, "video": 0}
     try:
         with torch.random.fork_rng(devices=[]), _dropping(_RENDERER_LOGGER, tokenizerless_warmup_failure):
             # generation_config="vllm": sample with our parameters only, not the checkpoint's defaults.
             return vllm.LLM(model=options.model_dir, dtype=options.dtype, seed=options.seed, enforce_eager=True,
-                            skip_tokenizer_init=True, logprobs_mode="processed_logprobs", generation_config="vllm",
+                            skip_tokenizer_init=not options.tokenizer, logprobs_mode="processed_logprobs",
+                            generation_config="vllm",
                             enable_sleep_mode=options.enable_sleep_mode, **extra)
     except ConfigError:
         raise
@@ -91,22 +102,48 @@ def start(options: StartOptions, install: str):
         torch.set_num_threads(threads)
 
 
-def sample(llm, prompts: list[list[int]], params, seeds: list[int]) -> tuple[list[list[int]], list[list[float]] | None]:
+def vllm_prompt(ids: list[int], images: list | None, image_token_id: int | None) -> dict:
+    """A request's prompt: token ids, and a prompt's images as vLLM takes them, with each image's
+    run of image tokens written as one (vLLM's processor repeats it once per image token itself;
+    a run already repeated would be repeated again)."""
+    if not images:
+        return {"prompt_token_ids": list(ids)}
+    collapsed = [t for i, t in enumerate(ids) if not (t == image_token_id and i > 0 and ids[i - 1] == image_token_id)]
+    return {"prompt_token_ids": collapsed, "multi_modal_data": {"image": list(images)}}
+
+
+# vLLM's per-step token budget where it sets none of its own (its default on CPU).
+DEFAULT_STEP_TOKENS = 4096
+
+
+def unchunked_prefill(max_model_len: int | None) -> dict:
+    """vLLM's settings that prefill every prompt whole: no chunked prefill, and a per-step token
+    budget that holds the longest prompt (vLLM refuses less)."""
+    return {"enable_chunked_prefill": False, "max_num_batched_tokens": max(DEFAULT_STEP_TOKENS, max_model_len or 0)}
+
+
+def sample(llm, prompts: list[list[int]], params, seeds: list[int], images: list | None = None,
+           image_token_id: int | None = None, allowed_token_ids: list[int] | None = None
+           ) -> tuple[list[list[int]], list[list[float]] | None]:
     """Completions of ``prompts`` sampled as ``params`` (the engines' SamplingParams: greedy is
     temperature 0; top-p, top-k and repetition penalty are vLLM's own, defined as ours,
     trainer/rollout/controls/logits_shaping.py), each request with its own seed, ending at and including
     a stop token when one is produced; with ``params.return_log_probs`` each token's log-prob
     under the distribution it was drawn from. Stop strings need a tokenizer, which this engine
-    runs without: the caller cuts at them (trainer/rollout/controls/stop_strings.py)."""
+    runs without: the caller cuts at them (trainer/rollout/controls/stop_strings.py). ``images``:
+    per prompt its PIL images or None (:func:`vllm_prompt`); ``allowed_token_ids``: the tokens
+    sampling may draw (None: all), the processed log-probs then renormalized over them."""
     from vllm import SamplingParams
 
     want_log_probs = params.return_log_probs
     options = dict(max_tokens=params.max_new_tokens, temperature=0.0 if params.greedy else params.temperature,
                    top_p=params.top_p, top_k=params.top_k, repetition_penalty=params.repetition_penalty,
                    stop_token_ids=list(params.stop_token_ids), logprobs=0 if want_log_probs else None,
-                   detokenize=False, skip_special_tokens=False)
+                   detokenize=False, skip_special_tokens=False, allowed_token_ids=allowed_token_ids)
     requests = [SamplingParams(seed=seed, **options) for seed in seeds]
-    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], requests, use_tqdm=False)
+    images = images or [None] * len(prompts)
+    outputs = llm.generate([vllm_prompt(p, i, image_token_id) for p, i in zip(prompts, images)], requests,
+                           use_tqdm=False)
     completions, log_probs = [], []
     for out in outputs:
         done = out.outputs[0]
@@ -116,13 +153,17 @@ def sample(llm, prompts: list[list[int]], params, seeds: list[int]) -> tuple[lis
     return completions, (log_probs if want_log_probs else None)
 
 
-def prompt_log_probs(llm, ids: list[int]) -> list[float]:
-    """``log p(ids[t] | ids[:t])`` for t >= 1 at temperature 1 (vLLM's prompt log-probs)."""
+def prompt_log_probs(llm, ids: list[int], images: list | None = None, image_token_id: int | None = None) -> list[float]:
+    """``log p(ids[t] | ids[:t])`` for t >= 1 at temperature 1 (vLLM's prompt log-probs); ``images``:
+    the prompt's (:func:`vllm_prompt`), whose image tokens vLLM's processor must count as ``ids`` do."""
     from vllm import SamplingParams
 
     # Seeded: the one token it samples must not draw from the global generator.
     params = SamplingParams(max_tokens=1, temperature=1.0, prompt_logprobs=0, detokenize=False, seed=0)
-    out = llm.generate([{"prompt_token_ids": list(ids)}], params, use_tqdm=False)[0]
+    out = llm.generate([vllm_prompt(ids, images, image_token_id)], params, use_tqdm=False)[0]
+    if list(out.prompt_token_ids) != list(ids):
+        raise ValueError(f"vLLM's processor gave the prompt's images {list(out.prompt_token_ids).count(image_token_id)} "
+                         f"image tokens, the trainer's processor {list(ids).count(image_token_id)}")
     return [step[tok].logprob for step, tok in zip(out.prompt_logprobs[1:], ids[1:])]
 
 
@@ -264,8 +305,10 @@ def _dropping(logger_name: str, match):
 
 
 def reset_prefix_cache(llm) -> None:
-    """Drop cached prompt KV: it was computed with the previous weights."""
+    """Drop what was computed with the previous weights: cached prompt KV, and the vision
+    encoder's outputs, which vLLM reuses for an image it has seen before."""
     llm.reset_prefix_cache()
+    llm.llm_engine.reset_encoder_cache()
 
 
 def sleep(llm, level: int) -> None:

@@ -50,7 +50,7 @@ from ..rollout.flat_sampling import flat_sampling_warning
 from ..evaluation.generations_log import GENERATIONS_FILE, GenerationsLog
 from ..output_dir_lock import hold_output_dir
 from .checkpoints import JobCheckpoints
-from .job_data import load_job_data
+from .job_data import job_processor, load_job_data
 from ..tracking.metrics import METRICS_FILE, MetricsLogger
 from ..tracking.plot import CURVES_FILE
 from .export import export_model
@@ -106,7 +106,8 @@ class Job(SigtermStops):
         self.sample_ahead: SampleAhead | None = None  # rollout.max_staleness > 0: the RL phase's pipeline
         # One rollout engine for the job (vLLM's follows the policy across phases; servers log to the run), its driver.
         rollout_engine = build_rollout_engine(cfg.rollout, self.backend, lora=cfg.model.model_config().lora.enabled,
-                                              log_dir=str(self.out / "rollout_servers"))
+                                              log_dir=str(self.out / "rollout_servers"),
+                                              processor_factory=lambda: job_processor(cfg, self.tokenizer))
         self.driver = build_rollout_driver(cfg.rollout, rollout_engine, max_positions=model_max_positions(cfg.model))
         self.t0 = time.perf_counter()
         self.stop = StopRequest()       # train.main installs it around run()

@@ -39,7 +39,7 @@ class SingleTurnDriver:
         images = rows if any(ex.pixel_values is not None for ex in rows) else None
         if images is not None and not getattr(self.engine, "takes_images", False):
             raise ConfigError(f"rollout.engine={self.name}: prompts with images are sampled by rollout.engine=builtin, "
-                              f"hf or auto only (vLLM and servers do not take images yet; docs/vision-language.md)")
+                              f"hf, auto or vllm (rollout servers do not take images yet; docs/vision-language.md)")
         if prefetched is not None:
             out = prefetched
         elif images is not None:

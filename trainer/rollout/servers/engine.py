@@ -105,7 +105,8 @@ class ServerRolloutEngine(RolloutEngine):
                                   self.backend.server_weight_transfer,
                                   gpu_memory_utilization=self._memory_share(kv_mb),
                                   kv_cache_bytes=kv_mb << 20 if kv_mb else None, max_model_len=self.vllm.max_model_len,
-                                  max_num_seqs=self.vllm.max_num_seqs, extra_args=s.extra_args)
+                                  max_num_seqs=self.vllm.max_num_seqs, extra_args=s.extra_args,
+                                  chunked_prefill=self.backend.vllm_chunked_prefill)
             devices = None if s.devices is None else s.devices[i]
             env = server_environment(devices, self.backend.server_devices_variable)
             process = ServerProcess(i, launch, env, os.path.join(log_dir, f"server_{i}.log"), s.request_timeout_s,

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 
 from . import gloo_wire
 from .http import ServerError, ServerHttp
+from ..vllm_adapter import unchunked_prefill
 
 SERVED_MODEL_NAME = "polyfsdp-policy"
 LOG_TAIL_LINES = 400
@@ -43,6 +44,7 @@ class ServerLaunch:
     extra_args: list[str] = field(default_factory=list)
     served_model_name: str = SERVED_MODEL_NAME
     text: bool = False  # True: the server loads the model's tokenizer and takes text (a reward judge's)
+    chunked_prefill: bool = True  # False: every prompt prefilled whole (the backend's vllm_chunked_prefill)
 
     def command(self, python: str = sys.executable) -> list[str]:
         cmd = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", self.model_dir,
@@ -57,7 +59,20 @@ class ServerLaunch:
                             ("--max-model-len", self.max_model_len), ("--max-num-seqs", self.max_num_seqs)):
             if value is not None:
                 cmd += [flag, str(value)]
+        if not self.chunked_prefill:
+            budget = unchunked_prefill(self.max_model_len or model_positions(self.model_dir))
+            cmd += ["--no-enable-chunked-prefill", "--max-num-batched-tokens", str(budget["max_num_batched_tokens"])]
         return cmd + list(self.extra_args)
+
+
+def model_positions(model_dir: str) -> int | None:
+    """The longest sequence the checkpoint in ``model_dir`` holds (its config's, or its text config's)."""
+    try:
+        with open(os.path.join(model_dir, "config.json")) as fh:
+            config = json.load(fh)
+    except (OSError, ValueError):
+        return None
+    return config.get("max_position_embeddings") or (config.get("text_config") or {}).get("max_position_embeddings")
 
 
 def server_environment(devices: str | None, devices_variable: str | None) -> dict[str, str]:
@@ -201,7 +216,8 @@ def main(argv: list[str] | None = None) -> int:
         share = host_memory_share(model_dir, kv_mb, backend.memory_capacity_bytes())
     launch = ServerLaunch(model_dir, args.port, args.host, args.dtype, args.tensor_parallel_size,
                           args.weight_transfer or backend.server_weight_transfer, gpu_memory_utilization=share,
-                          kv_cache_bytes=kv_mb << 20 if kv_mb else None, extra_args=extra)
+                          kv_cache_bytes=kv_mb << 20 if kv_mb else None, extra_args=extra,
+                          chunked_prefill=backend.vllm_chunked_prefill)
     env = {**os.environ, **server_environment(None, None)}
     cmd = launch.command()
     print(" ".join(cmd), flush=True)

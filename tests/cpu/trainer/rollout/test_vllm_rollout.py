@@ -141,6 +141,20 @@ def test_a_row_seed_draws_the_same_completion_in_any_batch(engines):
     assert first + second[::-1] == rows
 
 
+def test_a_rollout_past_vllms_step_token_budget_samples_each_row_as_alone(engines):
+    """More prompt tokens than vLLM prefills in one step (4096), each request with its row seed: on
+    CPU a prefill vLLM split over steps stopped the rollout ("CPU Generator does not use offset"),
+    so there every prompt is prefilled whole (backends' vllm_chunked_prefill)."""
+    policy, vllm = engines("qwen2-tiny")
+    prompts = [[TOK.bos_token_id] + TOK.encode(("abcdefgh" * 8)[i % 8:][:60]) for i in range(80)]
+    assert sum(map(len, prompts)) > 4096
+    seeds = RowSeeds(9, 1).rows(0, len(prompts), 1)
+    sampled = SamplingParams.for_tokenizer(TOK, 4)
+    rows = _synced_generate(vllm, policy, prompts, sampled, seeds).token_ids
+    alone = vllm.generate(prompts[-3:], sampled, seeds[-3:]).token_ids
+    assert rows[-3:] == alone
+
+
 def test_greedy_with_a_repetition_penalty_and_a_stop_string_equals_the_builtin_loop(engines):
     """vLLM's own repetition penalty (defined as ours, trainer/rollout/controls/logits_shaping.py) picks
     the same greedy tokens; a stop string (vLLM runs without a tokenizer) cuts at the same one."""
