@@ -19,8 +19,9 @@ its images, ``merge^2`` per image token. Autograd keeps, per patch (:func:`saved
   and the activation's outputs (e each per patch).
 
 With ``freeze_vision`` nothing before the mergers needs a gradient, so autograd records no
-block at all; the mergers still train and keep their norm's input (a LayerNorm saves it for its
-weight's gradient; the RMSNorm only its normalised value) and their hidden tensors. Counted
+block at all (and the engine does not checkpoint frozen blocks); the mergers still train and
+keep their norm's input (a LayerNorm saves it for its weight's gradient; the RMSNorm only its
+normalised value) and their hidden tensors. Counted
 against ``torch.autograd.graph.saved_tensors_hooks`` on the three tiny presets
 (tests/cpu/engines/test_memory_vision.py): within 0.5% in float32, frozen or not (Qwen2.5-VL's
 int64 window indices, a few bytes per image token, are left out), 2% in bfloat16.
@@ -93,8 +94,8 @@ def block_saved_per_patch(shape: TowerShape, compute_bytes: int) -> float:
 def saved_per_patch(shape: TowerShape, compute_bytes: int, frozen: bool, checkpointed: bool = False) -> float:
     """Bytes autograd keeps per image patch for the tower's backward (module docstring).
     ``checkpointed`` (engine.gradient_checkpointing, which transformers applies to the tower's
-    blocks too): each block keeps only its input, frozen or not (the checkpoint holds its
-    inputs whether or not a gradient will flow into it), and the rotary cos and sin."""
+    blocks too): each trained block keeps only its input, and the rotary cos and sin (frozen
+    blocks are not checkpointed: engines/parallel/fsdp.py)."""
     e = shape.width
     hidden = 2 * e * compute_bytes  # fc1's and the activation's outputs (merge^2 e wide per token)
     # The projection normalises each patch's e-wide row; Qwen3-VL's deepstack mergers normalise
@@ -102,17 +103,12 @@ def saved_per_patch(shape: TowerShape, compute_bytes: int, frozen: bool, checkpo
     mergers = _norm(shape, compute_bytes, not frozen) + hidden + \
         (shape.mergers - 1) * (_norm(shape, compute_bytes, not frozen, 1 / shape.merge ** 2) + hidden)
     rotary = 2 * (e // shape.heads) * FLOAT32
-    # A deepstack merger's input is an inner block's output, which the next block keeps anyway
-    # (counted once there); a frozen tower without checkpointing keeps no block's tensors.
-    inner_inputs = (shape.mergers - 1) * e * compute_bytes
-    if checkpointed:
-        blocks = shape.depth * e * compute_bytes + rotary - inner_inputs
-    elif frozen:
+    if frozen:  # no block keeps anything, a deepstack merger's input included
         return mergers
-    else:
-        blocks = shape.depth * block_saved_per_patch(shape, compute_bytes) + rotary - inner_inputs
-    if frozen:
-        return blocks + mergers
+    # A deepstack merger's input is an inner block's output, which the next block keeps anyway.
+    inner_inputs = (shape.mergers - 1) * e * compute_bytes
+    per_block = e * compute_bytes if checkpointed else block_saved_per_patch(shape, compute_bytes)
+    blocks = shape.depth * per_block + rotary - inner_inputs
     positions = 4 * (INT64 + FLOAT32) if shape.interpolated_positions else 0
     return _pixel_copy(shape, compute_bytes) + positions + blocks + mergers
 

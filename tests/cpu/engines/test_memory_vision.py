@@ -56,7 +56,7 @@ def measured_tower_saved(engine) -> tuple[int, int]:
 
 CASES = [(preset, freeze, "float32", False) for preset in VLM_PRESETS for freeze in (False, True)] + \
     [(preset, False, "bfloat16", False) for preset in VLM_PRESETS] + \
-    [("qwen2-vl-tiny", freeze, "float32", True) for freeze in (False, True)]
+    [(preset, freeze, "float32", True) for preset in ("qwen2-vl-tiny", "qwen3-vl-tiny") for freeze in (False, True)]
 
 
 @pytest.mark.parametrize("preset,freeze,dtype,checkpointing", CASES, ids=lambda v: str(v))
@@ -67,7 +67,7 @@ def test_tower_saved_bytes_equal_what_autograd_keeps(preset, freeze, dtype, chec
     measured, patches = measured_tower_saved(engine)
     tower = ModelMemory(model_config, engine_config).tower
     estimated = tower.saved(patches, checkpointing)
-    if checkpointing:  # the rotary cos and sin a checkpoint holds as its blocks' inputs: counted, not saved
+    if checkpointing and not freeze:  # the rotary cos and sin a checkpoint holds as inputs: counted, not saved
         estimated -= patches * 2 * (tower.shape.width // tower.shape.heads) * 4
     if dtype == "float32" and not freeze:  # the convolution keeps the batch's own pixel rows: no new bytes
         measured -= patches * tower.shape.pixels * 4
@@ -105,3 +105,20 @@ def test_step_estimate_with_images_is_within_30_percent_of_the_measured_rss_rise
     if not freeze:
         without_tower = estimated - out["rows"]["vision tower saved, 1024 patches"]
         assert without_tower / out["measured_rise"] < 0.6
+
+
+@pytest.mark.parametrize("preset", ["qwen2-vl-tiny", "qwen3-vl-tiny"])
+def test_a_frozen_tower_under_checkpointing_keeps_nothing_and_trains_the_same(preset):
+    """engines/parallel/fsdp.py: frozen blocks are not checkpointed and the patch embedding's
+    output no longer requires grad (transformers' hook for reentrant checkpoints): the tower keeps
+    only its mergers' tensors, as without checkpointing, and every gradient is the same."""
+    grads, saved = [], []
+    for checkpointing in (False, True):
+        engine = FSDPEngine(ModelConfig(preset=preset, freeze_vision=True),
+                            EngineConfig(gradient_checkpointing=checkpointing), OptimConfig(lr=1e-3)).initialize()
+        saved.append(measured_tower_saved(engine)[0])
+        grads.append({n: p.grad.clone() for n, p in engine.module.named_parameters() if p.grad is not None})
+    assert saved[0] == saved[1]
+    assert grads[0].keys() == grads[1].keys() and any("merger" in n for n in grads[0])
+    for name, grad in grads[0].items():
+        torch.testing.assert_close(grads[1][name], grad, rtol=1e-6, atol=1e-7)
