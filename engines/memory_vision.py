@@ -9,7 +9,7 @@ its images, ``merge^2`` per image token. Autograd keeps, per patch (:func:`saved
 - the patch embedding's input: the pixel row (``in_channels x temporal x patch^2``, 1176) cast
   to the compute dtype (a float32 tower keeps the batch's own float32 rows: no new bytes);
 - per block: each norm's input and output (LayerNorm: 2e + mean and rstd; Qwen2.5-VL's
-  RMSNorm: 3e + 1/rms), attention's qkv output (3e, its v a view of it), rotated q and k (2e),
+  RMSNorm: its input in float32, the normalised value and output, 1/rms), attention's qkv output (3e, its v a view of it), rotated q and k (2e),
   each image's attention output (e) and log-sum-exp (a float32 per head), the projection's
   input (e); the MLP's hidden tensors: fc1's output and the activation's output (2m;
   quick_gelu, x * sigmoid(1.702x), keeps its sigmoid too: 3m), Qwen2.5-VL's gated MLP 4m;
@@ -21,10 +21,11 @@ its images, ``merge^2`` per image token. Autograd keeps, per patch (:func:`saved
 With ``freeze_vision`` nothing before the mergers needs a gradient, so autograd records no
 block at all (and the engine does not checkpoint frozen blocks); the mergers still train and
 keep their norm's input (a LayerNorm saves it for its weight's gradient; the RMSNorm only its
-normalised value) and their hidden tensors. Counted
-against ``torch.autograd.graph.saved_tensors_hooks`` on the three tiny presets
-(tests/cpu/engines/test_memory_vision.py): within 0.5% in float32, frozen or not (Qwen2.5-VL's
-int64 window indices, a few bytes per image token, are left out), 2% in bfloat16.
+normalised value) and their hidden tensors. With activation checkpointing a trained block keeps
+its input. Counted against ``torch.autograd.graph.saved_tensors_hooks`` on the three tiny
+presets (tests/cpu/engines/test_memory_vision.py): within 0.5% in float32, frozen or not,
+checkpointed or not (Qwen2.5-VL's int64 window indices, a few bytes per image token, are left
+out), 2% in bfloat16.
 
 The tower runs before the decoder and its saved tensors live until the backward reaches it, so
 a training step holds them beside the decoder's; inside its forward the tower also holds one
