@@ -7,6 +7,7 @@ tensors). The child takes one warm-up step, resets the peak RSS (``/proc/self/cl
 runs ``forward_backward`` on one micro-batch of ``--tokens`` tokens and reports the rise of
 the peak over the RSS before it: activations, gradients, logits and FSDP2's gathered
 copies. Usage: ``python benchmarks/memory_table.py [--tokens 2048] [--preset qwen2-small]``.
+``run_vlm_case`` does the same for a vision-language model's step with images (the tower's rows).
 """
 from __future__ import annotations
 
@@ -72,10 +73,54 @@ def child(preset: str, tokens: int, rank: int, checkpointing: bool, fused: bool)
     return {"measured_rise": rise, "rows": estimate.rows}
 
 
+def vlm_child(preset: str, images: int, freeze: bool) -> dict:
+    """A vision-language case, in this process: 4 sequences sharing ``images`` 112x112 images
+    (8x8 patches, 16 image tokens each) beside 64 text tokens each; the measured step rise and
+    the estimate's rows for its tokens and patches."""
+    import torch
+    from tensordict import TensorDict
+
+    from polyfsdp.engines import EngineConfig, FSDPEngine, ModelConfig, OptimConfig, SFTLoss
+    from polyfsdp.engines.jagged import make_jagged
+    from polyfsdp.engines.memory import estimate_memory
+    from polyfsdp.engines.presets import VLM_TOKENS
+
+    torch.set_num_threads(1)
+    model_config, engine_config = ModelConfig(preset=preset, freeze_vision=freeze), EngineConfig()
+    engine = FSDPEngine(model_config, engine_config, OptimConfig(lr=1e-4)).initialize()
+    g = torch.Generator().manual_seed(0)
+    image = [VLM_TOKENS["vision_start_token_id"], *[VLM_TOKENS["image_token_id"]] * 16, VLM_TOKENS["vision_end_token_id"]]
+    per_seq = [images // 4 + (i < images % 4) for i in range(4)]
+    ids = [torch.tensor(image * k + torch.randint(0, 120, (64,), generator=g).tolist()) for k in per_seq]
+    pixels = [torch.randn(64 * k, 1176, generator=g) for k in per_seq]
+    grids = [torch.tensor([[1, 8, 8]] * k, dtype=torch.long).reshape(k, 3) for k in per_seq]
+
+    def jagged(parts):
+        return make_jagged(torch.cat(parts), torch.tensor([0] + [len(p) for p in parts]).cumsum(0))
+
+    batch = TensorDict({"input_ids": jagged(ids), "response_mask": jagged([torch.ones(len(i)) for i in ids]),
+                        "pixel_values": jagged(pixels), "image_grid_thw": jagged(grids)}, batch_size=[4])
+    engine.train_batch(batch, SFTLoss())  # warm-up
+    _, rise = peak_rss_rise(lambda: engine.forward_backward(batch, SFTLoss()))
+    tokens, patches = sum(len(i) for i in ids), 64 * images
+    estimate = estimate_memory(model_config, engine_config, world_size=1, tokens=tokens, host_backend=True,
+                               entropy=False, patches=patches)
+    return {"measured_rise": rise, "rows": estimate.rows, "tokens": tokens, "patches": patches}
+
+
+def run_vlm_case(preset: str, images: int, freeze: bool) -> dict:
+    """:func:`vlm_child` in a fresh child process (as :func:`run_case`)."""
+    return _run_child(["--vlm-child", json.dumps([preset, images, freeze])])
+
+
 def run_case(preset: str, tokens: int, rank: int, checkpointing: bool, fused: bool) -> dict:
     """Run one case in a fresh child process (see the module docstring)."""
+    return _run_child(["--child", json.dumps([preset, tokens, rank, checkpointing, fused])])
+
+
+def _run_child(args: list[str]) -> dict:
     env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536", MALLOC_TRIM_THRESHOLD_="0", OMP_NUM_THREADS="1")
-    command = [sys.executable, __file__, "--child", json.dumps([preset, tokens, rank, checkpointing, fused])]
+    command = [sys.executable, __file__, *args]
     done = subprocess.run(command, env=env, capture_output=True, text=True, check=False)
     if done.returncode != 0:
         raise RuntimeError(f"memory child failed:\n{done.stderr[-3000:]}")
@@ -93,9 +138,13 @@ def main(argv=None) -> list[dict]:
     parser.add_argument("--preset", default="qwen2-small")
     parser.add_argument("--tokens", type=int, default=2048)
     parser.add_argument("--child", default=None)
+    parser.add_argument("--vlm-child", default=None)
     args = parser.parse_args(argv)
     if args.child is not None:
         print(json.dumps(child(*json.loads(args.child))))
+        return []
+    if args.vlm_child is not None:
+        print(json.dumps(vlm_child(*json.loads(args.vlm_child))))
         return []
     print(f"{args.preset}, {args.tokens} tokens in one micro-batch, 1 rank, fp32, CPU; MiB")
     print(f"{'case':<24} {'params':>8} {'grads':>8} {'adam':>8} {'step rise measured':>19} "

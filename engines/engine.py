@@ -37,6 +37,7 @@ from .model.lora import add_adapters, adapters_disabled
 from .losses.inputs import LossInputs, LossNeeds
 from .batch.micro import count_micro_batches, is_placeholder, merge, split
 from .model.builder import build_model
+from .model.vision import patch_cost
 from .parallel.offload import host_grad_norm, offload_policy, optimizer_on_host
 from .model.optim import build_lr_scheduler, build_optimizer, check_master_dtype
 from .parallel.fsdp import gather_fits, gathered, parallelize_model, set_gradient_sync
@@ -260,11 +261,10 @@ class FSDPEngine(CheckpointMixin):
         return TensorDict(out, batch_size=[flat.num_seqs])
 
     def _balance(self, flat: FlatBatch) -> Balanced | None:
-        """With ``balance_dp_tokens`` and several data-parallel replicas: this replica's share
-        of the step's sequences, balanced by tokens (engines/batch/dp_balance.py); else None."""
+        """This replica's share of the step's sequences balanced (balance_dp_tokens, several replicas), else None."""
         if not self.engine_config.balance_dp_tokens or self.topology.dp_size == 1:
             return None
-        return balance(flat, self.topology)
+        return balance(flat, self.topology, patch_cost(self.module))  # a vision tower's work weighs too
 
     def _micro_batches(self, flat: FlatBatch):
         """Split by the token budget; every rank runs as many micro-batches as the busiest

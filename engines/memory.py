@@ -29,6 +29,7 @@ import torch
 
 from .config import TORCH_DTYPES, EngineConfig, LoraConfig, ModelConfig
 from .head.fused import default_chunk_size
+from .memory_vision import tower_memory
 
 MIB = 2 ** 20
 # AdamW keeps exp_avg and exp_avg_sq per parameter, plus a float32 ``step`` per tensor.
@@ -175,14 +176,14 @@ class ModelMemory:
             with torch.device("meta"):
                 install_value_head(model, init_std=0.01, seed=0)
         self.engine_config, self.world_size, self.value_head = engine_config, world_size, value_head
-        # The per-token terms follow the text decoder (a vision-language model's text_config); the
-        # vision tower counts in the state bytes, its activations per image patch do not (yet).
+        # Per-token terms follow the text decoder (text_config); a vision tower's go by patches (memory_vision.py).
         self.hf_config = model.config.get_text_config()
         params = list(model.parameters())
         trainable = [p for p in params if p.requires_grad]
         shard_bytes = lambda ps: sum(shard_numel(p.shape, world_size) * p.element_size() for p in ps)  # noqa: E731
         self.num_params, self.num_trainable = sum(p.numel() for p in params), sum(p.numel() for p in trainable)
         self.compute_bytes = TORCH_DTYPES[engine_config.param_dtype].itemsize
+        self.tower = tower_memory(model, self.compute_bytes, model_config.freeze_vision)
         self.params = shard_bytes(params)
         self.grads = shard_bytes(trainable)
         self.optimizer = ADAM_MOMENTS * self.grads + ADAM_STEP_BYTES * len(trainable)
@@ -239,9 +240,10 @@ class ModelMemory:
             return FUSED_HEAD_BUFFERS * default_chunk_size(tokens, self.vocab) * self.vocab * 4
         return tokens * self.vocab * 4 * tensors
 
-    def activation_rows(self, tokens: int, entropy: bool, checkpointing: bool | None = None) -> dict[str, int]:
-        """A training micro-batch of ``tokens`` tokens: saved activations with and without
-        checkpointing, the head's paths, and the step as configured (last row)."""
+    def activation_rows(self, tokens: int, entropy: bool, checkpointing: bool | None = None,
+                        patches: int = 0) -> dict[str, int]:
+        """A training micro-batch of ``tokens`` tokens and ``patches`` image patches: saved activations
+        with and without checkpointing, the head's paths, the tower's, the step as configured (last row)."""
         layers, saved = self.hf_config.num_hidden_layers, self.saved
         per_token = self.compute_bytes * tokens
         around_layers = saved["embedding"] + saved["final_norm"]
@@ -260,37 +262,42 @@ class ModelMemory:
         head = fused if self.engine_config.use_fused_kernels else unfused
         # The head's backward runs while every saved activation is alive; a checkpointed layer's
         # recompute comes after the head's buffers are freed, so the larger of the two counts.
-        if self.engine_config.gradient_checkpointing if checkpointing is None else checkpointing:
+        checkpointing = self.engine_config.gradient_checkpointing if checkpointing is None else checkpointing
+        if checkpointing:
             step = rows[f"activations saved, {tokens} tokens, checkpointed"] + \
                 max(head, rows["one layer recomputed (checkpointed)"])
         else:
             step = rows[f"activations saved, {tokens} tokens"] + head
+        if patches:  # the tower runs before the decoder's activations exist (its backward after they
+            # are freed); what it saves stays alive through the whole step
+            rows[f"vision tower saved, {patches} patches"] = tower = self.tower.saved(patches, checkpointing)
+            rows["vision tower working set (a block)"] = transient = self.tower.transient(patches, checkpointing)
+            step = max(step, transient) + tower
         rows["step activations + head (as configured)"] = step
         return rows
 
-    def train_step(self, tokens: int, entropy: bool, checkpointing: bool | None = None) -> int:
-        """Activations and head of a training micro-batch of ``tokens`` tokens (as configured, or
-        with ``checkpointing`` on or off), and FSDP2's unsharded copies."""
-        rows = self.activation_rows(tokens, entropy, checkpointing)
+    def train_step(self, tokens: int, entropy: bool, checkpointing: bool | None = None, patches: int = 0) -> int:
+        """Activations and head of a training micro-batch of ``tokens`` tokens and ``patches`` image
+        patches (as configured, or with ``checkpointing`` on or off), and FSDP2's unsharded copies."""
+        rows = self.activation_rows(tokens, entropy, checkpointing, patches)
         return rows["step activations + head (as configured)"] + self.fsdp_forward + self.fsdp_backward
 
-    def inference(self, tokens: int, entropy: bool = False) -> int:
-        """A no-grad forward over ``tokens`` tokens (``infer_batch``, ``infer_values``): one
-        layer's working set and the hidden states, then the head (logits and log-softmax
-        float32, plus exp(log-probs) for the entropy) or the fused head's buffers."""
-        body = self.compute_bytes * tokens * (layer_working_set_per_token(self.hf_config)
-                                              + self.hf_config.hidden_size)
+    def inference(self, tokens: int, entropy: bool = False, patches: int = 0) -> int:
+        """A no-grad forward over ``tokens`` tokens (``infer_batch``, ``infer_values``): one layer's
+        working set and the hidden states (or, before them, a tower block's over ``patches``), then the
+        head (logits and log-softmax float32, plus exp(log-probs) for the entropy) or the fused head's buffers."""
+        body = max(self.compute_bytes * tokens * (layer_working_set_per_token(self.hf_config)
+                                                  + self.hf_config.hidden_size), self.tower.transient(patches))
         return body + self._head(tokens, INFERENCE_LOGITS_TENSORS + int(entropy)) + self.fsdp_forward
 
-    def generation(self, rows: int, prompt_width: int, new_tokens: int) -> int:
-        """Sampling ``new_tokens`` for ``rows`` left-padded prompts of ``prompt_width``: the KV
-        cache at its full size plus the larger of the prefill's layer working set (only the
-        last position's logits are kept) and a decoding step's float32 (rows, vocab) logits,
-        probabilities and log-probs."""
+    def generation(self, rows: int, prompt_width: int, new_tokens: int, patches: int = 0) -> int:
+        """Sampling ``new_tokens`` for ``rows`` prompts of ``prompt_width`` (``patches`` image patches): the KV
+        cache at its full size plus the largest of the prefill's layer working set (only the last position's
+        logits are kept), the tower's and a decoding step's float32 (rows, vocab) logits, probs and log-probs."""
         cache = kv_cache_bytes(self.hf_config, rows, prompt_width + new_tokens, self.compute_bytes)
         prefill = self.compute_bytes * rows * prompt_width * layer_working_set_per_token(self.hf_config)
         step = rows * self.vocab * 4 * INFERENCE_LOGITS_TENSORS + rows * self.vocab * self.compute_bytes
-        return cache + max(prefill, step)
+        return cache + max(prefill, step, self.tower.transient(patches))
 
     def host_state(self, host_backend: bool) -> set[str]:
         """Which of ``params``/``grads``/``optimizer`` live on the host (CPU offload)."""
@@ -324,18 +331,18 @@ STATE_ROWS = {"params": "parameters (sharded, master dtype)", "grads": "gradient
 
 def estimate_memory(model_config: ModelConfig, engine_config: EngineConfig, world_size: int = 1,
                     tokens: int | None = None, host_backend: bool = False, entropy: bool = True,
-                    hf_config=None) -> MemoryEstimate:
+                    hf_config=None, patches: int = 0) -> MemoryEstimate:
     """Per-rank memory of one training micro-batch of ``model_config`` under ``engine_config``
     on ``world_size`` ranks, with ``tokens`` per micro-batch (default: the engine's
     ``max_tokens_per_micro_batch``). ``host_backend``: the CPU backend (offload is a no-op);
-    ``entropy``: the loss needs the entropy (PPO with an entropy bonus; SFT does not).
+    ``entropy``: the loss needs the entropy (PPO with an entropy bonus; SFT does not); ``patches``: image patches.
     A whole job's phases: trainer/run/estimate.py."""
     tokens = engine_config.max_tokens_per_micro_batch if tokens is None else tokens
     if not isinstance(tokens, int) or isinstance(tokens, bool) or tokens < 1:
         raise ValueError(f"tokens: expected an int >= 1 (or set engine.max_tokens_per_micro_batch), got {tokens!r}")
     memory = ModelMemory(model_config, engine_config, world_size, hf_config)
     rows = {STATE_ROWS[key]: getattr(memory, key) for key in STATE_ROWS}
-    rows.update(memory.activation_rows(tokens, entropy))
+    rows.update(memory.activation_rows(tokens, entropy, patches=patches))
     fsdp = memory.fsdp_forward + memory.fsdp_backward
     if fsdp:
         rows[FSDP_ROW] = fsdp
@@ -367,6 +374,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--param-dtype", default="float32", help="compute dtype (FSDP2 mixed precision)")
     parser.add_argument("--world-size", type=int, default=1)
     parser.add_argument("--tokens", type=int, required=True, help="tokens per micro-batch")
+    parser.add_argument("--patches", type=int, default=0, help="image patches per micro-batch (image tokens x merge^2)")
+    parser.add_argument("--freeze-vision", action="store_true", help="model.freeze_vision (the tower's blocks frozen)")
     parser.add_argument("--lora-rank", type=int, default=0)
     parser.add_argument("--lora-targets", default="all-linear", help="all-linear or comma-separated module names")
     parser.add_argument("--offload", default="none", help="none | optimizer | params")
@@ -379,10 +388,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     targets = args.lora_targets if args.lora_targets == "all-linear" else args.lora_targets.split(",")
     model_config = ModelConfig(preset=args.preset, path=args.path, dtype=args.dtype, vocab_size=args.vocab_size,
-                               lora=LoraConfig(rank=args.lora_rank, target_modules=targets))
+                               lora=LoraConfig(rank=args.lora_rank, target_modules=targets),
+                               freeze_vision=args.freeze_vision)
     engine_config = EngineConfig(param_dtype=args.param_dtype, offload=args.offload,
                                  gradient_checkpointing=args.gradient_checkpointing, use_fused_kernels=args.fused)
-    print(estimate_memory(model_config, engine_config, args.world_size, args.tokens).table())
+    print(estimate_memory(model_config, engine_config, args.world_size, args.tokens, patches=args.patches).table())
     return 0
 
 

@@ -7,6 +7,11 @@ lightest replica: micro_batch.plan_micro_batches), the forward runs on the new a
 and per-token outputs travel back to the replica that brought each sequence, in the caller's
 order (the bug class of verl #2185: reordered outputs misaligned with rewards).
 
+A sequence with images also weighs its vision tower's work: ``tokens + patch_cost x patches``
+(engines/model/vision.py: patch_cost; Qwen2-VL-7B 0.098 decoder tokens a patch, so an image token
+weighs 1.39), and the imbalance metrics count those weights. Text-only sequences weigh their
+tokens, exactly as before.
+
 Losses are normalised by the step's global counts, so moving sequences between replicas does
 not change the loss or the summed gradients; it changes which rank waits for which.
 Sequences travel through ``all_gather_object`` on the host: simple, one host round trip per
@@ -33,10 +38,22 @@ def token_imbalance(loads: list[int]) -> float:
     return 1.0 if total == 0 else max(loads) * len(loads) / total
 
 
-def balance_plan(lengths: list[list[int]]) -> list[list[tuple[int, int]]]:
-    """For each replica, the ``(source replica, sequence index)`` pairs it runs, balanced by tokens."""
-    items = [(replica, i) for replica, lens in enumerate(lengths) for i in range(len(lens))]
-    flat_lengths = [lengths[r][i] for r, i in items]
+def sequence_weights(lengths: list[list[int]], patches: list[list[int]] | None = None,
+                     patch_cost: float = 0.0) -> list[list[float]]:
+    """Each replica's sequences' weights: tokens plus ``patch_cost`` per image patch; the token
+    counts themselves (ints) when no sequence holds an image or patches cost nothing."""
+    if not patch_cost or patches is None or not any(any(ps) for ps in patches):
+        return lengths
+    return [[n + patch_cost * p for n, p in zip(lens, ps)] for lens, ps in zip(lengths, patches)]
+
+
+def balance_plan(lengths: list[list[int]], patches: list[list[int]] | None = None,
+                 patch_cost: float = 0.0) -> list[list[tuple[int, int]]]:
+    """For each replica, the ``(source replica, sequence index)`` pairs it runs, balanced by
+    :func:`sequence_weights` (tokens, and image patches at ``patch_cost`` tokens each)."""
+    weights = sequence_weights(lengths, patches, patch_cost)
+    items = [(replica, i) for replica, lens in enumerate(weights) for i in range(len(lens))]
+    flat_lengths = [weights[r][i] for r, i in items]
     groups = plan_micro_batches(flat_lengths, None, num_groups=len(lengths))
     return [[items[j] for j in group] for group in groups]
 
@@ -91,17 +108,19 @@ class Balanced:
     after: float
 
 
-def balance(flat: FlatBatch, topo: Topology) -> Balanced:
-    """Re-assign the step's sequences over the data-parallel replicas of ``topo`` by tokens
-    (the ranks of one replica's SP group hold one batch)."""
+def balance(flat: FlatBatch, topo: Topology, patch_cost: float = 0.0) -> Balanced:
+    """Re-assign the step's sequences over the data-parallel replicas of ``topo`` by tokens, and
+    image patches at ``patch_cost`` tokens each (the ranks of one replica's SP group hold one batch)."""
     replica = topo.replica
     batches = topo.one_per_replica(all_gather_object(_host(flat)))
-    plan = balance_plan([b.seq_lens for b in batches])
+    patches = [None if b.images is None else b.images.patches_per_seq() for b in batches]
+    patches = None if all(p is None for p in patches) else [p or [0] * b.num_seqs for p, b in zip(patches, batches)]
+    weights = sequence_weights([b.seq_lens for b in batches], patches, patch_cost)
+    plan = balance_plan([b.seq_lens for b in batches], patches, patch_cost)
     mine = [_sequence(batches[r], i) for r, i in plan[replica]]
-    lengths = [sum(b.seq_lens) for b in batches]
-    after = [sum(batches[r].seq_lens[i] for r, i in group) for group in plan]
-    return Balanced(_assemble(mine, flat, flat.input_ids.device), plan[replica], token_imbalance(lengths),
-                    token_imbalance(after))
+    after = [sum(weights[r][i] for r, i in group) for group in plan]
+    return Balanced(_assemble(mine, flat, flat.input_ids.device), plan[replica],
+                    token_imbalance([sum(w) for w in weights]), token_imbalance(after))
 
 
 def restore(values: torch.Tensor, balanced: Balanced, original: FlatBatch, topo: Topology) -> torch.Tensor:

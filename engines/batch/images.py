@@ -44,6 +44,11 @@ class ImageInputs:
         first_row = [0, *itertools.accumulate(self.patches)]
         return first_image, first_row
 
+    def patches_per_seq(self) -> list[int]:
+        """Patch rows of each sequence's images (the tower's work on it)."""
+        first_image, first_row = self._image_bounds()
+        return [first_row[first_image[s + 1]] - first_row[first_image[s]] for s in range(len(self.images_per_seq))]
+
     def grids(self, seq: int) -> torch.Tensor:
         """The ``(n, 3)`` grids of sequence ``seq``'s images."""
         first_image, _ = self._image_bounds()

@@ -52,6 +52,19 @@ def plan_micro_batches(lengths: list[int], max_tokens: int | None, num_groups: i
     return groups
 
 
+def micro_batch_sizes(lengths: list[int], max_tokens: int | None, packed: bool = True,
+                      patches: list[int] | None = None) -> list[tuple[int, int, int]]:
+    """``(rows, tokens, image patches)`` of each micro-batch :func:`plan_micro_batches` makes of
+    sequences of ``lengths`` (``patches``: each one's image patches); unpacked rows
+    (use_remove_padding=false) are padded to the longest. The memory estimate reads them."""
+    sizes = []
+    for group in plan_micro_batches(lengths, max_tokens):
+        longest = max((lengths[i] for i in group), default=0)
+        tokens = sum(lengths[i] for i in group) if packed else len(group) * longest
+        sizes.append((len(group), tokens, sum(patches[i] for i in group) if patches else 0))
+    return sizes
+
+
 def token_index(offsets: torch.Tensor, seq_index: torch.Tensor, total: int) -> torch.Tensor:
     """Flat positions (in the full batch) of the tokens of sequences ``seq_index``, in order;
     ``total`` is their token count (known on the host)."""

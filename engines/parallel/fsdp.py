@@ -62,11 +62,28 @@ def reshard_after_forward(policy: str) -> tuple[bool, bool | None]:
 
 
 def enable_activation_checkpointing(model: nn.Module) -> None:
-    """Non-reentrant activation checkpointing per decoder layer (the API was renamed in transformers 5)."""
+    """Non-reentrant activation checkpointing per decoder layer (the API was renamed in transformers 5),
+    and per vision block unless the tower is frozen (``freeze_vision``, see below)."""
     if hasattr(model, "activation_checkpointing_enable"):
         model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     else:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    tower = vision_tower(model)
+    blocks = [] if tower is None else list(getattr(tower, "blocks", []))
+    if not blocks or any(p.requires_grad for block in blocks for p in block.parameters()):
+        return
+    # transformers also makes each input embedding's output require grad (for reentrant checkpoints),
+    # the tower's patch embedding's too: a frozen tower's blocks would then keep their inputs and run
+    # a backward (recomputing each block) for a gradient nothing reads. Without it they record nothing.
+    try:
+        embedding = tower.get_input_embeddings()
+    except (AttributeError, NotImplementedError):  # Qwen3-VL's tower names none (and gets no hook)
+        embedding = None
+    for handle in getattr(model, "_require_grads_hooks", None) or []:
+        if embedding is not None and handle.id in embedding._forward_hooks:
+            handle.remove()
+    for block in blocks:
+        block.gradient_checkpointing = False
 
 
 def needs_sharding(model: nn.Module, mesh: DeviceMesh, config: EngineConfig) -> bool:

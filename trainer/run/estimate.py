@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 from polyfsdp.engines.memory import HOST_PROCESS_BYTES, MIB, ModelMemory, hf_config_of, host_heap_slack
-from polyfsdp.engines.batch.micro import plan_micro_batches
+from polyfsdp.engines.batch.micro import micro_batch_sizes
 from polyfsdp.engines.presets import preset_config
 
 from ..errors import ConfigError
@@ -80,25 +80,15 @@ class JobEstimate:
 
 
 # ---------------------------------------------------------------------- the job's batches
-def _micro_batch(lengths: list[int], budget: int | None, packed: bool) -> tuple[int, int]:
-    """``(rows, tokens)`` of the largest micro-batch the engine makes of ``lengths``; unpacked
-    (use_remove_padding=false) rows are padded to the longest."""
-    best = (0, 0)
-    for group in plan_micro_batches(lengths, budget):
-        sizes = [lengths[i] for i in group]
-        tokens = sum(sizes) if packed else len(sizes) * max(sizes, default=0)
-        best = max(best, (tokens, len(sizes)))
-    return best[1], best[0]
-
-
-def _largest(batches, budget: int | None, packed: bool) -> tuple[int, int]:
-    """The largest ``(rows, tokens)`` micro-batch over ``batches`` (lists of lengths)."""
-    best = (0, 0)
-    for lengths in batches:
-        if lengths:
-            rows, tokens = _micro_batch(lengths, budget, packed)
-            best = max(best, (tokens, rows))
-    return best[1], best[0]
+def _largest(batches, budget: int | None, packed: bool, cost=None) -> tuple[int, int, int]:
+    """The largest ``(rows, tokens, patches)`` micro-batch the engine makes of ``batches`` (lists of
+    ``(tokens, image patches)`` sequences). The planner weighs tokens only, so a micro-batch of fewer
+    tokens may hold more patches: where any holds some, ``cost(tokens, patches)`` (its bytes) tells."""
+    found = [m for seqs in batches if seqs for m in micro_batch_sizes([t for t, _ in seqs], budget, packed,
+                                                                       [p for _, p in seqs])]
+    if cost is None or not any(m[2] for m in found):
+        return max(found, key=lambda m: (m[1], m[0]), default=(0, 0, 0))  # most tokens, then rows
+    return max(found, key=lambda m: (cost(m[1], m[2]), m[1], m[0]))
 
 
 def _replica_shares(examples: list, replicas: int) -> list[list]:
@@ -135,6 +125,8 @@ class _Lengths:
         self.prompt = lambda ex: len(example_prompt_tokens(tokenizer, ex))  # noqa: E731
         self.answer = lambda ex: len(tokenizer.encode(ex.answer)) + 1  # + <eos> (trainer/algos/sft.py)  # noqa: E731
         self.max_answer = lambda: max_answer_tokens(self.source, tokenizer)  # noqa: E731
+        # The image patches the tower runs over: t*h*w per image, a pixel row each.
+        self.patches = lambda ex: 0 if ex.pixel_values is None else len(ex.pixel_values)  # noqa: E731
 
     def batches(self, phase: str, steps: int, batch_size: int, replicas: int):
         """Each step's examples, per data-parallel replica."""
@@ -150,6 +142,7 @@ class _Setting:
     lora: bool
     rows: dict[str, int]      # resident rows of every phase: the process baseline (host), a colocated vLLM
     sampler: int | None       # a colocated vLLM: the bytes it adds while it samples; None: the built-in decoding
+    packed: bool = True       # engine.use_remove_padding (else rows are padded to the longest)
 
 
 def _state_rows(prefix: str, memory: ModelMemory, host: set[str]) -> dict[str, int]:
@@ -167,12 +160,12 @@ def _context(lengths: _Lengths, prompt: int, new_tokens: int) -> int:
 
 
 def _generation(name: str, rows: int, width: int, new_tokens: int, memory: ModelMemory, gathered: int,
-                resident: int, setting: _Setting) -> Step:
+                resident: int, setting: _Setting, patches: int = 0) -> Step:
     """Sampling ``rows`` prompts of ``width``: vLLM's share awake, or the decoding loop's KV cache
     and working set beside the gathered model (or FSDP2's per-layer gathers)."""
     if setting.sampler is not None:
         return Step(f"{name} (vLLM)", rows, rows * (width + new_tokens), setting.sampler, resident)
-    work = memory.generation(rows, width, new_tokens)
+    work = memory.generation(rows, width, new_tokens, patches)
     return Step(f"{name} ({'KV cache' if name.startswith('rollout') else 'generation'})", rows,
                 rows * (width + new_tokens), (gathered or memory.fsdp_forward) + work, resident, activations=work)
 
@@ -181,19 +174,21 @@ def _evaluation(cfg, lengths: _Lengths, world: int, memory: ModelMemory, new_tok
                 setting: _Setting) -> Step:
     """Greedy held-out generation (every phase evaluates): the largest chunk of one rank's prompts."""
     shares = [lengths.source.eval_examples[r::world][:EVAL_CHUNK] for r in range(world)]
-    rows, width = max((len(s), max((_context(lengths, lengths.prompt(ex), new_tokens) for ex in s), default=0))
-                      for s in shares)
+    rows, width, patches = max((len(s), max((_context(lengths, lengths.prompt(ex), new_tokens) for ex in s), default=0),
+                                sum(lengths.patches(ex) for ex in s)) for s in shares)
     gathered = memory.gathered if cfg.rollout.unshard is not False else 0
-    return _generation("held-out evaluation", rows, width, new_tokens, memory, gathered, resident, setting)
+    return _generation("held-out evaluation", rows, width, new_tokens, memory, gathered, resident, setting, patches)
 
 
-def _update(name: str, rows: int, tokens: int, memory: ModelMemory, grads: int, entropy: bool, resident: int,
+def _update(name: str, batches, memory: ModelMemory, grads: int, entropy: bool, resident: int,
             setting: _Setting) -> Step:
-    """A training micro-batch: gradients, activations and head (and the same with checkpointing),
-    and on the host glibc's heap slack."""
-    work = memory.train_step(tokens, entropy)
+    """The largest training micro-batch of ``batches``: gradients, activations and head (and the
+    same with checkpointing), and on the host glibc's heap slack."""
+    rows, tokens, patches = _largest(batches, memory.engine_config.max_tokens_per_micro_batch, setting.packed,
+                                    lambda t, p: memory.train_step(t, entropy, patches=p))
+    work = memory.train_step(tokens, entropy, patches=patches)
     checkpointing = memory.engine_config.gradient_checkpointing
-    checkpointed = None if checkpointing else memory.train_step(tokens, entropy, checkpointing=True)
+    checkpointed = None if checkpointing else memory.train_step(tokens, entropy, checkpointing=True, patches=patches)
     heap = host_heap_slack(work, setting.lora or checkpointing) if setting.host else 0
     return Step(name, rows, tokens, grads + work, resident, work, checkpointed, heap)
 
@@ -207,15 +202,14 @@ def _sft_phase(cfg, lengths: _Lengths, world: int, policy: ModelMemory, setting:
     host = policy.host_state(setting.host)
     state = {**setting.rows, **_state_rows("policy", policy, host)}
     resident = sum(state.values())
-    packed, budget = cfg.engine.use_remove_padding, cfg.engine.max_tokens_per_micro_batch
     shares = lengths.batches("sft", cfg.trainer.sft_steps, cfg.trainer.sft_batch_size, _replicas(cfg, world))
-    batches = (lengths.turns.sft(share) if lengths.turns is not None and lengths.turns.conversational_sft else
-               [lengths.prompt(ex) + lengths.answer(ex) for ex in share] for share in shares)
-    rows, tokens = _largest(batches, budget, packed)
+    conversations = lengths.turns is not None and lengths.turns.conversational_sft  # text only
+    batches = ([(n, 0) for n in lengths.turns.sft(share)] if conversations else
+               [(lengths.prompt(ex) + lengths.answer(ex), lengths.patches(ex)) for ex in share] for share in shares)
     grads = _device_grads(policy, host)
     est.state["sft"] = {**state, "policy gradients (during the update)": grads}
     est.steps["sft"] = [
-        _update("update micro-batch", rows, tokens, policy, grads, False, resident, setting),
+        _update("update micro-batch", batches, policy, grads, False, resident, setting),
         _optimizer_step("optimizer step", policy, grads, cfg.algo.sft.optim.impl, resident, setting.host),
         _evaluation(cfg, lengths, world, policy, eval_tokens, resident, setting),
     ]
@@ -236,35 +230,39 @@ def _rl_phase(cfg, lengths: _Lengths, world: int, policy: ModelMemory, critic: M
     # The rollout of every step: each rank's prompts x group_size completions at max_new_tokens.
     shares = list(lengths.batches(RL_DATA_STREAM, t.rl_steps, t.prompts_per_step, _replicas(cfg, world)))
     prompt_lengths = [[lengths.prompt(ex) for ex in share for _ in range(n)] for share in shares]
-    gen_rows, width = max((len(p), max((_context(lengths, x, new) for x in p), default=0)) for p in prompt_lengths)
+    patches = [[lengths.patches(ex) for ex in share for _ in range(n)] for share in shares]
+    gen_rows, width, gen_patches = max((len(p), max((_context(lengths, x, new) for x in p), default=0), sum(q))
+                                       for p, q in zip(prompt_lengths, patches))
     full = [[_context(lengths, p, new) + new for p in ps] for ps in prompt_lengths]
-    roll_rows, roll_tokens = _largest(full, budget, packed)
+    rollouts = [list(zip(ps, qs)) for ps, qs in zip(full, patches)]
+    roll_rows, roll_tokens, roll_patches = _largest(rollouts, budget, packed,
+                                                   lambda tokens, p: policy.inference(tokens, patches=p))
     # Update mini-batches hold whole groups; the longest groups bound the largest one.
     groups_per_rank = t.prompts_per_step // _replicas(cfg, world)
     mini_groups = -(-groups_per_rank // max(1, min(g.mini_batches(t.prompts_per_step), groups_per_rank)))
-    longest = [sorted(ps[::n], reverse=True)[:mini_groups] for ps in full]
-    update_rows, update_tokens = _largest(([p for p in ps for _ in range(n)] for ps in longest), budget, packed)
+    longest = [sorted(seqs[::n], reverse=True)[:mini_groups] for seqs in rollouts]
+    updates = [[seq for seq in seqs for _ in range(n)] for seqs in longest]
     loss = cfg.algo.actor_loss(t.prompts_per_step)
     need_old = cfg.algo.needs_old_log_probs(loss, has_reference=g.kl_coef > 0)
     gathered = policy.gathered if cfg.rollout.unshard is not False and setting.sampler is None else 0
-    steps = [_generation("rollout generation", gen_rows, width, new, policy, gathered, resident, setting)]
+    steps = [_generation("rollout generation", gen_rows, width, new, policy, gathered, resident, setting, gen_patches)]
     # The reference pass: a second engine, or (LoRA) the policy with its adapters off.
     if need_old or g.kl_coef > 0:
-        work = policy.inference(roll_tokens)
+        work = policy.inference(roll_tokens, patches=roll_patches)
         steps.append(Step("old/ref log-prob pass (no grad)", roll_rows, roll_tokens, work, resident, work))
-    taught = frozen["teacher"].inference(roll_tokens) if "teacher" in frozen else None  # algo.distill's pass
+    taught = frozen["teacher"].inference(roll_tokens, patches=roll_patches) if "teacher" in frozen else None
     steps += [] if taught is None else [Step("teacher log-prob pass (no grad)", roll_rows, roll_tokens, taught,
                                              resident, taught)]
     if critic is not None:
-        work = critic.inference(roll_tokens)
+        work = critic.inference(roll_tokens, patches=roll_patches)
         steps.append(Step("critic values pass (no grad)", roll_rows, roll_tokens, work, resident, work))
-        steps.append(_update("critic update micro-batch", update_rows, update_tokens, critic,
-                             _device_grads(critic, host), False, resident, setting))
+        steps.append(_update("critic update micro-batch", updates, critic, _device_grads(critic, host), False,
+                             resident, setting))
         steps.append(_optimizer_step("critic optimizer step", critic, _device_grads(critic, host),
                                      cfg.algo.critic.optim.impl, resident, setting.host))
     grads = _device_grads(policy, host)
-    steps.append(_update("actor update micro-batch", update_rows, update_tokens, policy, grads,
-                         loss.requires_entropy, resident, setting))
+    steps.append(_update("actor update micro-batch", updates, policy, grads, loss.requires_entropy, resident,
+                         setting))
     steps.append(_optimizer_step("actor optimizer step", policy, grads, g.optim.impl, resident, setting.host))
     steps += [Step(*step, resident, step[-1]) for step in reward_model_steps(cfg, world, full)]  # reward.model's
     steps.append(_evaluation(cfg, lengths, world, policy, new, resident, setting))
@@ -363,7 +361,7 @@ def _setting(cfg, backend, policy: ModelMemory, lora: bool, est: JobEstimate) ->
     est.notes += ["rollout.engine=vllm_server: the servers' memory is their own processes' (not counted)"] \
         if cfg.rollout.engine == "vllm_server" else []
     if cfg.rollout.engine != "vllm":
-        return _Setting(backend.memory_is_host, lora, rows, None)
+        return _Setting(backend.memory_is_host, lora, rows, None, cfg.engine.use_remove_padding)
     from ..rollout.vllm import colocated_memory
 
     weights = policy.sampler_params * policy.compute_bytes
@@ -375,7 +373,7 @@ def _setting(cfg, backend, policy: ModelMemory, lora: bool, est: JobEstimate) ->
                      + ("throughout (it does not sleep here)" if asleep else
                         "only while it samples (it sleeps while the trainer steps)")
                      + "; its start-up (vLLM's imports, a host copy of the weights to load) is not counted")
-    return _Setting(backend.memory_is_host, lora, rows, awake - asleep)
+    return _Setting(backend.memory_is_host, lora, rows, awake - asleep, cfg.engine.use_remove_padding)
 
 
 def _checkpointing_advice(est: JobEstimate, host: bool) -> str | None:

@@ -14,7 +14,7 @@ MAX_MODULES_PER_FOLDER = 12
 MAX_MODULE_LINES = 400
 # The engine's components, lowest first: each imports only components before it.
 ENGINE_ORDER = ("cancellation", "presets", "config", "jagged", "batch", "attention", "head", "parallel",
-                "model", "losses", "checkpoint", "heads", "step_metrics", "engine", "memory")
+                "model", "losses", "checkpoint", "heads", "step_metrics", "engine", "memory_vision", "memory")
 # Only these trainer modules may import the job's package (it composes everything else).
 RUN_IMPORTERS = ("trainer/train.py", "trainer/eval_cli.py")
 

@@ -100,6 +100,30 @@ def test_estimate_counts_the_image_tokens_and_builds_the_vision_model():
     assert "peak over phases" in estimate_job(cfg, 1).table()
 
 
+def test_estimate_counts_the_towers_activations_for_the_micro_batchs_patches():
+    """count_squares: 16 patches (4 image tokens x merge^2) per prompt; the update, the log-prob
+    pass and generation count the tower over every row's patches."""
+    from polyfsdp.engines.memory import ModelMemory
+    from polyfsdp.trainer.config.job import load_config
+    from polyfsdp.trainer.run.estimate import _hf_config, _largest, _Lengths, estimate_job
+
+    cfg = load_config(["model=qwen2_vl", "data.task=count_squares", "trainer.rl_steps=1", "trainer.sft_steps=1"])
+    lengths = _Lengths(cfg)
+    assert {lengths.patches(ex) for ex in lengths.source.eval_examples} == {16}
+    policy = ModelMemory(cfg.model.model_config(), cfg.engine, 1, _hf_config(cfg, lengths.tokenizer))
+    steps = {s.name: s for s in estimate_job(cfg, 1).steps["grpo"]}
+    update, ref = steps["actor update micro-batch"], steps["old/ref log-prob pass (no grad)"]
+    entropy = cfg.algo.actor_loss(cfg.trainer.prompts_per_step).requires_entropy
+    assert update.transient == policy.grads + policy.train_step(update.tokens, entropy, patches=16 * update.rows)
+    assert update.transient - policy.grads - policy.train_step(update.tokens, entropy) >= \
+        policy.tower.saved(16 * update.rows) > 0
+    assert ref.transient == policy.inference(ref.tokens, patches=16 * ref.rows)
+    # Under a budget the image-heavy micro-batch of fewer tokens is the largest when it costs more.
+    sequences = [[(10, 0), (6, 100)]]
+    assert _largest(sequences, 10, True) == (1, 10, 0) == _largest([[(10, 0), (6, 0)]], 10, True, lambda t, p: t + p)
+    assert _largest(sequences, 10, True, lambda t, p: t + p) == (1, 6, 100)
+
+
 def test_export_holds_the_processor_and_a_job_continues_from_it(tmp_path):
     from PIL import Image
 
