@@ -34,6 +34,14 @@ def optional_sections() -> dict[str, type]:
     return {"algo.actor": ActorSection, "algo.critic": CriticSection}
 
 
+def mapping_sections() -> dict[str, type]:
+    """Keys whose value is a mapping handed as a whole to a component that declares its keys:
+    listed key by key (``reward.judge``: trainer/rewards/judge.py)."""
+    from ..rewards.judge import JudgeSettings
+
+    return {"reward.judge": JudgeSettings}
+
+
 def _show(value) -> str:
     return json.dumps(value) if isinstance(value, (list, dict, str)) else "null" if value is None else \
         str(value).lower() if isinstance(value, bool) else str(value)
@@ -54,6 +62,8 @@ def declared_rows(cls: type, prefix: str) -> Iterator[tuple[str, str, str, str, 
         entries = ", ".join(f"{name} [{lo}, {hi}]" for name, (lo, hi) in (f.metadata.get("entries") or {}).items())
         yield key, describe_type(hint), _show(list(default) if isinstance(default, tuple) else default), \
             span or entries, f.metadata.get("doc", "")
+        if key in mapping_sections():
+            yield from declared_rows(mapping_sections()[key], key)
 
 
 def default_job_values() -> dict[str, str]:

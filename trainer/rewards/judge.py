@@ -31,6 +31,8 @@ import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, fields
 
+from polyfsdp.engines.config import setting
+
 from ..errors import ConfigError, RewardError
 from ..rollout.servers.http import server_text
 
@@ -50,25 +52,27 @@ class JudgeUnavailable(RewardError):
 class JudgeSettings:
     """``reward.judge`` (the module doc says what each key does)."""
 
-    url: str | None = None
-    checkpoint: str | None = None
-    model: str | None = None  # the model name sent; None: the server's first /v1/models entry
-    template: str = DEFAULT_TEMPLATE
-    api: str = "chat"
-    parse: str = "number"
-    labels: dict | None = None
-    pattern: str | None = None
-    max_tokens: int = 64
-    timeout_s: float = 60.0
-    retries: int = 2
-    concurrency: int = 8
-    on_unparsable: str = "zero"
-    gpu_memory_utilization: float = 0.2  # checkpoint on a device: the server's share (judge_server.py)
-    start_timeout_s: float = 600.0        # checkpoint: how long the server may take to start
-    # Its place among the reward's sources (trainer/rewards/sources.py): logged as reward/<name>.
-    name: str = "judge"
-    weight: float = 1.0
-    data_sources: list | None = None
+    url: str | None = setting(None, doc="an OpenAI-compatible server's base URL, e.g. http://host:8000/v1 "
+                                        "(or checkpoint)")
+    checkpoint: str | None = setting(None, doc="a model directory polyfsdp serves with vLLM for the judge (or url)")
+    model: str | None = setting(None, doc="the model name sent; null: the server's first /v1/models entry")
+    template: str = setting(DEFAULT_TEMPLATE, doc="the judge's prompt, with {prompt}, {response} and {ground_truth}")
+    api: str = setting("chat", doc="chat (one user message, the server's chat template) or completions (plain text)")
+    parse: str = setting("number", doc="number (the verdict's first number), labels or regex")
+    labels: dict | None = setting(None, doc="words to scores for parse=labels (or a regex's group), e.g. "
+                                            "{correct: 1, incorrect: 0}")
+    pattern: str | None = setting(None, doc="parse=regex: its first group (or the match) is the score or a label")
+    max_tokens: int = setting(64, doc="the verdict's length (greedy)")
+    timeout_s: float = setting(60.0, doc="one request's limit")
+    retries: int = setting(2, doc="more tries of a request that fails to connect or gets a 5xx (1 s, 2 s, ... apart)")
+    concurrency: int = setting(8, doc="requests in flight per rank")
+    on_unparsable: str = setting("zero", doc="a verdict that does not parse: zero, error (stop) or skip (its "
+                                             "group's mean)")
+    gpu_memory_utilization: float = setting(0.2, doc="checkpoint on a device: the judge server's share")
+    start_timeout_s: float = setting(600.0, doc="checkpoint: how long its server may take to start")
+    name: str = setting("judge", doc="its place among the reward's sources: logged as reward/<name>")
+    weight: float = setting(1.0, doc="its weight in the reward's sum")
+    data_sources: list | None = setting(None, doc="the records' data_source values it scores; null: all")
 
     @classmethod
     def from_section(cls, section) -> "JudgeSettings":

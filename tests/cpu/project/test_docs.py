@@ -127,9 +127,20 @@ def named_keys(text: str) -> tuple[set[str], set[tuple[str, str]]]:
     return keys, selections
 
 
+def mapping_keys() -> frozenset[str]:
+    """The declared keys of the mappings handed whole to a component (``reward.judge.url``, ...):
+    never in a composition (the mapping is null by default), checked against their declarations."""
+    import dataclasses
+
+    from polyfsdp.trainer.config.reference import mapping_sections
+
+    return frozenset(f"{prefix}.{f.name}" for prefix, cls in mapping_sections().items()
+                     for f in dataclasses.fields(cls))
+
+
 def unknown_keys(text: str) -> list[str]:
     keys, selections = named_keys(text)
-    known = composed_keys()
+    known = composed_keys() | mapping_keys()
     bad = [key for key in sorted(keys)
            if key not in known and key not in PYTHON_NAMES
            and not any(key == old or key.startswith(old + ".") for old in RENAMED_KEYS)
@@ -163,6 +174,7 @@ def test_the_key_check_finds_made_up_keys():
                     "trainer.no_such_step", "model.overrides.hidden_size", "eval.n_samples", "eval.made_up"}
     assert selections == {("data", "nowhere"), ("algo", "ppo")}
     assert unknown_keys(page) == ["algo.actor.made_up_key", "eval.made_up", "trainer.no_such_step", "data=nowhere"]
+    assert unknown_keys("`reward.judge.template` and `reward.judge.no_such_key`") == ["reward.judge.no_such_key"]
 
 
 def _slug(heading: str) -> str:
