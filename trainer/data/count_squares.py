@@ -2,8 +2,10 @@
 small generated image? Every prompt has the same text and one image; the answer is the count.
 
 Images are 56x56 pixels (4 image tokens on the tiny presets' towers): a 4x4 grid of 14-pixel
-cells, ``1..max_squares`` of them holding a 10-pixel square of a random colour on a white
-background. An example is named by its drawing (``where``), so held-out images are never
+cells, ``1..max_squares`` of them holding a 12-pixel square of a random dark colour on a white
+background (one square per 14x14 patch of the tiny towers; 10-pixel squares in lighter colours
+kept the tiny model at chance for 300 SFT steps, docs/vision-language.md).
+An example is named by its drawing (``where``), so held-out images are never
 trained on even though every prompt's text is the same.
 """
 from __future__ import annotations
@@ -13,8 +15,8 @@ import random
 from .example import Example
 
 QUESTION = "How many squares?"
-SIZE, CELL, SQUARE = 56, 14, 10
-COLOURS = ((220, 30, 30), (30, 160, 30), (30, 60, 220), (200, 160, 0), (160, 30, 200))
+SIZE, CELL, SQUARE = 56, 14, 12
+COLOURS = ((180, 0, 0), (0, 120, 0), (0, 0, 180), (0, 110, 110), (120, 0, 120))
 
 
 def draw(cells: list[int], colours: list[int]):

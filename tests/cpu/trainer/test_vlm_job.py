@@ -12,7 +12,7 @@ import numpy
 import pytest
 
 from polyfsdp.engines.engine import FSDPEngine
-from polyfsdp.trainer.data.count_squares import QUESTION, CountSquaresTask
+from polyfsdp.trainer.data.count_squares import QUESTION, SQUARE, CountSquaresTask
 from polyfsdp.trainer.data.sources import build_source
 from polyfsdp.trainer.rollout import decode as decode_module
 from polyfsdp.trainer.train import main
@@ -32,7 +32,7 @@ def test_count_squares_images_hold_as_many_squares_as_the_answer_says():
         image, = ex.images
         assert image.size == (56, 56) and ex.prompt == QUESTION and ex.data_source == "count_squares"
         coloured = int((numpy.asarray(image) != 255).any(-1).sum())
-        assert coloured == 100 * int(ex.answer)  # 10x10 squares in separate cells
+        assert coloured == SQUARE * SQUARE * int(ex.answer)  # squares in separate cells
         assert ex.messages[0]["content"][0] == {"type": "image"}
     assert task.distinct_prompts > 10_000
 
