@@ -206,3 +206,12 @@ def test_a_vision_language_preset_under_a_text_presets_overrides_is_one_line_nam
         load_config(["model.preset=qwen2-vl-tiny"])
     for preset in ("qwen2-vl-tiny", "qwen2.5-vl-tiny", "qwen3-vl-tiny"):
         assert load_config(["model=qwen2_vl", f"model.preset={preset}"]).model.preset == preset
+
+
+def test_the_count_squares_task_preset_is_the_measured_command():
+    """docs/vision-language.md's table was measured with these settings; task=count_squares is them."""
+    from polyfsdp.trainer.config.job import load_config
+
+    cfg = load_config(["task=count_squares"])
+    assert (cfg.model.preset, cfg.model.freeze_vision, cfg.data.task) == ("qwen2-vl-tiny", True, "count_squares")
+    assert (cfg.trainer.sft_steps, cfg.trainer.rl_steps) == (100, 100)
