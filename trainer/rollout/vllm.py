@@ -185,7 +185,7 @@ class VllmRolloutEngine(RolloutEngine):
         # vLLM's copy keeps the output embedding as a weight of its own: reloading a tied
         # input embedding leaves vLLM's LM head (its own processed copy on CPU) stale.
         config.tie_word_embeddings = False
-        if self.image_token_id is None and getattr(config, "vision_config", None) is not None:
+        if getattr(config, "vision_config", None) is not None:
             self._write_processor(policy, config, directory)
         config.save_pretrained(directory)
         # Every rank joins each gather (collective) and writes its own local copy.
@@ -242,7 +242,7 @@ class VllmRolloutEngine(RolloutEngine):
         if self._asleep:
             vllm_adapter.wake_up(self.llm, ["weights"])
         missing = vllm_adapter.load_weights(self.llm, self.buckets(policy.module, bucket_bytes, untie=True))
-        vllm_adapter.reset_prefix_cache(self.llm)
+        vllm_adapter.drop_stale_caches(self.llm)
         if missing:
             raise ConfigError(f"rollout.engine=vllm: weight sync {self.weight_version + 1}: "
                               f"{vllm_adapter.unloaded_message(missing)}")

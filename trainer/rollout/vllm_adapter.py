@@ -304,7 +304,7 @@ def _dropping(logger_name: str, match):
         logger.removeFilter(drop)
 
 
-def reset_prefix_cache(llm) -> None:
+def drop_stale_caches(llm) -> None:
     """Drop what was computed with the previous weights: cached prompt KV, and the vision
     encoder's outputs, which vLLM reuses for an image it has seen before."""
     llm.reset_prefix_cache()

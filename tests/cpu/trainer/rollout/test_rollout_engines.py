@@ -180,7 +180,7 @@ def test_a_sleeping_vllm_engine_wakes_what_sampling_needs(monkeypatch, level, ch
     monkeypatch.setattr(vllm_adapter, "sleep", lambda llm, lvl: calls.append(("sleep", lvl)))
     monkeypatch.setattr(vllm_adapter, "wake_up", lambda llm, tags: calls.append(("wake_up", tags)))
     monkeypatch.setattr(vllm_adapter, "load_weights", lambda llm, buckets: calls.append(("load_weights",)))
-    monkeypatch.setattr(vllm_adapter, "reset_prefix_cache", lambda llm: None)
+    monkeypatch.setattr(vllm_adapter, "drop_stale_caches", lambda llm: None)
 
     class Policy:
         weights_version, module = 0, None

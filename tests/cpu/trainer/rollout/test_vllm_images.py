@@ -146,7 +146,7 @@ def test_the_image_probe_catches_a_tower_vllm_serves_stale(served, monkeypatch):
     policy, vllm, _ = served("qwen2-vl-tiny")
     vllm.update_weights(policy)
     vllm.check(policy)  # the probe's picture, encoded with these weights, is in vLLM's encoder cache
-    monkeypatch.setattr(vllm_adapter, "reset_prefix_cache", lambda llm: llm.reset_prefix_cache())
+    monkeypatch.setattr(vllm_adapter, "drop_stale_caches", lambda llm: llm.reset_prefix_cache())
     with torch.no_grad():
         for name, parameter in policy.module.named_parameters():
             if "visual.blocks" in name:
