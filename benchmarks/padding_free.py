@@ -35,8 +35,9 @@ from polyfsdp.engines.engine import FSDPEngine
 from polyfsdp.engines.batch.flat import batch_to_flat
 from polyfsdp.engines.jagged import make_jagged
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests", "cpu"))
-from engine_reference import full_state_dict, reference_logprobs, reference_model, sharpen_outputs  # noqa: E402
+# The repository root, so the test helpers import as the package they are (tests.helpers).
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from tests.helpers.engine_reference import full_state_dict, reference_logprobs, reference_model, sharpen_outputs  # noqa: E402
 
 MODES = [(False, False), (False, True), (True, False), (True, True)]
 # Remove-padding speed-up (unfused, at 50% fill) that --check enforces, per backend, on both
