@@ -54,6 +54,7 @@ MARKS: dict[str, tuple[str, ...]] = {
         "tests/cpu/trainer/rollout/test_sampling_controls.py::test_each_control_equals_vllms_own_functions",
         "tests/cpu/trainer/rollout/servers/test_server_job.py",
         "tests/cpu/trainer/rollout/servers/test_server_async.py",
+        "tests/cpu/trainer/rollout/servers/test_server_images.py",
         "tests/cpu/trainer/rollout/servers/test_server_rollout.py::test_a_bucket_left_out_of_the_sync_stops_the_run",
         "tests/cpu/trainer/rollout/servers/test_server_rollout.py::test_a_judge_served_by_vllm_gives_our_greedy_loops_verdicts",
         "tests/cpu/trainer/rollout/servers/test_server_rollout.py::test_a_multi_turn_environment_runs_through_the_driver_as_with_our_loop",

@@ -49,14 +49,16 @@ class RLSteps:
                                   prefetched=prefetched, prefetch_s=prefetch_s)
 
     def prefetch_request(self, step: int) -> tuple | None:
-        """``(prompts, params, seeds)`` of step ``step``'s first sampling round when the engine may
-        generate it beside training (a rollout server's; a single-turn driver); else None."""
-        prompts_of = getattr(self.ctx.driver, "prompts", None)
-        if not self.ctx.driver.engine.samples_beside_training or prompts_of is None:
+        """``(prompts, params, seeds, images)`` of step ``step``'s first sampling round when the engine
+        may generate it beside training (a rollout server's; a single-turn driver); else None.
+        ``images``: the rows' examples when a prompt holds images, else None (the driver's ``row_images``)."""
+        driver = self.ctx.driver
+        prompts_of = getattr(driver, "prompts", None)
+        if not driver.engine.samples_beside_training or prompts_of is None:
             return None
         examples, n = self.examples(step), self.ctx.sampling.group_size
         return prompts_of(self.ctx.tokenizer, examples, n), self.ctx.sampling.params, \
-            self.seeds(step).rows.rows(0, len(examples), n)
+            self.seeds(step).rows.rows(0, len(examples), n), driver.row_images(examples, n)
 
     def train(self, step: int, batch: steps.SampledBatch, timing: dict) -> dict:
         """Step ``step``'s advantages and updates on ``batch``, and its record."""

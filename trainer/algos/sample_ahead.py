@@ -56,17 +56,18 @@ class BackgroundRound:
     """A first sampling round generated on a daemon thread (a process that stops never waits
     for it); :meth:`wait` returns its completions or raises its error."""
 
-    def __init__(self, engine, prompts, params, seeds) -> None:
+    def __init__(self, engine, prompts, params, seeds, images=None) -> None:
         self.started, self.done_at = time.perf_counter(), None
         self.result, self.error = None, None
-        self.thread = threading.Thread(target=self._run, args=(engine, prompts, params, seeds), daemon=True,
+        self.thread = threading.Thread(target=self._run, args=(engine, prompts, params, seeds, images), daemon=True,
                                        name="polyfsdp-sample-ahead")
         self.thread.start()
 
-    def _run(self, engine, prompts, params, seeds) -> None:
+    def _run(self, engine, prompts, params, seeds, images) -> None:
         try:
             with rank_local():  # the main thread agrees on the outcome over ranks (wait())
-                self.result = engine.generate(prompts, params, seeds)
+                more = {} if images is None else {"images": images}  # as the driver's own call
+                self.result = engine.generate(prompts, params, seeds, **more)
         except BaseException as exc:  # noqa: BLE001 - raised again on the main thread
             self.error = exc
         finally:

@@ -1,6 +1,6 @@
 """The built-in character tokenizer as a real Hugging Face fast tokenizer, so an export that
 carries it loads with ``AutoTokenizer.from_pretrained`` and encodes, decodes and renders chats
-exactly as :class:`~polyfsdp.trainer.data.task.CharTokenizer` does.
+exactly as :class:`~polyfsdp.trainer.data.tokenizers.CharTokenizer` does.
 
 The ``tokenizers`` model is BPE with an empty merge list: with no merges every character is
 its own token (``<unk>`` where the vocabulary lacks it); a Fuse decoder joins tokens with no

@@ -9,10 +9,7 @@ from __future__ import annotations
 
 import random
 
-# Example and the tokenizers lived here before; importable from here still.
 from .example import Example
-from .tokenizers import (DEFAULT_CHARS, HF_TOKENIZER_FILES, SPECIAL_TOKENS, TOKENIZER_FILE,  # noqa: F401
-                         CharTokenizer, HFTokenizerAdapter, load_tokenizer)
 
 
 class ReverseTask:

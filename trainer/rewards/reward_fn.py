@@ -21,7 +21,7 @@ from typing import Callable
 
 from polyfsdp.backends.distributed import all_gather_object
 
-from ..errors import ConfigError, DataError, RewardError
+from ..errors import ConfigError, RewardError
 from ..config.plugins import first_line, load_object
 from ..rank_errors import error_prefix
 from .rules import BUILTIN_ANSWERS, BUILTIN_REWARDS

@@ -12,7 +12,8 @@ def build_rollout_engine(rollout, backend, lora: bool = False, log_dir: str | No
                          processor_factory=None) -> RolloutEngine:
     """The rollout engine ``rollout.engine`` names; ``log_dir``: where started rollout servers
     write their logs (default: a temporary directory); ``processor_factory``: builds a
-    vision-language policy's processor, for vLLM, which processes a prompt's images itself."""
+    vision-language policy's processor, for vLLM (colocated or on servers), which processes a
+    prompt's images itself."""
     if rollout.engine == "vllm":
         from .vllm import VllmRolloutEngine
 
@@ -22,7 +23,9 @@ def build_rollout_engine(rollout, backend, lora: bool = False, log_dir: str | No
     if rollout.engine == "vllm_server":
         from .servers.engine import ServerRolloutEngine
 
-        return ServerRolloutEngine(rollout, backend, lora=lora, log_dir=log_dir)
+        engine = ServerRolloutEngine(rollout, backend, lora=lora, log_dir=log_dir)
+        engine.processor_factory = processor_factory
+        return engine
     return PolicyDecoding(rollout.engine, rollout.unshard)
 
 

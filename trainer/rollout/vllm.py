@@ -43,14 +43,13 @@ from ..data.batch import build_batch, per_sequence
 from ..errors import ConfigError
 from .engines import Completions, RolloutEngine, SamplingParams
 from .controls.stop_strings import cut_completions
-from .decode import placeholder_tokens
 from .servers.settings import VllmSettings
+from .servers.vision_serving import (MAX_IMAGES_PER_PROMPT, VisionServing, is_vision_language, prompt_pictures,
+                                     vision_serving)
 
 logger = logging.getLogger(__name__)
 
 PROBE_LENGTH = 32
-# Images one prompt may hold (vLLM's limit_mm_per_prompt; its start-up profiles a prompt with this many).
-MAX_IMAGES_PER_PROMPT = 4
 HOST_KV_CACHE_MB = 512  # rollout.vllm.kv_cache_mb=null where device memory is host memory (CPU)
 
 
@@ -88,23 +87,6 @@ def policy_probe_log_probs(policy, ids: list[int], image=None) -> list[float]:
 def probe_difference(sampled: list[float], policy, ids: list[int], image=None) -> float:
     """The largest difference between a sampler's log-probs of the probe ``ids`` and the policy's (collective)."""
     return max(abs(a - b) for a, b in zip(sampled, policy_probe_log_probs(policy, ids, image)))
-
-
-class ImageProbe:
-    """A vision-language policy's second sync probe: the text probe behind a fixed generated
-    picture, so that the vision tower's and the merger's weights are checked too (the text probe
-    runs the decoder only). ``ids`` holds the picture's image tokens as the run's ``processor``
-    sizes it; ``pixel_values`` and ``image_grid_thw`` are its pixel inputs for the policy."""
-
-    def __init__(self, processor, config, text_probe: list[int]) -> None:
-        from PIL import Image
-
-        self.picture = Image.linear_gradient("L").resize((56, 28)).convert("RGB")
-        inputs = processor.image_processor(images=[self.picture], return_tensors="pt")
-        self.pixel_values, self.image_grid_thw = inputs["pixel_values"], inputs["image_grid_thw"]
-        tokens = int(self.image_grid_thw.prod()) // config.vision_config.spatial_merge_size ** 2
-        image = [config.vision_start_token_id, *[config.image_token_id] * tokens, config.vision_end_token_id]
-        self.ids = text_probe[:1] + image + text_probe[1:max(2, len(text_probe) - len(image))]
 
 
 def refuse_probe_difference(diff: float, tol: float, version: int, sampler: str,
@@ -165,9 +147,7 @@ class VllmRolloutEngine(RolloutEngine):
         self._policy = None               # weakref to the engine last synced
         self._policy_version = None
         self._asleep = False
-        self.image_token_id: int | None = None  # a vision-language policy's, once started
-        self.allowed_token_ids: list[int] | None = None  # the same: every token but its placeholders
-        self.image_probe: ImageProbe | None = None  # the same: check_sync's probe of the tower
+        self.vision: VisionServing | None = None  # a vision-language policy's, once started
         # What the weight stream yields (a seam for tests that drop a parameter on purpose).
         self.buckets = weight_buckets
 
@@ -185,8 +165,9 @@ class VllmRolloutEngine(RolloutEngine):
         # vLLM's copy keeps the output embedding as a weight of its own: reloading a tied
         # input embedding leaves vLLM's LM head (its own processed copy on CPU) stale.
         config.tie_word_embeddings = False
-        if getattr(config, "vision_config", None) is not None:
-            self._write_processor(policy, config, directory)
+        if is_vision_language(config):
+            self.vision = vision_serving(policy, self.processor_factory, self.probe, "rollout.engine=vllm")
+            self.vision.write(directory, config)
         config.save_pretrained(directory)
         # Every rank joins each gather (collective) and writes its own local copy.
         state = {name: tensor.to("cpu", copy=True).contiguous()
@@ -194,7 +175,7 @@ class VllmRolloutEngine(RolloutEngine):
         save_file(state, f"{directory}/model.safetensors", metadata={"format": "pt"})
         del state
         kv_mb = kv_cache_mb(self.settings.kv_cache_mb, self.backend)
-        vision = self.image_token_id is not None
+        vision = self.vision is not None
         options = vllm_adapter.StartOptions(
             model_dir=directory, dtype=policy.engine_config.param_dtype, seed=0,
             gpu_memory_utilization=None if self.backend.memory_is_host else self.settings.gpu_memory_utilization,
@@ -210,28 +191,6 @@ class VllmRolloutEngine(RolloutEngine):
         except Exception as exc:
             raise vllm_adapter.start_error(exc) from None
         logger.info("vLLM rollout engine started in %.1fs", time.perf_counter() - t0)
-
-    def _write_processor(self, policy, config, directory: str) -> None:
-        """A vision-language policy: the run's processor (its tokenizer included) beside the weights,
-        which vLLM sizes and places images with exactly as the prompts were encoded, and the
-        architecture polyfsdp registers with vLLM (servers/vllm_vision.py)."""
-        from .servers.vllm_plugin import VISION_MODELS
-
-        architecture = type(policy.module).__name__
-        if architecture not in VISION_MODELS:
-            raise ConfigError(f"rollout.engine=vllm: vLLM samples for polyfsdp from {' and '.join(VISION_MODELS)} "
-                              f"only among vision-language models, not {architecture}; use rollout.engine=auto")
-        processor = self.processor_factory() if self.processor_factory is not None else None
-        if processor is None:
-            raise ConfigError(f"rollout.engine=vllm: the vision-language policy {architecture} came without its "
-                              f"processor (the job hands it over; RolloutEngine.processor_factory)")
-        config.architectures = [architecture]
-        processor.save_pretrained(directory)
-        self.image_probe = ImageProbe(processor, config, self.probe)
-        self.image_token_id = config.image_token_id
-        # As the built-in loop: never an image or video placeholder (trainer/rollout/decode.py).
-        banned = set(placeholder_tokens(policy.module))
-        self.allowed_token_ids = [t for t in range(config.get_text_config().vocab_size) if t not in banned]
 
     def _install_hint(self) -> str:
         return "polyfsdp[vllm]" if self.backend.vllm_package == "vllm" else self.backend.vllm_package
@@ -282,9 +241,9 @@ class VllmRolloutEngine(RolloutEngine):
         (one line) beyond ``rollout.check_sync_tol``."""
         sampled = vllm_adapter.prompt_log_probs(self.llm, self.probe)
         self.last_sync_error = probe_difference(sampled, policy, self.probe)
-        if self.image_probe is not None:
-            probe = self.image_probe
-            sampled = vllm_adapter.prompt_log_probs(self.llm, probe.ids, [probe.picture], self.image_token_id)
+        if self.vision is not None:
+            probe = self.vision.probe
+            sampled = vllm_adapter.prompt_log_probs(self.llm, probe.ids, [probe.picture], self.vision.image_token_id)
             self.last_sync_error = max(self.last_sync_error, probe_difference(sampled, policy, probe.ids, probe))
         refuse_probe_difference(self.last_sync_error, self.rollout.check_sync_tol, self.weight_version, "vLLM")
         return self.last_sync_error
@@ -299,16 +258,11 @@ class VllmRolloutEngine(RolloutEngine):
         # the process's seeded generator (vLLM's start, in the sync before, leaves it as it was).
         seeds = list(seeds) if seeds is not None else torch.randint(0, 2**31 - 1, (len(prompts),)).tolist()
         self.wake()
-        pictures = None
-        if images is not None and any(ex is not None and ex.images for ex in images):
-            if self.image_token_id is None:
-                raise ConfigError("rollout.engine=vllm: prompts with images for a text model")
-            pictures = [list(ex.images) if ex is not None and ex.images else None for ex in images]
-            if max(len(p or ()) for p in pictures) > MAX_IMAGES_PER_PROMPT:
-                raise ConfigError(f"rollout.engine=vllm: a prompt holds more than {MAX_IMAGES_PER_PROMPT} images, "
-                                  f"the most vLLM is started for; use rollout.engine=auto")
-        completions, log_probs = vllm_adapter.sample(self.llm, prompts, params, seeds, pictures, self.image_token_id,
-                                                     self.allowed_token_ids)
+        pictures = prompt_pictures(images, self.vision, "rollout.engine=vllm")
+        vision = self.vision
+        completions, log_probs = vllm_adapter.sample(self.llm, prompts, params, seeds, pictures,
+                                                     vision and vision.image_token_id,
+                                                     vision and vision.allowed_token_ids)
         return Completions(*cut_completions(completions, log_probs, params))
 
     def sleep(self) -> None:

@@ -19,6 +19,7 @@ from typing import Iterable
 import torch
 
 from ..errors import ConfigError
+from .servers.vision_serving import collapse_image_runs
 
 
 @dataclass
@@ -108,8 +109,7 @@ def vllm_prompt(ids: list[int], images: list | None, image_token_id: int | None)
     a run already repeated would be repeated again)."""
     if not images:
         return {"prompt_token_ids": list(ids)}
-    collapsed = [t for i, t in enumerate(ids) if not (t == image_token_id and i > 0 and ids[i - 1] == image_token_id)]
-    return {"prompt_token_ids": collapsed, "multi_modal_data": {"image": list(images)}}
+    return {"prompt_token_ids": collapse_image_runs(ids, image_token_id), "multi_modal_data": {"image": list(images)}}
 
 
 # vLLM's per-step token budget where it sets none of its own (its default on CPU).

@@ -186,12 +186,12 @@ def test_a_rollout_engine_without_images_refuses_image_prompts_in_one_line():
     from polyfsdp.trainer.rollout.engines import RolloutEngine, SamplingParams
 
     class TextOnly(RolloutEngine):
-        name = "vllm_server"
+        name = "my_engine"
 
     ex = Example(prompt="q", answer="1", prompt_ids=(1, 5), pixel_values=torch.zeros(4, 1176),
                  image_grid_thw=torch.tensor([[1, 2, 2]]))
-    with pytest.raises(ConfigError, match=r"^rollout.engine=vllm_server: prompts with images are sampled by "
-                                          r"rollout.engine=builtin, hf, auto or vllm \(rollout servers"):
+    with pytest.raises(ConfigError, match=r"^rollout.engine=my_engine: this engine takes no images; prompts with "
+                                          r"images are sampled by rollout.engine=builtin, hf, auto, vllm or vllm_server"):
         SingleTurnDriver(TextOnly()).rollout(CharTokenizer(), [ex], 2, SamplingParams(4, stop_token_ids=(2,)))
 
 

@@ -28,6 +28,13 @@ class SingleTurnDriver:
         """The token prompts :meth:`rollout` sends the engine: each example's, ``n`` times."""
         return [example_prompt_tokens(tokenizer, ex) for ex in examples for _ in range(n)]
 
+    @staticmethod
+    def row_images(examples: list[Example], n: int) -> list[Example] | None:
+        """What :meth:`rollout` hands the engine as ``images=``: each example ``n`` times (its images
+        ride on it), or None when no example holds an image."""
+        rows = [ex for ex in examples for _ in range(n)]
+        return rows if any(ex.pixel_values is not None for ex in rows) else None
+
     def rollout(self, tokenizer, examples: list[Example], n: int, params: SamplingParams, scorer=None,
                 with_answers: bool = False, row_seeds: list[int] | None = None, device=None,
                 prefetched: Completions | None = None) -> Rollout:
@@ -35,11 +42,10 @@ class SingleTurnDriver:
         :func:`default_scorer`); ``with_answers``: each completion's answer for majority votes;
         ``prefetched``: the engine's completions of :meth:`prompts`, generated already."""
         prompts = self.prompts(tokenizer, examples, n)
-        rows = [ex for ex in examples for _ in range(n)]
-        images = rows if any(ex.pixel_values is not None for ex in rows) else None
+        images = self.row_images(examples, n)
         if images is not None and not getattr(self.engine, "takes_images", False):
-            raise ConfigError(f"rollout.engine={self.name}: prompts with images are sampled by rollout.engine=builtin, "
-                              f"hf, auto or vllm (rollout servers do not take images yet; docs/vision-language.md)")
+            raise ConfigError(f"rollout.engine={self.name}: this engine takes no images; prompts with images are "
+                              f"sampled by rollout.engine=builtin, hf, auto, vllm or vllm_server (docs/vision-language.md)")
         if prefetched is not None:
             out = prefetched
         elif images is not None:

@@ -14,6 +14,11 @@ protocol after every optimizer step.
   stops the run) and ``rollout.check_sync`` compares server 0's log-probs of a probe sequence with
   the policy's, as for the colocated engine.
 - Sampling (:meth:`generate`): one request per row with the row's seed (completions.py).
+- A vision-language policy (Qwen2-VL, Qwen2.5-VL): the run's processor is written beside the
+  weights and the servers load it (vision_serving.py); a prompt's images travel with its tokens
+  (completions.py), and ``check_sync`` adds the image probe, as for the colocated engine. Each
+  sync's pause drops the servers' prefix and encoder caches (vLLM's ``/pause`` does), so nothing
+  computed with the weights before is reused.
 """
 from __future__ import annotations
 
@@ -38,6 +43,7 @@ from ..vllm import (PROBE_LENGTH, kv_cache_mb, probe_difference, probe_ids, prob
                     refuse_probe_difference)
 from .completions import prompt_log_probs, sample_rows
 from .http import ServerError, ServerHttp
+from .vision_serving import MAX_IMAGES_PER_PROMPT, VisionServing, is_vision_language, prompt_pictures, vision_serving
 from .launch import SERVED_MODEL_NAME, ServerLaunch, ServerProcess, free_ports, host_memory_share, server_environment
 from .weight_sender import CPU_TRANSFER, ServerWeightSender
 
@@ -51,6 +57,7 @@ class ServerRolloutEngine(RolloutEngine):
     name = "vllm_server"
     holds_weights = True
     samples_beside_training = True  # HTTP requests to processes of their own
+    takes_images = True  # Qwen2-VL and Qwen2.5-VL policies (vision_serving.py)
 
     def __init__(self, rollout, backend, lora: bool = False, log_dir: str | None = None) -> None:
         self.rollout, self.backend = rollout, backend
@@ -63,6 +70,7 @@ class ServerRolloutEngine(RolloutEngine):
         self.model_dir: str | None = None
         self.model = SERVED_MODEL_NAME
         self.probe: list[int] = []
+        self.vision: VisionServing | None = None  # a vision-language policy's, once started
         self.weight_version = 0
         self.last_sync_s: float | None = None
         self.last_sync_error: float | None = None
@@ -90,6 +98,8 @@ class ServerRolloutEngine(RolloutEngine):
         config = copy.deepcopy(policy.module.config)
         config.use_cache = True
         config.tie_word_embeddings = False  # the LM head is pushed as a weight of its own (vllm.py says why)
+        if self.vision is not None:
+            self.vision.write(directory, config)
         config.save_pretrained(directory)
         save_file(state, f"{directory}/model.safetensors", metadata={"format": "pt"})
         return directory
@@ -106,7 +116,8 @@ class ServerRolloutEngine(RolloutEngine):
                                   gpu_memory_utilization=self._memory_share(kv_mb),
                                   kv_cache_bytes=kv_mb << 20 if kv_mb else None, max_model_len=self.vllm.max_model_len,
                                   max_num_seqs=self.vllm.max_num_seqs, extra_args=s.extra_args,
-                                  chunked_prefill=self.backend.vllm_chunked_prefill)
+                                  chunked_prefill=self.backend.vllm_chunked_prefill,
+                                  images=MAX_IMAGES_PER_PROMPT if self.vision is not None else 0)
             devices = None if s.devices is None else s.devices[i]
             env = server_environment(devices, self.backend.server_devices_variable)
             process = ServerProcess(i, launch, env, os.path.join(log_dir, f"server_{i}.log"), s.request_timeout_s,
@@ -132,6 +143,11 @@ class ServerRolloutEngine(RolloutEngine):
 
     def _start(self, policy) -> None:
         s = self.settings
+        text = policy.module.config.get_text_config()
+        positions = self.vllm.max_model_len or getattr(text, "max_position_embeddings", None) or PROBE_LENGTH + 1
+        self.probe = probe_ids(text.vocab_size, probe_length(positions))
+        if is_vision_language(policy.module.config):
+            self.vision = vision_serving(policy, self.processor_factory, self.probe, "rollout.engine=vllm_server")
         self.model_dir = self._write_model(policy) if s.started_here else None
 
         def rank0_urls():
@@ -152,9 +168,6 @@ class ServerRolloutEngine(RolloutEngine):
                                          device_sender=None if transfer == CPU_TRANSFER
                                          else self.backend.weight_transfer_sender)
         on_every_rank(lambda: self.sender.init() if current_rank() == 0 else None)
-        positions = self.vllm.max_model_len or getattr(policy.module.config, "max_position_embeddings", None) \
-            or PROBE_LENGTH + 1
-        self.probe = probe_ids(policy.module.config.vocab_size, probe_length(positions))
         if not s.started_here:
             self.model = on_every_rank(self._served_model)
             self._push(policy, version=1)
@@ -225,12 +238,19 @@ class ServerRolloutEngine(RolloutEngine):
         """Server 0's vs the policy's log-probs of the probe; ServerError beyond ``rollout.check_sync_tol``."""
         sampled = on_every_rank(lambda: prompt_log_probs(self.servers[0], self.model, self.probe))
         self.last_sync_error = probe_difference(sampled, policy, self.probe)
+        if self.vision is not None:
+            probe, image_token = self.vision.probe, self.vision.image_token_id
+            sampled = on_every_rank(lambda: prompt_log_probs(self.servers[0], self.model, probe.ids, probe.picture,
+                                                             image_token))
+            self.last_sync_error = max(self.last_sync_error, probe_difference(sampled, policy, probe.ids, probe))
         refuse_probe_difference(self.last_sync_error, self.rollout.check_sync_tol, self.weight_version,
                                 "the rollout server", ServerError)
         return self.last_sync_error
 
     # ------------------------------------------------------------------ sampling
-    def generate(self, prompts: list[list[int]], params: SamplingParams, seeds: list[int] | None = None) -> Completions:
+    def generate(self, prompts: list[list[int]], params: SamplingParams, seeds: list[int] | None = None,
+                 images: list | None = None) -> Completions:
+        """``images``: one Example (its ``images``, as encoded into the prompt) or None per prompt."""
         if not self.servers:
             raise RuntimeError("rollout.engine=vllm_server: generate() before update_weights(policy) started the "
                                "servers")
@@ -242,8 +262,9 @@ class ServerRolloutEngine(RolloutEngine):
         # Spread this rank's rows from a different server than its peers start from.
         first = (self._next_server + current_rank()) % len(self.servers)
         # A server failing on one rank must stop every rank (what follows a rollout is collective).
+        pictures = prompt_pictures(images, self.vision, "rollout.engine=vllm_server")
         tokens, log_probs = on_every_rank(lambda: sample_rows(self.servers, self.model, prompts, params, seeds,
-                                                              self._pool, first))
+                                                              self._pool, first, pictures, self.vision))
         self._next_server += len(prompts)
         return Completions(*cut_completions(tokens, log_probs, params))
 

@@ -7,7 +7,9 @@ Every flag is there for a reason: token ids in and out (no tokenizer on the serv
 log-probs of the distribution each token was drawn from (``processed_logprobs``, what the
 colocated engine reports), our sampling parameters only (``generation_config vllm``), eager
 execution (nothing to recompile after a weight update), the weight-transfer routes
-(``VLLM_SERVER_DEV_MODE=1`` and ``--weight-transfer-config``).
+(``VLLM_SERVER_DEV_MODE=1`` and ``--weight-transfer-config``). A vision-language model's server
+loads the processor of its directory (vLLM's multimodal processor needs its tokenizer) and opens
+the token-in route that takes images (``--enable-scale-out``: completions.py), for images only.
 """
 from __future__ import annotations
 
@@ -45,13 +47,16 @@ class ServerLaunch:
     served_model_name: str = SERVED_MODEL_NAME
     text: bool = False  # True: the server loads the model's tokenizer and takes text (a reward judge's)
     chunked_prefill: bool = True  # False: every prompt prefilled whole (the backend's vllm_chunked_prefill)
+    images: int = 0  # images per prompt a vision-language model's server takes (0: a text model)
 
     def command(self, python: str = sys.executable) -> list[str]:
         cmd = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", self.model_dir,
                "--served-model-name", self.served_model_name, "--host", self.host, "--port", str(self.port),
                "--dtype", self.dtype, "--tensor-parallel-size", str(self.tensor_parallel_size), "--seed", "0",
-               "--enforce-eager", *([] if self.text else ["--skip-tokenizer-init"]), "--logprobs-mode",
-               "processed_logprobs", "--generation-config", "vllm"]
+               "--enforce-eager", *([] if self.text or self.images else ["--skip-tokenizer-init"]),
+               "--logprobs-mode", "processed_logprobs", "--generation-config", "vllm"]
+        if self.images:
+            cmd += ["--enable-scale-out", "--limit-mm-per-prompt", json.dumps({"image": self.images, "video": 0})]
         if self.weight_transfer is not None:
             cmd += ["--weight-transfer-config", json.dumps({"backend": self.weight_transfer})]
         for flag, value in (("--gpu-memory-utilization", self.gpu_memory_utilization),
@@ -65,14 +70,23 @@ class ServerLaunch:
         return cmd + list(self.extra_args)
 
 
-def model_positions(model_dir: str) -> int | None:
-    """The longest sequence the checkpoint in ``model_dir`` holds (its config's, or its text config's)."""
+def _model_config(model_dir: str) -> dict:
     try:
         with open(os.path.join(model_dir, "config.json")) as fh:
-            config = json.load(fh)
+            return json.load(fh)
     except (OSError, ValueError):
-        return None
+        return {}
+
+
+def model_positions(model_dir: str) -> int | None:
+    """The longest sequence the checkpoint in ``model_dir`` holds (its config's, or its text config's)."""
+    config = _model_config(model_dir)
     return config.get("max_position_embeddings") or (config.get("text_config") or {}).get("max_position_embeddings")
+
+
+def holds_vision_model(model_dir: str) -> bool:
+    """Whether ``model_dir`` holds a vision-language model (its config has a vision tower's)."""
+    return "vision_config" in _model_config(model_dir)
 
 
 def server_environment(devices: str | None, devices_variable: str | None) -> dict[str, str]:
@@ -214,10 +228,13 @@ def main(argv: list[str] | None = None) -> int:
     share = args.gpu_memory_utilization
     if share is None and backend.memory_is_host:
         share = host_memory_share(model_dir, kv_mb, backend.memory_capacity_bytes())
+    from polyfsdp.trainer.rollout.servers.vision_serving import MAX_IMAGES_PER_PROMPT
+
     launch = ServerLaunch(model_dir, args.port, args.host, args.dtype, args.tensor_parallel_size,
                           args.weight_transfer or backend.server_weight_transfer, gpu_memory_utilization=share,
                           kv_cache_bytes=kv_mb << 20 if kv_mb else None, extra_args=extra,
-                          chunked_prefill=backend.vllm_chunked_prefill)
+                          chunked_prefill=backend.vllm_chunked_prefill,
+                          images=MAX_IMAGES_PER_PROMPT if holds_vision_model(model_dir) else 0)
     env = {**os.environ, **server_environment(None, None)}
     cmd = launch.command()
     print(" ".join(cmd), flush=True)

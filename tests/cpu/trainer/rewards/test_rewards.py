@@ -189,7 +189,7 @@ STUCK_IN_C = """
 import time
 from polyfsdp.trainer.rewards.timeout import CallDeadline
 from polyfsdp.trainer.rewards.reward_fn import Scorer
-from polyfsdp.trainer.data.task import Example
+from polyfsdp.trainer.data.example import Example
 scorer = Scorer(lambda *a: time.sleep(3600), "F:sleep", timeout_s=0.2)
 scorer._deadline = CallDeadline(0.2, grace_s=0.3)
 scorer.score(Example(prompt="p", answer="a", where="data.jsonl line 5"), "x", [1])

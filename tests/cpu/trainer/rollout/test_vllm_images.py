@@ -9,39 +9,22 @@ import warnings
 
 import pytest
 import torch
-from PIL import Image
-from transformers import AutoModelForImageTextToText
 
 from polyfsdp.backends.registry import get_backend
-from polyfsdp.engines import EngineConfig, FSDPEngine, ModelConfig, OptimConfig
-from polyfsdp.engines.presets import preset_config
 from polyfsdp.trainer.algos.rl_step import RLContext, StepSeeds, rl_step
 from polyfsdp.trainer.config.job import load_config
 from polyfsdp.trainer.config.sections import RolloutSection
 from polyfsdp.trainer.data.chat import PromptEncoder
 from polyfsdp.trainer.data.count_squares import CountSquaresTask
-from polyfsdp.trainer.data.example import Example
-from polyfsdp.trainer.data.tokenizers import CharTokenizer
-from polyfsdp.trainer.data.vision import tiny_vision_processor
 from polyfsdp.trainer.rollout.build import build_rollout_engine
-from polyfsdp.trainer.rollout.decode import decode, placeholder_tokens
+from polyfsdp.trainer.rollout.decode import decode
 from polyfsdp.trainer.rollout.drivers.single_turn import SingleTurnDriver
 from polyfsdp.trainer.rollout.engines import SamplingParams
 from polyfsdp.trainer.rollout.generate import _left_padded
 from tests.helpers.vllm_cases import require_vllm
+from tests.helpers.vllm_images import PRESETS, TOK, image_prompts, reference_log_probs, vlm_policy
 
 warnings.filterwarnings("ignore", message=".*torchvision.*")
-TOK = CharTokenizer()
-PRESETS = ("qwen2-vl-tiny", "qwen2.5-vl-tiny")
-# Head size 32 (64 / 2), the smallest vLLM's CPU attention runs; its 16 rotary frequencies over (t, h, w).
-SIZES = dict(hidden_size=64, intermediate_size=128, num_attention_heads=2, num_key_value_heads=1,
-             rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [4, 6, 6]})
-
-
-def _picture(size, colour):
-    image = Image.new("RGB", size, (250, 250, 250))
-    image.paste(colour, (0, 0, size[0] // 2, size[1] // 2))
-    return image
 
 
 @pytest.fixture(scope="module")
@@ -52,13 +35,7 @@ def served(tmp_path_factory):
 
     def get(preset):
         if preset not in built:
-            config = preset_config(preset, **SIZES)
-            directory = tmp_path_factory.mktemp(preset)
-            with torch.random.fork_rng(devices=[]):
-                torch.manual_seed(4)
-                AutoModelForImageTextToText.from_config(config, dtype=torch.float32).save_pretrained(directory)
-            policy = FSDPEngine(ModelConfig(path=str(directory)), EngineConfig(), OptimConfig(lr=5e-2)).initialize()
-            processor = tiny_vision_processor(TOK, config)
+            policy, processor = vlm_policy(preset, tmp_path_factory.mktemp(preset))
             engine = build_rollout_engine(RolloutSection(engine="vllm", check_sync_tol=1e-5), get_backend(),
                                           processor_factory=lambda: processor)
             built[preset] = policy, engine, processor
@@ -69,39 +46,10 @@ def served(tmp_path_factory):
         engine.close()
 
 
-def _prompts(processor):
-    encoder = PromptEncoder(TOK, processor=processor)
-
-    def ask(text, *images):
-        parts = [{"type": "image"}] * len(images) + [{"type": "text", "text": text}]
-        return encoder.encode(Example(prompt=text, answer="", where=f"prompt {text!r}", images=images,
-                                      messages=({"role": "user", "content": tuple(parts)},) if images else
-                                      ({"role": "user", "content": text},)))
-
-    return [ask("how many?", _picture((56, 28), (200, 0, 0))), ask("none here"),
-            ask("and?", _picture((56, 56), (0, 0, 200)), _picture((28, 28), (0, 200, 0))),
-            ask("how many?", _picture((56, 28), (0, 120, 240)))]
-
-
-def _reference_log_probs(model, row, completion):
-    """HF's forward of ``row``'s prompt + ``completion`` alone: each completion token's log-prob,
-    renormalized without the placeholders."""
-    ids = torch.tensor([list(row.prompt_ids) + completion])
-    images = {} if row.pixel_values is None else {
-        "pixel_values": row.pixel_values, "image_grid_thw": row.image_grid_thw,
-        "mm_token_type_ids": (ids == model.config.image_token_id).to(torch.int)}
-    with torch.no_grad():
-        logits = model(input_ids=ids, **images).logits[0].float()
-    logits[:, placeholder_tokens(model)] = float("-inf")
-    log_probs = logits.log_softmax(-1)
-    start = len(row.prompt_ids) - 1
-    return [log_probs[start + t, token].item() for t, token in enumerate(completion)]
-
-
 @pytest.mark.parametrize("preset", PRESETS)
 def test_greedy_completions_with_images_equal_the_builtin_loop(served, preset):
     policy, vllm, processor = served(preset)
-    rows = _prompts(processor)
+    rows = image_prompts(processor)
     assert rows[0].prompt_ids == rows[3].prompt_ids  # same tokens, other pixels
     params = SamplingParams(10, greedy=True, stop_token_ids=(TOK.eos_token_id,), pad_token_id=TOK.pad_token_id)
     vllm.update_weights(policy)
@@ -126,14 +74,14 @@ def test_sampled_log_probs_equal_the_reference_after_a_grpo_step(served, preset)
     moved = max((p.detach() - b).abs().max().item()
                 for p, b in zip([p for n, p in policy.module.named_parameters() if "visual" in n], tower))
     assert moved > 1e-4  # the tower trained: the sync below must carry it
-    rows = _prompts(processor)
+    rows = image_prompts(processor)
     params = SamplingParams(8, temperature=1.0, stop_token_ids=(TOK.eos_token_id,), pad_token_id=TOK.pad_token_id,
                             return_log_probs=True)
     vllm.update_weights(policy)  # syncs the step, checks the text probe
     out = vllm.generate([list(r.prompt_ids) for r in rows], params, seeds=[11, 12, 13, 14], images=rows)
     model = policy.module.eval()
     for row, completion, sampled in zip(rows, out.token_ids, out.log_probs):
-        reference = _reference_log_probs(model, row, completion)
+        reference = reference_log_probs(model, row, completion)
         assert max(abs(a - b) for a, b in zip(sampled, reference)) < 1e-5, (row.where, sampled, reference)
 
 

@@ -16,6 +16,7 @@ import pytest
 
 from polyfsdp.trainer.config.composition import compose, to_container
 from polyfsdp.trainer.errors import ConfigError
+from polyfsdp.trainer.rollout.servers import launch as launch_module
 from polyfsdp.trainer.rollout.servers.launch import ServerLaunch, log_excerpt, server_environment
 from polyfsdp.trainer.rollout.servers.settings import ServerSettings
 
@@ -55,6 +56,24 @@ def test_the_command_serves_token_ids_with_the_sampled_log_probs_and_the_weight_
     assert server_environment("0-3", "VLLM_CPU_OMP_THREADS_BIND") == {"VLLM_SERVER_DEV_MODE": "1",
                                                                      "VLLM_CPU_OMP_THREADS_BIND": "0-3"}
     assert server_environment(None, "CUDA_VISIBLE_DEVICES") == {"VLLM_SERVER_DEV_MODE": "1"}
+
+
+def test_a_vision_language_models_server_loads_its_processor_and_opens_the_route_that_takes_images(
+        tmp_path, monkeypatch):
+    cmd = ServerLaunch("/m", 8123, images=4).command("python")
+    assert "--skip-tokenizer-init" not in cmd and "--enable-scale-out" in cmd
+    assert json.loads(cmd[cmd.index("--limit-mm-per-prompt") + 1]) == {"image": 4, "video": 0}
+    # The launcher for a user's own server sets it from the directory's config.
+    commands = {}
+    monkeypatch.setattr(launch_module.os, "execvpe", lambda path, cmd, env: commands.setdefault("cmd", cmd))
+    for name, config in (("vlm", {"model_type": "qwen2_vl", "vision_config": {}}), ("lm", {"model_type": "qwen2"})):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.json").write_text(json.dumps(config))
+        commands.clear()
+        launch_module.main(["--model", str(tmp_path / name), "--weight-transfer", "polyfsdp_cpu",
+                            "--gpu-memory-utilization", "0.1"])
+        assert ("--enable-scale-out" in commands["cmd"]) == (name == "vlm")
+        assert ("--skip-tokenizer-init" in commands["cmd"]) == (name == "lm")
 
 
 def test_a_failed_start_is_reported_by_its_root_cause(tmp_path):
