@@ -65,15 +65,32 @@ class SampledBatch:
     version: int = 0
 
     def to_plain(self) -> dict:
-        """The batch as lists, numbers and strings (what a checkpoint's ``extra`` holds)."""
-        return {"rollout": dataclasses.asdict(self.rollout), "metrics": dict(self.metrics),
-                "late_metrics": dict(self.late_metrics), "rows": list(self.rows), "gen_time_s": self.gen_time_s,
-                "version": self.version}
+        """The batch as lists, numbers, strings and tensors (what a checkpoint's ``extra`` holds): a
+        row's images as the pixel inputs its training batch is built from (the pictures were sampled
+        already)."""
+        rollout = dataclasses.asdict(dataclasses.replace(self.rollout, images=None))
+        if self.rollout.images is not None:
+            rollout["images"] = [None if ex is None or ex.pixel_values is None else
+                                 {"pixel_values": ex.pixel_values, "image_grid_thw": ex.image_grid_thw}
+                                 for ex in self.rollout.images]
+        return {"rollout": rollout, "metrics": dict(self.metrics), "late_metrics": dict(self.late_metrics),
+                "rows": list(self.rows), "gen_time_s": self.gen_time_s, "version": self.version}
 
     @classmethod
     def from_plain(cls, plain: dict) -> "SampledBatch":
-        return cls(Rollout(**plain["rollout"]), dict(plain["metrics"]), dict(plain["late_metrics"]),
+        rollout = dict(plain["rollout"])
+        if rollout.get("images") is not None:
+            rollout["images"] = [None if entry is None else PixelInputs(**entry) for entry in rollout["images"]]
+        return cls(Rollout(**rollout), dict(plain["metrics"]), dict(plain["late_metrics"]),
                    list(plain["rows"]), float(plain["gen_time_s"]), int(plain["version"]))
+
+
+@dataclass(frozen=True)
+class PixelInputs:
+    """A row's pixel inputs taken back from a checkpoint (what trainer/data/batch.py reads of an Example)."""
+
+    pixel_values: object
+    image_grid_thw: object
 
 
 @dataclass(frozen=True)

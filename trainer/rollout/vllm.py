@@ -41,6 +41,7 @@ from polyfsdp.engines.model.weight_stream import full_weights, weight_buckets
 from . import vllm_adapter
 from ..data.batch import build_batch, per_sequence
 from ..errors import ConfigError
+from ..rank_errors import on_every_rank
 from .engines import Completions, RolloutEngine, SamplingParams
 from .controls.stop_strings import cut_completions
 from .servers.settings import VllmSettings
@@ -258,11 +259,12 @@ class VllmRolloutEngine(RolloutEngine):
         # the process's seeded generator (vLLM's start, in the sync before, leaves it as it was).
         seeds = list(seeds) if seeds is not None else torch.randint(0, 2**31 - 1, (len(prompts),)).tolist()
         self.wake()
-        pictures = prompt_pictures(images, self.vision, "rollout.engine=vllm")
+        # A refusal on one rank's rows must stop every rank (what follows a rollout is collective).
+        pictures = on_every_rank(lambda: prompt_pictures(images, self.vision, "rollout.engine=vllm"))
         vision = self.vision
         completions, log_probs = vllm_adapter.sample(self.llm, prompts, params, seeds, pictures,
                                                      vision and vision.image_token_id,
-                                                     vision and vision.allowed_token_ids)
+                                                     vision and vision.logit_bias)
         return Completions(*cut_completions(completions, log_probs, params))
 
     def sleep(self) -> None:

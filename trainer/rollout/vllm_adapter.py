@@ -19,7 +19,7 @@ from typing import Iterable
 import torch
 
 from ..errors import ConfigError
-from .servers.vision_serving import collapse_image_runs
+from .servers.vision_serving import collapse_image_runs, expansion_mismatch
 
 
 @dataclass
@@ -123,7 +123,7 @@ def unchunked_prefill(max_model_len: int | None) -> dict:
 
 
 def sample(llm, prompts: list[list[int]], params, seeds: list[int], images: list | None = None,
-           image_token_id: int | None = None, allowed_token_ids: list[int] | None = None
+           image_token_id: int | None = None, logit_bias: dict[int, float] | None = None
            ) -> tuple[list[list[int]], list[list[float]] | None]:
     """Completions of ``prompts`` sampled as ``params`` (the engines' SamplingParams: greedy is
     temperature 0; top-p, top-k and repetition penalty are vLLM's own, defined as ours,
@@ -131,21 +131,23 @@ def sample(llm, prompts: list[list[int]], params, seeds: list[int], images: list
     a stop token when one is produced; with ``params.return_log_probs`` each token's log-prob
     under the distribution it was drawn from. Stop strings need a tokenizer, which this engine
     runs without: the caller cuts at them (trainer/rollout/controls/stop_strings.py). ``images``:
-    per prompt its PIL images or None (:func:`vllm_prompt`); ``allowed_token_ids``: the tokens
-    sampling may draw (None: all), the processed log-probs then renormalized over them."""
+    per prompt its PIL images or None (:func:`vllm_prompt`); ``logit_bias``: per token a bias added
+    to its logit (a vision-language policy's placeholders at -100: servers/vision_serving.py), which
+    the processed log-probs include."""
     from vllm import SamplingParams
 
     want_log_probs = params.return_log_probs
     options = dict(max_tokens=params.max_new_tokens, temperature=0.0 if params.greedy else params.temperature,
                    top_p=params.top_p, top_k=params.top_k, repetition_penalty=params.repetition_penalty,
                    stop_token_ids=list(params.stop_token_ids), logprobs=0 if want_log_probs else None,
-                   detokenize=False, skip_special_tokens=False, allowed_token_ids=allowed_token_ids)
+                   detokenize=False, skip_special_tokens=False, logit_bias=logit_bias)
     requests = [SamplingParams(seed=seed, **options) for seed in seeds]
     images = images or [None] * len(prompts)
     outputs = llm.generate([vllm_prompt(p, i, image_token_id) for p, i in zip(prompts, images)], requests,
                            use_tqdm=False)
     completions, log_probs = [], []
-    for out in outputs:
+    for out, prompt, pictures in zip(outputs, prompts, images):
+        _refuse_other_expansion(out, prompt, pictures, image_token_id)
         done = out.outputs[0]
         completions.append(list(done.token_ids))
         if want_log_probs:
@@ -161,10 +163,15 @@ def prompt_log_probs(llm, ids: list[int], images: list | None = None, image_toke
     # Seeded: the one token it samples must not draw from the global generator.
     params = SamplingParams(max_tokens=1, temperature=1.0, prompt_logprobs=0, detokenize=False, seed=0)
     out = llm.generate([vllm_prompt(ids, images, image_token_id)], params, use_tqdm=False)[0]
-    if list(out.prompt_token_ids) != list(ids):
-        raise ValueError(f"vLLM's processor gave the prompt's images {list(out.prompt_token_ids).count(image_token_id)} "
-                         f"image tokens, the trainer's processor {list(ids).count(image_token_id)}")
+    _refuse_other_expansion(out, ids, images, image_token_id)
     return [step[tok].logprob for step, tok in zip(out.prompt_logprobs[1:], ids[1:])]
+
+
+def _refuse_other_expansion(out, prompt: list[int], images: list | None, image_token_id: int | None) -> None:
+    """ConfigError (one line) when vLLM ran a prompt with images as other token ids than the trainer's."""
+    mismatch = expansion_mismatch(out.prompt_token_ids, prompt, image_token_id) if images else None
+    if mismatch is not None:
+        raise ConfigError(f"rollout.engine=vllm: {mismatch}")
 
 
 def load_weights(llm, buckets: Iterable[list[tuple[str, torch.Tensor]]]) -> list[str]:

@@ -153,7 +153,10 @@ def test_export_holds_the_processor_and_a_job_continues_from_it(tmp_path):
                  f"trainer.output_dir={tmp_path / 'second'}"]) == 0
 
 
-def test_resume_after_sigkill_continues_the_same_curve(tmp_path):
+@pytest.mark.parametrize("staleness", [0, 1])
+def test_resume_after_sigkill_continues_the_same_curve(tmp_path, staleness):
+    """With rollout.max_staleness=1 the checkpoint also holds the next step's batch, sampled ahead
+    with its images: their pixel inputs are saved and trained on after the resume."""
     import subprocess
     import sys
 
@@ -161,7 +164,7 @@ def test_resume_after_sigkill_continues_the_same_curve(tmp_path):
 
     args = [a for a in TINY if not a.startswith(("trainer.checkpoint_interval", "trainer.rl_steps"))]
     overrides = [*args, "model=qwen2_vl", "data.task=count_squares", "trainer.rl_steps=4",
-                 "trainer.checkpoint_interval=2", "algo.actor.temperature=1.0"]
+                 "trainer.checkpoint_interval=2", "algo.actor.temperature=1.0", f"rollout.max_staleness={staleness}"]
     assert main([*overrides, f"trainer.output_dir={tmp_path / 'full'}"]) == 0
     reference = read_metrics(str(tmp_path / "full" / "metrics.jsonl"))
     out = tmp_path / "killed"

@@ -28,6 +28,11 @@ class SingleTurnDriver:
         """The token prompts :meth:`rollout` sends the engine: each example's, ``n`` times."""
         return [example_prompt_tokens(tokenizer, ex) for ex in examples for _ in range(n)]
 
+    def _refuse_images(self, images) -> None:
+        if images is not None:
+            raise ConfigError(f"rollout.engine={self.name}: this engine takes no images; prompts with images are "
+                              f"sampled by rollout.engine=builtin, hf, auto, vllm or vllm_server (docs/vision-language.md)")
+
     @staticmethod
     def row_images(examples: list[Example], n: int) -> list[Example] | None:
         """What :meth:`rollout` hands the engine as ``images=``: each example ``n`` times (its images
@@ -43,9 +48,8 @@ class SingleTurnDriver:
         ``prefetched``: the engine's completions of :meth:`prompts`, generated already."""
         prompts = self.prompts(tokenizer, examples, n)
         images = self.row_images(examples, n)
-        if images is not None and not getattr(self.engine, "takes_images", False):
-            raise ConfigError(f"rollout.engine={self.name}: this engine takes no images; prompts with images are "
-                              f"sampled by rollout.engine=builtin, hf, auto, vllm or vllm_server (docs/vision-language.md)")
+        if not getattr(self.engine, "takes_images", False):  # the same on every rank: so is entering the check
+            on_every_rank(lambda: self._refuse_images(images))
         if prefetched is not None:
             out = prefetched
         elif images is not None:

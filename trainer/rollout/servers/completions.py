@@ -16,28 +16,28 @@ import io
 from concurrent.futures import ThreadPoolExecutor
 
 from .http import ServerError, ServerHttp
-from .vision_serving import collapse_image_runs
+from .vision_serving import collapse_image_runs, expansion_mismatch
 
 GENERATE_ROUTE = "/inference/v1/generate"
 
 
-def _sampling(params, seed: int, allowed_token_ids: list[int] | None) -> dict:
+def _sampling(params, seed: int, logit_bias: dict[int, float] | None) -> dict:
     """The sampling fields both routes share (``params``: the engines' SamplingParams)."""
     return {"max_tokens": params.max_new_tokens, "temperature": 0.0 if params.greedy else float(params.temperature),
             "top_p": float(params.top_p), "top_k": int(params.top_k),
             "repetition_penalty": float(params.repetition_penalty), "seed": int(seed),
             "stop_token_ids": list(params.stop_token_ids), "skip_special_tokens": False,
             "logprobs": 0 if params.return_log_probs else None,
-            **({} if allowed_token_ids is None else {"allowed_token_ids": list(allowed_token_ids)})}
+            **({} if not logit_bias else {"logit_bias": {str(t): b for t, b in logit_bias.items()}})}
 
 
 def completion_request(model: str, prompt: list[int], params, seed: int,
-                       allowed_token_ids: list[int] | None = None) -> dict:
+                       logit_bias: dict[int, float] | None = None) -> dict:
     """The ``/v1/completions`` body of one row. Stop strings are not sent: a text model's servers
     run without a tokenizer (``--skip-tokenizer-init``, vLLM refuses them there), the engine cuts
-    at them (trainer/rollout/controls/stop_strings.py). ``allowed_token_ids``: the tokens sampling
-    may draw (a vision-language policy's: all but its placeholders), None: all."""
-    return {"model": model, "prompt": list(prompt), **_sampling(params, seed, allowed_token_ids),
+    at them (trainer/rollout/controls/stop_strings.py). ``logit_bias``: per token a bias (a vision-language
+    policy's placeholders: vision_serving.py), None: none."""
+    return {"model": model, "prompt": list(prompt), **_sampling(params, seed, logit_bias),
             "return_token_ids": True,
             # without a tokenizer on the server, log-probs need their tokens named by id
             "return_tokens_as_token_ids": True}
@@ -51,13 +51,13 @@ def png_data_url(picture) -> str:
 
 
 def image_request(model: str, prompt: list[int], pictures: list, params, seed: int, image_token_id: int,
-                  allowed_token_ids: list[int] | None) -> dict:
+                  logit_bias: dict[int, float] | None, data_url=png_data_url) -> dict:
     """The ``/inference/v1/generate`` body of one row whose prompt holds ``pictures``: each image's
     run of placeholders written once (the server's processor expands it again, and the answer's
     ``prompt_token_ids`` say how: :func:`parse_image_answer` checks them against ``prompt``)."""
     return {"model": model, "token_ids": collapse_image_runs(list(prompt), image_token_id),
-            "content_parts": [{"type": "image_url", "url": png_data_url(p)} for p in pictures],
-            "sampling_params": {**_sampling(params, seed, allowed_token_ids), "detokenize": False},
+            "content_parts": [{"type": "image_url", "url": data_url(p)} for p in pictures],
+            "sampling_params": {**_sampling(params, seed, logit_bias), "detokenize": False},
             "return_token_ids": True}
 
 
@@ -72,21 +72,20 @@ def parse_image_answer(answer, prompt: list[int], image_token_id: int, want_log_
         tokens = [int(t) for t in choice["token_ids"]]
         log_probs = [float(step["logprob"]) for step in choice["logprobs"]["content"]] if want_log_probs else None
     except (KeyError, IndexError, TypeError, ValueError) as exc:
-        raise ServerError(f"{where}: an answer without token ids or log-probs ({type(exc).__name__}: {exc}); is it a "
-                          f"vLLM server (>= 0.32) started with --enable-scale-out, as docs/rollouts-and-servers.md "
-                          f"says for vision-language models?") from None
-    if served != list(prompt):
-        raise ServerError(f"{where}: the server's processor made {served.count(image_token_id)} image tokens of the "
-                          f"prompt's images ({len(served)} prompt tokens), the trainer's {list(prompt).count(image_token_id)} "
-                          f"({len(prompt)}): it must serve the run's processor (the directory polyfsdp writes holds it)")
+        raise ServerError(f"{where}: an answer without token ids or log-probs ({type(exc).__name__}: {exc}); a "
+                          f"vision-language policy's server must be vLLM >= 0.32 started with --enable-scale-out "
+                          f"(python -m polyfsdp.trainer.rollout.servers.launch adds it for such a model)") from None
+    mismatch = expansion_mismatch(served, prompt, image_token_id)
+    if mismatch is not None:
+        raise ServerError(f"{where}: {mismatch}")
     if log_probs is not None and len(log_probs) != len(tokens):
         raise ServerError(f"{where}: {len(tokens)} token ids but {len(log_probs)} log-probs in one completion")
     return tokens, log_probs
 
 
 def parse_completion(answer, want_log_probs: bool, where: str) -> tuple[list[int], list[float] | None]:
-    """The new token ids (and their log-probs) of a ``/v1/completions`` answer; ServerError
-    naming ``where`` when the answer lacks them or they disagree in length."""
+    """The new token ids (and their log-probs) of a ``/v1/completions`` answer; ServerError naming
+    ``where`` when the answer lacks them or they disagree in length."""
     try:
         choice = answer["choices"][0]
         tokens = [int(t) for t in choice["token_ids"]]
@@ -127,16 +126,24 @@ def sample_rows(servers: list[ServerHttp], model: str, prompts: list[list[int]],
     """Completions (and log-probs when ``params.return_log_probs``) of every prompt, row ``i``
     on server ``(first_server + i) % len(servers)``; ``pictures``: per prompt its images or None
     (servers/vision_serving.py: prompt_pictures); ``vision``: a vision-language policy's VisionServing."""
-    allowed = None if vision is None else vision.allowed_token_ids
+    bias = None if vision is None else vision.logit_bias
+    # A group's rows share their Example's images: each is encoded once (``pictures`` keeps them alive,
+    # so an id is not reused during the round).
+    urls: dict[int, str] = {}
+
+    def data_url(picture) -> str:
+        if id(picture) not in urls:
+            urls[id(picture)] = png_data_url(picture)
+        return urls[id(picture)]
 
     def one(i: int):
         http = servers[(first_server + i) % len(servers)]
         where = f"{http.name} ({http.url})"
         if pictures is not None and pictures[i]:
             answer = http.request(GENERATE_ROUTE, image_request(model, prompts[i], pictures[i], params, seeds[i],
-                                                                vision.image_token_id, allowed))
+                                                                vision.image_token_id, bias, data_url))
             return parse_image_answer(answer, prompts[i], vision.image_token_id, params.return_log_probs, where)
-        answer = http.request("/v1/completions", completion_request(model, prompts[i], params, seeds[i], allowed))
+        answer = http.request("/v1/completions", completion_request(model, prompts[i], params, seeds[i], bias))
         return parse_completion(answer, params.return_log_probs, where)
 
     results = list(pool.map(one, range(len(prompts))))

@@ -262,9 +262,9 @@ class ServerRolloutEngine(RolloutEngine):
         # Spread this rank's rows from a different server than its peers start from.
         first = (self._next_server + current_rank()) % len(self.servers)
         # A server failing on one rank must stop every rank (what follows a rollout is collective).
-        pictures = prompt_pictures(images, self.vision, "rollout.engine=vllm_server")
-        tokens, log_probs = on_every_rank(lambda: sample_rows(self.servers, self.model, prompts, params, seeds,
-                                                              self._pool, first, pictures, self.vision))
+        tokens, log_probs = on_every_rank(lambda: sample_rows(
+            self.servers, self.model, prompts, params, seeds, self._pool, first,
+            prompt_pictures(images, self.vision, "rollout.engine=vllm_server"), self.vision))
         self._next_server += len(prompts)
         return Completions(*cut_completions(tokens, log_probs, params))
 

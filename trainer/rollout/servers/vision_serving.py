@@ -3,8 +3,11 @@
 
 - the run's processor written beside the weights, with the architecture polyfsdp registers in
   vLLM (vllm_vision.py), so vLLM sizes and places every image exactly as the prompts were encoded;
-- the tokens sampling may draw: every one but the image and video placeholders, as in our loops
-  (trainer/rollout/decode.py);
+- the tokens sampling never draws: the image and video placeholders, as in our loops
+  (trainer/rollout/decode.py), banned by a logit bias of -100 (vLLM's largest: their share of
+  the mass drops below e^-100, so the reported log-probs are those renormalized without them to
+  far better than float precision), two entries per request where a list of every allowed token
+  would be the whole vocabulary (150k ids for Qwen2-VL, a megabyte of JSON per row on a server);
 - check_sync's second probe (:class:`ImageProbe`), which runs the vision tower and the merger;
 - the prompt as vLLM takes it: each image's run of placeholders written once (vLLM's processor
   repeats it once per image token itself).
@@ -13,12 +16,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..decode import placeholder_tokens
 from ...errors import ConfigError
 from .vllm_plugin import VISION_MODELS
 
 # Images one prompt may hold (vLLM's limit_mm_per_prompt; its start-up profiles a prompt with this many).
 MAX_IMAGES_PER_PROMPT = 4
+BAN_BIAS = -100.0  # vLLM clamps a logit bias to [-100, 100]
 
 
 class ImageProbe:
@@ -46,8 +49,13 @@ class VisionServing:
     architecture: str
     processor: object
     image_token_id: int
-    allowed_token_ids: list[int]
+    banned_token_ids: list[int]
     probe: ImageProbe
+
+    @property
+    def logit_bias(self) -> dict[int, float]:
+        """What bans the placeholders in a vLLM request (see the module)."""
+        return {token: BAN_BIAS for token in self.banned_token_ids}
 
     def write(self, directory: str, config) -> None:
         """The processor into ``directory``; ``config`` (saved there after this) names the architecture."""
@@ -70,21 +78,28 @@ def vision_serving(policy, processor_factory, text_probe: list[int], engine_key:
     if processor is None:
         raise ConfigError(f"{engine_key}: the vision-language policy {architecture} came without its processor "
                           f"(the job hands it over; RolloutEngine.processor_factory)")
+    from ..decode import placeholder_tokens  # the engine's modules: never imported in vLLM's processes
+
     config = policy.module.config
-    banned = set(placeholder_tokens(policy.module))
-    allowed = [t for t in range(config.get_text_config().vocab_size) if t not in banned]
-    return VisionServing(architecture, processor, config.image_token_id, allowed,
+    return VisionServing(architecture, processor, config.image_token_id, sorted(placeholder_tokens(policy.module)),
                          ImageProbe(processor, config, text_probe))
 
 
 def prompt_pictures(images: list | None, vision: VisionServing | None, engine_key: str) -> list | None:
     """Per prompt its pictures (a list of PIL images) or None, from the engines' ``images`` (one
     Example or None per prompt); None when no prompt holds any. One line for images sent to a text
-    model or more of them in one prompt than vLLM is started for."""
-    if images is None or not any(ex is not None and ex.images for ex in images):
+    model, an Example with pixel inputs but not the images they came from (vLLM processes the
+    images itself: sampled without them, the prompt's image tokens would stand for nothing), or more
+    images in one prompt than vLLM is started for."""
+    if images is None or not any(ex is not None and (ex.images or ex.pixel_values is not None) for ex in images):
         return None
     if vision is None:
-        raise ConfigError(f"{engine_key}: prompts with images for a text model")
+        raise ConfigError(f"{engine_key}: prompts with images, but the policy is a text model (its config has no "
+                          f"vision_config); use a vision-language model (model=qwen2_vl or its checkpoint)")
+    blind = next((ex for ex in images if ex is not None and ex.pixel_values is not None and not ex.images), None)
+    if blind is not None:
+        raise ConfigError(f"{engine_key}: {blind.where}: the prompt holds pixel inputs but not the images they came "
+                          f"from (Example.images), which vLLM processes itself")
     pictures = [list(ex.images) if ex is not None and ex.images else None for ex in images]
     if max(len(p or ()) for p in pictures) > MAX_IMAGES_PER_PROMPT:
         raise ConfigError(f"{engine_key}: a prompt holds more than {MAX_IMAGES_PER_PROMPT} images, the most vLLM "
@@ -95,3 +110,18 @@ def prompt_pictures(images: list | None, vision: VisionServing | None, engine_ke
 def collapse_image_runs(ids: list[int], image_token_id: int | None) -> list[int]:
     """``ids`` with each run of image tokens written once (vLLM's processor expands it again)."""
     return [t for i, t in enumerate(ids) if not (t == image_token_id and i > 0 and ids[i - 1] == image_token_id)]
+
+
+def expansion_mismatch(served: list[int], prompt: list[int], image_token_id: int | None) -> str | None:
+    """Why vLLM's expansion of a prompt's images (``served``: the prompt token ids it ran) cannot be
+    trained on: its processor made other tokens than the trainer's (``prompt``), so nothing it
+    samples would match the trainer's sequence; None when they are equal."""
+    served, prompt = list(served), list(prompt)
+    if served == prompt:
+        return None
+    first = next((i for i, (a, b) in enumerate(zip(served, prompt)) if a != b), min(len(served), len(prompt)))
+    return (f"vLLM's processor ran the prompt as {len(served)} tokens ({served.count(image_token_id)} image tokens), "
+            f"the trainer's sequence holds {len(prompt)} ({prompt.count(image_token_id)}), first different at "
+            f"position {first}: vLLM must load the run's processor (polyfsdp writes it beside the weights of the "
+            f"engines and servers it starts; a server started by hand needs it in its --model directory, e.g. an "
+            f"HF export of the run)")

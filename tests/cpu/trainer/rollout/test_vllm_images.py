@@ -102,3 +102,20 @@ def test_the_image_probe_catches_a_tower_vllm_serves_stale(served, monkeypatch):
     policy.weights_version += 1  # what an optimizer step does
     with pytest.raises(ConfigError, match=r"rollout.check_sync: after weight sync \d+, vLLM's log-probs of the probe"):
         vllm.update_weights(policy)
+
+
+def test_a_prompt_whose_images_vllm_expands_otherwise_is_one_line(served):
+    """vLLM ran the prompt's images as other image tokens than the trainer's sequence holds (here:
+    the prompt lost one): nothing it samples would match what the trainer trains on, so it stops."""
+    from polyfsdp.trainer.errors import ConfigError
+
+    policy, vllm, processor = served("qwen2-vl-tiny")
+    vllm.update_weights(policy)
+    row = image_prompts(processor)[0]
+    prompt = list(row.prompt_ids)
+    prompt.remove(policy.module.config.image_token_id)
+    params = SamplingParams(2, greedy=True, stop_token_ids=(TOK.eos_token_id,), pad_token_id=TOK.pad_token_id)
+    with pytest.raises(ConfigError, match=r"^rollout.engine=vllm: vLLM's processor ran the prompt as \d+ tokens "
+                                          r"\(\d+ image tokens\), the trainer's sequence holds \d+ \(\d+\), first "
+                                          r"different at position \d+: vLLM must load the run's processor"):
+        vllm.generate([prompt], params, [1], images=[row])

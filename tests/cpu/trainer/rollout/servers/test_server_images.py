@@ -113,8 +113,9 @@ def test_a_server_whose_processor_sizes_an_image_otherwise_is_one_line(served):
     image = policy.module.config.image_token_id
     prompt = list(row.prompt_ids)
     prompt.remove(image)
-    with pytest.raises(ServerError, match=r"^rollout server 0 \(http://[\d.:]+\): the server's processor made \d+ "
-                                          r"image tokens of the prompt's images .*, the trainer's \d+ "):
+    with pytest.raises(ServerError, match=r"^rollout server 0 \(http://[\d.:]+\): vLLM's processor ran the prompt as "
+                                          r"\d+ tokens \(\d+ image tokens\), the trainer's sequence holds \d+ \(\d+\), "
+                                          r"first different at position \d+: vLLM must load the run's processor"):
         engine.generate([prompt], _sampled(2), [1], images=[row])
 
 
