@@ -18,6 +18,7 @@ A crafted directory could also aim a read outside the checkpoint: every path it 
 from __future__ import annotations
 
 import bisect
+import enum
 import hashlib
 import json
 import os
@@ -261,8 +262,21 @@ def load_plain(path: Path) -> Any:
         raise CheckpointError(f"{path}: unreadable ({type(exc).__name__}: {' '.join(str(exc).split())})") from None
 
 
+def _enum_member(cls, name: str):
+    """What ``getattr(cls, name)`` gives in a DCP metadata pickle, for an enum member only: Python
+    3.12 (and 3.11.0-3.11.4) pickle an enum member as ``getattr(its class, its name)``, so
+    ``_MEM_FORMAT_ENCODING``'s members arrive that way; any other attribute is refused (``cls``
+    itself came through the allow-list)."""
+    if isinstance(cls, type) and issubclass(cls, enum.Enum) and isinstance(name, str) and name in cls.__members__:
+        return cls.__members__[name]
+    raise pickle.UnpicklingError(f"getattr({getattr(cls, '__name__', type(cls).__name__)}, {name!r}) is not "
+                                 f"allowed (only an enum's members)")
+
+
 class _DcpMetadataUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str):
+        if (module, name) == ("builtins", "getattr"):
+            return _enum_member
         # A dotted name walks attributes from an allowed module to anything it imports: refused.
         if "." not in name:
             if name in _DCP_METADATA_GLOBALS.get(module, ()):

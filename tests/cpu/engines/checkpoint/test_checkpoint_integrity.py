@@ -323,3 +323,43 @@ def test_item_checksums_that_do_not_cover_the_file_are_a_damaged_manifest(saved)
     (path / MANIFEST_FILE).write_text(json.dumps(manifest))
     with pytest.raises(ckpt.CheckpointDamaged, match=r"unreadable manifest \(ValueError: spans do not cover"):
         _load(path, parts)
+
+
+class _ByName:
+    """An object pickled as ``getattr(owner, name)``."""
+
+    def __init__(self, owner, name):
+        self.owner, self.name = owner, name
+
+    def __reduce__(self):
+        return (getattr, (self.owner, self.name))
+
+
+def test_metadata_holding_enum_members_by_name_loads_and_other_attributes_are_refused(saved, tmp_path, monkeypatch):
+    """Python 3.12 (and 3.11.0-3.11.4) pickle an enum member as ``getattr(its class, its name)``, so
+    DCP's metadata written there names its memory-format member that way: it loads (it failed with
+    'global builtins.getattr is not allowed'); getattr of anything but an enum's member stays
+    refused, so nothing executes."""
+    from pathlib import PosixPath
+
+    from torch.distributed.checkpoint.metadata import _MEM_FORMAT_ENCODING
+
+    from polyfsdp.engines.checkpoint.files import read_dcp_metadata
+
+    path, parts = saved
+    with open(path / ".metadata", "rb") as f:
+        metadata = pickle.load(f)
+    with monkeypatch.context() as patch:
+        patch.setattr(_MEM_FORMAT_ENCODING, "__reduce_ex__", lambda self, proto: (getattr, (type(self), self.name)))
+        by_name = pickle.dumps(metadata)
+    assert b"getattr" in by_name and b"getattr" not in pickle.dumps(metadata)  # the member, by name
+    (path / ".metadata").write_bytes(by_name)
+    write_manifest(path)
+    assert read_dcp_metadata(path).state_dict_metadata.keys() == metadata.state_dict_metadata.keys()
+    _load(path, parts)  # the whole load goes through
+    marker = tmp_path / "pwned"
+    (path / ".metadata").write_bytes(pickle.dumps((_ByName(PosixPath, "unlink"), _RunsCode(marker))))
+    write_manifest(path)
+    with pytest.raises(ckpt.CheckpointError, match=r"refused to load: getattr\(PosixPath, 'unlink'\) is not allowed"):
+        _load(path, parts)
+    assert not marker.exists()
