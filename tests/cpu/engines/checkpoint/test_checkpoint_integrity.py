@@ -352,7 +352,7 @@ def test_metadata_holding_enum_members_by_name_loads_and_other_attributes_are_re
     with monkeypatch.context() as patch:
         patch.setattr(_MEM_FORMAT_ENCODING, "__reduce_ex__", lambda self, proto: (getattr, (type(self), self.name)))
         by_name = pickle.dumps(metadata)
-    assert b"getattr" in by_name and b"getattr" not in pickle.dumps(metadata)  # the member, by name
+    assert b"getattr" in by_name  # the member, by name (as this Python pickles it anyway where it is 3.12)
     (path / ".metadata").write_bytes(by_name)
     write_manifest(path)
     assert read_dcp_metadata(path).state_dict_metadata.keys() == metadata.state_dict_metadata.keys()
