@@ -169,7 +169,7 @@ def raises(example, client):
 
 def hangs(example, client):
     client.chat.completions.create(model="policy", messages=[{"role": "user", "content": "x"}])
-    time.sleep(5)
+    time.sleep(60)  # far past the test's rollout.env_timeout_s (a daemon thread: nothing waits for it)
     return 0.0
 
 
@@ -201,7 +201,7 @@ def malformed_body(example, client):
         urllib.request.urlopen(request)
     except urllib.error.HTTPError as exc:
         assert exc.code == 400 and "not JSON" in json.loads(exc.read())["error"]["message"]
-    time.sleep(5)
+    time.sleep(60)  # far past the test's rollout.env_timeout_s (a daemon thread: nothing waits for it)
     return 0.0
 
 
