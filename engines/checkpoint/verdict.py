@@ -20,15 +20,24 @@ from .files import SafeDcpLoadPlanner, SafeDcpReader
 from .layout import latest_checkpoint
 
 
+# A stage's verdict for a Ctrl-C. DCP catches whatever its stages raise, KeyboardInterrupt
+# included, and hands it on inside a CheckpointException: a Ctrl-C during a save was reported as
+# "cannot save checkpoint ...: KeyboardInterrupt" (exit 2) instead of stopping the run as one.
+INTERRUPTED = "KeyboardInterrupt"
+
+
 def all_ranks_or_raise(stage, directory: Path, tmp: Path, final: Path, group=None) -> None:
     """Run ``stage`` on this rank; if it failed on any rank, remove the partial save and raise
-    the same one-line :class:`CheckpointSaveError` on every rank. ``latest`` is untouched.
+    the same one-line :class:`CheckpointSaveError` on every rank (KeyboardInterrupt if a rank
+    was interrupted by Ctrl-C). ``latest`` is untouched.
     ``group``: the process group of the verdict (a background save's own)."""
     failure = None
     try:
         stage()
+    except KeyboardInterrupt:
+        failure = INTERRUPTED
     except (OSError, CheckpointException) as exc:
-        failure = failure_text(exc)
+        failure = INTERRUPTED if isinstance(first_cause(exc), KeyboardInterrupt) else failure_text(exc)
     except RuntimeError as exc:
         # torch.save's zip writer reports a failed write as "unexpected pos N vs M", with the
         # OSError as the context; any other RuntimeError is not a save failure.
@@ -42,6 +51,8 @@ def all_ranks_or_raise(stage, directory: Path, tmp: Path, final: Path, group=Non
     if current_rank() == 0:
         shutil.rmtree(tmp, ignore_errors=True)
     barrier(group)
+    if INTERRUPTED in failures:  # a Ctrl-C: the run stops as a Ctrl-C stops it, on every rank
+        raise KeyboardInterrupt
     kept = latest_checkpoint(directory)
     raise CheckpointSaveError(f"cannot save checkpoint {final}: {failures[0]}; "
                               f"{f'{kept} stays the latest checkpoint' if kept else 'there is no earlier checkpoint'}")
@@ -85,4 +96,6 @@ def safe_dcp_load(state: dict, path: Path) -> None:
         cause = first_cause(exc)
         if isinstance(cause, CheckpointError):
             raise CheckpointError(f"{path}: {cause}") from None
+        if isinstance(cause, KeyboardInterrupt):  # a Ctrl-C while loading (INTERRUPTED says why)
+            raise KeyboardInterrupt from None
         raise

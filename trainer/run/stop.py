@@ -40,24 +40,45 @@ def continue_command(overrides: list[str], output_dir, world_size: int, local_wo
 
 
 class StopRequest:
-    """A SIGTERM flag, installed for the duration of a ``with`` block (main thread only)."""
+    """A SIGTERM flag and a Ctrl-C that is never lost, installed for the duration of a ``with``
+    block (main thread only).
+
+    Ctrl-C raises KeyboardInterrupt at once, as Python's own handler does, and also sets
+    ``interrupted``. CPython drops an exception raised while a finalizer or a weakref callback runs
+    (it prints "Exception ignored in ..." and carries on), so a Ctrl-C landing there used to be
+    lost and the run went on; the job checks the flag at every step boundary and cancellation
+    point (:meth:`raise_if_interrupted`) and raises the interrupt there instead."""
 
     def __init__(self) -> None:
         self.requested = False
-        self._previous = None
+        self.interrupted = False
+        self._previous: dict[int, object] = {}
 
     def _handle(self, signum, frame) -> None:
         self.requested = True
 
+    def _interrupt(self, signum, frame) -> None:
+        self.interrupted = True
+        raise KeyboardInterrupt
+
+    def raise_if_interrupted(self) -> None:
+        """KeyboardInterrupt if a Ctrl-C came whose exception was dropped on its way."""
+        if self.interrupted:
+            raise KeyboardInterrupt
+
     def __enter__(self) -> "StopRequest":
         if threading.current_thread() is threading.main_thread():
-            self._previous = signal.signal(signal.SIGTERM, self._handle)
+            self._previous = {signal.SIGTERM: signal.signal(signal.SIGTERM, self._handle)}
+            # Only where Ctrl-C raises KeyboardInterrupt today: a process started with SIGINT
+            # ignored (nohup, a background job of a non-interactive shell) keeps ignoring it.
+            if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+                self._previous[signal.SIGINT] = signal.signal(signal.SIGINT, self._interrupt)
         return self
 
     def __exit__(self, *exc) -> None:
-        if self._previous is not None:
-            signal.signal(signal.SIGTERM, self._previous)
-            self._previous = None
+        for signum, previous in self._previous.items():
+            signal.signal(signum, previous)
+        self._previous = {}
 
 
 class StepAbandoned(Exception):
@@ -111,6 +132,7 @@ class SigtermStops:
         the host (gloo): asked before every micro-batch, it must not sync the device."""
         from polyfsdp.backends.distributed import all_reduce_max, host_flag_group
 
+        self.stop.raise_if_interrupted()
         return all_reduce_max([float(self.stop.requested)], device="cpu", group=host_flag_group())[0] > 0
 
     def _abandonable(self, work, engine, phase, steps_done: int, eval_due, progress, what: str):

@@ -363,3 +363,33 @@ def test_metadata_holding_enum_members_by_name_loads_and_other_attributes_are_re
     with pytest.raises(ckpt.CheckpointError, match=r"refused to load: getattr\(PosixPath, 'unlink'\) is not allowed"):
         _load(path, parts)
     assert not marker.exists()
+
+
+def _ctrl_c(*args, **kwargs):
+    raise KeyboardInterrupt
+
+
+@pytest.mark.parametrize("where", ["shards", "rng file"])
+def test_ctrl_c_during_a_save_is_an_interrupt_and_leaves_nothing_half_written(saved, monkeypatch, where):
+    """DCP catches what its stages raise, KeyboardInterrupt too, and wraps it (the shards case):
+    a Ctrl-C there was reported as 'cannot save checkpoint ...: KeyboardInterrupt'. Raised outside
+    DCP (the rng file), it used to leave the partial save behind."""
+    import torch.distributed.checkpoint.filesystem as dcp_filesystem
+
+    path, (model, opt, sched) = saved
+    monkeypatch.setattr(*{"shards": (dcp_filesystem, "_write_item", _ctrl_c), "rng file": (ckpt, "save_plain", _ctrl_c)}[where])
+    with pytest.raises(KeyboardInterrupt):
+        ckpt.save_checkpoint(path.parent, 2, model=model, optimizer=opt, lr_scheduler=sched)
+    monkeypatch.undo()
+    assert sorted(p.name for p in path.parent.iterdir()) == ["latest", "step_000001"]
+    assert ckpt.latest_checkpoint(path.parent) == path
+    ckpt.verify_checkpoint(path)
+
+
+def test_ctrl_c_during_a_load_is_an_interrupt(saved, monkeypatch):
+    from polyfsdp.engines.checkpoint.files import SafeDcpReader
+
+    path, engine_parts = saved
+    monkeypatch.setattr(SafeDcpReader, "read_data", _ctrl_c)
+    with pytest.raises(KeyboardInterrupt):
+        _load(path, engine_parts)
