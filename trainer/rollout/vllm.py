@@ -90,6 +90,27 @@ def probe_difference(sampled: list[float], policy, ids: list[int], image=None) -
     return max(abs(a - b) for a, b in zip(sampled, policy_probe_log_probs(policy, ids, image)))
 
 
+def served_positions(config, max_model_len: int | None) -> int:
+    """The positions vLLM serves for a model of HF ``config``: ``max_model_len``, else the model's own."""
+    return max_model_len or getattr(config.get_text_config(), "max_position_embeddings", None) or PROBE_LENGTH + 1
+
+
+def sync_probe(config, positions: int) -> list[int]:
+    """The sync check's text probe for a model of HF ``config`` served with ``positions``."""
+    return probe_ids(config.get_text_config().vocab_size, probe_length(positions))
+
+
+def sync_error(policy, probe: list[int], vision, sampler_log_probs) -> float:
+    """The largest difference between a sampler's and the policy's log-probs of the text ``probe``
+    and, for a vision-language model (``vision``: its VisionServing, else None), of the image probe
+    (collective). ``sampler_log_probs(ids, picture)`` asks the sampler; ``picture`` is None for text."""
+    error = probe_difference(sampler_log_probs(probe, None), policy, probe)
+    if vision is not None:
+        image = vision.probe
+        error = max(error, probe_difference(sampler_log_probs(image.ids, image.picture), policy, image.ids, image))
+    return error
+
+
 def refuse_probe_difference(diff: float, tol: float, version: int, sampler: str,
                             error: type[ConfigError] = ConfigError) -> None:
     """``error`` naming ``sampler`` (one line) when ``diff`` passes ``tol``: the check ``rollout.check_sync``
@@ -158,9 +179,8 @@ class VllmRolloutEngine(RolloutEngine):
         from safetensors.torch import save_file
 
         config = copy.deepcopy(policy.module.config)
-        text = config.get_text_config()
-        positions = self.settings.max_model_len or getattr(text, "max_position_embeddings", None) or PROBE_LENGTH + 1
-        self.probe = probe_ids(text.vocab_size, probe_length(positions))
+        positions = served_positions(config, self.settings.max_model_len)
+        self.probe = sync_probe(config, positions)
         directory = tempfile.mkdtemp(prefix="polyfsdp-vllm-")
         config.use_cache = True
         # vLLM's copy keeps the output embedding as a weight of its own: reloading a tied
@@ -240,12 +260,12 @@ class VllmRolloutEngine(RolloutEngine):
     def check(self, policy) -> float:
         """vLLM's vs the policy's log-probs of the probe: the largest difference; ConfigError
         (one line) beyond ``rollout.check_sync_tol``."""
-        sampled = vllm_adapter.prompt_log_probs(self.llm, self.probe)
-        self.last_sync_error = probe_difference(sampled, policy, self.probe)
-        if self.vision is not None:
-            probe = self.vision.probe
-            sampled = vllm_adapter.prompt_log_probs(self.llm, probe.ids, [probe.picture], self.vision.image_token_id)
-            self.last_sync_error = max(self.last_sync_error, probe_difference(sampled, policy, probe.ids, probe))
+        def sampled(ids, picture):
+            if picture is None:
+                return vllm_adapter.prompt_log_probs(self.llm, ids)
+            return vllm_adapter.prompt_log_probs(self.llm, ids, [picture], self.vision.image_token_id)
+
+        self.last_sync_error = sync_error(policy, self.probe, self.vision, sampled)
         refuse_probe_difference(self.last_sync_error, self.rollout.check_sync_tol, self.weight_version, "vLLM")
         return self.last_sync_error
 

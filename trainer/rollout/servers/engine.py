@@ -39,8 +39,7 @@ from polyfsdp.engines.model.weight_stream import full_weights, weight_buckets
 from ...rank_errors import on_every_rank
 from ..engines import Completions, RolloutEngine, SamplingParams
 from ..controls.stop_strings import cut_completions
-from ..vllm import (PROBE_LENGTH, kv_cache_mb, probe_difference, probe_ids, probe_length,
-                    refuse_probe_difference)
+from ..vllm import kv_cache_mb, refuse_probe_difference, served_positions, sync_error, sync_probe
 from .completions import prompt_log_probs, sample_rows
 from .http import ServerError, ServerHttp
 from .vision_serving import MAX_IMAGES_PER_PROMPT, VisionServing, is_vision_language, prompt_pictures, vision_serving
@@ -143,10 +142,9 @@ class ServerRolloutEngine(RolloutEngine):
 
     def _start(self, policy) -> None:
         s = self.settings
-        text = policy.module.config.get_text_config()
-        positions = self.vllm.max_model_len or getattr(text, "max_position_embeddings", None) or PROBE_LENGTH + 1
-        self.probe = probe_ids(text.vocab_size, probe_length(positions))
-        if is_vision_language(policy.module.config):
+        config = policy.module.config
+        self.probe = sync_probe(config, served_positions(config, self.vllm.max_model_len))
+        if is_vision_language(config):
             self.vision = vision_serving(policy, self.processor_factory, self.probe, "rollout.engine=vllm_server")
         self.model_dir = self._write_model(policy) if s.started_here else None
 
@@ -235,14 +233,15 @@ class ServerRolloutEngine(RolloutEngine):
             self.check(policy)
 
     def check(self, policy) -> float:
-        """Server 0's vs the policy's log-probs of the probe; ServerError beyond ``rollout.check_sync_tol``."""
-        sampled = on_every_rank(lambda: prompt_log_probs(self.servers[0], self.model, self.probe))
-        self.last_sync_error = probe_difference(sampled, policy, self.probe)
-        if self.vision is not None:
-            probe, image_token = self.vision.probe, self.vision.image_token_id
-            sampled = on_every_rank(lambda: prompt_log_probs(self.servers[0], self.model, probe.ids, probe.picture,
-                                                             image_token))
-            self.last_sync_error = max(self.last_sync_error, probe_difference(sampled, policy, probe.ids, probe))
+        """Server 0's vs the policy's log-probs of the probe; ServerError beyond ``rollout.check_sync_tol``
+        (collective)."""
+        def sampled(ids, picture):  # asked once, by rank 0: every rank checks the same server's answer
+            image_token = None if picture is None else self.vision.image_token_id
+            return broadcast_object(on_every_rank(
+                lambda: prompt_log_probs(self.servers[0], self.model, ids, picture, image_token)
+                if current_rank() == 0 else None))
+
+        self.last_sync_error = sync_error(policy, self.probe, self.vision, sampled)
         refuse_probe_difference(self.last_sync_error, self.rollout.check_sync_tol, self.weight_version,
                                 "the rollout server", ServerError)
         return self.last_sync_error
