@@ -13,6 +13,7 @@ import sys
 
 import pytest
 from tests.cpu.trainer.test_cli import TINY
+from tests.helpers.ctrl_c import ctrl_c_raises
 
 from polyfsdp.trainer.errors import MetricsWriteError
 from polyfsdp.trainer.tracking.metrics import MetricsLogger, read_metrics
@@ -277,7 +278,9 @@ def test_a_ctrl_c_whose_exception_python_dropped_still_stops_the_run(tmp_path, c
     boundary raises."""
     dropped = []  # what CPython reports as "Exception ignored in ..."
     monkeypatch.setattr(sys, "unraisablehook", lambda unraisable: dropped.append(unraisable.exc_type))
-    code = main([*FAST, "trainer.sft_steps=3", _reward(tmp_path, LOSES_A_CTRL_C), f"trainer.output_dir={tmp_path / 'out'}"])
+    with ctrl_c_raises():
+        code = main([*FAST, "trainer.sft_steps=3", _reward(tmp_path, LOSES_A_CTRL_C),
+                     f"trainer.output_dir={tmp_path / 'out'}"])
     err = _error_lines(capsys)
     assert dropped == [KeyboardInterrupt]
     assert code == 130 and err[-1].startswith("polyfsdp-train: interrupted before the first step; no checkpoint yet; "

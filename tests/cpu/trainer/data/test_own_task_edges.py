@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from tests.helpers.ctrl_c import as_at_a_terminal
 from tests.helpers.own_data_cases import write_jsonl
 from polyfsdp.trainer.config.job import load_config
 from polyfsdp.trainer.data.sources import build_source, check_tokenizer_covers
@@ -95,7 +96,7 @@ def test_ctrl_c_is_one_line_saying_how_to_continue(tmp_path):
     out = tmp_path / "out"
     proc = subprocess.Popen([sys.executable, "-m", "polyfsdp.trainer.train", *CTRL_C_RUN, f"trainer.output_dir={out}"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, "POLYFSDP_BACKEND": "cpu"})
+                            env={**os.environ, "POLYFSDP_BACKEND": "cpu"}, preexec_fn=as_at_a_terminal)
     try:
         for line in proc.stdout:
             if line.startswith("checkpoint saved:"):
@@ -128,7 +129,8 @@ def test_ctrl_c_under_a_pipe_that_dies_with_it_still_exits_130(tmp_path):
     proc = subprocess.Popen([sys.executable, "-m", "polyfsdp.trainer.train", *CTRL_C_RUN,
                              f"trainer.output_dir={tmp_path / 'out'}"],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                            env={**os.environ, "POLYFSDP_BACKEND": "cpu"}, start_new_session=True)
+                            env={**os.environ, "POLYFSDP_BACKEND": "cpu"}, start_new_session=True,
+                            preexec_fn=as_at_a_terminal)
     try:
         for line in proc.stdout:
             if line.startswith(b"checkpoint saved:"):
