@@ -70,7 +70,7 @@ class StopRequest:
         if threading.current_thread() is threading.main_thread():
             self._previous = {signal.SIGTERM: signal.signal(signal.SIGTERM, self._handle)}
             # Only where Ctrl-C raises KeyboardInterrupt today: a process started with SIGINT
-            # ignored (nohup, a background job of a non-interactive shell) keeps ignoring it.
+            # ignored (a background job of a non-interactive shell) keeps ignoring it.
             if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
                 self._previous[signal.SIGINT] = signal.signal(signal.SIGINT, self._interrupt)
         return self
