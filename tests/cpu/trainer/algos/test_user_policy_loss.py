@@ -130,9 +130,13 @@ def test_a_users_policy_loss_trains_through_polyfsdp_train(tmp_path):
     assert all(u["ratio_max"] != 1.0 for u in updates if u["update"] == 2)  # off policy on the second update
 
 
-def test_ppo_written_again_trains_exactly_like_the_builtin(tmp_path):
-    """Through the engine (the fused head takes both: both declare token_separable): the same records."""
+def test_ppo_written_again_trains_like_the_builtin(tmp_path):
+    """Through the engine (the fused head takes both: both declare token_separable): the same records to
+    float32 rounding. Two formulations of one loss round differently, and which way depends on the CPU's
+    kernels (on AVX-512 the second RL update's loss differs in its last float32 bits), so the records are
+    compared with the suite's formulation tolerance (tests/helpers/exactness.py), counts exactly."""
     from polyfsdp.trainer.tracking.metrics import read_metrics
+    from tests.helpers.exactness import assert_formulations_agree
     from polyfsdp.trainer.train import main
 
     runs = {}
@@ -145,7 +149,7 @@ def test_ppo_written_again_trains_exactly_like_the_builtin(tmp_path):
         runs[name] = [{k: v for k, v in r.items() if not k.endswith("time_s") and k != "tokens_per_s"}
                       for r in read_metrics(str(out / "metrics.jsonl"))]
     assert any(r["phase"] == "rl_update" and r["clip_frac"] > 0 for r in runs["builtin"])  # the clip mattered
-    assert runs["user"] == runs["builtin"]
+    assert_formulations_agree(runs["user"], runs["builtin"])
 
 
 @pytest.mark.parametrize("value, expected", [
