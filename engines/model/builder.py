@@ -113,14 +113,21 @@ def _build(config: ModelConfig, dtype: torch.dtype, attn: str, backend: Backend,
         # trust_remote_code stays False and .bin weights load weights-only: nothing in the
         # directory runs.
         try:
+            # A shape mismatch is refused below in one line (transformers raises it after a multi-line report).
             model, info = auto.from_pretrained(config.path, config=hf_config, local_files_only=True, dtype=dtype,
                                                attn_implementation=attn, trust_remote_code=False, weights_only=True,
-                                               output_loading_info=True)
+                                               output_loading_info=True, ignore_mismatched_sizes=True)
         except (OSError, ValueError) as exc:
             raise ValueError(f"ModelConfig.path: could not load {what} from {config.path!r}: {exc}") from exc
         except SafetensorError as exc:
             raise ValueError(f"ModelConfig.path: {_damaged_weights_file(config.path) or config.path}: unreadable "
                              f"safetensors ({' '.join(str(exc).split())}); truncated or damaged?") from None
+        mismatched = sorted(info.get("mismatched_keys", ()))
+        if mismatched:
+            name, stored, built = mismatched[0]
+            raise ValueError(f"ModelConfig.path: {config.path!r}: the weights are not the model its config.json "
+                             f"describes: {name} is {list(stored)} in the weights, but its config.json builds it "
+                             f"as {list(built)}; use the config.json saved with these weights")
         untrained = [key for key in info.get("missing_keys", ()) if key.split(".")[0] == "score"]
         drawn = sorted(set(info.get("missing_keys", ())) & dict(model.named_parameters()).keys())
         if auto is not AutoModelForSequenceClassification and drawn:

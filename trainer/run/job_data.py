@@ -16,7 +16,7 @@ from ..data.demonstrations import unused_demonstrations_note
 from ..errors import ConfigError
 from ..rank_errors import check_same_data, on_every_rank
 from ..data.tokenizers import TOKENIZER_FILE, load_tokenizer
-from ..algos.distill.teacher import check_teacher_tokenizer
+from ..algos.distill.teacher import check_teacher_tokenizer, check_teacher_weights
 
 
 def job_processor(cfg: JobConfig, tokenizer):
@@ -82,6 +82,7 @@ def load_job_data(cfg: JobConfig, out: Path, rank: int, say) -> tuple:
         # After the source: a preset's character tokenizer has learnt the data's characters by now.
         check_teacher_tokenizer(cfg.algo.distill.teacher, tokenizer, tokenizer_dir or
                                 f"the character tokenizer of model.preset={cfg.model.preset} on this data")
+        check_teacher_weights(cfg.algo.distill.teacher)
     actor = cfg.algo.actor
     if actor is not None:
         # Rank 0 checks; the others learn its verdict instead of waiting for it in a collective.

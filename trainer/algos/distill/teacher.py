@@ -6,8 +6,10 @@ Its log-probs are compared with the student's token by token, so both must share
 vocabulary (the same token string at every id): :func:`check_teacher_tokenizer` refuses
 another one in one line naming both sources and the first id where they differ, before any
 model is built. A missing directory or one without a model is refused at config time
-(``DistillSection.validate``); a model the engine cannot load is one line naming the key when
-the job builds it.
+(``DistillSection.validate``); weights that are not the model its config.json describes (another
+hidden size or vocabulary, layers missing or extra) are refused by :func:`check_teacher_weights`
+before training (the teacher engine is built when the RL phase starts, after any SFT); any other
+model the engine cannot load is one line naming the key when the job builds it.
 """
 from __future__ import annotations
 
@@ -52,6 +54,24 @@ def check_teacher_tokenizer(teacher_dir: str, student_tokenizer, student_source:
     if isinstance(rows, int) and rows < len(ours):
         raise ConfigError(f"{KEY}: the teacher's model ({teacher_dir}) has vocab_size {rows}, fewer than its "
                           f"tokenizer's {len(ours)} tokens; it cannot score every token the student samples")
+
+
+def check_teacher_weights(teacher_dir: str) -> None:
+    """One ConfigError naming ``teacher_dir`` and the first tensor whose stored shape is not the
+    one its config.json builds (or the tensors missing or extra), read from the weights' headers
+    and a meta-device model: no weights are loaded."""
+    from polyfsdp.engines.model.builder import auto_class_for, read_hf_config
+    from polyfsdp.engines.model.weights_fit import weights_mismatch
+    from transformers import AutoModelForCausalLM
+
+    try:
+        hf_config = read_hf_config(teacher_dir)
+    except ValueError as exc:
+        raise ConfigError(f"{KEY} ({teacher_dir}): {exc}") from None
+    mismatch = weights_mismatch(teacher_dir, hf_config, auto_class_for(hf_config, AutoModelForCausalLM))
+    if mismatch:
+        raise ConfigError(f"{KEY}: the teacher's weights ({teacher_dir}) are not the model its config.json "
+                          f"describes: {mismatch}; use the config.json saved with these weights")
 
 
 def teacher_model_config(model_section, teacher_dir: str):

@@ -186,6 +186,30 @@ def test_the_job_refuses_another_tokenizer_and_an_unloadable_teacher_in_one_line
         "Qwen2ForSequenceClassification" in line, line
 
 
+def test_a_teacher_whose_weights_are_not_its_config_is_one_line_before_training(tmp_path, capsys):
+    """The teacher engine is built when the RL phase starts: its weights are checked against its
+    config.json before the SFT phase trains (TINY has 2 SFT steps)."""
+    run = [*TINY, "algo.actor.group_size=4", "trainer.plot=false", "trainer.checkpoint_interval=0"]
+    vocab = len(CharTokenizer().vocab)
+    for name, edit, expected in [
+            ("wider", {"vocab_size": vocab + 7},
+             f"lm_head.weight is [{vocab}, 64] in the weights, but its config.json builds it as [{vocab + 7}, 64]"),
+            ("fewer_layers", {"num_hidden_layers": 1, "layer_types": ["full_attention"]},
+             "the weights hold 12 tensor(s) its config.json does not build: model.layers.1.")]:
+        teacher = tmp_path / name
+        write_checkpoint(teacher, "qwen2-tiny", CharTokenizer(), seed=5, tie_word_embeddings=False)
+        CharTokenizer().save_pretrained(str(teacher))
+        config = json.loads((teacher / "config.json").read_text())
+        (teacher / "config.json").write_text(json.dumps({**config, **edit}))
+        out = tmp_path / f"run_{name}"
+        capsys.readouterr()
+        assert main([*run, f"algo.distill.teacher={teacher}", f"trainer.output_dir={out}"]) != 0
+        line = _stderr_line(capsys)
+        assert line.startswith(f"polyfsdp-train: error: algo.distill.teacher: the teacher's weights ({teacher}) are "
+                               f"not the model its config.json describes: {expected}"), line
+        assert not (out / "init_model").exists() and not (out / "sft_model").exists(), "refused before training"
+
+
 def test_the_estimate_counts_the_teacher_as_a_frozen_copy_with_its_own_pass(tmp_path):
     from polyfsdp.trainer.run.estimate import estimate_job
 
