@@ -101,3 +101,21 @@ def test_multi_turn_example_runs_as_written(tmp_path):
     records = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
     grpo = [r for r in records if r["phase"] == "rl"]
     assert len(grpo) == 2 and all(r["multi_turn/turns_mean"] >= 1.0 for r in grpo)
+
+
+def test_the_readme_exit_status_table_is_the_code_s():
+    """Every ``EXIT_*`` status polyfsdp-train returns (trainer/train.py's own and those it imports
+    from trainer/startup.py) is a row of README.md's table, under what it means, and the table
+    lists no other status than those, 0 and Python's 1."""
+    from polyfsdp.trainer import startup, train
+
+    declared = {name: value for module in (train, startup) for name, value in vars(module).items()
+                if name.startswith("EXIT_")}
+    rows = dict(re.findall(r"^\| (\d+) \| (.+) \|$", (ROOT / "README.md").read_text(), flags=re.M))
+    assert rows, "README.md has no exit status table"
+    meaning = {"EXIT_USAGE": "one-line error", "EXIT_INTERRUPTED": "Ctrl-C", "EXIT_TERMINATED": "SIGTERM"}
+    assert set(declared) == set(meaning), f"a new EXIT_* constant: say what it means here and in README.md ({declared})"
+    for name, status in declared.items():
+        assert str(status) in rows, f"README.md's exit status table lacks {status} ({name})"
+        assert meaning[name] in rows[str(status)], (name, rows[str(status)])
+    assert set(rows) == {"0", "1"} | {str(status) for status in declared.values()}, sorted(rows)
