@@ -112,14 +112,16 @@ def sync_error(policy, probe: list[int], vision, sampler_log_probs) -> float:
 
 
 def refuse_probe_difference(diff: float, tol: float, version: int, sampler: str,
-                            error: type[ConfigError] = ConfigError) -> None:
+                            error: type[ConfigError] = ConfigError, likely_cause: str | None = None) -> None:
     """``error`` naming ``sampler`` (one line) when ``diff`` passes ``tol``: the check ``rollout.check_sync``
-    makes after every sync, colocated or on servers."""
+    makes after every sync, colocated or on servers. ``likely_cause``: what the caller knows explains
+    the difference better than a missed sync (with its fix), e.g. the sampler's dtype differing from
+    the policy's."""
     if not diff <= tol:
+        cause = likely_cause or (f"{sampler} is not serving the trained weights (a missed or partial sync); raise "
+                                 f"the tolerance only if the two run at different precisions")
         raise error(f"rollout.check_sync: after weight sync {version}, {sampler}'s log-probs of the probe differ from "
-                    f"the policy's by {diff:.3g} (rollout.check_sync_tol={tol:g}): {sampler} is not serving the "
-                    f"trained weights (a missed or partial sync); raise the tolerance only if the two run at "
-                    f"different precisions")
+                    f"the policy's by {diff:.3g} (rollout.check_sync_tol={tol:g}): {cause}")
 
 
 def sleep_level(settings: VllmSettings, backend, lora: bool) -> int:

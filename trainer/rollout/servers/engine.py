@@ -23,8 +23,10 @@ protocol after every optimizer step.
 from __future__ import annotations
 
 import copy
+import functools
 import logging
 import os
+import re
 import shutil
 import tempfile
 import time
@@ -41,9 +43,10 @@ from ..engines import Completions, RolloutEngine, SamplingParams
 from ..controls.stop_strings import cut_completions
 from ..vllm import kv_cache_mb, refuse_probe_difference, served_positions, sync_error, sync_probe
 from .completions import prompt_log_probs, sample_rows
-from .http import ServerError, ServerHttp
+from .http import Explain, ServerError, ServerHttp
 from .vision_serving import MAX_IMAGES_PER_PROMPT, VisionServing, is_vision_language, prompt_pictures, vision_serving
 from .launch import SERVED_MODEL_NAME, ServerLaunch, ServerProcess, free_ports, host_memory_share, server_environment
+from .server_log import failure_line
 from .weight_sender import CPU_TRANSFER, ServerWeightSender
 
 logger = logging.getLogger(__name__)
@@ -71,6 +74,7 @@ class ServerRolloutEngine(RolloutEngine):
         self.probe: list[int] = []
         self.vision: VisionServing | None = None  # a vision-language policy's, once started
         self.weight_version = 0
+        self.served_dtype: str | None = None  # server 0's weights' dtype, where known (check_sync names a difference)
         self.last_sync_s: float | None = None
         self.last_sync_error: float | None = None
         self.last_sync_bytes = 0
@@ -148,27 +152,50 @@ class ServerRolloutEngine(RolloutEngine):
             self.vision = vision_serving(policy, self.processor_factory, self.probe, "rollout.engine=vllm_server")
         self.model_dir = self._write_model(policy) if s.started_here else None
 
-        def rank0_urls():
+        def rank0_servers():  # each server's URL and, for one started here, its log
             if current_rank() != 0:
                 return None
-            return self._launch(policy.engine_config.param_dtype) if s.started_here \
-                else list(s.urls)
+            if s.started_here:
+                self._launch(policy.engine_config.param_dtype)
+                return [(p.url, p.log_path) for p in self.processes]
+            return [(url, None) for url in s.urls]
 
-        urls = broadcast_object(on_every_rank(rank0_urls))
-        name = "rollout server"
-        self.servers = [ServerHttp(url, f"{name} {i}", s.request_timeout_s) for i, url in enumerate(urls)]
-        self._pool = ThreadPoolExecutor(max_workers=s.max_concurrent_requests, thread_name_prefix="rollout-request")
+        explain = self._connect(broadcast_object(on_every_rank(rank0_servers)))
         workers = on_every_rank(self._workers_per_server)
         address = s.transfer_address or (s.host if s.started_here else _this_host())
         transfer = self.backend.server_weight_transfer
         self.sender = ServerWeightSender([h.url for h in self.servers], workers, is_sender=current_rank() == 0,
                                          backend=transfer, master_address=address, timeout_s=s.request_timeout_s,
                                          device_sender=None if transfer == CPU_TRANSFER
-                                         else self.backend.weight_transfer_sender)
+                                         else self.backend.weight_transfer_sender, explain=explain)
         on_every_rank(lambda: self.sender.init() if current_rank() == 0 else None)
-        if not s.started_here:
+        if s.started_here:
+            self.served_dtype = policy.engine_config.param_dtype  # what _launch started them with
+        else:
             self.model = on_every_rank(self._served_model)
+            self.served_dtype = broadcast_object(on_every_rank(
+                lambda: server_dtype(self.servers[0]) if current_rank() == 0 else None))
             self._push(policy, version=1)
+
+    def _connect(self, servers: list[tuple[str, str | None]]) -> list[Explain | None]:
+        """Clients of ``servers`` (each its URL and, for one started here, its log) and the pool
+        their requests run on; returns what completes a failure's line of each (:meth:`_explainer`)."""
+        explain = [self._explainer(i, log_path) for i, (_, log_path) in enumerate(servers)]
+        self.servers = [ServerHttp(url, f"rollout server {i}", self.settings.request_timeout_s, how)
+                        for i, ((url, _), how) in enumerate(zip(servers, explain))]
+        self._pool = ThreadPoolExecutor(max_workers=self.settings.max_concurrent_requests,
+                                        thread_name_prefix="rollout-request")
+        return explain
+
+    def _explainer(self, index: int, log_path: str | None) -> Explain | None:
+        """What completes a failure's line of server ``index``: on rank 0, which started it, its
+        process's (exit code, log, root cause); elsewhere its log and root cause (the log is on rank
+        0's node: readable here when that is this node); None for a server started by someone else."""
+        if log_path is None:
+            return None
+        if self.processes:
+            return self.processes[index].explain_failure
+        return functools.partial(failure_line, log_path=log_path)
 
     def _workers_per_server(self) -> list[int]:
         if self.settings.started_here:
@@ -243,7 +270,8 @@ class ServerRolloutEngine(RolloutEngine):
 
         self.last_sync_error = sync_error(policy, self.probe, self.vision, sampled)
         refuse_probe_difference(self.last_sync_error, self.rollout.check_sync_tol, self.weight_version,
-                                "the rollout server", ServerError)
+                                "the rollout server", ServerError,
+                                dtype_difference(self.served_dtype, policy.engine_config.param_dtype))
         return self.last_sync_error
 
     # ------------------------------------------------------------------ sampling
@@ -283,6 +311,37 @@ class ServerRolloutEngine(RolloutEngine):
         if self.model_dir is not None:
             shutil.rmtree(self.model_dir, ignore_errors=True)
             self.model_dir = None
+
+
+_DTYPE_IN_CONFIG = re.compile(r"\bdtype=(?:torch\.)?(\w+)")
+
+
+def server_dtype(http: ServerHttp) -> str | None:
+    """The dtype a vLLM server holds its weights in (``float32``), from its ``/server_info`` (a
+    route of ``VLLM_SERVER_DEV_MODE=1``, which the weight-transfer routes need too): its config as
+    text (``... dtype=torch.bfloat16, ...``) or as JSON (``model_config.dtype``); None where the
+    server does not say (an older vLLM): check_sync's failure then names no dtype."""
+    try:
+        answer = http.request("/server_info", method="GET")
+    except ServerError:
+        return None
+    config = answer.get("vllm_config") if isinstance(answer, dict) else None
+    if isinstance(config, dict):
+        config = f"dtype={(config.get('model_config') or {}).get('dtype')}"
+    match = _DTYPE_IN_CONFIG.search(config) if isinstance(config, str) else None
+    return match.group(1) if match else None
+
+
+def dtype_difference(served: str | None, trained: str) -> str | None:
+    """check_sync's likely cause when the server holds its weights in another dtype than the
+    policy's parameters (``trained``: ``engine.param_dtype``): its log-probs then differ by the
+    rounding of that dtype, a sync or none; None when they agree or the server's is unknown."""
+    if served is None or served == trained:
+        return None
+    return (f"the server holds its weights in {served} and the policy trains in {trained} (engine.param_dtype), "
+            f"a difference that rounds every log-prob: likely the cause, rather than a missed sync; start the "
+            f"server with --dtype {trained} (python -m polyfsdp.trainer.rollout.servers.launch ... --dtype "
+            f"{trained})")
 
 
 def _this_host() -> str:

@@ -1,7 +1,8 @@
 """JSON over HTTP to one rollout server (standard library only: the trainer needs no HTTP package).
 
 Every failure is a :class:`ServerError` of one line naming the server, the route and what the
-server said, so a user with several servers knows which one to look at.
+server said, so a user with several servers knows which one to look at; for a server polyfsdp
+started, also its log and the root cause found there (``explain``: server_log.py).
 """
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import json
 import urllib.error
 import urllib.request
 from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
+from typing import Callable
 
 from ...errors import ConfigError
 
@@ -31,11 +33,23 @@ def server_text(body: bytes) -> str:
     return " ".join(json.dumps(data).split())[:300]
 
 
-class ServerHttp:
-    """Requests to one server at ``url`` (``http://host:port``); ``name`` says which in errors."""
+# A failure's line -> the same line with what else is known of the server (its exit, its log).
+Explain = Callable[[str], str]
 
-    def __init__(self, url: str, name: str, timeout_s: float) -> None:
+
+class ServerHttp:
+    """Requests to one server at ``url`` (``http://host:port``); ``name`` says which in errors.
+    ``explain``: for a server polyfsdp started, what completes a failure's line (its
+    ServerProcess's ``explain_failure``: the exit code, the log and its root cause); None: the line
+    as it is (a server someone else started, whose log is not ours to read)."""
+
+    def __init__(self, url: str, name: str, timeout_s: float, explain: Explain | None = None) -> None:
         self.url, self.name, self.timeout_s = url.rstrip("/"), name, timeout_s
+        self.explain = explain
+
+    def failure(self, what: str) -> ServerError:
+        """The ServerError of a failure of this server (``what``: one line naming it)."""
+        return ServerError(self.explain(what) if self.explain is not None else what)
 
     def request(self, route: str, payload: dict | None = None, method: str = "POST", timeout_s: float | None = None):
         """The decoded JSON answer of ``route`` (None for an empty body); ServerError otherwise."""
@@ -47,20 +61,20 @@ class ServerHttp:
             with urllib.request.urlopen(req, timeout=timeout_s or self.timeout_s) as answer:
                 body = answer.read()
         except urllib.error.HTTPError as exc:
-            raise ServerError(f"{where}: HTTP {exc.code}: {server_text(exc.read())}") from None
+            raise self.failure(f"{where}: HTTP {exc.code}: {server_text(exc.read())}") from None
         except (urllib.error.URLError, ConnectionError) as exc:
             reason = getattr(exc, "reason", exc)
-            raise ServerError(f"{where}: not reachable ({reason}); is the server running and the address "
-                              f"right?") from None
+            raise self.failure(f"{where}: not reachable ({reason}); is the server running and the address "
+                               f"right?") from None
         except TimeoutError:
-            raise ServerError(f"{where}: no answer within {timeout_s or self.timeout_s:g} s "
-                              f"(rollout.server.request_timeout_s)") from None
+            raise self.failure(f"{where}: no answer within {timeout_s or self.timeout_s:g} s "
+                               f"(rollout.server.request_timeout_s)") from None
         if not body.strip():
             return None
         try:
             return json.loads(body)
         except ValueError:
-            raise ServerError(f"{where}: answered something that is not JSON: {server_text(body)}") from None
+            raise self.failure(f"{where}: answered something that is not JSON: {server_text(body)}") from None
 
     def healthy(self) -> bool:
         """Whether ``/health`` answers 200 now (no error: a server still starting is not healthy)."""
@@ -75,8 +89,10 @@ class Fanout:
     """One route to every server at once: weight-transfer routes block until the server's workers
     are done, and the workers of all servers must be inside the same collective together."""
 
-    def __init__(self, urls: list[str], timeout_s: float):
-        self.servers = [ServerHttp(url, f"rollout server {i}", timeout_s) for i, url in enumerate(urls)]
+    def __init__(self, urls: list[str], timeout_s: float, explain: list[Explain | None] | None = None):
+        explain = explain or [None] * len(urls)
+        self.servers = [ServerHttp(url, f"rollout server {i}", timeout_s, how)
+                        for i, (url, how) in enumerate(zip(urls, explain))]
         self._pool = ThreadPoolExecutor(max_workers=max(1, len(self.servers)), thread_name_prefix="server-post")
 
     def submit(self, route: str, payload: dict | None = None, *, each: list[dict] | None = None) -> list[Future]:

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import subprocess
 import sys
 import time
@@ -23,10 +22,10 @@ from dataclasses import dataclass, field
 
 from . import gloo_wire
 from .http import ServerError, ServerHttp
+from .server_log import failure_line
 from ..vllm_adapter import unchunked_prefill
 
 SERVED_MODEL_NAME = "polyfsdp-policy"
-LOG_TAIL_LINES = 400
 
 
 @dataclass
@@ -97,24 +96,6 @@ def server_environment(devices: str | None, devices_variable: str | None) -> dic
     return env
 
 
-_ERROR_LINE = re.compile(r"\b(\w+(?:Error|Exception)): (.+)")
-
-
-def log_excerpt(path: str) -> str:
-    """The most telling line of a server's log: the root cause of its failure (the first error
-    that is not a pointer to another one), else its last line."""
-    try:
-        with open(path, errors="replace") as fh:
-            lines = [line.strip() for line in fh.readlines()[-LOG_TAIL_LINES:] if line.strip()]
-    except OSError:
-        return "no log"
-    for line in lines:
-        match = _ERROR_LINE.search(line)
-        if match and "WARNING" not in line and "root cause" not in line and "stack trace" not in line:
-            return " ".join(f"{match.group(1)}: {match.group(2)}".split())[:400]
-    return " ".join(lines[-1].split())[:400] if lines else "empty log"
-
-
 def host_memory_share(model_dir: str, kv_cache_mb: int, host_bytes: int | None) -> float:
     """``--gpu-memory-utilization`` where device memory is host memory (CPU): vLLM reserves that
     share of the host at start-up and refuses to start when it is not free, so ask for what the
@@ -152,8 +133,13 @@ class ServerProcess:
         self.cores = cores  # the host cores its processes run on (the keeper pins them); None: ours
         host = "127.0.0.1" if launch.host in ("0.0.0.0", "::") else launch.host
         self.url = f"http://{host}:{launch.port}"
-        self.http = ServerHttp(self.url, self.name, request_timeout_s)
+        self.http = ServerHttp(self.url, self.name, request_timeout_s, explain=self.explain_failure)
         self.proc: subprocess.Popen | None = None
+
+    def explain_failure(self, what: str) -> str:
+        """``what`` (a failure of this server, one line) with the server's exit code if it is gone,
+        its log and the root cause found there."""
+        return failure_line(what, self.log_path, self.proc.poll() if self.proc is not None else None)
 
     def start(self) -> None:
         os.makedirs(os.path.dirname(self.log_path) or ".", exist_ok=True)
@@ -168,14 +154,12 @@ class ServerProcess:
         while True:
             code = self.proc.poll() if self.proc is not None else None
             if code is not None:
-                raise ServerError(f"{self.name} ({self.url}) exited with code {code} while "
-                                  f"starting: {log_excerpt(self.log_path)} (full log: {self.log_path})")
+                raise ServerError(failure_line(f"{self.name} ({self.url}) did not start", self.log_path, code))
             if self.http.healthy():
                 return
             if time.monotonic() > deadline:
-                raise ServerError(f"{self.name} ({self.url}) did not answer /health within "
-                                  f"{self.start_timeout_key}; last log line: {log_excerpt(self.log_path)} "
-                                  f"(full log: {self.log_path})")
+                raise ServerError(self.explain_failure(f"{self.name} ({self.url}) did not answer /health within "
+                                                       f"{self.start_timeout_key}"))
             time.sleep(1.0)
 
     def died(self) -> str | None:
@@ -183,8 +167,7 @@ class ServerProcess:
         code = self.proc.poll() if self.proc is not None else None
         if code is None:
             return None
-        return f"{self.name} ({self.url}) exited with code {code}: {log_excerpt(self.log_path)} " \
-               f"(full log: {self.log_path})"
+        return failure_line(f"{self.name} ({self.url}) is no longer running", self.log_path, code)
 
     def stop(self, timeout_s: float = 30.0) -> None:
         """End the server and everything it started (the keeper ends its process group)."""
@@ -198,25 +181,56 @@ class ServerProcess:
             self.proc.wait()
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Start one rollout server in the foreground, with the flags polyfsdp needs: for servers on
-    another node (``rollout.server.urls``). Arguments after ``--`` go to vLLM as they are."""
+def model_dtype(model_dir: str) -> tuple[str, str]:
+    """The dtype a server of ``model_dir`` runs at by default, and where it comes from: its config's
+    (``dtype``, or ``torch_dtype`` as transformers before 4.56 wrote it; a vision-language model's
+    text config's), else float32, what transformers loads a config naming none at and the trainer's
+    default ``engine.param_dtype``. Never vLLM's ``auto``: that serves a float32 checkpoint in
+    float16 or bfloat16 on a GPU, whose log-probs then miss ``rollout.check_sync_tol``."""
+    config = _model_config(model_dir)
+    for where in (config, config.get("text_config") or {}):
+        for key in ("dtype", "torch_dtype"):
+            if isinstance(where.get(key), str):
+                found = where[key].removeprefix("torch.")
+                text = "text_config." if where is not config else ""
+                return found, f"{model_dir}/config.json {text}{key}"
+    return "float32", f"{model_dir}/config.json names no dtype: float32, the trainer's default engine.param_dtype"
+
+
+def launch_parser():
+    """The launcher's command line (main); every option's help says its default."""
     import argparse
+
+    from polyfsdp.trainer.rollout.vllm import HOST_KV_CACHE_MB
 
     parser = argparse.ArgumentParser(prog="python -m polyfsdp.trainer.rollout.servers.launch",
                                      description=main.__doc__)
     parser.add_argument("--model", required=True, help="an HF checkpoint directory of the policy's architecture")
-    parser.add_argument("--port", type=int, default=8000)
-    parser.add_argument("--host", default="0.0.0.0")
-    parser.add_argument("--dtype", default="bfloat16")
-    parser.add_argument("--tensor-parallel-size", type=int, default=1)
+    parser.add_argument("--port", type=int, default=8000, help="the HTTP port (default: %(default)s)")
+    parser.add_argument("--host", default="0.0.0.0",
+                        help="the address to listen on (default: %(default)s, every interface: the trainer is on "
+                             "another node)")
+    parser.add_argument("--dtype", default="auto",
+                        help="the weights' dtype; it must be the trainer's engine.param_dtype, or rollout.check_sync "
+                             "fails (default: auto, the model directory's config.json dtype or torch_dtype, float32 "
+                             "where it names none; never vLLM's own auto)")
+    parser.add_argument("--tensor-parallel-size", type=int, default=1,
+                        help="devices the server shards the model over (default: %(default)s)")
     parser.add_argument("--weight-transfer", default=None,
                         help="the trainer's device backend's (backends/: server_weight_transfer); default: this "
                              "machine's")
     parser.add_argument("--gpu-memory-utilization", type=float, default=None,
                         help="vLLM's share of device memory (default: vLLM's; on CPU what the server needs)")
-    parser.add_argument("--kv-cache-mb", type=int, default=None, help="KV cache size (default on CPU: 512)")
-    args, extra = parser.parse_known_args(argv)
+    parser.add_argument("--kv-cache-mb", type=int, default=None,
+                        help=f"KV cache size in MiB (default: what vLLM's memory share leaves on a device; on CPU "
+                             f"{HOST_KV_CACHE_MB})")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Start one rollout server in the foreground, with the flags polyfsdp needs: for servers on
+    another node (``rollout.server.urls``). Arguments after ``--`` go to vLLM as they are."""
+    args, extra = launch_parser().parse_known_args(argv)
     if extra and extra[0] == "--":
         extra = extra[1:]
     from polyfsdp.backends import get_backend
@@ -230,7 +244,9 @@ def main(argv: list[str] | None = None) -> int:
         share = host_memory_share(model_dir, kv_mb, backend.memory_capacity_bytes())
     from polyfsdp.trainer.rollout.servers.vision_serving import MAX_IMAGES_PER_PROMPT
 
-    launch = ServerLaunch(model_dir, args.port, args.host, args.dtype, args.tensor_parallel_size,
+    dtype, source = (args.dtype, "--dtype") if args.dtype != "auto" else model_dtype(model_dir)
+    print(f"dtype {dtype} ({source})", flush=True)
+    launch = ServerLaunch(model_dir, args.port, args.host, dtype, args.tensor_parallel_size,
                           args.weight_transfer or backend.server_weight_transfer, gpu_memory_utilization=share,
                           kv_cache_bytes=kv_mb << 20 if kv_mb else None, extra_args=extra,
                           chunked_prefill=backend.vllm_chunked_prefill,

@@ -14,7 +14,7 @@ from typing import Iterable
 import torch
 
 from polyfsdp.trainer.rollout.servers import gloo_wire
-from polyfsdp.trainer.rollout.servers.http import Fanout, ServerError, wait_all
+from polyfsdp.trainer.rollout.servers.http import Explain, Fanout, ServerError, wait_all
 
 CPU_TRANSFER = gloo_wire.BACKEND  # the backend trainer/rollout/servers/cpu_transfer.py registers in vLLM
 
@@ -72,18 +72,20 @@ class ServerWeightSender:
     size); the servers run with ``VLLM_SERVER_DEV_MODE=1`` and ``--weight-transfer-config
     '{"backend": BACKEND}'``. ``device_sender``: for a device's own backend (vLLM's NCCL on
     GPUs), the backend's ``weight_transfer_sender`` (backends/), which makes the trainer's end;
-    None for ``polyfsdp_cpu`` (default), whose end is :class:`GlooSender`.
+    None for ``polyfsdp_cpu`` (default), whose end is :class:`GlooSender`. ``explain[i]``: what
+    completes a failure's line of server ``i`` (http.py's ``ServerHttp``; None: nothing).
     """
 
     def __init__(self, urls: list[str], workers_per_server: list[int], *, is_sender: bool,
                  backend: str = CPU_TRANSFER, master_address: str = "127.0.0.1", master_port: int = 0,
-                 timeout_s: float = 600.0, device_sender=None):
+                 timeout_s: float = 600.0, device_sender=None, explain: list[Explain | None] | None = None):
         if len(urls) != len(workers_per_server) or not urls or min(workers_per_server) < 1:
             raise ValueError(f"need one worker count >= 1 per server URL: {urls} and {workers_per_server}")
         if (backend == CPU_TRANSFER) != (device_sender is None):
             raise ValueError(f"backend {backend!r}: {CPU_TRANSFER} takes no device sender, any other needs one")
         self.urls, self.is_sender, self.backend, self.device_sender = list(urls), is_sender, backend, device_sender
         self.master_address, self.master_port, self.timeout_s = master_address, master_port, timeout_s
+        self.explain = explain
         self.world_size = 1 + sum(workers_per_server)
         # Server i's workers follow the sender and the workers of servers 0..i-1.
         self.rank_offsets = [1 + sum(workers_per_server[:i]) for i in range(len(urls))]
@@ -101,7 +103,7 @@ class ServerWeightSender:
             transport = self.device_sender(self.master_address, self.master_port, self.world_size)
         else:
             transport = GlooSender(self.master_address, self.master_port, self.world_size, self.timeout_s)
-        http = Fanout(self.urls, self.timeout_s)
+        http = Fanout(self.urls, self.timeout_s, self.explain)
         joined = _in_background(transport.connect)
         try:
             wait_all(http.submit("/init_weight_transfer_engine",

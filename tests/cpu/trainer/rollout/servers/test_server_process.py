@@ -17,7 +17,8 @@ import pytest
 from polyfsdp.trainer.config.composition import compose, to_container
 from polyfsdp.trainer.errors import ConfigError
 from polyfsdp.trainer.rollout.servers import launch as launch_module
-from polyfsdp.trainer.rollout.servers.launch import ServerLaunch, log_excerpt, server_environment
+from polyfsdp.trainer.rollout.servers.launch import ServerLaunch, launch_parser, server_environment
+from polyfsdp.trainer.rollout.servers.server_log import log_root_cause
 from polyfsdp.trainer.rollout.servers.settings import ServerSettings
 
 
@@ -84,10 +85,45 @@ def test_a_failed_start_is_reported_by_its_root_cause(tmp_path):
         Traceback (most recent call last):
         RuntimeError: Engine core initialization failed. See root cause above. Failed core proc(s): {}
         """))
-    assert log_excerpt(str(log)) == "ValueError: Available memory on node 0 is less than desired CPU memory " \
-                                    "utilization"
+    assert log_root_cause(str(log)) == "last error: ValueError: Available memory on node 0 is less than desired " \
+                                       "CPU memory utilization"
     log.write_text("INFO starting\nINFO still starting\n")
-    assert log_excerpt(str(log)) == "INFO still starting"
+    assert log_root_cause(str(log)) == "last line: INFO still starting"
+
+
+@pytest.mark.parametrize("config, dtype, source", [
+    ({"model_type": "qwen2", "torch_dtype": "float32"}, "float32", "config.json torch_dtype"),
+    ({"model_type": "qwen2", "dtype": "bfloat16"}, "bfloat16", "config.json dtype"),
+    ({"model_type": "qwen2_vl", "text_config": {"dtype": "float16"}}, "float16", "config.json text_config.dtype"),
+    ({"model_type": "qwen2"}, "float32", "config.json names no dtype: float32, the trainer's default"),
+])
+def test_the_launchers_dtype_is_the_model_directorys_unless_given(tmp_path, monkeypatch, capsys, config, dtype,
+                                                                   source):
+    """Not a fixed bfloat16: a float32 checkpoint for a float32 CPU trainer is served in float32 (the
+    first sync's check_sync failed at 0.00163 with the old default), and the launcher says where the
+    dtype came from; an explicit --dtype is used as given."""
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    commands = []
+    monkeypatch.setattr(launch_module.os, "execvpe", lambda path, cmd, env: commands.append(cmd))
+    base = ["--model", str(tmp_path), "--weight-transfer", "polyfsdp_cpu", "--gpu-memory-utilization", "0.1"]
+    launch_module.main(base)
+    assert commands[-1][commands[-1].index("--dtype") + 1] == dtype
+    assert f"dtype {dtype} ({tmp_path}/{source}" in capsys.readouterr().out
+    launch_module.main([*base, "--dtype", "bfloat16"])
+    assert commands[-1][commands[-1].index("--dtype") + 1] == "bfloat16"
+    assert "dtype bfloat16 (--dtype)" in capsys.readouterr().out
+
+
+def test_the_launchers_help_gives_every_options_default():
+    parser = launch_parser()
+    text = " ".join(parser.format_help().split())
+    for action in parser._actions:
+        if action.dest in ("help", "model"):
+            continue
+        assert "default" in " ".join(action.help.split()), action.dest
+    assert "(default: 0.0.0.0," in text and "(default: 8000)" in text and "(default: 1)" in text
+    assert "(default: auto, the model directory's config.json dtype or torch_dtype, float32 where it names none" \
+        in text
 
 
 # A stand-in trainer: starts a keeper over a "server" (a shell whose children are two sleeps,
