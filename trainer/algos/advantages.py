@@ -11,7 +11,10 @@ consecutive runs of ``group_size`` completions of one prompt.
   response token of the batch (all ranks). Its baseline is the batch, not the group.
 
 A group whose rewards are all equal gets zero advantage (never NaN) from the group
-estimators; reinforce_plus_plus gives zero when the whole batch is constant.
+estimators; reinforce_plus_plus gives zero when the whole batch is constant. A completion without
+a token to train on (empty: an aborted generation) is no sample: the group estimators leave it
+out of its group's statistics (advantage 0; a group with fewer than 2 others: all 0), so the
+others' advantages are those of the group without it.
 """
 from __future__ import annotations
 
@@ -27,14 +30,18 @@ WHITEN_EPS = 1e-8
 
 
 def group_advantages(rewards: torch.Tensor, group_size: int, estimator: str = "grpo", norm_by_std: bool = True,
-                     eps: float = STD_EPS) -> torch.Tensor:
-    """One advantage per completion for the group estimators (grpo, dr_grpo, rloo)."""
+                     eps: float = STD_EPS, present: torch.Tensor | None = None) -> torch.Tensor:
+    """One advantage per completion for the group estimators (grpo, dr_grpo, rloo); ``present``
+    (bool per completion, None: all): the completions that are samples, the others left out of
+    their group (advantage 0)."""
     if estimator not in GROUP_ESTIMATORS:
         raise ValueError(f"estimator: got {estimator!r}; group estimators: {', '.join(GROUP_ESTIMATORS)}")
     if group_size < 2:
         raise ValueError(f"group_size: got {group_size}; a group needs at least 2 completions for a baseline")
     if rewards.numel() % group_size:
         raise ValueError(f"rewards: {rewards.numel()} values is not a multiple of group_size={group_size}")
+    if present is not None and not bool(present.all()):
+        return _advantages_of_present(rewards, group_size, estimator, norm_by_std, eps, present)
     groups = rewards.reshape(-1, group_size).double()
     centred = groups - groups.mean(dim=1, keepdim=True)
     if estimator == "rloo":
@@ -43,6 +50,24 @@ def group_advantages(rewards: torch.Tensor, group_size: int, estimator: str = "g
     elif estimator == "grpo" and norm_by_std:
         centred = centred / (groups.std(dim=1, keepdim=True) + eps)
     return centred.reshape(-1).float()
+
+
+def _advantages_of_present(rewards: torch.Tensor, group_size: int, estimator: str, norm_by_std: bool, eps: float,
+                           present: torch.Tensor) -> torch.Tensor:
+    """:func:`group_advantages` over each group's ``present`` completions only (n of them): the
+    same arithmetic with n for the group size; 0 for the others and in a group with n < 2."""
+    groups = rewards.reshape(-1, group_size).double()
+    kept = present.reshape(-1, group_size).double()
+    n = kept.sum(dim=1, keepdim=True)
+    mean = (groups * kept).sum(dim=1, keepdim=True) / n.clamp_min(1.0)
+    centred = (groups - mean) * kept
+    has_baseline = n >= 2
+    if estimator == "rloo":
+        centred = centred * (n / (n - 1).clamp_min(1.0))
+    elif estimator == "grpo" and norm_by_std:
+        std = ((centred ** 2).sum(dim=1, keepdim=True) / (n - 1).clamp_min(1.0)).sqrt()
+        centred = centred / (std + eps)
+    return torch.where(has_baseline, centred, torch.zeros_like(centred)).reshape(-1).float()
 
 
 def sum_on_one_rank(values: list[float]) -> list[float]:

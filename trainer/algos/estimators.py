@@ -116,9 +116,11 @@ def estimator(name: str, summary: str, **needs) -> Callable[[Callable[[Advantage
 
 
 def _per_token(inputs: AdvantageInputs, name: str) -> Advantages:
-    """A group estimator's one advantage per sequence, on each of its positions."""
+    """A group estimator's one advantage per sequence, on each of its positions; a sequence
+    without a response token to train on (an empty completion) is left out of its group."""
+    present = torch.tensor([bool(m.any()) for m in inputs.masks])
     adv = group_advantages(torch.tensor(inputs.rewards, dtype=torch.float32), inputs.group_size, name,
-                           inputs.params.norm_adv_by_std)
+                           inputs.params.norm_adv_by_std, present=present)
     return Advantages([torch.full((len(m),), float(a)) for m, a in zip(inputs.masks, adv)])
 
 

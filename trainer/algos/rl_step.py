@@ -18,6 +18,12 @@
 One record: the rollout's reward metrics, the critic's (``vf_``-prefixed where a name is the
 actor's too), the actor's update summary, and with more than one update per rollout one record
 per update (``update_metrics``) holding both engines' numbers.
+
+An empty completion (no response token to train on: an aborted generation) is counted
+(``empty_completions``), left out of its group's statistics (advantages.py) and of the loss (its
+mask is 0); an optimizer step of the plan whose rows hold no token on any rank is dropped (the
+losses normalise by that count), and a step whose rows are all empty takes no update
+(``skipped_empty``, ``updates`` 0, one line: :func:`empty_step_warning`).
 """
 from __future__ import annotations
 
@@ -47,6 +53,8 @@ from .distill.reverse_kl import distill_advantages, teacher_log_probs
 
 # Critic metrics that share a name with the actor's get this prefix in the step's record.
 CRITIC_PREFIX = "vf_"
+# In the record of a step skipped because none of its completions had a token to train on.
+SKIPPED_EMPTY = "skipped_empty"
 
 
 @dataclass
@@ -185,7 +193,13 @@ def train_batch(ctx: RLContext, batch: SampledBatch, shuffle_seed: int = 0, trai
     metrics = dict(batch.metrics)
     pairs = roll.pairs()
     updates = []
-    if pairs:
+    # Rows without a token to train on (empty completions: an aborted generation) are masked; a
+    # step where every rank's rows are empty has nothing to train on: no update (not a crash).
+    trainable = sum_over_replicas([float(sum(trainable_tokens(pair) for pair in pairs))], ctx.policy.device)[0]
+    if pairs and trainable == 0:
+        metrics[SKIPPED_EMPTY] = 1.0
+        metrics["updates"] = 0.0
+    elif pairs:
         trained, updates = train_on_rollout(ctx, roll, pairs, shuffle_seed, train_actor)
         metrics.update(trained)
     metrics.update({"tokens": float(sum(len(pair[0]) + len(pair[1]) for pair in pairs)),
@@ -244,7 +258,8 @@ def train_on_rollout(ctx: RLContext, roll, pairs, shuffle_seed: int, train_actor
         token_fields["advantages"], distilled = distill_advantages(
             result.advantages, masks, old, taught, algo.distill.coef, algo.distill.task_weight, over_ranks)
         out.update(distilled)
-    plan = mini_batch_plan(len(pairs) // g.group_size, g.group_size, ctx.mini_batches, g.epochs, shuffle_seed)
+    plan = trainable_plan(mini_batch_plan(len(pairs) // g.group_size, g.group_size, ctx.mini_batches, g.epochs,
+                                          shuffle_seed), [trainable_tokens(pair) for pair in pairs], over_ranks)
     critic_records: list[dict] = []
     if critic is not None:
         out.update(value_metrics(values, result.returns, masks, over_ranks))
@@ -269,16 +284,42 @@ def _as_critic(metrics: dict) -> dict:
             for key, value in metrics.items() if key != "loss"}
 
 
+def empty_step_warning(metrics: dict, step: int) -> str | None:
+    """The one line for RL step ``step``'s record when the step was skipped for its empty
+    completions (:func:`train_batch`); None otherwise."""
+    if not metrics.get(SKIPPED_EMPTY):
+        return None
+    return (f"warning: rl step {step} skipped, no update: its {int(metrics.get('empty_completions', 0))} "
+            f"completion(s) hold no token to train on (empty: an aborted generation?); metrics.jsonl counts them "
+            f"(empty_completions)")
+
+
+def trainable_tokens(pair: tuple) -> int:
+    """How many response tokens of a ``(prompt, response[, loss mask])`` row the loss reads: 0 for
+    an empty completion (and for a conversation whose model turns are all masked)."""
+    return int(response_mask(*pair).sum())
+
+
+def trainable_plan(plan: list[list[int]], tokens: list[int], over_ranks) -> list[list[int]]:
+    """The optimizer steps of ``plan`` whose rows hold a token to train on, on some rank (the
+    losses normalise by that global count; a step without any would divide by 0): one
+    reduction for all of them, so every rank keeps the same steps."""
+    counts = over_ranks([float(sum(tokens[i] for i in indices)) for indices in plan])
+    return [indices for indices, count in zip(plan, counts) if count > 0]
+
+
 def reward_metrics(roll, device) -> dict:
-    """Mean, std, solved fraction and response length of a rollout's completions (all ranks)."""
+    """Mean, std, solved fraction and response length of a rollout's completions, and how many
+    are empty (no token to train on: ``empty_completions``, a count), over all ranks."""
     rewards = torch.tensor(roll.rewards, dtype=torch.float32)
     resp_len = float(sum(len(r) for r in roll.response_ids))
     solved = float(sum(r == 1.0 for r in roll.rewards))
-    reward_sum, reward_sq, count, resp_sum, solved_sum = all_reduce_sum(
-        [float(rewards.sum()), float((rewards ** 2).sum()), float(rewards.numel()), resp_len, solved], device)
+    empty = float(sum(trainable_tokens(pair) == 0 for pair in roll.pairs()))
+    reward_sum, reward_sq, count, resp_sum, solved_sum, empty_sum = all_reduce_sum(
+        [float(rewards.sum()), float((rewards ** 2).sum()), float(rewards.numel()), resp_len, solved, empty], device)
     mean = reward_sum / count
     return {"reward": mean, "reward_std": max(reward_sq / count - mean ** 2, 0.0) ** 0.5,
-            "solved": solved_sum / count, "response_len": resp_sum / count}
+            "solved": solved_sum / count, "response_len": resp_sum / count, "empty_completions": empty_sum}
 
 
 def _user_estimator(est, inputs: AdvantageInputs, spec: str) -> Advantages:

@@ -20,6 +20,24 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 
+# vLLM's finish_reason for a request it cancelled (aborted: a server shutting down, a request dropped
+# under memory pressure or by a client's disconnect): whatever tokens came back are no sample.
+ABORTED = "abort"
+# How many more times an aborted completion is requested, with the same prompt and seed (the sample
+# it would have been), before the rollout stops in one line naming the engine or server.
+ABORT_REDRAWS = 2
+
+
+def aborted_message(who: str, row: int, rows: int, count: int | None = None) -> str:
+    """The one line of a rollout that stops because ``who`` aborted row ``row`` of ``rows`` (and
+    ``count`` rows in all, when known) on every try."""
+    more = f" ({count} row(s) in all)" if count is not None else ""
+    return (f"{who}: aborted the completion of row {row} of {rows}{more} {ABORT_REDRAWS + 1} "
+            f"times with the same seed (finish_reason '{ABORTED}': vLLM cancelled the request; an aborted "
+            f"completion is no sample and is never trained on); see its log for why (out of memory, shutting "
+            f"down) and start the run again (trainer.resume=auto)")
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """How to sample one rollout's completions (the same for every prompt of a call). The

@@ -284,9 +284,10 @@ class VllmRolloutEngine(RolloutEngine):
         # A refusal on one rank's rows must stop every rank (what follows a rollout is collective).
         pictures = on_every_rank(lambda: prompt_pictures(images, self.vision, "rollout.engine=vllm"))
         vision = self.vision
-        completions, log_probs = vllm_adapter.sample(self.llm, prompts, params, seeds, pictures,
-                                                     vision and vision.image_token_id,
-                                                     vision and vision.logit_bias)
+        # Its refusals too (a completion aborted on every try, another image expansion) stop every rank.
+        completions, log_probs = on_every_rank(lambda: vllm_adapter.sample(
+            self.llm, prompts, params, seeds, pictures, vision and vision.image_token_id,
+            vision and vision.logit_bias))
         return Completions(*cut_completions(completions, log_probs, params))
 
     def sleep(self) -> None:

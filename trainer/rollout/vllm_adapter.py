@@ -19,6 +19,7 @@ from typing import Iterable
 import torch
 
 from ..errors import ConfigError
+from .engines import ABORT_REDRAWS, ABORTED, aborted_message
 from .servers.vision_serving import collapse_image_runs, expansion_mismatch
 
 
@@ -143,8 +144,9 @@ def sample(llm, prompts: list[list[int]], params, seeds: list[int], images: list
                    detokenize=False, skip_special_tokens=False, logit_bias=logit_bias)
     requests = [SamplingParams(seed=seed, **options) for seed in seeds]
     images = images or [None] * len(prompts)
-    outputs = llm.generate([vllm_prompt(p, i, image_token_id) for p, i in zip(prompts, images)], requests,
-                           use_tqdm=False)
+    outputs = redraw_aborted(lambda rows: llm.generate([vllm_prompt(prompts[i], images[i], image_token_id)
+                                                        for i in rows], [requests[i] for i in rows], use_tqdm=False),
+                             len(prompts))
     completions, log_probs = [], []
     for out, prompt, pictures in zip(outputs, prompts, images):
         _refuse_other_expansion(out, prompt, pictures, image_token_id)
@@ -153,6 +155,24 @@ def sample(llm, prompts: list[list[int]], params, seeds: list[int], images: list
         if want_log_probs:
             log_probs.append([step[tok].logprob for step, tok in zip(done.logprobs, done.token_ids)])
     return completions, (log_probs if want_log_probs else None)
+
+
+def redraw_aborted(generate, count: int) -> list:
+    """vLLM's outputs of ``count`` requests, ``generate(rows)`` giving those of the rows listed: a
+    request vLLM aborted (its finish_reason ABORTED) is sent again, with its own seed, up to
+    ABORT_REDRAWS more times; still aborted, a one-line ConfigError (an aborted completion is no
+    sample: trainer/rollout/engines.py)."""
+    outputs = list(generate(list(range(count))))
+    aborted = [i for i, out in enumerate(outputs) if out.outputs[0].finish_reason == ABORTED]
+    for _ in range(ABORT_REDRAWS):
+        if not aborted:
+            break
+        for i, out in zip(aborted, generate(aborted)):
+            outputs[i] = out
+        aborted = [i for i in aborted if outputs[i].outputs[0].finish_reason == ABORTED]
+    if aborted:
+        raise ConfigError(aborted_message("rollout.engine=vllm", aborted[0], count, len(aborted)))
+    return outputs
 
 
 def prompt_log_probs(llm, ids: list[int], images: list | None = None, image_token_id: int | None = None) -> list[float]:

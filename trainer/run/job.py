@@ -59,7 +59,7 @@ from .phases import Phase, engine_settings, plan_phases
 from .progress import Progress
 from ..rank_errors import on_every_rank
 from ..rewards.sources import build_reward
-from ..algos.rl_step import RLContext
+from ..algos.rl_step import RLContext, empty_step_warning
 from ..algos.rl_steps import RLSteps
 from ..algos.sample_ahead import SampleAhead, resume_sampled_ahead
 from ..rollout.build import build_rollout_driver, build_rollout_engine
@@ -362,6 +362,8 @@ class Job(SigtermStops):
                 vocab = getattr(engine.module.config, "vocab_size", 0)
                 if (warning := flat_sampling_warning(metrics.get("entropy"), vocab, self.cfg.trainer.sft_steps)):
                     _say(warning)
+            if phase.name == RL_PHASE and (warning := empty_step_warning(metrics, step + 1)):
+                _say(warning)
             self._record(phase.name, step + 1, global_step, metrics, progress)
             self.position = (phase.name, step + 1)
             eval_due = bool(every) and (step + 1) % every == 0 and step + 1 != phase.steps

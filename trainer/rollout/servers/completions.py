@@ -15,6 +15,7 @@ import base64
 import io
 from concurrent.futures import ThreadPoolExecutor
 
+from ..engines import ABORT_REDRAWS, ABORTED, aborted_message
 from .http import ServerError, ServerHttp
 from .vision_serving import collapse_image_runs, expansion_mismatch
 
@@ -83,6 +84,14 @@ def parse_image_answer(answer, prompt: list[int], image_token_id: int, want_log_
     return tokens, log_probs
 
 
+def finish_reason(answer) -> str | None:
+    """The finish_reason of an answer's (either route's) first choice; None where it has none."""
+    try:
+        return answer["choices"][0].get("finish_reason")
+    except (KeyError, IndexError, TypeError, AttributeError):
+        return None
+
+
 def parse_completion(answer, want_log_probs: bool, where: str) -> tuple[list[int], list[float] | None]:
     """The new token ids (and their log-probs) of a ``/v1/completions`` answer; ServerError naming
     ``where`` when the answer lacks them or they disagree in length."""
@@ -139,11 +148,21 @@ def sample_rows(servers: list[ServerHttp], model: str, prompts: list[list[int]],
     def one(i: int):
         http = servers[(first_server + i) % len(servers)]
         where = f"{http.name} ({http.url})"
-        if pictures is not None and pictures[i]:
-            answer = http.request(GENERATE_ROUTE, image_request(model, prompts[i], pictures[i], params, seeds[i],
-                                                                vision.image_token_id, bias, data_url))
+        with_images = pictures is not None and pictures[i]
+        if with_images:
+            route, body = GENERATE_ROUTE, image_request(model, prompts[i], pictures[i], params, seeds[i],
+                                                        vision.image_token_id, bias, data_url)
+        else:
+            route, body = "/v1/completions", completion_request(model, prompts[i], params, seeds[i], bias)
+        # An aborted request is no sample: asked again (its seed: the sample it would have been).
+        for _ in range(ABORT_REDRAWS + 1):
+            answer = http.request(route, body)
+            if finish_reason(answer) != ABORTED:
+                break
+        else:
+            raise ServerError(aborted_message(where, i, len(prompts)))
+        if with_images:
             return parse_image_answer(answer, prompts[i], vision.image_token_id, params.return_log_probs, where)
-        answer = http.request("/v1/completions", completion_request(model, prompts[i], params, seeds[i], bias))
         return parse_completion(answer, params.return_log_probs, where)
 
     results = list(pool.map(one, range(len(prompts))))
