@@ -39,17 +39,36 @@ from .rl_steps import RLSteps
 
 def resume_sampled_ahead(pipeline: "SampleAhead | None", position, rank: int, world: int, say) -> None:
     """Give ``pipeline`` (None: a synchronous run) this rank's batches sampled ahead in the
-    checkpoint ``position``; says so when a changed rollout.max_staleness leaves some out (they
-    are sampled again with the current weights: the bound holds for the resumed run's k)."""
-    if pipeline is None:
-        if position.sampled_ahead:
-            say("resume: the checkpoint's batches sampled ahead are not used: rollout.max_staleness=0 samples "
-                "each step's batch with its own weights")
-        return
-    left_out = pipeline.load(position.rank_queue(rank, world), position.phase_step)
-    if left_out:
-        say(f"resume: {left_out} batch(es) sampled ahead in the checkpoint are beyond rollout.max_staleness="
-            f"{pipeline.k}: sampled again with the current weights")
+    checkpoint ``position``; says so in one line whenever rollout.max_staleness differs from the
+    value the checkpoint was saved with (and how many batches sampled ahead it leaves out: they are
+    sampled again with the current weights, so the bound holds for the resumed run's k)."""
+    now = 0 if pipeline is None else pipeline.k
+    left_out = 0
+    if pipeline is not None:
+        left_out = pipeline.load(position.rank_queue(rank, world), position.phase_step)
+    elif position.sampled_ahead:
+        left_out = len(position.sampled_ahead[0] or [])
+    line = staleness_change_line(position.max_staleness, now, left_out)
+    if line is not None:
+        say(line)
+
+
+def staleness_change_line(before: int | None, now: int, left_out: int) -> str | None:
+    """The line of a resume whose rollout.max_staleness is ``now``, the checkpoint's ``before``
+    (None: a checkpoint saved without it, of an older polyfsdp or of the SFT phase); ``left_out``:
+    the checkpoint's batches sampled ahead this run does not train on. None when nothing changed."""
+    if now == 0:
+        meaning = "each step samples its batch with its own weights (synchronous, on policy)"
+    else:
+        meaning = (f"step t trains on a batch sampled by the policy of step t - {now} (asynchronous; "
+                   f"algo.rollout_correction corrects for it)")
+    dropped = "" if not left_out else (f"; the checkpoint's {left_out} batch(es) sampled ahead are beyond it: "
+                                       f"sampled again with the current weights")
+    if before is None:  # the change is known only from what the checkpoint holds
+        return None if not left_out else f"resume: rollout.max_staleness={now}: {meaning}{dropped}"
+    if before == now:
+        return None
+    return f"resume: rollout.max_staleness {before} -> {now}: {meaning}{dropped}"
 
 
 class BackgroundRound:

@@ -47,13 +47,15 @@ class JobCheckpoints:
         return self._announce(Path(saved), at, position.global_step)
 
     def save_step(self, state: PhaseState, phase: str, step: int, global_step: int, metrics, wait: bool = False,
-                  eval_due: bool = False, sampled_ahead: list | None = None) -> Path:
+                  eval_due: bool = False, sampled_ahead: list | None = None,
+                  max_staleness: int | None = None) -> Path:
         """:meth:`save` at ``phase``'s step ``step``, after ``metrics``' records (``eval_due``: the
         step's evaluation has not run yet; ``sampled_ahead``: each rank's queue of batches sampled
-        for later steps, trainer/algos/sample_ahead.py)."""
+        for later steps, trainer/algos/sample_ahead.py; ``max_staleness``: the RL phase's)."""
         batch = self.cfg.sft_batch_size if phase == "sft" else self.cfg.prompts_per_step
         position = TrainerPosition(phase, step, global_step, self.world, metrics.lines, metrics.path,
-                                   data_position=step * batch, eval_due=eval_due, sampled_ahead=sampled_ahead)
+                                   data_position=step * batch, eval_due=eval_due, sampled_ahead=sampled_ahead,
+                                   max_staleness=max_staleness)
         return self.save(state, position, wait=wait)
 
     def _announce(self, path: Path, at: tuple[str, int], global_step: int) -> Path:

@@ -173,8 +173,9 @@ class Job(SigtermStops):
         """Save the step's checkpoint: every part of the phase's state (``state.py``), with the
         batches sampled ahead (every rank's, gathered: rank 0 writes the position)."""
         ahead = None if self.sample_ahead is None else all_gather_object(self.sample_ahead.state())
+        staleness = self.cfg.rollout.max_staleness if phase == RL_PHASE else None
         return self.checkpoints.save_step(self._state(phase, engine), phase, step, global_step, self.metrics,
-                                          wait=wait, eval_due=eval_due, sampled_ahead=ahead)
+                                          wait=wait, eval_due=eval_due, sampled_ahead=ahead, max_staleness=staleness)
 
     def _state(self, phase: str, engine: FSDPEngine) -> PhaseState:
         """The parts of ``phase``'s checkpoints: its policy, and the critic in the RL phase."""
@@ -358,7 +359,9 @@ class Job(SigtermStops):
                 return step_fn(step, examples)
             metrics = self._abandonable(evaluate_then_step, engine, phase, step, lambda: eval_due, progress,
                                         f"{phase.name} step {step + 1}")
-            if phase.name == RL_PHASE and step == start:  # one line if sampled near uniform (flat_sampling.py)
+            # One line if the run's first RL rollout was sampled near uniform (flat_sampling.py): a
+            # resumed run past it says nothing again.
+            if phase.name == RL_PHASE and step == 0:
                 vocab = getattr(engine.module.config, "vocab_size", 0)
                 if (warning := flat_sampling_warning(metrics.get("entropy"), vocab, self.cfg.trainer.sft_steps)):
                     _say(warning)

@@ -48,6 +48,9 @@ class TrainerPosition:
     # rollout.max_staleness > 0: per rank, the batches sampled for the steps after this one
     # (trainer/algos/sample_ahead.py); a resumed run trains on them instead of sampling again.
     sampled_ahead: list | None = None
+    # The rollout.max_staleness the RL phase ran with (None: the SFT phase, or a checkpoint saved
+    # before it was recorded): a resumed run with another says so (sample_ahead.py).
+    max_staleness: int | None = None
 
     def rank_queue(self, rank: int, world_size: int) -> list | None:
         """``rank``'s batches sampled ahead (None: none saved); a checkpoint of another world size
@@ -62,18 +65,20 @@ class TrainerPosition:
 
     def state_dict(self) -> dict[str, Any]:
         """The position as the checkpoint's plain ``extra`` (its keys in field order; no
-        ``sampled_ahead`` for a synchronous run: its extra is what it always was)."""
+        ``sampled_ahead`` for a synchronous run, no ``max_staleness`` for the SFT phase)."""
         state = asdict(self)
-        if state["sampled_ahead"] is None:
-            del state["sampled_ahead"]
+        for optional in ("sampled_ahead", "max_staleness"):
+            if state[optional] is None:
+                del state[optional]
         return state
 
     @classmethod
     def from_state_dict(cls, state: dict[str, Any]) -> TrainerPosition:
         """The position a checkpoint's ``extra`` holds; a missing world size is None."""
         known = {f.name for f in fields(cls)}
-        # Older checkpoints lack world_size, eval_due (saved after the step's evaluation) and sampled_ahead.
-        missing = sorted(known - set(state) - {"world_size", "eval_due", "sampled_ahead"})
+        # Older checkpoints lack world_size, eval_due (saved after the step's evaluation), sampled_ahead
+        # and max_staleness.
+        missing = sorted(known - set(state) - {"world_size", "eval_due", "sampled_ahead", "max_staleness"})
         if missing:
             raise CheckpointError(f"trainer state lacks {', '.join(missing)}")
         return cls(**{**{"world_size": None}, **{k: v for k, v in state.items() if k in known}})
