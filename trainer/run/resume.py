@@ -26,8 +26,10 @@ from ..errors import ConfigError
 from ..evaluation.generations_log import GENERATIONS_FILE
 from ..tracking import IDS_FILE
 from ..tracking.metrics import METRICS_FILE
-from ..tracking.mlflow_tracker import STORE_FILE as MLFLOW_STORE_FILE
+from ..tracking.mlflow_tracker import ARTIFACTS_SUBDIR as MLFLOW_ARTIFACTS_SUBDIR, STORE_FILE as MLFLOW_STORE_FILE
 from ..tracking.plot import CURVES_FILE
+from ..tracking.tensorboard_tracker import LOG_SUBDIR as TENSORBOARD_SUBDIR
+from ..tracking.wandb_tracker import FILES_SUBDIR as WANDB_SUBDIR
 
 # Written next to the SFT-end export: how many metrics records precede the RL phase's start.
 STATE_FILE = "polyfsdp_state.json"
@@ -61,6 +63,9 @@ TIS_CAP = "algo.rollout_correction.tis_cap"
 # ids; appended validation completions; the curves; MLflow's SQLite store): the others are
 # written to a temporary file renamed over them, or live in directories of their own.
 WRITTEN_IN_PLACE = ("config.yaml", IDS_FILE, GENERATIONS_FILE, CURVES_FILE, MLFLOW_STORE_FILE)
+# The folders whose files others write for the run: the trackers (TensorBoard's event files, W&B's
+# run, MLflow's artifacts) and the rollout servers' logs (job.py's log_dir), all appended to.
+WRITTEN_INTO = (TENSORBOARD_SUBDIR, WANDB_SUBDIR, MLFLOW_ARTIFACTS_SUBDIR, "rollout_servers")
 
 
 @dataclass
@@ -218,14 +223,40 @@ def _algo_leaves(before_raw: dict, now_raw: dict) -> tuple[dict, dict]:
 
 
 def check_no_linked_run_files(out: Path) -> None:
-    """A ConfigError naming the first file of :data:`WRITTEN_IN_PLACE` in ``out`` that is a
-    symbolic link: a run directory may be crafted, and writing the file would overwrite (a
-    dangling link: create) whatever the link points at, outside the run."""
+    """A ConfigError naming the first path of ``out`` that the run would write through to a file
+    outside it (a run directory may be crafted, or copied with its files shared):
+
+    - a file of :data:`WRITTEN_IN_PLACE` that is a symbolic link: writing it would overwrite (a
+      dangling link: create) whatever the link points at;
+    - one that is a hard link (more than one name): written in place, the file changes under its
+      other names too, e.g. in the run a ``cp -al`` or ``rsync --link-dest`` copy shares it with;
+    - a folder of :data:`WRITTEN_INTO` that is a symbolic link: the trackers and the servers'
+      logs would write their files wherever it points.
+
+    Files the run only reads back, or replaces by renaming a new file over them (checkpoints,
+    trainer state, metrics.jsonl), may be hard links: reading one reads what its creator could
+    read anyway (a hard link, unlike a symbolic one, names no path resolved as the reader), its
+    content is checked as any file's, and a rename or a prune changes only the run's name."""
     for name in WRITTEN_IN_PLACE:
-        if (out / name).is_symlink():
-            raise ConfigError(f"trainer.output_dir {out}: {out / name} is a symbolic link (to {os.readlink(out / name)});"
+        path = out / name
+        if path.is_symlink():
+            raise ConfigError(f"trainer.output_dir {out}: {path} is a symbolic link (to {os.readlink(path)});"
                               f" refused: polyfsdp-train writes its files only inside its output directory; remove "
                               f"the link or choose another trainer.output_dir")
+        names = path.stat().st_nlink if path.is_file() else 1
+        if names > 1:
+            raise ConfigError(f"trainer.output_dir {out}: {path} is a hard link ({names} names for one file); refused: "
+                              f"polyfsdp-train writes it in place, which would change the file under its other names "
+                              f"too (a copy made with cp -al or rsync --link-dest shares it with the original); give "
+                              f"the run its own copy (cp {path} {path}.copy && mv {path}.copy {path}) or choose "
+                              f"another trainer.output_dir")
+    for name in WRITTEN_INTO:
+        folder = out / name
+        if folder.is_symlink():
+            raise ConfigError(f"trainer.output_dir {out}: {folder} is a symbolic link (to {os.readlink(folder)}); "
+                              f"refused: what is written into it (trainer.logger's files, the rollout servers' logs) "
+                              f"would land outside the output directory; remove the link or choose another "
+                              f"trainer.output_dir")
 
 
 def _tis_cap_as_used(before: dict, now: dict, before_raw: dict, cfg: JobConfig) -> None:

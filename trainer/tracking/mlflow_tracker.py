@@ -18,6 +18,7 @@ from ..errors import TrackerStartError
 
 PARAMS_PER_BATCH = 100   # MLflow's log_batch limit
 STORE_FILE = "mlflow.db"  # the local store in the output directory, written in place by SQLite
+ARTIFACTS_SUBDIR = "mlartifacts"  # the local store's artifacts, beside it
 PARAM_VALUE_CHARS = 500  # the shortest value limit of MLflow's stores
 
 
@@ -47,7 +48,7 @@ class MlflowTracker(Tracker):
             else:
                 experiment = self.client.get_experiment_by_name(run.project)
                 experiment_id = experiment.experiment_id if experiment else self.client.create_experiment(
-                    run.project, artifact_location=(run.directory / "mlartifacts").as_uri() if local else None)
+                    run.project, artifact_location=(run.directory / ARTIFACTS_SUBDIR).as_uri() if local else None)
                 tags = {tag: "true" for tag in run.tags}
                 self.run_id = self.client.create_run(experiment_id, run_name=run.name, tags=tags).info.run_id
                 logged = {}

@@ -17,6 +17,8 @@ from __future__ import annotations
 from .base import RunInfo, Tracker, require
 from ..errors import TrackerStartError
 
+FILES_SUBDIR = "wandb"  # where wandb.init(dir=OUTPUT_DIR) keeps the run's files (wandb's own name)
+
 
 class WandbTracker(Tracker):
     name = "wandb"
@@ -34,7 +36,7 @@ class WandbTracker(Tracker):
         except Exception as exc:  # noqa: BLE001 - wandb raises many kinds; all mean "did not start"
             raise TrackerStartError(f"trainer.logger=wandb: wandb.init failed ({type(exc).__name__}: "
                                     f"{' '.join(str(exc).split())[:200]}); run `wandb login`, or set "
-                                    f"WANDB_MODE=offline to keep the run in {run.directory / 'wandb'}") from None
+                                    f"WANDB_MODE=offline to keep the run in {run.directory / FILES_SUBDIR}") from None
         self.location = (f"offline run {self.run.id} in {self.run.settings.sync_dir} (wandb sync uploads it)"
                          if self.run.offline else f"run {self.run.id}: {self.run.url}")
         return self.run.id

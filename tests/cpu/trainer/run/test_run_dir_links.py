@@ -59,3 +59,74 @@ def test_every_file_written_in_place_is_checked_for_a_link(tmp_path):
         with pytest.raises(ConfigError, match=f"{tmp_path / name} is a symbolic link"):
             check_no_linked_run_files(tmp_path)
         (tmp_path / name).unlink()
+
+
+def test_a_file_the_run_writes_in_place_that_is_a_hard_link_is_refused_in_one_line(tmp_path, capsys):
+    """A run copied with ``cp -al`` shares its files with the original: config.yaml written in place
+    through the shared file would rewrite the original run's (the payload: the other name's content)."""
+    out = tmp_path / "out"
+    out.mkdir()
+    original = tmp_path / "original_run"
+    original.mkdir()
+    (original / "config.yaml").write_text("keep: the original run's\n")
+    os.link(original / "config.yaml", out / "config.yaml")
+
+    status = main([*TINY, "algo=sft", "trainer.sft_steps=1", "trainer.plot=false", "trainer.export=false",
+                   f"trainer.output_dir={out}"])
+    err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert (original / "config.yaml").read_text() == "keep: the original run's\n"
+    path = out / "config.yaml"
+    assert status == 2 and err == [
+        f"polyfsdp-train: error: trainer.output_dir {out}: {path} is a hard link (2 names for one file); refused: "
+        f"polyfsdp-train writes it in place, which would change the file under its other names too (a copy made with "
+        f"cp -al or rsync --link-dest shares it with the original); give the run its own copy (cp {path} "
+        f"{path}.copy && mv {path}.copy {path}) or choose another trainer.output_dir"], err
+
+
+def test_a_tracker_folder_that_is_a_link_is_refused_before_the_tracker_writes(tmp_path, capsys):
+    """A crafted run's tensorboard/ linked to a folder of the user's: the event files would be written
+    there. Refused in one line before anything is written; the folder stays empty."""
+    pytest.importorskip("torch.utils.tensorboard")
+    out = tmp_path / "out"
+    out.mkdir()
+    users = tmp_path / "users_folder"
+    users.mkdir()
+    (out / "tensorboard").symlink_to(users)
+
+    status = main([*TINY, "algo=sft", "trainer.sft_steps=1", "trainer.plot=false", "trainer.export=false",
+                   "trainer.logger=[console,jsonl,tensorboard]", f"trainer.output_dir={out}"])
+    err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert os.listdir(users) == []
+    assert status == 2 and err == [
+        f"polyfsdp-train: error: trainer.output_dir {out}: {out / 'tensorboard'} is a symbolic link (to {users}); "
+        f"refused: what is written into it (trainer.logger's files, the rollout servers' logs) would land outside "
+        f"the output directory; remove the link or choose another trainer.output_dir"], err
+
+
+def test_every_folder_written_into_and_every_file_written_in_place_is_checked(tmp_path):
+    """The trackers' folders (tensorboard/, wandb/, mlartifacts/) and the servers' logs are refused as
+    links; the files written in place as hard links. A hard link the run only reads, or replaces by a
+    rename (metrics.jsonl, a checkpoint's file), is not refused: it changes only the run's own name."""
+    from polyfsdp.trainer.errors import ConfigError
+    from polyfsdp.trainer.run.resume import check_no_linked_run_files
+
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    out = tmp_path / "out"
+    out.mkdir()
+    for name in ("tensorboard", "wandb", "mlartifacts", "rollout_servers"):
+        (out / name).symlink_to(elsewhere)
+        with pytest.raises(ConfigError, match=f"{out / name} is a symbolic link"):
+            check_no_linked_run_files(out)
+        (out / name).unlink()
+    (elsewhere / "users_file").write_text("keep")
+    for name in ("trackers.json", "mlflow.db", "generations.jsonl", "curves.png"):
+        os.link(elsewhere / "users_file", out / name)
+        with pytest.raises(ConfigError, match=f"{out / name} is a hard link \\(2 names for one file\\)"):
+            check_no_linked_run_files(out)
+        (out / name).unlink()
+    os.link(elsewhere / "users_file", out / "metrics.jsonl")
+    (out / "checkpoints" / "sft" / "step_1").mkdir(parents=True)
+    os.link(elsewhere / "users_file", out / "checkpoints" / "sft" / "step_1" / "model.safetensors")
+    (out / "tensorboard").mkdir()  # a folder of the run's own
+    check_no_linked_run_files(out)
