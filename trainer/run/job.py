@@ -304,7 +304,8 @@ class Job(SigtermStops):
                 # What draws from the generators (LoRA's dropout) is seeded per step: the same in
                 # every run of the seed, whatever the process's generator started from.
                 self.backend.manual_seed(replica_seed(self.cfg.trainer.seed, step, self.topo.replica))
-                return sft_step(engine, self.tokenizer, examples, sft_loss, conversations=conversations)
+                return sft_step(engine, self.tokenizer, examples, sft_loss, conversations=conversations,
+                                chat_template=cfg.data.apply_chat_template)
             return sft_fn
         g = cfg.algo.actor
         # The reference is the RL starting point, frozen: a second engine, never stepped; with
