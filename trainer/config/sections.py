@@ -20,6 +20,7 @@ from polyfsdp.engines.config import ADAPTER_EXPORTS, EngineConfig, LoraConfig, M
 from .algo import AlgoSection, check_choice, check_min
 from .bounds import MAX_BATCH, MAX_SEED, MAX_TOKENS, WEEK_S, convert
 from .sampling import SamplingControls
+from ..data.images import DEFAULT_MAX_IMAGE_PIXELS, PIL_MAX_PIXELS
 from ..errors import ConfigError
 from ..rollout.servers.settings import ServerSettings, VllmSettings
 
@@ -104,6 +105,14 @@ class DataSection:
                                                       "limits it", high=MAX_TOKENS)
     overlong: str = setting("filter", doc="prompts over max_prompt_length: filter (count printed) | error | "
                                           "truncate (keep the end)")
+    max_image_pixels: int = setting(DEFAULT_MAX_IMAGE_PIXELS, doc="a record's image may hold this many pixels "
+                                    "(width x height, read from its header before decoding); 4096x4096: above the "
+                                    "12845056 that Qwen2-VL's and Qwen2.5-VL's processors keep (they scale larger "
+                                    "images down)",
+                                    low=1, high=PIL_MAX_PIXELS)
+    allow_image_paths_outside: bool = setting(False, doc="image paths may name files outside the data file's "
+                                                         "folder (absolute, ../, links out); false: refused "
+                                                         "before they are opened")
 
     def check(self) -> None:
         """The data section's own checks: the source's keys together (ConfigError naming the key)."""

@@ -11,7 +11,7 @@ import logging
 import os
 import random
 
-from .images import content_parts, message_text, place_images, read_images
+from .images import ImagePolicy, content_parts, message_text, place_images, read_images
 from .demonstrations import MESSAGES_FIELD, DemonstrationError, final_answer, opening, plain_value, read_conversation
 from ..errors import DataError
 from .tokenizers import CharTokenizer
@@ -157,11 +157,12 @@ def _messages(value, where: str, key: str) -> tuple:
     return tuple(out)
 
 
-def _record(raw, where: str, prompt_key: str, answer_key: str | None, base_dir: str = "") -> Example:
+def _record(raw, where: str, prompt_key: str, answer_key: str | None, base_dir: str = "",
+            image_policy: ImagePolicy = ImagePolicy()) -> Example:
     """An Example from one record in verl's RL layout (or today's ``{"prompt", "answer"}``),
     with the demonstration conversation of its ``messages`` field (trainer/data/demonstrations.py)
     when it has one (and ``messages`` is not its prompt), and its images (trainer/data/images.py;
-    a path is relative to ``base_dir``, the data file's directory)."""
+    a path is relative to ``base_dir``, the data file's directory; ``image_policy`` bounds them)."""
     answer_keys = (answer_key,) if answer_key else AUTO_ANSWER_KEYS
     if not isinstance(raw, dict):
         raise DataError(f"{where}: expected an object with fields {prompt_key!r} and {answer_keys[-1]!r}, "
@@ -190,7 +191,7 @@ def _record(raw, where: str, prompt_key: str, answer_key: str | None, base_dir: 
                             f"data.answer_key to the name your file uses")
         key, answer = MESSAGES_FIELD, final_answer(conversation)
     prompt, answer = plain_value(prompt), plain_value(answer)
-    images = read_images(raw, where, base_dir)
+    images = read_images(raw, where, base_dir, image_policy)
     messages = None
     if images and isinstance(prompt, str):
         prompt = [{"role": "user", "content": prompt}]  # the images go in front of its text
@@ -211,8 +212,9 @@ def _record(raw, where: str, prompt_key: str, answer_key: str | None, base_dir: 
                    extra_info=extra_info, where=where, conversation=conversation, images=images)
 
 
-def read_jsonl(path: str, prompt_key: str = "prompt", answer_key: str | None = None) -> list[Example]:
-    """Examples from a JSON-lines file (blank lines skipped)."""
+def read_jsonl(path: str, prompt_key: str = "prompt", answer_key: str | None = None,
+               images: ImagePolicy = ImagePolicy()) -> list[Example]:
+    """Examples from a JSON-lines file (blank lines skipped); ``images`` bounds their images."""
     out = []
     try:
         with open(path, encoding="utf-8") as f:
@@ -223,14 +225,17 @@ def read_jsonl(path: str, prompt_key: str = "prompt", answer_key: str | None = N
                     raw = json.loads(line)
                 except json.JSONDecodeError as exc:
                     raise DataError(f"{path} line {number}: not valid JSON ({exc.msg})") from None
-                out.append(_record(raw, f"{path} line {number}", prompt_key, answer_key, os.path.dirname(path)))
+                out.append(_record(raw, f"{path} line {number}", prompt_key, answer_key, os.path.dirname(path),
+                                   images))
     except UnicodeDecodeError as exc:
         raise DataError(f"{path}: not UTF-8 text ({exc.reason}); JSON lines files must be UTF-8") from None
     return out
 
 
-def read_parquet(path: str, prompt_key: str = "prompt", answer_key: str | None = None) -> list[Example]:
-    """Examples from a parquet file (needs pyarrow, or pandas with a parquet engine)."""
+def read_parquet(path: str, prompt_key: str = "prompt", answer_key: str | None = None,
+                 images: ImagePolicy = ImagePolicy()) -> list[Example]:
+    """Examples from a parquet file (needs pyarrow, or pandas with a parquet engine); ``images``
+    bounds their images."""
     try:
         try:
             import pyarrow.parquet as pq
@@ -252,15 +257,17 @@ def read_parquet(path: str, prompt_key: str = "prompt", answer_key: str | None =
     except Exception as exc:  # pyarrow's ArrowInvalid and friends: not a parquet file
         detail = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise DataError(f"{path}: not a readable parquet file ({detail})") from None
-    return [_record(r, f"{path} row {i}", prompt_key, answer_key, os.path.dirname(path)) for i, r in enumerate(rows)]
+    return [_record(r, f"{path} row {i}", prompt_key, answer_key, os.path.dirname(path), images)
+            for i, r in enumerate(rows)]
 
 
 READERS = {".jsonl": read_jsonl, ".json": read_jsonl, ".parquet": read_parquet, ".pq": read_parquet}
 
 
-def read_files(paths, key: str, prompt_key: str, answer_key: str | None, reader=None) -> list[Example]:
+def read_files(paths, key: str, prompt_key: str, answer_key: str | None, reader=None,
+               images: ImagePolicy = ImagePolicy()) -> list[Example]:
     """The records of ``paths`` in order; each file's reader follows its extension unless
-    ``reader`` is given. ``key`` names the config key in errors."""
+    ``reader`` is given. ``key`` names the config key in errors; ``images`` bounds the images."""
     out: list[Example] = []
     for path in [paths] if isinstance(paths, str) else list(paths):
         if not isinstance(path, str) or not os.path.isfile(path):
@@ -270,7 +277,7 @@ def read_files(paths, key: str, prompt_key: str, answer_key: str | None, reader=
         read = reader or READERS.get(os.path.splitext(path)[1].lower())
         if read is None:
             raise DataError(f"{key}: {path!r}: unknown file type; expected {', '.join(READERS)}")
-        out.extend(read(path, prompt_key, answer_key))
+        out.extend(read(path, prompt_key, answer_key, images))
     return out
 
 
@@ -306,10 +313,11 @@ def build_source(data, seed: int, encoder=None, rollout=None):
         key, paths, reader = "data.train_files", data.train_files, None
     else:
         key, paths, reader = "data.path", data.path, read_jsonl if data.source == "jsonl" else read_parquet
-    records = read_files(paths, key, data.prompt_key, data.answer_key, reader)
+    images = ImagePolicy(max_pixels=data.max_image_pixels, paths_outside=data.allow_image_paths_outside)
+    records = read_files(paths, key, data.prompt_key, data.answer_key, reader, images)
     val = None
     if getattr(data, "val_files", None):
-        val = read_files(data.val_files, "data.val_files", data.prompt_key, data.answer_key)
+        val = read_files(data.val_files, "data.val_files", data.prompt_key, data.answer_key, images=images)
     if encoder is not None:
         encoder.learn_characters(records + (val or []))
         records = encoder.encode_split(records, "train")
