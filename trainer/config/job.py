@@ -24,6 +24,7 @@ from .composition import GROUPS, VERL_EQUIVALENTS, available_options, compose, r
 from .bounds import check_bounds, convert
 from .sections import (BackendSection, DataSection, EvalSection, JobConfig, ModelSection, RewardSection,
                        RolloutSection, TrainerSection)
+from ..data.images import VISION_MODEL_FIX
 from ..errors import ConfigError
 from .rollout_check import SEPARATE_SAMPLERS, check_rollout
 
@@ -110,9 +111,10 @@ def _validate_reward(r: RewardSection) -> None:
     validate_sources(r)  # reward.model and the weights, routing and names of the sources
 
 
-def _check_preset_overrides(model: ModelSection) -> None:
+def _check_preset_overrides(model: ModelSection):
     """Build the preset's Hugging Face config with ``model.overrides`` now: a field of the wrong
-    type (``hidden_size=abc``) is one ConfigError here, not a traceback where the model is built."""
+    type (``hidden_size=abc``) is one ConfigError here, not a traceback where the model is built.
+    Returns the config."""
     from polyfsdp.engines.presets import preset_config
 
     if not isinstance(model.overrides, dict):
@@ -123,6 +125,19 @@ def _check_preset_overrides(model: ModelSection) -> None:
         text = str(exc)
         raise ConfigError(text if text.startswith("model.") else f"model.overrides: {text}") from None
     _check_mrope_fits(model, config)
+    return config
+
+
+def _check_task_fits_model(data: DataSection, model: ModelSection, preset_config) -> None:
+    """The built-in visual task's prompts are images: a text preset is refused before any data is
+    drawn (``preset_config``: the preset's built config; None for model.path, whose processor
+    is checked when the prompts are encoded, trainer/data/chat.py)."""
+    if data.source != "builtin" or data.task != "count_squares" or preset_config is None:
+        return
+    if getattr(preset_config, "vision_config", None) is None:
+        raise ConfigError(f"data.task=count_squares: its prompts are images, but model.preset={model.preset} is a "
+                          f"text model (no image processor); use task=count_squares (the preset that also sets "
+                          f"model=qwen2_vl), or {VISION_MODEL_FIX}")
 
 
 def _check_mrope_fits(model: ModelSection, config) -> None:
@@ -185,8 +200,7 @@ def build_job_config(raw: dict, world_size: int = 1) -> JobConfig:
             require_peft()
     except (ValueError, TypeError, ImportError) as exc:
         raise ConfigError(str(exc)) from None
-    if model.preset and not model.path:
-        _check_preset_overrides(model)
+    preset = _check_preset_overrides(model) if model.preset and not model.path else None
     if model.dtype == "float16":
         # Every job trains; the engine refuses float16 master weights (AdamW's eps underflows).
         raise ConfigError("model.dtype=float16: training keeps master weights in float16, which AdamW turns "
@@ -245,6 +259,7 @@ def build_job_config(raw: dict, world_size: int = 1) -> JobConfig:
     algo.distill.validate("algo.distill", algo.rl)
     data = _section(DataSection, "data", raw["data"])
     data.check()
+    _check_task_fits_model(data, model, preset)
     if data.eval_size < world_size:
         raise ConfigError(f"data.eval_size: every rank needs an evaluation prompt; expected >= world size "
                           f"{world_size}, got {data.eval_size}")

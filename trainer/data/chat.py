@@ -13,6 +13,7 @@ import logging
 from .sources import tokenized_text
 from ..errors import DataError
 from .example import Example
+from .images import VISION_MODEL_FIX
 
 logger = logging.getLogger(__name__)
 
@@ -72,7 +73,7 @@ class PromptEncoder:
         if self.processor is None:
             which = f"model.path={self.model_path}" if self.model_path else "the model"
             raise DataError(f"{example.where}: field 'images': the record has {len(example.images)} images, but "
-                            f"{which} has no image processor (not a vision-language model)")
+                            f"{which} has no image processor (not a vision-language model); {VISION_MODEL_FIX}")
         return encode_image_prompt(self.processor, example)
 
     def encode(self, example: Example) -> Example | None:

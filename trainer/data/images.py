@@ -42,6 +42,11 @@ DEFAULT_MAX_IMAGE_PIXELS = 4096 * 4096
 # DecompressionBombError) whatever data.max_image_pixels says: the key's upper bound.
 PIL_MAX_PIXELS = 2 * 89_478_485
 _PIL_PIXELS = re.compile(r"\((\d+) pixels\)")
+# What a job with images needs, said where a text model meets them (the job's config for data.task=count_squares,
+# the prompt encoder for a record's images).
+VISION_MODEL_FIX = ("add model=qwen2_vl (the tiny Qwen2-VL preset; model.preset=qwen2.5-vl-tiny or qwen3-vl-tiny for "
+                    "the other families) or give model.path=DIR of a Qwen2-VL, Qwen2.5-VL or Qwen3-VL checkpoint with "
+                    "its preprocessor_config.json")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -2,7 +2,8 @@
 ``data.max_image_pixels`` pixels, checked from the image's header before any pixel is decoded
 (a decompression bomb is one line, not a traceback or gigabytes of memory), and, as file paths,
 inside the data file's folder unless ``data.allow_image_paths_outside=true``: a path elsewhere
-(``../``, absolute, ``/proc/...``, a symbolic link out) is refused before the file is opened."""
+(``../``, absolute, ``/proc/...``, a symbolic link out) is refused before the file is opened.
+Also: ``data.task=count_squares`` with a text model names the fix."""
 from __future__ import annotations
 
 import json
@@ -235,3 +236,18 @@ def test_a_fifo_in_the_folder_is_refused_without_opening_it(outside, monkeypatch
         read_jsonl(path)
     assert opened == []
 
+
+def test_count_squares_with_a_text_model_names_the_fix(tmp_path, capsys):
+    err = one_line_error(capsys, ["data.task=count_squares", f"trainer.output_dir={tmp_path / 'run'}"])
+    assert err.startswith("polyfsdp-train: error: data.task=count_squares: ") and "model=qwen2_vl" in err and \
+        "task=count_squares" in err, err
+    assert not (tmp_path / "run").exists()
+
+
+def test_image_records_for_a_text_model_name_the_fix(tmp_path, capsys):
+    (tmp_path / "a.png").write_bytes(blank_png(28, 28))
+    path = write_records(tmp_path / "t.jsonl", ["a.png"])
+    err = one_line_error(capsys, ["data=jsonl", f"data.path={path}", "data.eval_size=1",
+                                  f"trainer.output_dir={tmp_path / 'run'}"])
+    assert f"{path} line 1: field 'images': the record has 1 images, but the model has no image processor" in err
+    assert "model=qwen2_vl" in err and "model.path=" in err, err
