@@ -33,6 +33,7 @@ MARKS: dict[str, tuple[str, ...]] = {
         "tests/cpu/trainer/data/test_char_vocabulary.py::test_continuing_a_run_with_data_holding_new_characters_is_one_line",
         "tests/cpu/trainer/data/test_char_vocabulary.py::test_polyfsdp_train_runs_on_text_outside_the_default_characters_and_continues",
         "tests/cpu/trainer/data/test_own_data.py::test_reward_failures_at_the_cli_are_one_line_without_traceback",
+        "tests/cpu/trainer/rewards/test_reward_judge_stops.py",
         "tests/cpu/trainer/rollout/test_vllm_job.py",
         "tests/cpu/trainer/rollout/servers/test_server_async.py",
         "tests/cpu/trainer/rollout/servers/test_server_job.py",
