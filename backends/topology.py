@@ -44,6 +44,14 @@ def launch_env() -> LaunchEnv:
     return LaunchEnv(_env_int("RANK", 0), _env_int("WORLD_SIZE", 1), _env_int("LOCAL_RANK", 0))
 
 
+def node_count() -> int:
+    """How many nodes the launch spans: the world size over torchrun's ``LOCAL_WORLD_SIZE`` (the
+    processes on each node); 1 without a launcher or without that variable."""
+    world_size = launch_env().world_size
+    per_node = _env_int("LOCAL_WORLD_SIZE", world_size)
+    return world_size // per_node if 0 < per_node < world_size else 1
+
+
 @dataclass(frozen=True)
 class Topology:
     """This rank's place: world size, rank, local rank (its device index), the

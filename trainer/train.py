@@ -82,10 +82,10 @@ def _error(exc: BaseException, prog: str = "polyfsdp-train") -> int:
     return EXIT_USAGE
 
 
-def _interrupted_line(job) -> str:
+def _interrupted_line(job, how: str = "interrupted") -> str:
     where = f"after {job.position[0]} step {job.position[1]}" if job.position else "before the first step"
     last = f"last checkpoint {job.checkpoints.last}" if job.checkpoints.last else "no checkpoint yet"
-    return f"interrupted {where}; {last}"
+    return f"{how} {where}; {last}"
 
 
 def _say_stop(line: str) -> None:
@@ -205,6 +205,7 @@ def _main(argv: list[str] | None, starting: SigtermWhileStarting) -> int:
 
     from .config.job import build_job_config
     from .errors import DataError, MetricsWriteError, Preempted, RankError
+    from .network_waits import StoppedWhileWaiting
     from .run.stop import continue_command
     from polyfsdp.engines.checkpoint import CheckpointError
 
@@ -257,6 +258,13 @@ def _main(argv: list[str] | None, starting: SigtermWhileStarting) -> int:
             finished = True  # every rank stopped at the same step boundary
             if _rank() == 0:
                 _say_stop(f"polyfsdp-train: {exc}; continue with: {continue_command(overrides, job.out, world_size)}")
+            return EXIT_TERMINATED
+        except StoppedWhileWaiting as exc:
+            # A SIGTERM while the main thread waited on a network peer (a judge not answering): it
+            # stops now, without the step's checkpoint (saving needs every rank, which the peer may hold up).
+            if _rank() == 0:
+                _say_stop(f"polyfsdp-train: {_interrupted_line(job, str(exc))}; continue with: "
+                          f"{continue_command(overrides, job.out, world_size)}")
             return EXIT_TERMINATED
         except (KeyboardInterrupt, BrokenPipeError) as exc:
             # Ctrl-C is how runs are stopped (and a closed output pipe stops it too): say how to

@@ -19,6 +19,13 @@ time per rank; a request that fails to connect or gets a 5xx is tried ``retries`
 (1 s, 2 s, ... apart); anything else, or the last failure, is one line naming the judge and the
 record. The server is ``url`` (any OpenAI-compatible base URL, e.g. ``http://host:8000/v1``), or
 the vLLM server polyfsdp starts for ``checkpoint`` (judge_server.py).
+
+Every request is bounded (trainer/deadline_http.py): ``timeout_s`` is its overall deadline
+(connecting, sending, the status line, the headers and the whole answer; a server dripping bytes
+cannot stretch it), and its answer is read up to :func:`answer_cap` bytes, what ``max_tokens``
+tokens can take, never the whole body: a larger answer is refused in one line. The requests run on
+daemon threads and the main thread's wait reads the job's stop flag (trainer/network_waits.py), so
+SIGTERM or Ctrl-C ends a run whose judge is not answering.
 """
 from __future__ import annotations
 
@@ -28,12 +35,13 @@ import string
 import time
 import urllib.error
 import urllib.request
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, fields
 
 from polyfsdp.engines.config import setting
 
+from ..deadline_http import AnswerTooLarge, HttpStatus, fetch
 from ..errors import ConfigError, RewardError
+from ..network_waits import DaemonPool, wait_or_stop
 from ..rollout.servers.http import server_text
 
 DEFAULT_TEMPLATE = ("Question: {prompt}\nReference answer: {ground_truth}\nResponse: {response}\n"
@@ -42,6 +50,20 @@ PARSERS = ("number", "labels", "regex")
 ON_UNPARSABLE = ("zero", "error", "skip")
 TEMPLATE_FIELDS = ("prompt", "response", "ground_truth")
 _NUMBER = re.compile(r"[-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?")
+# What one verdict's answer may take (answer_cap). A token's text is a few characters (about 4 on
+# average; the longest vocabulary entries, runs of spaces or symbols, tens), each 1 to 6 bytes once
+# JSON escapes it (\uXXXX): 256 bytes a token is far above what a verdict averages. The envelope
+# (id, model, usage, finish_reason, ...) is under 1 KiB on vLLM and OpenAI; 64 KiB leaves room for
+# servers that add more, and for a few unusually long tokens.
+ANSWER_BYTES_PER_TOKEN = 256
+ANSWER_ENVELOPE_BYTES = 64 << 10
+# The model listing (GET /models) when reward.judge.model is null: OpenAI's own lists ~100 models in ~10 KiB.
+LISTING_MAX_BYTES = 1 << 20
+
+
+def answer_cap(max_tokens: int) -> int:
+    """The most bytes read of a verdict's answer (more is refused)."""
+    return ANSWER_ENVELOPE_BYTES + ANSWER_BYTES_PER_TOKEN * max_tokens
 
 
 class JudgeUnavailable(RewardError):
@@ -179,24 +201,26 @@ class Judge:
         self.settings, self.url, self.server = settings, url.rstrip("/"), server  # server: judge_server's
         self.name, self.weight, self.data_sources = settings.name, float(settings.weight), settings.data_sources
         self.model = settings.model
-        self._pool = ThreadPoolExecutor(max_workers=settings.concurrency, thread_name_prefix="reward-judge")
+        self._pool = DaemonPool(settings.concurrency, "reward-judge")
 
     def _post(self, route: str, payload: dict | None, record: str):
         """The JSON answer of ``route`` (GET without a payload), with the retries of the module doc."""
         where = f"reward.judge ({self.url}) {'POST' if payload is not None else 'GET'} {route}"
         data = None if payload is None else json.dumps(payload).encode()
+        cap = LISTING_MAX_BYTES if payload is None else answer_cap(self.settings.max_tokens)
         for attempt in range(self.settings.retries + 1):
             request = urllib.request.Request(f"{self.url}{route}", data=data,
                                              headers={"Content-Type": "application/json"} if data else {})
             try:
-                with urllib.request.urlopen(request, timeout=self.settings.timeout_s) as answer:
-                    return json.loads(answer.read())
-            except urllib.error.HTTPError as exc:
-                problem, again = f"HTTP {exc.code}: {server_text(exc.read())}", exc.code >= 500
+                return json.loads(fetch(request, self.settings.timeout_s, max_bytes=cap))
+            except HttpStatus as exc:
+                problem, again = f"HTTP {exc.code}: {server_text(exc.body)}", exc.code >= 500
             except (urllib.error.URLError, ConnectionError) as exc:
                 problem, again = f"not reachable ({getattr(exc, 'reason', exc)})", True
             except TimeoutError:
                 problem, again = f"no answer within reward.judge.timeout_s={self.settings.timeout_s:g} s", False
+            except AnswerTooLarge:
+                problem, again = self._too_large(payload is None), False
             except ValueError:
                 problem, again = "answered something that is not JSON", False
             gone = self.server.died() if self.server is not None else None
@@ -206,6 +230,16 @@ class Judge:
                 tries = f" after {attempt + 1} tries" if attempt else ""
                 raise JudgeUnavailable(f"{where}: {problem}{tries} ({record})")
             time.sleep(attempt + 1)
+
+    def _too_large(self, listing: bool) -> str:
+        """What a refused answer's line says: the cap, and the key that moves it."""
+        if listing:
+            return (f"the model listing is over {LISTING_MAX_BYTES} bytes, the most read; set reward.judge.model "
+                    f"(no listing is asked for then)")
+        tokens = self.settings.max_tokens
+        return (f"the answer is over {answer_cap(tokens)} bytes, the most read for reward.judge.max_tokens={tokens} "
+                f"({ANSWER_ENVELOPE_BYTES} + {ANSWER_BYTES_PER_TOKEN} a token); is reward.judge.url an "
+                f"OpenAI-compatible server? (raise reward.judge.max_tokens for longer verdicts)")
 
     def _model(self) -> str:
         if self.model is None:
@@ -247,8 +281,11 @@ class Judge:
 
     def score_all(self, examples, texts: list[str], responses, group: int = 1, answers=None):
         """Scores of ``texts`` (row i answers ``examples[i // group]``) and ``judge_unparsable``."""
-        self._model()
-        verdicts = list(self._pool.map(lambda i: self.verdict(examples[i // group], texts[i]), range(len(texts))))
+        # On the pool's daemon threads, the main thread waiting where a stop reaches it (network_waits.py).
+        what = f"reward.judge ({self.url})"
+        wait_or_stop([self._pool.submit(self._model)], what)
+        verdicts = wait_or_stop([self._pool.submit(self.verdict, examples[i // group], texts[i])
+                                 for i in range(len(texts))], what)
         scores = [parse_verdict(v, self.settings) for v in verdicts]
         for i, (score, verdict) in enumerate(zip(scores, verdicts)):
             if score is None and self.settings.on_unparsable == "error":
@@ -265,15 +302,28 @@ class Judge:
         return rewards, {"judge_unparsable": [float(s is None) for s in scores]}
 
     def close(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        self._pool.close()
         if self.server is not None:
             self.server.stop()
+
+
+def refuse_several_nodes(nodes: int) -> None:
+    """``checkpoint``'s server runs on rank 0's node, listening on 127.0.0.1 there: the ranks of
+    other nodes would ask their own 127.0.0.1 (nothing there, or another server). With several
+    nodes, one line at start pointing to ``url``, before any server starts."""
+    if nodes > 1:
+        raise ConfigError(f"reward.judge.checkpoint: the judge's vLLM server runs on rank 0's node only (on "
+                          f"127.0.0.1), which the ranks of the other {nodes - 1} of this run's {nodes} nodes cannot "
+                          f"reach; serve the judge where every node reaches it (python -m "
+                          f"vllm.entrypoints.openai.api_server --model DIR --host 0.0.0.0 --port PORT) and give "
+                          f"reward.judge.url=http://HOST:PORT/v1 instead of reward.judge.checkpoint")
 
 
 def build_judge(section, backend=None, log_dir: str | None = None) -> Judge:
     """The judge ``reward.judge`` describes; with ``checkpoint``, rank 0 starts its server first
     and every rank gets the URL (judge_server.py)."""
     from polyfsdp.backends.distributed import broadcast_object, current_rank, current_world_size
+    from polyfsdp.backends.topology import node_count
 
     settings = JudgeSettings.from_section(section)
     if settings.url is not None:
@@ -285,6 +335,7 @@ def build_judge(section, backend=None, log_dir: str | None = None) -> Judge:
     from ..rank_errors import on_every_rank
 
     check_checkpoint(settings.checkpoint)
+    refuse_several_nodes(node_count())
     server = JudgeServer(settings.checkpoint, backend, settings.gpu_memory_utilization, settings.start_timeout_s,
                          log_dir) if current_rank() == 0 else None
     # A server that fails to start stops every rank with its line (none waits for a URL forever).

@@ -12,6 +12,7 @@ import signal
 import threading
 
 from ..errors import Preempted
+from ..network_waits import unwatch_stop, watch_stop
 
 
 # The keys a continuation sets itself; the rest of the user's overrides are repeated as given.
@@ -47,7 +48,10 @@ class StopRequest:
     ``interrupted``. CPython drops an exception raised while a finalizer or a weakref callback runs
     (it prints "Exception ignored in ..." and carries on), so a Ctrl-C landing there used to be
     lost and the run went on; the job checks the flag at every step boundary and cancellation
-    point (:meth:`raise_if_interrupted`) and raises the interrupt there instead."""
+    point (:meth:`raise_if_interrupted`) and raises the interrupt there instead.
+
+    Inside the block, waits on a network peer read the SIGTERM flag too (trainer/network_waits.py):
+    a judge that does not answer cannot hold a stop up."""
 
     def __init__(self) -> None:
         self.requested = False
@@ -67,6 +71,7 @@ class StopRequest:
             raise KeyboardInterrupt
 
     def __enter__(self) -> "StopRequest":
+        watch_stop(self)
         if threading.current_thread() is threading.main_thread():
             self._previous = {signal.SIGTERM: signal.signal(signal.SIGTERM, self._handle)}
             # Only where Ctrl-C raises KeyboardInterrupt today: a process started with SIGINT
@@ -79,6 +84,7 @@ class StopRequest:
         for signum, previous in self._previous.items():
             signal.signal(signum, previous)
         self._previous = {}
+        unwatch_stop(self)
 
 
 class StepAbandoned(Exception):

@@ -211,3 +211,92 @@ def test_judge_settings_are_checked_when_the_config_loads(tmp_path):
         load_config([f"reward.judge={{checkpoint:'{tmp_path}'}}"])
     with pytest.raises(ConfigError, match="reward.judge.data_sources: expected null"):
         load_config(["reward.judge={url:u,data_sources:[]}"])
+
+
+@pytest.mark.parametrize("mode", ["flood", "flood-length"])
+def test_an_answer_larger_than_max_tokens_can_take_is_refused_in_one_line_without_reading_it(mode):
+    """A judge answering 50 MB (streamed, or announced by its Content-Length): the judge reads at
+    most its cap (64 KiB + 256 bytes a token) and closes; the server could send little of the 50 MB."""
+    from tests.helpers.misbehaving_http import MODEL, MisbehavingJudge
+
+    from polyfsdp.trainer.rewards.judge import answer_cap
+
+    server = MisbehavingJudge(mode, flood_bytes=50 << 20)
+    try:
+        judge = _judge(server.url, model=MODEL, max_tokens=16)
+        with pytest.raises(RewardError) as info:
+            judge.score_all(EXAMPLES[:1], ["4"], [[]])
+        judge.close()
+    finally:
+        server.close()
+    assert answer_cap(16) == 65536 + 256 * 16
+    assert str(info.value) == (
+        f"reward.judge ({server.url}) POST /chat/completions: the answer is over 69632 bytes, the most read for "
+        f"reward.judge.max_tokens=16 (65536 + 256 a token); is reward.judge.url an OpenAI-compatible server? (raise "
+        f"reward.judge.max_tokens for longer verdicts) (record r0)")
+    # What the sockets' buffers held once the judge stopped reading (a few MB on loopback), not the 50 MB.
+    assert server.sent < 20 << 20, server.sent
+
+
+@pytest.mark.parametrize("mode", ["drip-headers", "drip-body"])
+def test_a_judge_dripping_its_answer_is_stopped_at_timeout_s_overall(mode):
+    """One byte every 0.5 s, 60 bytes: each read is quick, so only an overall deadline stops the
+    request at timeout_s=2 (without one, the drip ends after 30 s and the answer is not JSON)."""
+    from tests.helpers.misbehaving_http import MODEL, MisbehavingJudge
+
+    server = MisbehavingJudge(mode, interval_s=0.5, count=60)
+    try:
+        judge = _judge(server.url, model=MODEL, timeout_s=2)
+        with pytest.raises(RewardError) as info:
+            judge.score_all(EXAMPLES[:1], ["4"], [[]])
+        judge.close()
+    finally:
+        server.close()
+    assert str(info.value) == (f"reward.judge ({server.url}) POST /chat/completions: no answer within "
+                               f"reward.judge.timeout_s=2 s (record r0)")
+
+
+def test_a_judge_checkpoint_on_several_nodes_is_refused_in_one_line_pointing_to_url(tmp_path, monkeypatch):
+    """Its server listens on 127.0.0.1 of rank 0's node: a run over 2 nodes (torchrun's
+    WORLD_SIZE=4, LOCAL_WORLD_SIZE=2) is told at start, before any server starts; one node is not."""
+    from polyfsdp.backends.topology import node_count
+    from polyfsdp.trainer.rewards import judge_server
+    from polyfsdp.trainer.rewards.judge import build_judge
+
+    (tmp_path / "config.json").write_text("{}")
+    (tmp_path / "tokenizer.json").write_text("{}")
+    started = []
+
+    class NoServer:  # what build_judge starts on rank 0 (vLLM is not needed to decide)
+        def __init__(self, *args):
+            started.append(args)
+
+        def start(self):
+            return "http://127.0.0.1:1/v1"
+
+        def stop(self):
+            pass
+
+    monkeypatch.setattr(judge_server, "JudgeServer", NoServer)
+    for world, per_node, nodes in ((4, 2, 2), (4, 4, 1), (4, None, 1), (1, None, 1), (6, 2, 3)):
+        monkeypatch.setenv("WORLD_SIZE", str(world))
+        if per_node is None:
+            monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+        else:
+            monkeypatch.setenv("LOCAL_WORLD_SIZE", str(per_node))
+        assert node_count() == nodes, (world, per_node)
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    with pytest.raises(ConfigError) as info:
+        build_judge({"checkpoint": str(tmp_path)})
+    assert str(info.value) == (
+        "reward.judge.checkpoint: the judge's vLLM server runs on rank 0's node only (on 127.0.0.1), which the ranks "
+        "of the other 1 of this run's 2 nodes cannot reach; serve the judge where every node reaches it (python -m "
+        "vllm.entrypoints.openai.api_server --model DIR --host 0.0.0.0 --port PORT) and give "
+        "reward.judge.url=http://HOST:PORT/v1 instead of reward.judge.checkpoint")
+    assert started == []
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    monkeypatch.setenv("WORLD_SIZE", "1")  # one process here (no process group): rank 0 of one node
+    judge = build_judge({"checkpoint": str(tmp_path)})
+    assert judge.url == "http://127.0.0.1:1/v1" and len(started) == 1
+    judge.close()
