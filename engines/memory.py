@@ -159,6 +159,16 @@ def kv_cache_bytes(hf_config, rows: int, positions: int, compute_bytes: int) -> 
     return 2 * hf_config.get_text_config().num_hidden_layers * rows * positions * kv_dim * compute_bytes
 
 
+def saved_activation_bytes(hf_config, tokens: int, compute_bytes: int, checkpointing: bool) -> int:
+    """What autograd keeps for the backward of a training micro-batch of ``tokens`` tokens, without
+    adapters or the head (a floor: :meth:`ModelMemory.activation_rows` adds them): every layer's
+    saved activations, or with activation checkpointing each layer's input and one layer recomputed."""
+    saved, layers = saved_per_token(hf_config), hf_config.get_text_config().num_hidden_layers
+    around = saved["embedding"] + saved["final_norm"]
+    per_token = layers * saved["layer_input"] + saved["layer"] if checkpointing else layers * saved["layer"]
+    return compute_bytes * tokens * (per_token + around)
+
+
 class ModelMemory:
     """Per-rank memory figures of one engine's model under ``engine_config`` on ``world_size``
     ranks: exact state bytes from the meta-device model (``value_head``: a critic, its LM head
