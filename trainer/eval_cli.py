@@ -221,6 +221,7 @@ def evaluate_model(model_dir: Path, overrides: list[str], json_path: str | None,
     from polyfsdp.backends.distributed import current_rank
     from polyfsdp.backends.topology import launch_env
 
+    from .config.machine_fit import check_eval_fits
     from .evaluation.held_out import GENERATION_COLUMNS, EvalSettings, evaluate
     from .run.job import Job
     from .run.resume import load_resume_checkpoint
@@ -241,6 +242,7 @@ def evaluate_model(model_dir: Path, overrides: list[str], json_path: str | None,
     if json_path is None and model.run_dir is not None:
         check_run_json_target(target)
     check_json_target(target, model)  # before the model is built: a refusal costs nothing
+    check_eval_fits(cfg, launch.world_size)  # as polyfsdp-train's check_fits: what this machine cannot hold
     job = Job(cfg)  # the trainer's tokenizer, data, reward and checks; nothing is written
     engine = job._engine(model.phase, cfg.model.path, label=model.label(rl_run=cfg.algo.rl))
     if model.checkpoint is not None:

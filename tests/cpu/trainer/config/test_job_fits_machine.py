@@ -66,3 +66,52 @@ def test_the_command_line_refuses_an_sft_batch_too_large_in_one_line_before_any_
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert proc.stderr.strip().splitlines()[-1].startswith("polyfsdp-train: error: trainer.sft_batch_size=1048576: ")
     assert not out.exists()  # nothing was written
+
+
+# ----------------------------------------------------------------------------- polyfsdp-eval
+
+
+def _model_dir(path, damaged: bool = False):
+    """A tiny checkpoint with the character tokenizer; ``damaged``: its weights file cut short,
+    so loading it fails (a check that comes first never gets there)."""
+    from polyfsdp.trainer.data.tokenizers import CharTokenizer
+    from tests.helpers.vllm_cases import write_checkpoint
+
+    write_checkpoint(path, "qwen2-tiny", CharTokenizer())
+    CharTokenizer().save_pretrained(str(path))
+    if damaged:
+        weights = path / "model.safetensors"
+        weights.write_bytes(weights.read_bytes()[:64])
+    return path
+
+
+def test_the_evaluation_checks_the_threads_and_its_own_kv_cache_not_trainings():
+    from polyfsdp.trainer.config.machine_fit import check_eval_fits
+
+    with pytest.raises(ConfigError, match=rf"^trainer.cpu_threads: expected at most {_cpus()} \(the CPUs"):
+        check_eval_fits(load_config([f"trainer.cpu_threads={_cpus() + 1}"]), world_size=1)
+    # One prompt's 256 samples of up to 2^20 tokens: ~64 GiB of cache for the default model (2 layers,
+    # 16-wide keys and values in float32); qwen2-small's 4 layers and 64-wide ones make it ~512 GiB.
+    with pytest.raises(ConfigError, match=r"^eval.n_samples=256: a rank's 256 completions of up to 1048576 tokens "
+                                          r"need at least .* GiB of KV cache, more than the .* GiB this machine has "
+                                          r"per process; lower it or algo.actor.max_new_tokens$"):
+        check_eval_fits(load_config([SMALL, "eval.n_samples=256", "eval.temperature=1",
+                                     "algo.actor.max_new_tokens=1048576"]), world_size=1)
+    check_eval_fits(load_config([]), world_size=1)
+    # What training alone needs is not evaluation's concern.
+    check_eval_fits(load_config([SMALL, "trainer.sft_batch_size=1048576", "trainer.prompts_per_step=1000000"]), 1)
+
+
+def test_polyfsdp_eval_says_it_in_one_line_before_loading_the_model(tmp_path):
+    model = _model_dir(tmp_path / "model", damaged=True)
+    command = [sys.executable, "-m", "polyfsdp.trainer.eval_cli", str(model), "--json", str(tmp_path / "r.json")]
+    proc = subprocess.run([*command, f"trainer.cpu_threads={_cpus() + 1}"], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert proc.stderr.strip().splitlines()[-1] == \
+        f"polyfsdp-eval: error: trainer.cpu_threads: expected at most {_cpus()} (the CPUs this process may run on), " \
+        f"got {_cpus() + 1}", proc.stderr[-2000:]
+    # Control: with the threads it has, the damaged weights are what it reports (the load came next).
+    proc = subprocess.run([*command, f"trainer.cpu_threads={_cpus()}"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "model.safetensors" in proc.stderr.strip().splitlines()[-1], proc.stderr[-2000:]
+    assert not (tmp_path / "r.json").exists()
