@@ -56,6 +56,9 @@ def test_ppo_written_again_in_a_file_equals_the_builtin_exactly(overrides):
     loss_b, metrics_b = user(b)
     loss_a.backward()
     loss_b.backward()
+    # Bit for bit, not to float32 rounding: PPOAgain runs the built-in's torch ops in the same order
+    # on tensors of the same shapes (elementwise ops, then the same reductions), so every CPU kernel
+    # set (AVX-512, AVX2, no SIMD) rounds both alike; a rewrite that reorders them would not be exact.
     assert torch.equal(loss_a, loss_b) and torch.equal(a.log_probs.grad, b.log_probs.grad)
     assert metrics_a.keys() == metrics_b.keys() and all(torch.equal(metrics_a[k], metrics_b[k]) for k in metrics_a)
     if "algo.actor.epochs=2" in overrides:  # not vacuous: off policy, the clip bites
@@ -132,9 +135,12 @@ def test_a_users_policy_loss_trains_through_polyfsdp_train(tmp_path):
 
 def test_ppo_written_again_trains_like_the_builtin(tmp_path):
     """Through the engine (the fused head takes both: both declare token_separable): the same records to
-    float32 rounding. Two formulations of one loss round differently, and which way depends on the CPU's
-    kernels (on AVX-512 the second RL update's loss differs in its last float32 bits), so the records are
-    compared with the suite's formulation tolerance (tests/helpers/exactness.py), counts exactly."""
+    float32 rounding. The loss is op for op the built-in's (the test above), but the engine runs the LM
+    head on the response rows alone only for a loss whose own class declares masked_positions_only
+    (PPOLoss does; the user's PPOAgain and its wrapper do not), so the user's run computes its log-probs
+    through the whole head: other GEMM shapes, other rounding (on AVX-512 the second RL update's loss
+    differs in its last float32 bits). Two formulations: the records are compared with the suite's
+    formulation tolerance (tests/helpers/exactness.py), counts exactly."""
     from polyfsdp.trainer.tracking.metrics import read_metrics
     from tests.helpers.exactness import assert_formulations_agree
     from polyfsdp.trainer.train import main
