@@ -1,7 +1,8 @@
 """An OpenAI-compatible judge that misbehaves on POST, on 127.0.0.1, bounded in what it sends.
 
-``GET .../models`` answers a one-model listing at once; a POST, after its body is read, is
-answered one of these ways (``mode``):
+``GET .../models`` answers a one-model listing at once (unless ``on_get``: a GET misbehaves as a
+POST does, e.g. a rollout server's ``/health``); a POST, after its body is read, is answered one of
+these ways (``mode``):
 
 - ``drip-headers``: the status line and headers one byte every ``interval_s`` (``count`` bytes at most);
 - ``drip-body``: status and headers at once (no Content-Length), then the body one byte every
@@ -10,8 +11,9 @@ answered one of these ways (``mode``):
   body as fast as the client reads it;
 - ``flood-length``: the same with a Content-Length of ``flood_bytes``.
 
-``sent`` counts the POST answers' bytes the server managed to send (a client that stops reading
-and closes makes the next send fail); ``post_seen`` is set when a POST's body has been read.
+``sent`` counts the misbehaving answers' bytes the server managed to send (a client that stops
+reading and closes makes the next send fail); ``post_seen`` is set when a request it misbehaves on
+has been read.
 Every connection's thread is a daemon and ends when its bytes are out or the client has gone.
 """
 from __future__ import annotations
@@ -27,9 +29,11 @@ _FLOOD_CHUNK = 64 << 10
 
 
 class MisbehavingJudge:
-    def __init__(self, mode: str, interval_s: float = 0.5, count: int = 100, flood_bytes: int = 50 << 20) -> None:
+    def __init__(self, mode: str, interval_s: float = 0.5, count: int = 100, flood_bytes: int = 50 << 20,
+                 on_get: bool = False) -> None:
         assert mode in MODES, mode
         self.mode, self.interval_s, self.count, self.flood_bytes = mode, interval_s, count, flood_bytes
+        self.on_get = on_get
         self.sent = 0
         self.post_seen = threading.Event()
         self._lock = threading.Lock()
@@ -47,7 +51,7 @@ class MisbehavingJudge:
                     headers[name.strip().lower()] = value.strip()
                 body = self.rfile.read(int(headers.get("content-length", "0") or 0))
                 try:
-                    if request and request[0] == "GET":
+                    if request and request[0] == "GET" and not judge.on_get:
                         listing = json.dumps({"data": [{"id": MODEL}]}).encode()
                         self.wfile.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nConnection: close\r\n"
                                          b"Content-Length: %d\r\n\r\n" % len(listing) + listing)

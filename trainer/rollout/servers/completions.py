@@ -7,19 +7,43 @@ trainer's saw).
 One request per row, each with the row's seed, so what a row draws depends on its prompt, its
 seed and the weights only, not on which server answers or what else it batches (as far as
 vLLM's batch invariance goes). Rows spread over the servers round-robin and run concurrently
-(each server batches what is in flight); results come back in row order.
+(each server batches what is in flight) on the engine's daemon pool, the main thread's wait
+reading the job's stop flag (trainer/network_waits.py); results come back in row order.
+
+Each answer is read up to :func:`completion_cap` bytes (http.py says why there is a cap): what a
+completion of its prompt and ``max_tokens`` can take, with log-probs.
 """
 from __future__ import annotations
 
 import base64
 import io
-from concurrent.futures import ThreadPoolExecutor
 
+from ...network_waits import wait_or_stop
 from ..engines import ABORT_REDRAWS, ABORTED, aborted_message
-from .http import ServerError, ServerHttp
+from .http import AnswerCap, ServerError, ServerHttp, servers_named
 from .vision_serving import collapse_image_runs, expansion_mismatch
 
 GENERATE_ROUTE = "/inference/v1/generate"
+
+# What one completion's answer may take (completion_cap), per token of its prompt (echoed:
+# ``prompt_token_ids``; check_sync's ``prompt_logprobs``) and of its max_tokens. A sampled token
+# with log-probs (logprobs=0, tokens named by id) takes ~150 bytes: its id in ``token_ids``, in
+# ``tokens`` and as ``top_logprobs``' key ("token_id:151643"), its log-prob twice, its text offset,
+# and on the token-in route its bytes as a list of numbers; a server with a tokenizer adds the
+# token's text, a few characters (about 4 on average, tens for the longest vocabulary entries), each
+# up to 6 bytes once JSON escapes it. A prompt token takes ~8 bytes, ~100 with its log-prob.
+# 1 KiB a token is several times the most any of them averages; the envelope (id, model, usage,
+# finish_reason, ...) is under 1 KiB on vLLM, and 64 KiB leaves room for servers that add more.
+ANSWER_BYTES_PER_TOKEN = 1 << 10
+ANSWER_ENVELOPE_BYTES = 64 << 10
+
+
+def completion_cap(prompt_tokens: int, max_tokens: int) -> AnswerCap:
+    """The most bytes read of the answer to one completion request (one row: n=1) of a prompt of
+    ``prompt_tokens`` tokens (as the server sees it: image placeholders expanded) and ``max_tokens``."""
+    return AnswerCap(ANSWER_ENVELOPE_BYTES + ANSWER_BYTES_PER_TOKEN * (prompt_tokens + max_tokens),
+                     f"a {prompt_tokens}-token prompt and max_tokens={max_tokens} ({ANSWER_ENVELOPE_BYTES} + "
+                     f"{ANSWER_BYTES_PER_TOKEN} a token)")
 
 
 def _sampling(params, seed: int, logit_bias: dict[int, float] | None) -> dict:
@@ -113,14 +137,15 @@ def prompt_log_probs(http: ServerHttp, model: str, ids: list[int], picture=None,
     """``log p(ids[t] | ids[:t])`` for t >= 1 at temperature 1, from the server's prompt log-probs;
     ``picture``: the one image ``ids`` holds (its placeholders ``image_token_id``)."""
     sampling = {"max_tokens": 1, "temperature": 1.0, "seed": 0, "prompt_logprobs": 0}
+    cap = completion_cap(len(ids), 1)
     if picture is None:
         answer = http.request("/v1/completions", {"model": model, "prompt": list(ids), "return_token_ids": True,
-                                                  **sampling})
+                                                  **sampling}, cap=cap)
     else:
         answer = http.request(GENERATE_ROUTE, {"model": model, "token_ids": collapse_image_runs(ids, image_token_id),
                                                "content_parts": [{"type": "image_url", "url": png_data_url(picture)}],
                                                "sampling_params": {**sampling, "detokenize": False},
-                                               "return_token_ids": True})
+                                               "return_token_ids": True}, cap=cap)
         parse_image_answer(answer, ids, image_token_id, False, f"{http.name} ({http.url})")
     try:
         steps = (answer["choices"][0] if picture is None else answer)["prompt_logprobs"][1:]
@@ -131,9 +156,10 @@ def prompt_log_probs(http: ServerHttp, model: str, ids: list[int], picture=None,
 
 
 def sample_rows(servers: list[ServerHttp], model: str, prompts: list[list[int]], params, seeds: list[int],
-                pool: ThreadPoolExecutor, first_server: int = 0, pictures: list | None = None, vision=None):
+                pool, first_server: int = 0, pictures: list | None = None, vision=None):
     """Completions (and log-probs when ``params.return_log_probs``) of every prompt, row ``i``
-    on server ``(first_server + i) % len(servers)``; ``pictures``: per prompt its images or None
+    on server ``(first_server + i) % len(servers)``, its request run on ``pool`` (anything with
+    ``submit``: the engine's DaemonPool); ``pictures``: per prompt its images or None
     (servers/vision_serving.py: prompt_pictures); ``vision``: a vision-language policy's VisionServing."""
     bias = None if vision is None else vision.logit_bias
     # A group's rows share their Example's images: each is encoded once (``pictures`` keeps them alive,
@@ -154,9 +180,10 @@ def sample_rows(servers: list[ServerHttp], model: str, prompts: list[list[int]],
                                                         vision.image_token_id, bias, data_url)
         else:
             route, body = "/v1/completions", completion_request(model, prompts[i], params, seeds[i], bias)
+        cap = completion_cap(len(prompts[i]), params.max_new_tokens)  # the trainer's prompt: images expanded
         # An aborted request is no sample: asked again (its seed: the sample it would have been).
         for _ in range(ABORT_REDRAWS + 1):
-            answer = http.request(route, body)
+            answer = http.request(route, body, cap=cap)
             if finish_reason(answer) != ABORTED:
                 break
         else:
@@ -165,6 +192,11 @@ def sample_rows(servers: list[ServerHttp], model: str, prompts: list[list[int]],
             return parse_image_answer(answer, prompts[i], vision.image_token_id, params.return_log_probs, where)
         return parse_completion(answer, params.return_log_probs, where)
 
-    results = list(pool.map(one, range(len(prompts))))
+    rows = [pool.submit(one, i) for i in range(len(prompts))]
+    try:
+        results = wait_or_stop(rows, servers_named(servers))
+    finally:
+        for row in rows:  # after a failure or a stop: the rows not sent yet are not sent
+            row.cancel()
     tokens = [r[0] for r in results]
     return tokens, ([r[1] for r in results] if params.return_log_probs else None)

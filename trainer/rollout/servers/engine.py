@@ -14,6 +14,10 @@ protocol after every optimizer step.
   stops the run) and ``rollout.check_sync`` compares server 0's log-probs of a probe sequence with
   the policy's, as for the colocated engine.
 - Sampling (:meth:`generate`): one request per row with the row's seed (completions.py).
+- Every request has one overall deadline, ``rollout.server.request_timeout_s``, and a cap on its
+  answer's size (http.py); requests run on daemon threads, and a SIGTERM or Ctrl-C reaches the
+  main thread while it waits for them (trainer/network_waits.py), so a server that drips its
+  answer holds neither a failure nor a stop up.
 - A vision-language policy (Qwen2-VL, Qwen2.5-VL): the run's processor is written beside the
   weights and the servers load it (vision_serving.py); a prompt's images travel with its tokens
   (completions.py), and ``check_sync`` adds the image probe, as for the colocated engine. Each
@@ -31,13 +35,14 @@ import shutil
 import tempfile
 import time
 import weakref
-from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from polyfsdp.backends.distributed import broadcast_object, current_rank
+from polyfsdp.backends.distributed import broadcast_object, current_rank, current_world_size
+from polyfsdp.engines.cancellation import cancellation_point
 from polyfsdp.engines.model.weight_stream import full_weights, weight_buckets
 
+from ...network_waits import DaemonPool, StoppedWhileWaiting
 from ...rank_errors import on_every_rank
 from ..engines import Completions, RolloutEngine, SamplingParams
 from ..controls.stop_strings import cut_completions
@@ -79,7 +84,7 @@ class ServerRolloutEngine(RolloutEngine):
         self.last_sync_error: float | None = None
         self.last_sync_bytes = 0
         self._policy, self._policy_version = None, None
-        self._pool: ThreadPoolExecutor | None = None
+        self._pool: DaemonPool | None = None
         self._next_server = 0
         # What the weight stream yields (a seam for tests that drop a bucket on purpose).
         self.buckets = weight_buckets
@@ -183,8 +188,9 @@ class ServerRolloutEngine(RolloutEngine):
         explain = [self._explainer(i, log_path) for i, (_, log_path) in enumerate(servers)]
         self.servers = [ServerHttp(url, f"rollout server {i}", self.settings.request_timeout_s, how)
                         for i, ((url, _), how) in enumerate(zip(servers, explain))]
-        self._pool = ThreadPoolExecutor(max_workers=self.settings.max_concurrent_requests,
-                                        thread_name_prefix="rollout-request")
+        # Daemon threads: a request blocked on a server that does not answer never holds the exit,
+        # and sample_rows' wait on the main thread reads the job's stop flag (trainer/network_waits.py).
+        self._pool = DaemonPool(self.settings.max_concurrent_requests, "rollout-request")
         return explain
 
     def _explainer(self, index: int, log_path: str | None) -> Explain | None:
@@ -289,9 +295,18 @@ class ServerRolloutEngine(RolloutEngine):
         # Spread this rank's rows from a different server than its peers start from.
         first = (self._next_server + current_rank()) % len(self.servers)
         # A server failing on one rank must stop every rank (what follows a rollout is collective).
-        tokens, log_probs = on_every_rank(lambda: sample_rows(
-            self.servers, self.model, prompts, params, seeds, self._pool, first,
-            prompt_pictures(images, self.vision, "rollout.engine=vllm_server"), self.vision))
+        try:
+            tokens, log_probs = on_every_rank(lambda: sample_rows(
+                self.servers, self.model, prompts, params, seeds, self._pool, first,
+                prompt_pictures(images, self.vision, "rollout.engine=vllm_server"), self.vision))
+        except StoppedWhileWaiting:
+            # A SIGTERM while the rows were out. On one rank, a step that has not updated the weights
+            # yet is abandoned here as at its other cancellation points: the boundary's checkpoint is
+            # saved (trainer/run/stop.py). Several ranks cannot agree from here (a peer may already be
+            # in the next collective): the run stops now, from its last checkpoint.
+            if current_world_size() == 1:
+                cancellation_point()
+            raise
         self._next_server += len(prompts)
         return Completions(*cut_completions(tokens, log_probs, params))
 
@@ -306,7 +321,7 @@ class ServerRolloutEngine(RolloutEngine):
             process.stop()
         self.processes, self.servers = [], []
         if self._pool is not None:
-            self._pool.shutdown(wait=False, cancel_futures=True)
+            self._pool.close()  # never waits: a request still running ends at its deadline
             self._pool = None
         if self.model_dir is not None:
             shutil.rmtree(self.model_dir, ignore_errors=True)

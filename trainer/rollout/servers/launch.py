@@ -20,6 +20,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 
+from ...network_waits import StoppedWhileWaiting, stop_requested
 from . import gloo_wire
 from .http import ServerError, ServerHttp
 from .server_log import failure_line
@@ -150,13 +151,17 @@ class ServerProcess:
                                          stdin=subprocess.DEVNULL, env={**os.environ, **self.env})
 
     def wait_ready(self, deadline: float) -> None:
-        """Return once ``/health`` answers; ServerError when the server exits or ``deadline`` passes."""
+        """Return once ``/health`` answers; ServerError when the server exits or ``deadline`` passes;
+        StoppedWhileWaiting when the job gets a SIGTERM meanwhile (trainer/network_waits.py: a start
+        may take ``start_timeout_s``, 900 s by default, and each probe ``HEALTH_TIMEOUT_S``)."""
         while True:
             code = self.proc.poll() if self.proc is not None else None
             if code is not None:
                 raise ServerError(failure_line(f"{self.name} ({self.url}) did not start", self.log_path, code))
             if self.http.healthy():
                 return
+            if stop_requested():
+                raise StoppedWhileWaiting(f"{self.name} ({self.url}) to start")
             if time.monotonic() > deadline:
                 raise ServerError(self.explain_failure(f"{self.name} ({self.url}) did not answer /health within "
                                                        f"{self.start_timeout_key}"))

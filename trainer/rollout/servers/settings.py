@@ -53,7 +53,8 @@ class ServerSettings:
     transfer_address: str | None = setting(None, doc="how servers reach trainer rank 0 for weights; null: host, "
                                                      "or this node's name")
     start_timeout_s: float = setting(900.0, doc="a started server must answer /health within this")
-    request_timeout_s: float = setting(600.0, doc="one HTTP request (a completion, one weight bucket)")
+    request_timeout_s: float = setting(600.0, doc="one HTTP request's overall deadline (a completion, one weight "
+                                                  "bucket)")
     max_concurrent_requests: int = setting(64, doc="completions in flight per trainer rank, over all servers")
 
     def __post_init__(self) -> None:

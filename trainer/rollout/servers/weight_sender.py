@@ -107,7 +107,8 @@ class ServerWeightSender:
         joined = _in_background(transport.connect)
         try:
             wait_all(http.submit("/init_weight_transfer_engine",
-                                 each=[{"init_info": transport.worker_init_info(o)} for o in self.rank_offsets]))
+                                 each=[{"init_info": transport.worker_init_info(o)} for o in self.rank_offsets]),
+                     http.what)
             try:
                 joined.result(timeout=self.timeout_s)
             except TimeoutError:

@@ -81,7 +81,7 @@ class FakeServer:
     def __init__(self, aborts):
         self.aborts, self.seeds = dict(aborts), []
 
-    def request(self, route, body):
+    def request(self, route, body, cap=None):
         seed = body["seed"]
         self.seeds.append(seed)
         if self.aborts.get(seed, 0) > 0:
