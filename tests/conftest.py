@@ -36,6 +36,7 @@ MARKS: dict[str, tuple[str, ...]] = {
         "tests/cpu/trainer/rewards/test_reward_judge_stops.py",
         "tests/cpu/trainer/rollout/test_vllm_job.py",
         "tests/cpu/trainer/rollout/servers/test_server_async.py",
+        "tests/cpu/trainer/rollout/servers/test_server_deadlines.py::test_a_stop_ends_a_run_whose_rollout_server_drips",
         "tests/cpu/trainer/rollout/servers/test_server_job.py",
         "tests/cpu/trainer/run/test_async_resume.py",
         "tests/cpu/trainer/run/test_job_memory_estimate.py::test_job_peak_is_within_30_percent_of_the_measured_rss_rise",
