@@ -75,6 +75,8 @@ def test_patched_generate_with_left_padding_and_cache_matches_unpatched(recorded
     before = model.generate(**kwargs)
     report = apply_patches(model, backend)
     assert len(report.applied) == 4
+    # Token ids, exact: the patched ops' logits agree to float32 rounding, and greedy picks the same
+    # tokens unless two logits tie to that rounding (none does on this model and these prompts).
     assert torch.equal(model.generate(**kwargs), before)
 
 
