@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import time
+import uuid
 
 from polyfsdp.trainer.tracking.metrics import TIMING_KEYS, read_metrics
 from tests.helpers.kill_at_checkpoint import kill_after_checkpoint
@@ -18,20 +19,31 @@ SERVER = ["rollout.engine=vllm_server", "rollout.vllm.kv_cache_mb=64", "trainer.
           "trainer.checkpoint_interval=2", "trainer.export=false", "trainer.progress=lines"]
 
 
+# Set in this test's environment, which the trainer, its keepers and their vLLM servers inherit:
+# the processes it looks for are this test's own, whatever else runs on the machine (CI runs the
+# vLLM stage beside the main suite, whose keeper tests start keepers of their own).
+RUN_MARK = "POLYFSDP_TEST_SERVER_JOB_RUN"
+
+
 def _processes() -> list[tuple[int, int, list[str]]]:
-    """``(pid, process group, argv)`` of every process now, read from /proc: ``ps`` cuts its
-    ``args`` column at ``$COLUMNS`` (CI sets it), which hid a long interpreter path's ``-m``."""
+    """``(pid, process group, argv)`` of every process of this test's runs now (``RUN_MARK`` in
+    its environment), read from /proc: ``ps`` cuts its ``args`` column at ``$COLUMNS`` (CI sets
+    it), which hid a long interpreter path's ``-m``."""
+    mark = f"{RUN_MARK}={os.environ.get(RUN_MARK, '')}".encode()
     rows = []
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
             continue
         try:
+            with open(f"/proc/{entry}/environ", "rb") as f:
+                if mark not in f.read().split(b"\0"):
+                    continue
             with open(f"/proc/{entry}/cmdline", "rb") as f:
                 argv = [a.decode(errors="replace") for a in f.read().split(b"\0")[:-1]]
             with open(f"/proc/{entry}/stat") as f:
                 pgid = int(f.read().rsplit(")", 1)[1].split()[2])
-        except (FileNotFoundError, ProcessLookupError, IndexError, ValueError):
-            continue  # ended while we looked
+        except (FileNotFoundError, ProcessLookupError, PermissionError, IndexError, ValueError):
+            continue  # ended while we looked, or not ours to read (so not this test's)
         rows.append((int(entry), pgid, argv))
     return rows
 
@@ -62,8 +74,9 @@ def _wait_gone(pids, timeout=60.0) -> list[int]:
     return alive
 
 
-def test_kill_leaves_no_server_and_resume_continues_the_same_records(tmp_path):
+def test_kill_leaves_no_server_and_resume_continues_the_same_records(tmp_path, monkeypatch):
     require_vllm()
+    monkeypatch.setenv(RUN_MARK, uuid.uuid4().hex)
     before = set(_servers())
     full = subprocess.run([sys.executable, "-m", "polyfsdp.trainer.train", *JOB, *SERVER,
                            f"trainer.output_dir={tmp_path / 'full'}"], capture_output=True, text=True, timeout=900)
