@@ -94,8 +94,15 @@ class _Machine:
         capacity = get_backend(cfg.backend).memory_capacity_bytes()
         if capacity is None:
             return None
-        hf_config = hf_config_of(cfg.model.model_config()) if cfg.model.path else \
-            preset_config(cfg.model.preset, **dict(cfg.model.overrides))
+        if cfg.model.path:
+            try:
+                hf_config = hf_config_of(cfg.model.model_config())
+            except (OSError, ValueError):
+                # A config this check cannot read (missing, malformed, remote code) is the model
+                # load's to report, in its own one line; the check is only a floor.
+                return None
+        else:
+            hf_config = preset_config(cfg.model.preset, **dict(cfg.model.overrides))
         # A vision-language model's cache and activations are its text decoder's.
         return cls(capacity, world_size // cfg.engine.ulysses_sp_size, hf_config.get_text_config(),
                    TORCH_DTYPES[cfg.engine.param_dtype].itemsize)
