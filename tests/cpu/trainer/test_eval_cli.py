@@ -135,14 +135,25 @@ def test_a_model_directory_outside_a_run_uses_the_default_config(exported_run, t
     (["eval.n_samples=3"], "the first argument is MODEL_DIR"),
     (["{final}", "--json", "{tmp}/no/such/dir/r.json"], "cannot write it"),
 ])
-def test_mistakes_are_one_line(exported_run, tmp_path, args, expected):
+def test_mistakes_are_one_line(exported_run, tmp_path, monkeypatch, capsys, args, expected):
+    """In this process (a child interpreter per case took 15-25 s on a loaded CI machine); the
+    command itself, its exit status and its whole stderr, is the next test's."""
     out, _ = exported_run
     args = [a.format(tmp=tmp_path, final=out / "final") for a in args]
-    proc = subprocess.run([sys.executable, "-m", "polyfsdp.trainer.eval_cli", *args], capture_output=True, text=True,
-                          timeout=300, cwd=tmp_path)
+    monkeypatch.chdir(tmp_path)
+    code = eval_main(args)
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert code == 2 and len(lines) == 1, lines
+    assert lines[0].startswith("polyfsdp-eval: error: ") and expected in lines[0], lines[0]
+
+
+def test_the_command_says_a_mistake_in_one_line_and_exits_2(exported_run, tmp_path):
+    out, _ = exported_run
+    proc = subprocess.run([sys.executable, "-m", "polyfsdp.trainer.eval_cli", str(out / "final"), "eval.n_sample=3"],
+                          capture_output=True, text=True, timeout=300, cwd=tmp_path)
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
     assert proc.returncode == 2 and len(lines) == 1, proc.stderr
-    assert lines[0].startswith("polyfsdp-eval: error: ") and expected in lines[0], lines[0]
+    assert lines[0].startswith("polyfsdp-eval: error: ") and "eval.n_sample: unknown key" in lines[0], lines[0]
 
 
 def test_an_adapter_export_is_one_line_pointing_at_the_runs_checkpoint(tmp_path, capsys):
