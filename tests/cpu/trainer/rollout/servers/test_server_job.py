@@ -10,6 +10,8 @@ import sys
 import time
 import uuid
 
+import pytest
+
 from polyfsdp.trainer.tracking.metrics import TIMING_KEYS, read_metrics
 from tests.helpers.kill_at_checkpoint import kill_after_checkpoint
 from tests.cpu.trainer.rollout.test_vllm_job import JOB
@@ -54,16 +56,23 @@ def _runs_module(argv: list[str], module: str) -> bool:
     return argv[1:3] == ["-m", module]
 
 
-def _servers() -> list[int]:
+def running_server_processes(expect_up: bool = False) -> list[int]:
     """The keepers, the vLLM API servers and every process of the API servers' groups (their
-    engine cores and workers) running now."""
+    engine cores and workers) of this test's runs, running now; with ``expect_up``, a keeper and an
+    API server must be among them (a run's server is up while it trains)."""
     rows = _processes()
     groups = {pgid for _, pgid, argv in rows if _runs_module(argv, "vllm.entrypoints.openai.api_server")}
-    return [pid for pid, pgid, argv in rows
-            if pgid in groups or _runs_module(argv, "polyfsdp.trainer.rollout.servers.supervisor")]
+    found = [pid for pid, pgid, argv in rows
+             if pgid in groups or _runs_module(argv, "polyfsdp.trainer.rollout.servers.supervisor")]
+    if expect_up:
+        argv = {pid: args for pid, _, args in rows}
+        for module in ("polyfsdp.trainer.rollout.servers.supervisor", "vllm.entrypoints.openai.api_server"):
+            assert any(_runs_module(argv.get(pid, []), module) for pid in found), (module, found)
+    return found
 
 
-def _wait_gone(pids, timeout=60.0) -> list[int]:
+def wait_gone(pids, timeout=60.0) -> list[int]:
+    """Those of ``pids`` still running (zombies aside) after up to ``timeout`` seconds."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         alive = [p for p in pids if os.path.exists(f"/proc/{p}") and
@@ -74,10 +83,10 @@ def _wait_gone(pids, timeout=60.0) -> list[int]:
     return alive
 
 
+@pytest.mark.extended  # test_server_async.py's job carries the kill checks in CI (one server job, not two)
 def test_kill_leaves_no_server_and_resume_continues_the_same_records(tmp_path, monkeypatch):
     require_vllm()
     monkeypatch.setenv(RUN_MARK, uuid.uuid4().hex)
-    before = set(_servers())
     full = subprocess.run([sys.executable, "-m", "polyfsdp.trainer.train", *JOB, *SERVER,
                            f"trainer.output_dir={tmp_path / 'full'}"], capture_output=True, text=True, timeout=900)
     assert full.returncode == 0, full.stderr[-3000:]
@@ -85,21 +94,14 @@ def test_kill_leaves_no_server_and_resume_continues_the_same_records(tmp_path, m
     grpo = [r for r in reference if r["phase"] == "rl"]
     assert len(grpo) == 4 and all(r["rollout_mismatch_abs_max"] < 1e-5 for r in grpo), grpo
     assert (tmp_path / "full" / "rollout_servers" / "server_0.log").is_file()
-    assert set(_servers()) <= before  # a finished run stopped its servers
+    assert running_server_processes() == []  # a finished run stopped its servers
 
     out = tmp_path / "killed"
-    started = set()
-
-    def note_started():
-        started.update(set(_servers()) - before)
-        # The run's server is up while it trains: its keeper, its API server and that one's group.
-        argv = {pid: args for pid, _, args in _processes()}
-        for module in ("polyfsdp.trainer.rollout.servers.supervisor", "vllm.entrypoints.openai.api_server"):
-            assert any(_runs_module(argv.get(pid, []), module) for pid in started), (module, started)
-
-    proc, _ = kill_after_checkpoint([*JOB, *SERVER, f"trainer.output_dir={out}"], before_kill=note_started)
+    started = []
+    proc, _ = kill_after_checkpoint([*JOB, *SERVER, f"trainer.output_dir={out}"],
+                                    before_kill=lambda: started.extend(running_server_processes(expect_up=True)))
     assert proc.returncode == -signal.SIGKILL
-    left = _wait_gone(started)
+    left = wait_gone(started)
     assert left == [], f"a rollout server outlived its trainer: {[r for r in _processes() if r[0] in left]}"
     resumed = subprocess.run([sys.executable, "-m", "polyfsdp.trainer.train", *JOB, *SERVER,
                               f"trainer.output_dir={out}", "trainer.resume=auto"], capture_output=True, text=True,
