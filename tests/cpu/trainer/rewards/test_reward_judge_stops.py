@@ -12,6 +12,7 @@ import subprocess
 import sys
 
 import pytest
+from tests.helpers.child_exit import finish_within
 from tests.helpers.ctrl_c import as_at_a_terminal
 from tests.helpers.misbehaving_http import MODEL, MisbehavingJudge
 
@@ -35,18 +36,8 @@ def _start(drip, tmp_path, timeout_s: float, **kwargs) -> subprocess.Popen:
                             stderr=subprocess.PIPE, text=True, env={**os.environ, "POLYFSDP_BACKEND": "cpu"}, **kwargs)
 
 
-def _finish(proc: subprocess.Popen) -> tuple[int, list[str]]:
-    try:
-        _, err = proc.communicate(timeout=CHILD_TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        _, err = proc.communicate()
-        pytest.fail(f"still running {CHILD_TIMEOUT_S} s later; stderr: {err[-2000:]}")
-    return proc.returncode, [line for line in err.splitlines() if line.strip()]
-
-
 def test_a_dripping_judge_fails_the_run_in_one_line_at_timeout_s(drip, tmp_path):
-    code, lines = _finish(_start(drip, tmp_path, timeout_s=2))
+    code, lines = finish_within(_start(drip, tmp_path, timeout_s=2), CHILD_TIMEOUT_S)
     assert code == 2 and len(lines) == 1, lines
     assert re.fullmatch(rf"polyfsdp-train: error: reward\.judge \({re.escape(drip.url)}\) POST /chat/completions: no "
                         rf"answer within reward\.judge\.timeout_s=2 s \(record .+\)", lines[0]), lines
@@ -62,7 +53,7 @@ def test_a_stop_ends_a_run_whose_judge_is_dripping(drip, tmp_path, signum, code,
     finally:
         if proc.poll() is None:
             proc.send_signal(signum)
-    status, lines = _finish(proc)
+    status, lines = finish_within(proc, CHILD_TIMEOUT_S)
     assert status == code and len(lines) == 1, (status, lines)
     assert lines[0].startswith(f"polyfsdp-train: {how.format(url=drip.url)} before the first step; no checkpoint "
                                f"yet; continue with: polyfsdp-train "), lines

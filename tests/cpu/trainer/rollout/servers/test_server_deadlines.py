@@ -30,6 +30,7 @@ from polyfsdp.trainer.rollout.engines import SamplingParams
 from polyfsdp.trainer.rollout.servers.engine import ServerRolloutEngine
 from polyfsdp.trainer.rollout.servers.http import Fanout, ServerError, ServerHttp
 from polyfsdp.trainer.rollout.servers.launch import ServerLaunch, ServerProcess, free_ports
+from tests.helpers.child_exit import finish_within
 from tests.helpers.ctrl_c import as_at_a_terminal
 from tests.helpers.misbehaving_http import MisbehavingJudge
 
@@ -203,16 +204,10 @@ def test_a_stop_ends_a_run_whose_rollout_server_drips(tmp_path, signum, code, wh
         finally:
             if proc.poll() is None:
                 proc.send_signal(signum)
-        try:
-            _, err = proc.communicate(timeout=CHILD_TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            _, err = proc.communicate()
-            pytest.fail(f"still running {CHILD_TIMEOUT_S} s after the stop; stderr: {err[-2000:]}")
+        status, lines = finish_within(proc, CHILD_TIMEOUT_S)
     finally:
         server.close()
-    lines = [line for line in err.splitlines() if line.strip()]
-    assert proc.returncode == code and len(lines) == 1, (proc.returncode, lines)
+    assert status == code and len(lines) == 1, (status, lines)
     run = tmp_path / "run"
     if where == "step":
         # One rank, a step with no update yet: abandoned at the wait, as at its cancellation points,
